@@ -1,0 +1,241 @@
+"""The ``dtrain`` command: run training jobs and look at them afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ConfigError, DtrainError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 3
+EXIT_CODES = {"Completed": EXIT_OK, "Failed": EXIT_FAILED, "Stopped": EXIT_STOPPED}
+
+
+def _json_arg(flag: str, text: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(flag, text, f"JSON ({error.msg} at position {error.pos})") from None
+    if not isinstance(value, kind):
+        raise ConfigError(flag, value, f"a JSON {'object' if kind is dict else 'array'}")
+    return value
+
+
+def _key_value(flag: str, text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(flag, text, "KEY=VALUE")
+    return key, value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtrain",
+        description=(
+            "Run distributed PyTorch scripts as SageMaker-style training jobs on this machine."
+        ),
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a script as a training job and wait for it")
+    run.add_argument("entry_point", help="the training script (relative to --source-dir if given)")
+    run.add_argument("--instance-count", type=int, default=1, help="simulated hosts algo-1..N")
+    run.add_argument("--processes-per-host", type=int, help="default: GPUs per host, else 1")
+    run.add_argument("--instance-type", default="local", help="local, local_cpu or local_gpu")
+    run.add_argument(
+        "--distribution", help="SageMaker distribution config: JSON text or a JSON file"
+    )
+    run.add_argument("--hyperparameters", default="{}", help="JSON object, passed as --key value")
+    run.add_argument(
+        "--channel",
+        action="append",
+        default=[],
+        metavar="NAME=URI",
+        help="input channel: local path, file:// or s3:// (repeatable)",
+    )
+    run.add_argument("--source-dir", help="directory copied as the job's code (cwd of each rank)")
+    run.add_argument("--job-name", help="default: <base-job-name>-<timestamp>")
+    run.add_argument("--base-job-name", help="prefix of the generated job name")
+    run.add_argument("--max-run", type=float, default=24 * 60 * 60, help="seconds before Stopped")
+    run.add_argument(
+        "--max-retry-attempts", type=int, default=0, help="restarts after a rank is killed"
+    )
+    run.add_argument("--output-path", help="where model.tar.gz goes: path, file:// or s3://")
+    run.add_argument("--checkpoint-local-path", help="checkpoint directory shared by the hosts")
+    run.add_argument("--metric-definitions", default="[]", help='JSON [{"Name":..., "Regex":...}]')
+    run.add_argument(
+        "--environment", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
+    )
+    run.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+
+    run_spec = commands.add_parser("run-spec", help=argparse.SUPPRESS)
+    run_spec.add_argument("spec_file")
+    run_spec.add_argument("--quiet", action="store_true")
+    run_spec.add_argument("--remove", action="store_true", help="delete the spec file once read")
+
+    commands.add_parser("jobs", help="list jobs")
+
+    describe = commands.add_parser("describe", help="a job as DescribeTrainingJob JSON")
+    describe.add_argument("name")
+
+    logs = commands.add_parser("logs", help="print a job's logs")
+    logs.add_argument("name")
+    logs.add_argument("--rank", type=int, help="only this rank")
+    logs.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing until the job ends"
+    )
+
+    stop = commands.add_parser("stop", help="stop a running job")
+    stop.add_argument("name")
+
+    metrics = commands.add_parser("metrics", help="a job's metric time series")
+    metrics.add_argument("name")
+    metrics.add_argument("--plot", metavar="OUT.png", help="write a plot of every metric")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    """The ``dtrain run`` flags as a :class:`JobSpec`, every value checked for its form."""
+    from dtrain.config.distribution import load_distribution
+    from dtrain.jobs.channels import parse_channel_arg
+    from dtrain.jobs.spec import JobSpec
+    from dtrain.launch.job import default_job_name
+
+    entry = Path(args.entry_point)
+    return JobSpec(
+        entry_point=args.entry_point,
+        job_name=args.job_name or default_job_name(args.base_job_name or entry.stem),
+        instance_count=args.instance_count,
+        processes_per_host=args.processes_per_host,
+        instance_type=args.instance_type,
+        distribution=load_distribution(args.distribution) if args.distribution else None,
+        hyperparameters=_json_arg("--hyperparameters", args.hyperparameters, dict),
+        channels=tuple(parse_channel_arg(text) for text in args.channel),
+        source_dir=args.source_dir,
+        max_run=args.max_run,
+        output_path=args.output_path,
+        checkpoint_local_path=args.checkpoint_local_path,
+        metric_definitions=tuple(_json_arg("--metric-definitions", args.metric_definitions, list)),
+        environment=dict(_key_value("--environment", text) for text in args.environment),
+        max_retry_attempts=args.max_retry_attempts,
+    )
+
+
+def _run(spec: Any, quiet: bool) -> int:
+    from dtrain.launch.job import run_job
+
+    try:
+        record = run_job(spec, console=None if quiet else sys.stdout)
+    except KeyboardInterrupt:
+        return EXIT_STOPPED
+    if record.failure_reason:
+        print(f"dtrain: job {record.name} failed: {record.failure_reason}", file=sys.stderr)
+    return EXIT_CODES[record.status]
+
+
+def _jobs() -> int:
+    from dtrain.jobs.store import JobStore, spec_dict
+
+    rows = [("NAME", "STATUS", "SECONDARY", "CREATED", "SECONDS", "LAYOUT")]
+    for record in JobStore().list():
+        spec = spec_dict(record)
+        end = record.end_time
+        seconds = f"{end - record.start_time:.0f}" if end and record.start_time else "-"
+        created = datetime.datetime.fromtimestamp(record.creation_time).strftime(
+            "%Y-%m-%d %H:%M:%S"
+        )
+        layout = f"{spec['instance_count']}x{spec['processes_per_host'] or 'auto'}"
+        rows.append((record.name, record.status, record.secondary_status, created, seconds, layout))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return EXIT_OK
+
+
+def _logs(name: str, rank: int | None, follow: bool) -> int:
+    from dtrain.jobs.folder import JobFolder
+    from dtrain.jobs.logs import print_logs, rank_logs
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    record = store.get(name)
+    folder = JobFolder(Path(record.folder))
+
+    def files() -> list[tuple[str, Path]]:
+        found = rank_logs(folder.logs_dir)
+        if rank is not None:
+            return [("", path) for r, path in found if r == rank]
+        return [(f"[rank {r}]: ", path) for r, path in found]
+
+    if rank is not None and not follow and not files():
+        available = ", ".join(str(r) for r, _ in rank_logs(folder.logs_dir)) or "none yet"
+        raise ConfigError("--rank", rank, f"a rank of job {name} (logs: {available})")
+    print_logs(files, sys.stdout, follow=follow, finished=lambda: store.get(name).is_terminal)
+    return EXIT_OK
+
+
+def _metrics(name: str, plot: str | None) -> int:
+    from dtrain.jobs.metrics import plot_metrics
+    from dtrain.jobs.store import JobStore
+
+    samples = JobStore().metrics(name)
+    print(f"{'METRIC':24} {'STEP':>6} {'VALUE':>14}")
+    for sample in samples:
+        print(f"{sample.name:24} {sample.step:>6} {sample.value:>14.6g}")
+    if plot:
+        if not samples:
+            raise DtrainError(f"job {name} has no metrics to plot (see --metric-definitions)")
+        plot_metrics(samples, plot, title=name)
+        print(f"plot written to {plot}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(spec_from_args(args), args.quiet)
+        if args.command == "run-spec":
+            from dtrain.jobs.spec import JobSpec
+
+            spec_file = Path(args.spec_file)
+            spec = JobSpec.from_json(spec_file.read_text())
+            if args.remove:
+                spec_file.unlink()
+            return _run(spec, args.quiet)
+        if args.command == "jobs":
+            return _jobs()
+        if args.command == "describe":
+            from dtrain.jobs.describe import describe
+            from dtrain.jobs.store import JobStore
+
+            print(json.dumps(describe(JobStore(), args.name), indent=2))
+            return EXIT_OK
+        if args.command == "logs":
+            return _logs(args.name, args.rank, args.follow)
+        if args.command == "stop":
+            from dtrain.jobs.store import JobStore
+
+            record = JobStore().request_stop(args.name)
+            print(f"{record.name}: {record.status}")
+            return EXIT_OK
+        if args.command == "metrics":
+            return _metrics(args.name, args.plot)
+    except DtrainError as error:
+        print(f"dtrain: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""SMP v1 model-parallel parameters (``smp.init`` config): the schema as data, and its validator.
+
+The table follows the documented parameters of ``smdistributed.modelparallel`` v1. Where AWS's docs
+and the library disagree, dtrain follows the library's behaviour and says so in the ``help`` text:
+
+* ``optimize`` defaults to ``"speed"`` (the library's default; the docs say ``"memory"``).
+* ``pipeline_parallel_degree`` defaults to 1 (the library's default; the docs call it required).
+* ``memory_weight`` defaults to 0.2 when optimizing for speed and 0.8 for memory (the documented
+  rule; the library's table has a flat 0.8).
+* ``active_microbatches`` defaults to ``pipeline_parallel_degree + 2`` clamped to ``microbatches``,
+  since more microbatches than exist can never be in flight; a value given larger than
+  ``microbatches`` is an error rather than silently clamped.
+* ``fp16_params`` is the deprecated spelling of ``fp16``: when true, ``fp16`` comes back true too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.errors import ConfigError, UnknownKeyError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A default computed from other (already normalized) parameters."""
+
+    description: str
+    compute: Callable[[Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One parameter: its type, default, allowed values, and what it needs from the others.
+
+    ``requires`` pairs ``(other, value)`` must hold whenever this parameter is set away from its
+    default (e.g. ``ddp_port`` needs ``ddp`` true).
+    """
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    requires: tuple[tuple[str, Any], ...] = ()
+    nullable: bool = False
+
+
+PLACEMENT_PERMUTATIONS = ("DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
+
+PARAMETERS: tuple[ParameterSpec, ...] = (
+    ParameterSpec(
+        "pipeline_parallel_degree", int, 1, "Pipeline stages the model is split into.", minimum=1
+    ),
+    ParameterSpec("microbatches", int, 1, "Microbatches each batch is split into.", minimum=1),
+    ParameterSpec(
+        "pipeline",
+        str,
+        "interleaved",
+        "Schedule: simple runs all forwards then all backwards; interleaved favours backwards.",
+        choices=("simple", "interleaved", "_only_forward"),
+    ),
+    ParameterSpec(
+        "placement_strategy",
+        str,
+        "cluster",
+        "Rank layout; cluster = DPT, spread = TPD (right-most letter varies fastest).",
+        choices=("cluster", "spread", *PLACEMENT_PERMUTATIONS),
+    ),
+    ParameterSpec(
+        "optimize",
+        str,
+        "speed",
+        "Tensor-parallel trade-off (library default speed; AWS docs say memory).",
+        choices=("speed", "memory"),
+    ),
+    ParameterSpec("auto_partition", bool, True, "Partition the model automatically."),
+    ParameterSpec(
+        "default_partition",
+        int,
+        None,
+        "Partition for modules outside smp.partition; required when auto_partition is false.",
+        minimum=0,
+        nullable=True,
+    ),
+    ParameterSpec("contiguous", bool, True, "Partitions form connected subgraphs (TensorFlow)."),
+    ParameterSpec("horovod", bool, False, "Hybrid data parallelism via Horovod (TensorFlow)."),
+    ParameterSpec(
+        "ddp",
+        bool,
+        False,
+        "Hybrid data parallelism via torch DDP; needed for data-parallel degree > 1 and TP.",
+        requires=(("horovod", False),),
+    ),
+    ParameterSpec(
+        "ddp_port",
+        int,
+        None,
+        "Port of the DDP rendezvous.",
+        minimum=0,
+        maximum=65535,
+        requires=(("ddp", True),),
+        nullable=True,
+    ),
+    ParameterSpec(
+        "ddp_dist_backend",
+        str,
+        "auto",
+        "torch.distributed backend for DDP.",
+        choices=("auto", "nccl"),
+        requires=(("ddp", True),),
+    ),
+    ParameterSpec(
+        "memory_weight",
+        float,
+        Derived(
+            "0.2 if optimize is speed, else 0.8", lambda p: 0.2 if p["optimize"] == "speed" else 0.8
+        ),
+        "Weight of memory balance against compute balance in auto-partitioning.",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParameterSpec(
+        "active_microbatches",
+        int,
+        Derived(
+            "pipeline_parallel_degree + 2, at most microbatches",
+            lambda p: min(p["pipeline_parallel_degree"] + 2, p["microbatches"]),
+        ),
+        "Microbatches in flight at once (at most microbatches).",
+        minimum=1,
+    ),
+    ParameterSpec("deterministic_server", bool, False, "Same execution order on all DP ranks."),
+    ParameterSpec(
+        "tensor_parallel_degree",
+        int,
+        1,
+        "Tensor-parallel degree.",
+        minimum=1,
+        requires=(("ddp", True),),
+    ),
+    ParameterSpec("fp16", bool, False, "Train in float16 (FP16_Module / FP16_Optimizer)."),
+    ParameterSpec(
+        "bf16",
+        bool,
+        False,
+        "Train in bfloat16.",
+        requires=(("fp16", False), ("fp16_params", False)),
+    ),
+    ParameterSpec("fp16_params", bool, False, "Deprecated spelling of fp16."),
+    ParameterSpec(
+        "shard_optimizer_state",
+        bool,
+        False,
+        "Shard optimizer state across data-parallel ranks (formed by ddp).",
+        requires=(("ddp", True),),
+    ),
+    ParameterSpec(
+        "prescaled_batch",
+        bool,
+        False,
+        "TP ranks share a batch; shard data by rdp_rank instead of dp_rank.",
+        requires=(("optimize", "speed"),),
+    ),
+    ParameterSpec("offload_activations", bool, False, "Offload checkpointed activations to CPU."),
+    ParameterSpec(
+        "activation_loading_horizon", int, 4, "How early offloaded activations reload.", minimum=0
+    ),
+    ParameterSpec("skip_tracing", bool, False, "Skip the tracing step before partitioning."),
+    ParameterSpec(
+        "delayed_parameter_initialization", bool, False, "Create parameters only once partitioned."
+    ),
+    ParameterSpec(
+        "tensor_parallel_seed", int, 0, "Seed for tensor-parallel initialization.", minimum=0
+    ),
+    ParameterSpec(
+        "sharded_data_parallel_degree",
+        int,
+        1,
+        "Sharded data parallelism (ZeRO-style) degree.",
+        minimum=1,
+        requires=(
+            ("tensor_parallel_degree", 1),
+            ("pipeline_parallel_degree", 1),
+            ("shard_optimizer_state", False),
+        ),
+    ),
+    ParameterSpec(
+        "sdp_reduce_bucket_size", int, 500_000_000, "Gradient bucket size (elements).", minimum=1
+    ),
+    ParameterSpec(
+        "sdp_param_persistence_threshold",
+        int,
+        1_000_000,
+        "Parameters smaller than this are not sharded.",
+        minimum=0,
+    ),
+    ParameterSpec(
+        "sdp_max_live_parameters",
+        int,
+        1_000_000_000,
+        "Most parameters held recombined at once.",
+        minimum=1,
+    ),
+    ParameterSpec("sdp_hierarchical_allgather", bool, True, "AllGather within hosts, then across."),
+    ParameterSpec(
+        "sdp_gradient_clipping", float, 1.0, "L2 gradient-clipping threshold.", minimum=0.0
+    ),
+)
+
+SPECS: dict[str, ParameterSpec] = {spec.name: spec for spec in PARAMETERS}
+MP_PARAMETER_NAMES: tuple[str, ...] = tuple(SPECS)
+MP_PARAMETER_ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
+
+
+def _show(value: Any) -> str:
+    """Values as the user writes them in JSON (``true``, ``"speed"``)."""
+    return json.dumps(value)
+
+
+def _describe(spec: ParameterSpec) -> str:
+    """What ``spec`` allows, in words, for error messages and the docs table."""
+    if spec.kind is bool:
+        text = "true or false"
+    elif spec.choices is not None:
+        text = "one of " + ", ".join(_show(c) for c in spec.choices)
+    else:
+        noun = "an integer" if spec.kind is int else "a number"
+        low, high = spec.minimum, spec.maximum
+        if low is not None and high is not None:
+            text = f"{noun} from {low:g} to {high:g}"
+        elif low is not None:
+            text = f"{noun} >= {low:g}"
+        else:
+            text = noun
+    return f"{text} or null" if spec.nullable else text
+
+
+def _suggest(value: str, choices: tuple[str, ...]) -> str | None:
+    """Closest choice, ignoring case so ``dpt`` finds ``DPT``."""
+    by_lower = {c.lower(): c for c in choices}
+    match = did_you_mean(value.lower(), by_lower)
+    return by_lower[match] if match else None
+
+
+def _coerce(spec: ParameterSpec, value: Any, key: str) -> Any:
+    """``value`` checked against ``spec``; bools may arrive as "true"/"false" strings."""
+    if value is None and spec.nullable:
+        return None
+    if spec.kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, _describe(spec))
+        return value
+    if spec.kind is str:
+        if not isinstance(value, str) or value not in (spec.choices or ()):
+            hint = _suggest(value, spec.choices or ()) if isinstance(value, str) else None
+            raise ConfigError(key, value, _describe(spec), hint)
+        return value
+    # JSON writes 5e8 as a float: accept whole-number floats where an integer is expected.
+    if spec.kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    numeric = int if spec.kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise ConfigError(key, value, _describe(spec))
+    if (spec.minimum is not None and value < spec.minimum) or (
+        spec.maximum is not None and value > spec.maximum
+    ):
+        raise ConfigError(key, value, _describe(spec))
+    return spec.kind(value)
+
+
+def _given_values(params: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The user's parameters, each checked on its own, with ``partitions`` folded into its name."""
+    if not isinstance(params, Mapping):
+        raise ConfigError(where, params, "a dict of model-parallel parameters")
+    known = (*MP_PARAMETER_NAMES, *MP_PARAMETER_ALIASES)
+    for key in params:
+        if key not in known:
+            raise UnknownKeyError(where, str(key), known)
+    given = {
+        key: _coerce(SPECS[MP_PARAMETER_ALIASES.get(key, key)], value, f"{where}.{key}")
+        for key, value in params.items()
+    }
+    for alias, name in MP_PARAMETER_ALIASES.items():
+        if alias not in given:
+            continue
+        value = given.pop(alias)
+        if name in given and given[name] != value:
+            raise ConfigError(
+                f"{where}.{alias}",
+                value,
+                f"the same value as {name} ({given[name]}): {alias} is its alias, give only one",
+            )
+        given[name] = value
+    return given
+
+
+def _check_requires(values: Mapping[str, Any], where: str) -> None:
+    for spec in PARAMETERS:
+        value = values[spec.name]
+        if value == spec.default or value is None:
+            continue
+        for other, needed in spec.requires:
+            if values[other] != needed:
+                raise ConfigError(
+                    f"{where}.{spec.name}",
+                    value,
+                    f"only together with {other}={_show(needed)} "
+                    f"(here {other}={_show(values[other])})",
+                )
+
+
+def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
+    degree = values["pipeline_parallel_degree"]
+    partition = values["default_partition"]
+    in_range = f"an integer from 0 to {degree - 1} (pipeline_parallel_degree is {degree})"
+    if partition is None and not values["auto_partition"]:
+        raise ConfigError(
+            f"{where}.default_partition", None, f"{in_range}; required when auto_partition is false"
+        )
+    if partition is not None and partition >= degree:
+        raise ConfigError(f"{where}.default_partition", partition, in_range)
+    active = values["active_microbatches"]
+    if active > values["microbatches"]:
+        raise ConfigError(
+            f"{where}.active_microbatches",
+            active,
+            f"an integer from 1 to microbatches ({values['microbatches']})",
+        )
+
+
+def _check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
+    """The model's degrees must tile the processes; extra replicas need DDP (SMP v1 rule)."""
+    pp, tp = values["pipeline_parallel_degree"], values["tensor_parallel_degree"]
+    model_size = pp * tp
+    if world_size % model_size:
+        raise ConfigError(
+            f"{where}.pipeline_parallel_degree",
+            pp,
+            f"pipeline_parallel_degree x tensor_parallel_degree = {pp} x {tp} = {model_size} "
+            f"must divide the world size {world_size} (instance_count x processes_per_host)",
+        )
+    replicas = world_size // model_size
+    if replicas > 1 and not values["ddp"]:
+        raise ConfigError(
+            f"{where}.ddp",
+            False,
+            f"true when the data-parallel degree is above 1: world size {world_size} / "
+            f"(pipeline x tensor degree {model_size}) = {replicas} replicas; set ddp: true",
+        )
+    sharded = values["sharded_data_parallel_degree"]
+    if replicas % sharded:
+        raise ConfigError(
+            f"{where}.sharded_data_parallel_degree",
+            sharded,
+            f"a divisor of the data-parallel degree {replicas} "
+            f"(world size {world_size} / {model_size})",
+        )
+
+
+def validate_mp_parameters(
+    params: Mapping[str, Any], *, world_size: int | None = None, where: str = "parameters"
+) -> dict[str, Any]:
+    """Every model-parallel parameter, checked and with defaults filled, in schema order.
+
+    Errors name the dotted key under ``where``, the bad value and what is allowed. With
+    ``world_size``, also checks that the parallel degrees fit that many processes.
+    """
+    given = _given_values(params, where)
+    values: dict[str, Any] = {}
+    for spec in PARAMETERS:
+        if spec.name in given:
+            values[spec.name] = given[spec.name]
+        elif not isinstance(spec.default, Derived):
+            values[spec.name] = spec.default
+    for spec in PARAMETERS:
+        if isinstance(spec.default, Derived) and spec.name not in values:
+            values[spec.name] = spec.default.compute(values)
+    values = {name: values[name] for name in MP_PARAMETER_NAMES}
+    _check_requires(values, where)
+    _check_partitioning(values, where)
+    if world_size is not None:
+        _check_world_size(values, world_size, where)
+    if values["fp16_params"]:
+        values["fp16"] = True
+    return values
+
+
+def schema_markdown() -> str:
+    """The parameter table for the docs, generated so it cannot drift from the validator."""
+    rows = [
+        "| parameter | allowed | default | requires | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    aliases = {name: alias for alias, name in MP_PARAMETER_ALIASES.items()}
+    for spec in PARAMETERS:
+        name = f"`{spec.name}`" + (
+            f" (alias `{aliases[spec.name]}`)" if spec.name in aliases else ""
+        )
+        default = (
+            spec.default.description if isinstance(spec.default, Derived) else _show(spec.default)
+        )
+        requires = ", ".join(f"`{other}={_show(value)}`" for other, value in spec.requires)
+        rows.append(f"| {name} | {_describe(spec)} | {default} | {requires} | {spec.help} |")
+    return "\n".join(rows) + "\n"

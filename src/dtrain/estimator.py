@@ -1,0 +1,291 @@
+"""SageMaker Python SDK look-alike: ``PyTorch(...).fit(...)`` runs a dtrain job on this machine.
+
+Notebooks written for SageMaker keep working: AWS-only arguments are accepted and ignored (with one
+warning), SageMaker's argument names and defaults are kept, and ``ml.*`` instance types get an error
+that says what to use instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ConfigError, DtrainError, JobFailedError, did_you_mean
+from dtrain.jobs.folder import dtrain_home
+from dtrain.jobs.spec import ChannelSpec, JobSpec
+from dtrain.launch.job import default_job_name, prepare, validate_instance_type
+
+# Arguments of SageMaker's EstimatorBase/Framework/PyTorch that only mean something on AWS.
+AWS_ONLY_ARGUMENTS = frozenset(
+    {
+        "role", "sagemaker_session", "framework_version", "py_version", "image_uri",
+        "debugger_hook_config", "disable_profiler", "profiler_config", "rules",
+        "tensorboard_output_config", "volume_size", "volume_kms_key", "output_kms_key", "tags",
+        "subnets", "security_group_ids", "use_spot_instances", "max_wait", "checkpoint_s3_uri",
+        "code_location", "container_log_level", "dependencies", "git_config",
+        "enable_network_isolation", "encrypt_inter_container_traffic", "enable_sagemaker_metrics",
+        "keep_alive_period_in_seconds", "input_mode", "model_uri", "model_channel_name",
+        "compiler_config", "training_recipe", "recipe_overrides", "disable_output_compression",
+        "enable_remote_debug", "enable_infra_check", "container_entry_point", "container_arguments",
+        "training_repository_access_mode", "training_repository_credentials_provider_arn",
+        "enable_session_tag_chaining", "training_plan", "instance_placement_config",
+    }
+)  # fmt: skip
+
+
+class TrainingInput:
+    """A channel's data source, as SageMaker's ``sagemaker.inputs.TrainingInput``."""
+
+    def __init__(
+        self,
+        s3_data: str,
+        distribution: str | None = None,
+        compression: str | None = None,
+        content_type: str | None = None,
+        record_wrapping: str | None = None,
+        s3_data_type: str = "S3Prefix",
+        input_mode: str | None = None,
+        **unused: Any,
+    ) -> None:
+        if compression is not None:
+            raise ConfigError(
+                "TrainingInput.compression", compression, "None (Gzip needs Pipe mode)"
+            )
+        if s3_data_type != "S3Prefix":
+            raise ConfigError("TrainingInput.s3_data_type", s3_data_type, "'S3Prefix'")
+        if input_mode not in (None, "File"):
+            raise ConfigError("TrainingInput.input_mode", input_mode, "'File' (or None)")
+        if record_wrapping not in (None, "None"):
+            raise ConfigError("TrainingInput.record_wrapping", record_wrapping, "None")
+        self.s3_data = s3_data
+        self.distribution = distribution or "FullyReplicated"
+        self.content_type = content_type
+
+    def channel(self, name: str) -> ChannelSpec:
+        return ChannelSpec(name, self.s3_data, self.distribution, self.content_type)
+
+
+def _channels(inputs: str | TrainingInput | Mapping[str, str | TrainingInput] | None) -> tuple:
+    """``fit`` inputs: one URI or TrainingInput (channel ``training``) or a dict of channels."""
+    if inputs is None:
+        return ()
+    if isinstance(inputs, str | TrainingInput):
+        inputs = {"training": inputs}
+    if not isinstance(inputs, Mapping):
+        raise ConfigError("inputs", inputs, "a URI, a TrainingInput or a dict of them")
+    channels = []
+    for name, source in inputs.items():
+        source = TrainingInput(source) if isinstance(source, str) else source
+        if not isinstance(source, TrainingInput):
+            raise ConfigError(f"inputs.{name}", source, "a URI string or a TrainingInput")
+        channels.append(source.channel(name))
+    return tuple(channels)
+
+
+class TrainingJob:
+    """A submitted job.
+
+    ``describe()``, ``wait()``, ``stop()`` and ``logs()`` go through the job store.
+    """
+
+    def __init__(self, name: str, process: subprocess.Popen[str] | None = None) -> None:
+        self.name = name
+        self.job_name = name
+        self._process = process
+
+    def describe(self) -> dict[str, Any]:
+        from dtrain.jobs.describe import describe
+        from dtrain.jobs.store import JobStore
+
+        return describe(JobStore(), self.name)
+
+    def wait(self, logs: bool = True) -> dict[str, Any]:
+        """Block until the job ends (printing its output with ``logs``).
+
+        Raise if it did not complete.
+        """
+        if self._process is not None and self._process.stdout is not None:
+            for line in self._process.stdout:
+                if logs:
+                    sys.stdout.write(line)
+            self._process.wait()
+        else:
+            self._follow(logs)
+        description = self.describe()
+        if description["TrainingJobStatus"] != "Completed":
+            raise JobFailedError(
+                self.name, description["TrainingJobStatus"], description.get("FailureReason")
+            )
+        return description
+
+    def _follow(self, logs: bool) -> None:
+        import time
+
+        from dtrain.jobs.folder import JobFolder
+        from dtrain.jobs.logs import print_logs, rank_logs
+        from dtrain.jobs.store import JobStore
+
+        store = JobStore()
+        self._wait_for_record(store)
+        finished = lambda: store.get(self.name).is_terminal  # noqa: E731
+        if logs:
+            folder = JobFolder.for_job(self.name)
+            files = lambda: [(f"[rank {r}]: ", p) for r, p in rank_logs(folder.logs_dir)]  # noqa: E731
+            print_logs(files, sys.stdout, follow=True, finished=finished)
+        while not finished():
+            time.sleep(0.2)
+
+    def _wait_for_record(self, store: Any, timeout: float = 120.0) -> None:
+        """A job started with ``wait=False`` appears in the store once its supervisor started."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not any(record.name == self.name for record in store.list()):
+            code = self._process.poll() if self._process is not None else None
+            if code is not None or time.monotonic() > deadline:
+                raise DtrainError(
+                    f"job {self.name} never started (supervisor exit code {code}); "
+                    f"see `dtrain run-spec` output by running the job with wait=True"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        from dtrain.jobs.store import JobStore
+
+        JobStore().request_stop(self.name)
+
+
+class PyTorch:
+    """SageMaker's ``sagemaker.pytorch.PyTorch`` estimator.
+
+    It runs jobs with dtrain on this machine.
+    """
+
+    def __init__(
+        self,
+        entry_point: str,
+        source_dir: str | None = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        instance_type: str = "local",
+        instance_count: int = 1,
+        distribution: Mapping[str, Any] | None = None,
+        metric_definitions: list[dict[str, str]] | None = None,
+        max_run: int = 24 * 60 * 60,
+        checkpoint_local_path: str | None = None,
+        output_path: str | None = None,
+        environment: Mapping[str, str] | None = None,
+        base_job_name: str | None = None,
+        max_retry_attempts: int | None = None,
+        processes_per_host: int | None = None,
+        **aws_only: Any,
+    ) -> None:
+        unknown = sorted(set(aws_only) - AWS_ONLY_ARGUMENTS)
+        if unknown:
+            suggestion = did_you_mean(unknown[0], [*AWS_ONLY_ARGUMENTS, *self._own_arguments()])
+            hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+            raise TypeError(f"PyTorch() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        if aws_only:
+            warnings.warn(
+                "dtrain runs jobs on this machine; ignoring AWS-only arguments: "
+                + ", ".join(sorted(aws_only)),
+                stacklevel=2,
+            )
+        validate_instance_type(instance_type)
+        self.entry_point = entry_point
+        self.source_dir = source_dir
+        self._hyperparameters = dict(hyperparameters or {})
+        self.instance_type = instance_type
+        self.instance_count = instance_count
+        self.distribution = dict(distribution) if distribution else None
+        self.metric_definitions = list(metric_definitions or [])
+        self.max_run = max_run
+        self.checkpoint_local_path = checkpoint_local_path
+        self.output_path = output_path
+        self.environment = dict(environment or {})
+        self.base_job_name = base_job_name
+        self.max_retry_attempts = max_retry_attempts or 0
+        self.processes_per_host = processes_per_host
+        self.latest_training_job: TrainingJob | None = None
+
+    @staticmethod
+    def _own_arguments() -> list[str]:
+        import inspect
+
+        return [p for p in inspect.signature(PyTorch.__init__).parameters if p != "self"]
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return dict(self._hyperparameters)
+
+    def set_hyperparameters(self, **kwargs: Any) -> None:
+        self._hyperparameters.update(kwargs)
+
+    def _spec(self, inputs: Any, job_name: str | None) -> JobSpec:
+        base = self.base_job_name or Path(self.entry_point).stem
+        return JobSpec(
+            entry_point=self.entry_point,
+            job_name=job_name or default_job_name(base),
+            instance_count=self.instance_count,
+            processes_per_host=self.processes_per_host,
+            instance_type=self.instance_type,
+            distribution=self.distribution,
+            hyperparameters=self._hyperparameters,
+            channels=_channels(inputs),
+            source_dir=self.source_dir,
+            max_run=self.max_run,
+            output_path=self.output_path,
+            checkpoint_local_path=self.checkpoint_local_path,
+            metric_definitions=tuple(self.metric_definitions),
+            environment=self.environment,
+            max_retry_attempts=self.max_retry_attempts,
+        )
+
+    def fit(
+        self,
+        inputs: str | TrainingInput | Mapping[str, str | TrainingInput] | None = None,
+        wait: bool = True,
+        logs: bool | str = True,
+        job_name: str | None = None,
+        experiment_config: Mapping[str, str] | None = None,
+    ) -> None:
+        """Validate, then run the job in a supervising process.
+
+        With ``wait``, block until it ends.
+        """
+        spec = self._spec(inputs, job_name)
+        prepare(spec)
+        spec_file = Path(tempfile.mkstemp(prefix="spec-", suffix=".json", dir=dtrain_home())[1])
+        spec_file.write_text(spec.to_json())
+        command = [sys.executable, "-m", "dtrain.cli", "run-spec", "--remove", str(spec_file)]
+        show_logs = logs not in (False, "None")
+        if wait:
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        else:
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.latest_training_job = TrainingJob(spec.job_name, process)
+        if wait:
+            try:
+                self.latest_training_job.wait(logs=show_logs)
+            except KeyboardInterrupt:
+                assert process is not None
+                process.send_signal(signal.SIGINT)
+                process.wait()
+                raise
+
+    @property
+    def model_data(self) -> str | None:
+        if self.latest_training_job is None:
+            raise DtrainError("no job has been run yet: call fit() first")
+        return self.latest_training_job.describe()["ModelArtifacts"]["S3ModelArtifacts"]

@@ -1,0 +1,76 @@
+"""``dtrain describe``: a job as SageMaker's DescribeTrainingJob would show it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from dtrain.jobs.metrics import final_metric_data_list
+from dtrain.jobs.spec import JobSpec
+from dtrain.jobs.store import JobRecord, JobStore
+
+
+def _iso(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc).isoformat()
+
+
+def describe(store: JobStore, name: str) -> dict[str, Any]:
+    """The DescribeTrainingJob fields that mean something for a local job."""
+    record: JobRecord = store.get(name)
+    spec = JobSpec.from_json(record.spec)
+    transitions = store.transitions(name)
+    secondary = []
+    for i, transition in enumerate(transitions):
+        end = transitions[i + 1].start_time if i + 1 < len(transitions) else record.end_time
+        entry = {"Status": transition.status, "StartTime": _iso(transition.start_time)}
+        if end is not None and (i + 1 < len(transitions) or record.is_terminal):
+            entry["EndTime"] = _iso(end)
+        entry["StatusMessage"] = transition.message
+        secondary.append(entry)
+    training_seconds = None
+    if record.start_time is not None and record.end_time is not None:
+        training_seconds = round(record.end_time - record.start_time)
+    description: dict[str, Any] = {
+        "TrainingJobName": record.name,
+        "TrainingJobStatus": record.status,
+        "SecondaryStatus": record.secondary_status,
+        "FailureReason": record.failure_reason,
+        "HyperParameters": {k: json.dumps(v) for k, v in spec.hyperparameters.items()},
+        "AlgorithmSpecification": {
+            "TrainingInputMode": "File",
+            "EntryPoint": spec.entry_point,
+            "SourceDir": spec.source_dir,
+        },
+        "ResourceConfig": {
+            "InstanceType": spec.instance_type,
+            "InstanceCount": spec.instance_count,
+            "ProcessesPerHost": spec.processes_per_host,
+        },
+        "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
+        "InputDataConfig": [
+            {
+                "ChannelName": c.name,
+                "DataSource": {"Uri": c.uri, "S3DataDistributionType": c.distribution},
+            }
+            for c in spec.channels
+        ],
+        "OutputDataConfig": {"S3OutputPath": spec.output_path},
+        "CheckpointConfig": {"LocalPath": spec.checkpoint_local_path},
+        "Environment": spec.environment,
+        "RetryStrategy": {"MaximumRetryAttempts": spec.max_retry_attempts},
+        "CreationTime": _iso(record.creation_time),
+        "TrainingStartTime": _iso(record.start_time),
+        "TrainingEndTime": _iso(record.end_time),
+        "LastModifiedTime": _iso(record.last_modified),
+        "TrainingTimeInSeconds": training_seconds,
+        "ModelArtifacts": {"S3ModelArtifacts": record.model_artifacts},
+        "SecondaryStatusTransitions": secondary,
+        "FinalMetricDataList": final_metric_data_list(store.metrics(name)),
+        "JobFolder": record.folder,
+    }
+    if spec.distribution:
+        description["Distribution"] = spec.distribution
+    return description

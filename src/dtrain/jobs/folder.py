@@ -1,0 +1,105 @@
+"""Where a job's files live: one ``/opt/ml``-style tree per simulated host, plus logs and code."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.topology import host_name
+
+JOB_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+
+
+def dtrain_home() -> Path:
+    """``$DTRAIN_HOME`` (default ``~/.dtrain``), created private: job folders hold data and logs."""
+    home = Path(os.environ.get("DTRAIN_HOME") or Path.home() / ".dtrain").expanduser()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    home.chmod(0o700)
+    return home
+
+
+@dataclass(frozen=True)
+class HostFolder:
+    """One host's ``/opt/ml``."""
+
+    root: Path
+
+    @property
+    def input_dir(self) -> Path:
+        return self.root / "input"
+
+    @property
+    def input_config_dir(self) -> Path:
+        return self.root / "input" / "config"
+
+    def channel_dir(self, channel: str) -> Path:
+        return self.root / "input" / "data" / channel
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.root / "output"
+
+    @property
+    def output_data_dir(self) -> Path:
+        return self.root / "output" / "data"
+
+    @property
+    def output_intermediate_dir(self) -> Path:
+        return self.root / "output" / "intermediate"
+
+    @property
+    def failure_file(self) -> Path:
+        return self.root / "output" / "failure"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def create(self) -> None:
+        for path in (
+            self.input_config_dir,
+            self.root / "input" / "data",
+            self.model_dir,
+            self.output_data_dir,
+            self.output_intermediate_dir,
+            self.checkpoints_dir,
+        ):
+            path.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class JobFolder:
+    """``$DTRAIN_HOME/jobs/<name>``.
+
+    Holds ``spec.json``, ``code/``, ``logs/rank<R>.log`` and ``hosts/algo-<i>/``.
+    """
+
+    root: Path
+
+    @classmethod
+    def for_job(cls, job_name: str) -> JobFolder:
+        return cls(dtrain_home() / "jobs" / job_name)
+
+    @property
+    def spec_file(self) -> Path:
+        return self.root / "spec.json"
+
+    @property
+    def code_dir(self) -> Path:
+        return self.root / "code"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    def log_file(self, rank: int) -> Path:
+        return self.logs_dir / f"rank{rank}.log"
+
+    def host(self, host_index: int) -> HostFolder:
+        return HostFolder(self.root / "hosts" / host_name(host_index))

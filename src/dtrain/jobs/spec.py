@@ -1,0 +1,55 @@
+"""What a user asked for when submitting a training job.
+
+The CLI and the Estimator both build one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARDING_TYPES = ("FullyReplicated", "ShardedByS3Key")
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One input channel: a name and where its data lives (local path, ``file://`` or ``s3://``)."""
+
+    name: str
+    uri: str
+    distribution: str = "FullyReplicated"
+    content_type: str | None = None
+    input_mode: str = "File"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A training job request, before validation turns it into a launch plan."""
+
+    entry_point: str
+    job_name: str
+    instance_count: int = 1
+    processes_per_host: int | None = None
+    instance_type: str = "local"
+    distribution: dict[str, Any] | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    channels: tuple[ChannelSpec, ...] = ()
+    source_dir: str | None = None
+    max_run: int = 24 * 60 * 60
+    output_path: str | None = None
+    checkpoint_local_path: str | None = None
+    metric_definitions: tuple[dict[str, str], ...] = ()
+    environment: dict[str, str] = field(default_factory=dict)
+    max_retry_attempts: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data = json.loads(text)
+        data["channels"] = tuple(ChannelSpec(**c) for c in data.get("channels", ()))
+        data["metric_definitions"] = tuple(data.get("metric_definitions", ()))
+        return cls(**data)

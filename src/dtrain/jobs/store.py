@@ -1,0 +1,246 @@
+"""The job store: one SQLite file under ``DTRAIN_HOME``.
+
+Several jobs and CLI calls share it safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import DtrainError, did_you_mean
+from dtrain.jobs.folder import dtrain_home
+from dtrain.jobs.metrics import MetricSample
+
+IN_PROGRESS = "InProgress"
+COMPLETED = "Completed"
+FAILED = "Failed"
+STOPPING = "Stopping"
+STOPPED = "Stopped"
+TERMINAL_STATUSES = (COMPLETED, FAILED, STOPPED)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    secondary_status TEXT NOT NULL,
+    failure_reason TEXT,
+    creation_time REAL NOT NULL,
+    start_time REAL,
+    end_time REAL,
+    last_modified REAL NOT NULL,
+    spec TEXT NOT NULL,
+    folder TEXT NOT NULL,
+    supervisor_pid INTEGER,
+    model_artifacts TEXT
+);
+CREATE TABLE IF NOT EXISTS transitions (
+    job TEXT NOT NULL,
+    status TEXT NOT NULL,
+    start_time REAL NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    job TEXT NOT NULL,
+    name TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    value REAL NOT NULL,
+    timestamp REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS metrics_by_job ON metrics (job, name, step);
+CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job, start_time);
+"""
+
+
+@dataclass(frozen=True)
+class Transition:
+    status: str
+    start_time: float
+    message: str
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A row of the ``jobs`` table."""
+
+    name: str
+    status: str
+    secondary_status: str
+    failure_reason: str | None
+    creation_time: float
+    start_time: float | None
+    end_time: float | None
+    last_modified: float
+    spec: str
+    folder: str
+    supervisor_pid: int | None
+    model_artifacts: str | None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class JobStore:
+    """Jobs, their status transitions and metric time series.
+
+    WAL mode plus a busy timeout lets concurrent jobs write while ``dtrain jobs`` reads.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or dtrain_home() / "jobs.db"
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            db.row_factory = sqlite3.Row
+            yield db
+        finally:
+            db.close()
+
+    def create(self, name: str, spec: str, folder: Path) -> None:
+        now = time.time()
+        with self._connect() as db:
+            try:
+                db.execute(
+                    "INSERT INTO jobs (name, status, secondary_status, creation_time,"
+                    " last_modified, spec, folder) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (name, IN_PROGRESS, "Starting", now, now, spec, str(folder)),
+                )
+            except sqlite3.IntegrityError:
+                raise DtrainError(
+                    f"job name {name!r} is already used; choose another --job-name"
+                ) from None
+            db.execute(
+                "INSERT INTO transitions VALUES (?, ?, ?, ?)",
+                (name, "Starting", now, "Preparing the instances for training"),
+            )
+
+    def update(
+        self,
+        name: str,
+        *,
+        status: str | None = None,
+        secondary_status: str | None = None,
+        message: str = "",
+        failure_reason: str | None = None,
+        start_time: float | None = None,
+        end_time: float | None = None,
+        supervisor_pid: int | None = None,
+        model_artifacts: str | None = None,
+    ) -> None:
+        """Change the given columns; a new secondary status is also recorded as a transition."""
+        now = time.time()
+        columns: dict[str, Any] = {
+            "status": status,
+            "secondary_status": secondary_status,
+            "failure_reason": failure_reason,
+            "start_time": start_time,
+            "end_time": end_time,
+            "supervisor_pid": supervisor_pid,
+            "model_artifacts": model_artifacts,
+        }
+        columns = {k: v for k, v in columns.items() if v is not None}
+        columns["last_modified"] = now
+        assignments = ", ".join(f"{column} = ?" for column in columns)
+        with self._connect() as db:
+            db.execute(f"UPDATE jobs SET {assignments} WHERE name = ?", (*columns.values(), name))
+            if secondary_status is not None:
+                db.execute(
+                    "INSERT INTO transitions VALUES (?, ?, ?, ?)",
+                    (name, secondary_status, now, message),
+                )
+
+    def request_stop(self, name: str) -> JobRecord:
+        """Mark a running job ``Stopping``; its supervisor polls for this and stops every rank."""
+        record = self.get(name)
+        if record.is_terminal:
+            raise DtrainError(f"job {name!r} is already {record.status}; nothing to stop")
+        self.update(name, status=STOPPING, secondary_status="Stopping", message="Stop requested")
+        return self.get(name)
+
+    def get(self, name: str) -> JobRecord:
+        with self._connect() as db:
+            row = db.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                names = [r["name"] for r in db.execute("SELECT name FROM jobs")]
+        if row is None:
+            suggestion = did_you_mean(name, names)
+            hint = f"; did you mean {suggestion!r}?" if suggestion else "; `dtrain jobs` lists them"
+            raise DtrainError(f"no job named {name!r}{hint}")
+        return self._reconcile(JobRecord(**dict(row)))
+
+    def list(self) -> list[JobRecord]:
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM jobs ORDER BY creation_time DESC").fetchall()
+        return [self._reconcile(JobRecord(**dict(row))) for row in rows]
+
+    def _reconcile(self, record: JobRecord) -> JobRecord:
+        """A job whose supervisor died without a final status failed.
+
+        Say so instead of 'InProgress'.
+        """
+        if record.is_terminal or record.supervisor_pid is None:
+            return record
+        if _pid_alive(record.supervisor_pid):
+            return record
+        reason = f"the dtrain supervisor (pid {record.supervisor_pid}) exited without finishing"
+        self.update(
+            record.name,
+            status=FAILED,
+            secondary_status="Failed",
+            message=reason,
+            failure_reason=reason,
+            end_time=time.time(),
+        )
+        return self.get(record.name)
+
+    def transitions(self, name: str) -> list[Transition]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT status, start_time, message FROM transitions WHERE job = ?"
+                " ORDER BY start_time, rowid",
+                (name,),
+            ).fetchall()
+        return [Transition(**dict(row)) for row in rows]
+
+    def add_metrics(self, name: str, samples: Iterable[MetricSample]) -> None:
+        rows = [(name, s.name, s.step, s.value, s.timestamp) for s in samples]
+        if rows:
+            with self._connect() as db:
+                db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
+
+    def metrics(self, name: str) -> list[MetricSample]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT name, value, timestamp, step FROM metrics WHERE job = ?"
+                " ORDER BY name, step",
+                (name,),
+            ).fetchall()
+        return [MetricSample(**dict(row)) for row in rows]
+
+
+def spec_dict(record: JobRecord) -> dict[str, Any]:
+    return json.loads(record.spec)

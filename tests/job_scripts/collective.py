@@ -1,0 +1,46 @@
+"""A well-behaved job: all-reduce across ranks, report the environment, save a model on rank 0."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+expected = world * (world + 1) / 2
+assert value.item() == expected, (value, expected)
+report = {
+    "rank": rank,
+    "argv": sys.argv[1:],
+    "env": {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(
+            (
+                "SM_",
+                "OMPI_",
+                "RANK",
+                "WORLD",
+                "LOCAL_",
+                "MASTER_",
+                "DTRAIN_",
+                "GROUP_RANK",
+                "CUDA_VISIBLE",
+            )
+        )
+    },
+    "cwd": os.getcwd(),
+}
+out = Path(os.environ["SM_OUTPUT_DATA_DIR"]) / f"report-rank{rank}.json"
+out.write_text(json.dumps(report))
+for step in range(3):
+    print(f"step={step} loss={1.0 / (step + 1):.4f}", flush=True)
+if rank == 0:
+    Path(os.environ["SM_MODEL_DIR"], "weights.txt").write_text("trained")
+dist.barrier()
+dist.destroy_process_group()

@@ -1,0 +1,68 @@
+"""``dtrain run`` flags map onto a JobSpec; malformed flags are clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtrain.cli import _build_parser, main, spec_from_args
+from dtrain.errors import ConfigError
+
+
+def parse(*argv: str):
+    return spec_from_args(_build_parser().parse_args(["run", *argv]))
+
+
+def test_flags_map_to_spec(tmp_path: Path) -> None:
+    distribution = tmp_path / "dist.json"
+    distribution.write_text(json.dumps({"smdistributed": {"dataparallel": {"enabled": True}}}))
+    spec = parse(
+        "train.py", "--instance-count", "3", "--processes-per-host", "2",
+        "--distribution", str(distribution), "--hyperparameters", '{"lr": 0.1}',
+        "--channel", f"training={tmp_path}",
+        "--channel", f"test={tmp_path},distribution=ShardedByS3Key",
+        "--job-name", "j1", "--max-run", "60", "--output-path", "s3://bucket/out",
+        "--checkpoint-local-path", "/ckpt", "--environment", "A=1", "--environment", "B=x=y",
+        "--metric-definitions", '[{"Name": "l", "Regex": "l=(\\\\d+)"}]',
+    )  # fmt: skip
+    assert spec.instance_count == 3 and spec.processes_per_host == 2
+    assert spec.distribution == {"smdistributed": {"dataparallel": {"enabled": True}}}
+    assert spec.hyperparameters == {"lr": 0.1}
+    assert [(c.name, c.distribution) for c in spec.channels] == [
+        ("training", "FullyReplicated"),
+        ("test", "ShardedByS3Key"),
+    ]
+    assert spec.job_name == "j1" and spec.max_run == 60
+    assert spec.environment == {"A": "1", "B": "x=y"}
+    assert spec.metric_definitions == ({"Name": "l", "Regex": "l=(\\d+)"},)
+
+
+def test_generated_job_name() -> None:
+    spec = parse("my_train.py", "--base-job-name", "exp_1")
+    assert spec.job_name.startswith("exp-1-")
+    assert parse("my_train.py").job_name.startswith("my-train-")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--hyperparameters", "{lr: 1}"], "--hyperparameters: got '{lr: 1}'; allowed: JSON"),
+        (["--hyperparameters", "[1]"], "a JSON object"),
+        (["--metric-definitions", '{"Name": "x"}'], "a JSON array"),
+        (["--environment", "NOVALUE"], "--environment: got 'NOVALUE'; allowed: KEY=VALUE"),
+        (["--distribution", '{"mpi": {"enabled": tru}}'], "distribution"),
+    ],
+)
+def test_malformed_flags(argv: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse("train.py", *argv)
+    assert expected in str(error.value)
+
+
+def test_main_prints_one_line_errors(capsys: pytest.CaptureFixture[str], dtrain_home: Path) -> None:
+    assert main(["describe", "nothing-here"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtrain: error: no job named 'nothing-here'")
+    assert "Traceback" not in err

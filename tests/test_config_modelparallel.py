@@ -1,0 +1,241 @@
+"""Model-parallel parameters: defaults as SMP v1 fills them, and errors that say how to fix them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dtrain.config.modelparallel import (
+    MP_PARAMETER_NAMES,
+    PARAMETERS,
+    schema_markdown,
+    validate_mp_parameters,
+)
+from dtrain.errors import ConfigError, UnknownKeyError
+
+P = "parameters"
+
+
+def test_defaults_filled_in_schema_order() -> None:
+    values = validate_mp_parameters({})
+    assert tuple(values) == MP_PARAMETER_NAMES
+    assert values["pipeline_parallel_degree"] == 1
+    assert values["microbatches"] == 1
+    assert values["pipeline"] == "interleaved"
+    assert values["placement_strategy"] == "cluster"
+    assert values["optimize"] == "speed"
+    assert values["memory_weight"] == 0.2
+    assert values["active_microbatches"] == 1  # pp + 2 = 3, clamped to microbatches
+    assert values["ddp"] is False
+    assert values["default_partition"] is None
+    assert values["sdp_hierarchical_allgather"] is True
+
+
+def test_derived_defaults_follow_other_parameters() -> None:
+    values = validate_mp_parameters({"optimize": "memory", "partitions": 2, "microbatches": 8})
+    assert values["memory_weight"] == 0.8
+    assert values["active_microbatches"] == 4
+
+
+def test_partitions_alias_and_agreeing_duplicate() -> None:
+    assert validate_mp_parameters({"partitions": 4})["pipeline_parallel_degree"] == 4
+    both = validate_mp_parameters({"partitions": 2, "pipeline_parallel_degree": 2})
+    assert both["pipeline_parallel_degree"] == 2
+    assert "partitions" not in both
+
+
+def test_value_forms_normalized() -> None:
+    values = validate_mp_parameters(
+        {
+            "ddp": "True",
+            "fp16_params": "false",
+            "memory_weight": 1,
+            "sdp_reduce_bucket_size": 5e8,
+            "placement_strategy": "TPD",
+        }
+    )
+    assert values["ddp"] is True
+    assert values["fp16_params"] is False
+    assert values["memory_weight"] == 1.0 and isinstance(values["memory_weight"], float)
+    assert values["sdp_reduce_bucket_size"] == 500_000_000
+    assert isinstance(values["sdp_reduce_bucket_size"], int)
+
+
+def test_fp16_params_implies_fp16() -> None:
+    assert validate_mp_parameters({"fp16_params": True})["fp16"] is True
+
+
+def test_aws_gpt2_example_is_valid() -> None:
+    params = {
+        "ddp": True,
+        "tensor_parallel_degree": 2,
+        "partitions": 2,
+        "shard_optimizer_state": True,
+        "prescaled_batch": True,
+        "fp16": True,
+        "optimize": "speed",
+        "auto_partition": False,
+        "default_partition": 0,
+    }
+    values = validate_mp_parameters(params, world_size=16)
+    assert values["tensor_parallel_degree"] == 2
+    assert values["default_partition"] == 0
+
+
+def test_world_size_fits_model_without_ddp() -> None:
+    values = validate_mp_parameters({"partitions": 4, "microbatches": 4}, world_size=4)
+    assert values["ddp"] is False
+
+
+def test_sharded_data_parallel_accepted() -> None:
+    params = {"sharded_data_parallel_degree": 4, "ddp": True}
+    assert validate_mp_parameters(params, world_size=8)["sharded_data_parallel_degree"] == 4
+
+
+BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]] = [
+    ({"microbatch": 4}, None, UnknownKeyError, (f"{P}.microbatch", "'microbatches'")),
+    ({"partition": 2}, None, UnknownKeyError, (f"{P}.partition", "'partitions'")),
+    ({"fast_mode": True}, None, UnknownKeyError, (f"{P}.fast_mode", "allowed keys", "ddp")),
+    ({"pipeline": "simpel"}, None, ConfigError, (f"{P}.pipeline", "'simpel'", "'simple'")),
+    (
+        {"placement_strategy": "dpt"},
+        None,
+        ConfigError,
+        (f"{P}.placement_strategy", "'dpt'", '"spread"', "'DPT'"),
+    ),
+    ({"optimize": "fast"}, None, ConfigError, (f"{P}.optimize", "'fast'", '"speed", "memory"')),
+    ({"microbatches": 0}, None, ConfigError, (f"{P}.microbatches", "got 0", "integer >= 1")),
+    ({"microbatches": True}, None, ConfigError, (f"{P}.microbatches", "True", "integer")),
+    ({"microbatches": "4"}, None, ConfigError, (f"{P}.microbatches", "'4'", "integer >= 1")),
+    ({"partitions": 2.5}, None, ConfigError, (f"{P}.partitions", "2.5", "integer >= 1")),
+    ({"ddp": "yes"}, None, ConfigError, (f"{P}.ddp", "'yes'", "true or false")),
+    ({"memory_weight": 1.5}, None, ConfigError, (f"{P}.memory_weight", "1.5", "from 0 to 1")),
+    ({"ddp_port": 70000, "ddp": True}, None, ConfigError, (f"{P}.ddp_port", "70000", "65535")),
+    (
+        {"partitions": 2, "pipeline_parallel_degree": 4},
+        None,
+        ConfigError,
+        (f"{P}.partitions", "got 2", "pipeline_parallel_degree (4)", "alias"),
+    ),
+    (
+        {"auto_partition": False, "partitions": 2},
+        None,
+        ConfigError,
+        (f"{P}.default_partition", "None", "from 0 to 1", "auto_partition is false"),
+    ),
+    (
+        {"default_partition": 2, "partitions": 2},
+        None,
+        ConfigError,
+        (f"{P}.default_partition", "got 2", "from 0 to 1"),
+    ),
+    ({"ddp_port": 29500}, None, ConfigError, (f"{P}.ddp_port", "29500", "ddp=true")),
+    (
+        {"ddp_dist_backend": "nccl"},
+        None,
+        ConfigError,
+        (f"{P}.ddp_dist_backend", "'nccl'", "ddp=true"),
+    ),
+    (
+        {"ddp_dist_backend": "gloo", "ddp": True},
+        None,
+        ConfigError,
+        (f"{P}.ddp_dist_backend", "'gloo'", '"auto", "nccl"'),
+    ),
+    (
+        {"ddp": True, "horovod": True},
+        None,
+        ConfigError,
+        (f"{P}.ddp", "True", "horovod=false", "horovod=true"),
+    ),
+    (
+        {"tensor_parallel_degree": 2},
+        None,
+        ConfigError,
+        (f"{P}.tensor_parallel_degree", "got 2", "ddp=true"),
+    ),
+    ({"bf16": True, "fp16": True}, None, ConfigError, (f"{P}.bf16", "True", "fp16=false")),
+    (
+        {"bf16": True, "fp16_params": True},
+        None,
+        ConfigError,
+        (f"{P}.bf16", "True", "fp16_params=false"),
+    ),
+    (
+        {"prescaled_batch": True, "optimize": "memory"},
+        None,
+        ConfigError,
+        (f"{P}.prescaled_batch", "True", 'optimize="speed"', 'optimize="memory"'),
+    ),
+    (
+        {"sharded_data_parallel_degree": 2, "partitions": 2, "ddp": True},
+        None,
+        ConfigError,
+        (f"{P}.sharded_data_parallel_degree", "got 2", "pipeline_parallel_degree=1"),
+    ),
+    (
+        {"shard_optimizer_state": True},
+        None,
+        ConfigError,
+        (f"{P}.shard_optimizer_state", "True", "ddp=true"),
+    ),
+    (
+        {"active_microbatches": 5, "microbatches": 4},
+        None,
+        ConfigError,
+        (f"{P}.active_microbatches", "got 5", "from 1 to microbatches (4)"),
+    ),
+    (
+        {"partitions": 2, "tensor_parallel_degree": 2, "ddp": True},
+        6,
+        ConfigError,
+        (f"{P}.pipeline_parallel_degree", "2 x 2 = 4", "world size 6"),
+    ),
+    (
+        {"partitions": 2},
+        8,
+        ConfigError,
+        (f"{P}.ddp", "got False", "= 4 replicas", "set ddp: true"),
+    ),
+    (
+        {"sharded_data_parallel_degree": 3, "ddp": True},
+        8,
+        ConfigError,
+        (f"{P}.sharded_data_parallel_degree", "got 3", "divisor of the data-parallel degree 8"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "world_size", "error", "expected"), BAD)
+def test_bad_parameters(
+    params: dict[str, Any],
+    world_size: int | None,
+    error: type[ConfigError],
+    expected: tuple[str, ...],
+) -> None:
+    with pytest.raises(error) as caught:
+        validate_mp_parameters(params, world_size=world_size)
+    assert type(caught.value) is error
+    for text in expected:
+        assert text in str(caught.value)
+
+
+def test_where_prefixes_every_key() -> None:
+    where = "distribution.smdistributed.modelparallel.parameters"
+    with pytest.raises(UnknownKeyError, match=rf"^{where}\.microbatch: unknown key"):
+        validate_mp_parameters({"microbatch": 2}, where=where)
+
+
+def test_parameters_must_be_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="parameters: got \\[1\\]; allowed: a dict"):
+        validate_mp_parameters([1])  # type: ignore[arg-type]
+
+
+def test_schema_markdown_lists_every_parameter() -> None:
+    table = schema_markdown()
+    assert len(PARAMETERS) == len(MP_PARAMETER_NAMES)
+    for name in MP_PARAMETER_NAMES:
+        assert f"| `{name}`" in table
+    assert "(alias `partitions`)" in table
+    assert "0.2 if optimize is speed, else 0.8" in table

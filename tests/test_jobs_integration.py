@@ -1,0 +1,216 @@
+"""Real multi-process jobs through the CLI: success, failures, limits, stop, and no leftovers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def describe(home: Path, name: str) -> dict:
+    result = dtrain("describe", name, home=home)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def run_script(home: Path, script: str, name: str, *flags: str, timeout: float = 120):
+    return dtrain(
+        "run", script, "--source-dir", str(JOB_SCRIPTS), "--job-name", name,
+        "--instance-type", "local_cpu", *flags, home=home, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        (data / f"part-{i}.txt").write_text(str(i))
+    result = run_script(
+        dtrain_home, "collective.py", "good",
+        "--instance-count", "2", "--processes-per-host", "2",
+        "--hyperparameters", '{"epochs": 2, "lr": 0.1, "opt": {"b": 1, "a": "x"}, "v": true}',
+        "--channel", f"training={data}",
+        "--metric-definitions", '[{"Name": "loss", "Regex": "loss=([0-9.]+)"}]',
+        "--environment", "MY_FLAG=on",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[algo-2,3]: step=2 loss=0.3333" in result.stdout
+    assert "Completed" in result.stdout
+
+    info = describe(dtrain_home, "good")
+    assert info["TrainingJobStatus"] == "Completed"
+    assert info["SecondaryStatus"] == "Completed"
+    assert info["HyperParameters"]["epochs"] == "2"
+    assert [t["Status"] for t in info["SecondaryStatusTransitions"]] == [
+        "Starting", "Downloading", "Training", "Uploading", "Completed",
+    ]  # fmt: skip
+    assert [m["MetricName"] for m in info["FinalMetricDataList"]] == ["loss"]
+    assert info["FinalMetricDataList"][0]["Value"] == pytest.approx(0.3333)
+
+    artifact = Path(info["ModelArtifacts"]["S3ModelArtifacts"].removeprefix("file://"))
+    with tarfile.open(artifact) as tar:
+        assert tar.getnames() == ["weights.txt"]
+
+    job_dir = Path(info["JobFolder"])
+    reports = {
+        rank: json.loads(
+            (
+                job_dir / "hosts" / f"algo-{rank // 2 + 1}" / "output" / "data"
+                / f"report-rank{rank}.json"
+            ).read_text()
+        )
+        for rank in range(4)
+    }  # fmt: skip
+    env3 = reports[3]["env"]
+    assert reports[3]["argv"] == [
+        "--epochs", "2", "--lr", "0.1", "--opt", "a=x,b=1", "-v", "True",
+    ]  # fmt: skip
+    assert env3["RANK"] == "3" and env3["WORLD_SIZE"] == "4"
+    assert env3["LOCAL_RANK"] == "1" and env3["LOCAL_WORLD_SIZE"] == "2"
+    assert env3["OMPI_COMM_WORLD_RANK"] == "3" and env3["OMPI_COMM_WORLD_LOCAL_RANK"] == "1"
+    assert env3["MASTER_ADDR"] == "127.0.0.1"
+    assert env3["SM_CURRENT_HOST"] == "algo-2"
+    assert json.loads(env3["SM_HOSTS"]) == ["algo-1", "algo-2"]
+    assert json.loads(env3["SM_CHANNELS"]) == ["training"]
+    assert env3["SM_CHANNEL_TRAINING"].endswith("hosts/algo-2/input/data/training")
+    assert env3["SM_HP_EPOCHS"] == "2" and env3["SM_HP_OPT"] == '{"a":"x","b":1}'
+    assert json.loads(env3["SM_HPS"]) == {
+        "epochs": 2,
+        "lr": 0.1,
+        "opt": {"a": "x", "b": 1},
+        "v": True,
+    }
+    assert json.loads(env3["SM_USER_ARGS"]) == reports[3]["argv"]
+    training_env = json.loads(env3["SM_TRAINING_ENV"])
+    assert training_env["current_host"] == "algo-2" and training_env["job_name"] == "good"
+    assert env3["SM_NUM_GPUS"] == "0" and int(env3["SM_NUM_CPUS"]) >= 1
+    assert Path(reports[3]["cwd"]) == job_dir / "code"
+    host2 = job_dir / "hosts" / "algo-2"
+    resource = json.loads((host2 / "input/config/resourceconfig.json").read_text())
+    assert resource["current_host"] == "algo-2" and resource["hosts"] == ["algo-1", "algo-2"]
+    hps = json.loads((host2 / "input/config/hyperparameters.json").read_text())
+    assert hps["opt"] == '{"b": 1, "a": "x"}'
+    assert sorted(p.name for p in (host2 / "input/data/training").iterdir()) == [
+        f"part-{i}.txt" for i in range(4)
+    ]
+    assert (dtrain_home.stat().st_mode & 0o777) == 0o700
+    assert processes_of_job("good") == []
+
+    logs = dtrain("logs", "good", "--rank", "2", home=dtrain_home)
+    assert logs.returncode == 0 and "step=0 loss=1.0000" in logs.stdout
+    jobs = dtrain("jobs", home=dtrain_home)
+    assert "good" in jobs.stdout and "Completed" in jobs.stdout
+    plot = tmp_path / "metrics.png"
+    metrics = dtrain("metrics", "good", "--plot", str(plot), home=dtrain_home)
+    assert metrics.returncode == 0 and plot.stat().st_size > 0
+
+
+def test_rank_that_raises_fails_the_job_fast(dtrain_home: Path) -> None:
+    started = time.monotonic()
+    result = run_script(dtrain_home, "raises.py", "raises", "--instance-count", "2")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert elapsed < 30
+    info = describe(dtrain_home, "raises")
+    assert info["TrainingJobStatus"] == "Failed"
+    assert info["FailureReason"].startswith("rank 1 (algo-2) exited with code 1")
+    assert "ValueError: boom from rank 1" in info["FailureReason"]
+    failure = Path(info["JobFolder"]) / "hosts" / "algo-2" / "output" / "failure"
+    assert "Traceback (most recent call last)" in failure.read_text()
+    assert "boom from rank 1" in result.stderr
+    assert processes_of_job("raises") == []
+
+
+def test_killed_rank_fails_the_job_and_leaves_no_grandchildren(dtrain_home: Path) -> None:
+    result = run_script(
+        dtrain_home, "killed.py", "killed", "--instance-count", "1", "--processes-per-host", "2"
+    )
+    assert result.returncode == 1
+    info = describe(dtrain_home, "killed")
+    assert info["TrainingJobStatus"] == "Failed"
+    assert info["FailureReason"].startswith("rank 1 (algo-1) was killed by SIGKILL")
+    time.sleep(0.5)
+    assert processes_of_job("killed") == []
+
+
+def test_max_run_stops_the_job(dtrain_home: Path) -> None:
+    started = time.monotonic()
+    result = run_script(dtrain_home, "sleeps.py", "too-long", "--max-run", "2")
+    assert time.monotonic() - started < 30
+    assert result.returncode == 3
+    info = describe(dtrain_home, "too-long")
+    assert info["TrainingJobStatus"] == "Stopped"
+    assert info["SecondaryStatus"] == "MaxRuntimeExceeded"
+    assert info["ModelArtifacts"]["S3ModelArtifacts"].endswith("too-long/output/model.tar.gz")
+    assert processes_of_job("too-long") == []
+
+
+def _start_in_background(home: Path, name: str, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", "run", "sleeps.py", "--source-dir", str(JOB_SCRIPTS),
+         "--job-name", name, "--instance-type", "local_cpu", *flags],
+        env={**__import__("os").environ, "DTRAIN_HOME": str(home)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_training(home: Path, name: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = dtrain("describe", name, home=home)
+        if result.returncode == 0 and json.loads(result.stdout)["SecondaryStatus"] == "Training":
+            logs = dtrain("logs", name, home=home)
+            if "started" in logs.stdout:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"{name} never started training")
+
+
+def test_two_jobs_at_once_and_dtrain_stop(dtrain_home: Path) -> None:
+    first = _start_in_background(dtrain_home, "first", "--instance-count", "2")
+    second = _start_in_background(dtrain_home, "second")
+    try:
+        _wait_for_training(dtrain_home, "first")
+        _wait_for_training(dtrain_home, "second")
+        jobs = dtrain("jobs", home=dtrain_home).stdout
+        assert jobs.count("InProgress") == 2
+        stopped = dtrain("stop", "first", home=dtrain_home)
+        assert stopped.returncode == 0, stopped.stderr
+        assert first.wait(timeout=30) == 3
+        assert describe(dtrain_home, "first")["TrainingJobStatus"] == "Stopped"
+        assert describe(dtrain_home, "second")["TrainingJobStatus"] == "InProgress"
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=30) == 3
+        info = describe(dtrain_home, "second")
+        assert info["TrainingJobStatus"] == "Stopped"
+        assert "SIGINT" in info["SecondaryStatusTransitions"][-1]["StatusMessage"]
+        assert processes_of_job("first") == [] and processes_of_job("second") == []
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                process.kill()
+
+
+def test_bad_input_is_rejected_before_launch(dtrain_home: Path) -> None:
+    result = run_script(
+        dtrain_home, "collective.py", "bad",
+        "--distribution", '{"mpi": {"enabled": true, "process_per_host": 2}}',
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "process_per_host" in result.stderr and "processes_per_host" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert dtrain("describe", "bad", home=dtrain_home).returncode == 2
+    missing = dtrain("run", "nope.py", home=dtrain_home)
+    assert missing.returncode == 2 and "entry_point" in missing.stderr
+    ml = run_script(dtrain_home, "collective.py", "ml", "--instance-type", "ml.p4d.24xlarge")
+    assert ml.returncode == 2 and "local_gpu" in ml.stderr

@@ -1,0 +1,69 @@
+"""The job store: statuses, transitions, metrics, and several writers at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from dtrain.errors import DtrainError
+from dtrain.jobs.metrics import MetricSample
+from dtrain.jobs.store import JobStore
+
+
+def _writer(path: str, name: str, count: int) -> None:
+    store = JobStore(Path(path))
+    store.create(name, "{}", Path("/tmp") / name)
+    for step in range(count):
+        store.add_metrics(name, [MetricSample("loss", float(step), 0.0, step)])
+        store.update(name, secondary_status="Training", message=f"step {step}")
+
+
+def test_concurrent_writers(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    JobStore(path)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_writer, args=(str(path), f"job-{i}", 40)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    store = JobStore(path)
+    assert sorted(r.name for r in store.list()) == [f"job-{i}" for i in range(4)]
+    for i in range(4):
+        assert [s.value for s in store.metrics(f"job-{i}")] == [float(s) for s in range(40)]
+        assert len(store.transitions(f"job-{i}")) == 41
+
+
+def test_duplicate_name_and_unknown_job(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    store.create("train-a", "{}", tmp_path)
+    with pytest.raises(DtrainError, match="already used"):
+        store.create("train-a", "{}", tmp_path)
+    with pytest.raises(DtrainError, match="did you mean 'train-a'"):
+        store.get("train-b")
+
+
+def test_stop_request_and_terminal_jobs(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    store.create("j", "{}", tmp_path)
+    assert store.request_stop("j").status == "Stopping"
+    store.update("j", status="Stopped", secondary_status="Stopped")
+    with pytest.raises(DtrainError, match="already Stopped"):
+        store.request_stop("j")
+
+
+def test_job_with_dead_supervisor_is_marked_failed(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    store.create("orphan", "{}", tmp_path)
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    store.update("orphan", supervisor_pid=child)
+    record = store.get("orphan")
+    assert record.status == "Failed"
+    assert f"pid {child}" in (record.failure_reason or "")
