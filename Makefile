@@ -17,7 +17,7 @@ demo: install
 	$(BIN)/python examples/make_dataset.py $(DEMO_DATA)
 	$(BIN)/dtrain run train.py --source-dir examples/sagemaker_style \
 	    --instance-count 2 --processes-per-host 1 --instance-type local_cpu \
-	    --channel training=$(DEMO_DATA) \
+	    --channel training=$(DEMO_DATA),distribution=ShardedByS3Key \
 	    --hyperparameters '{"epochs": 5, "batch-size": 32, "lr": 0.05}' \
 	    --metric-definitions '[{"Name": "train:loss", "Regex": "train_loss=([0-9.]+)"}, {"Name": "train:accuracy", "Regex": "train_accuracy=([0-9.]+)"}]' \
 	    --base-job-name demo

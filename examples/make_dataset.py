@@ -19,7 +19,7 @@ def main() -> None:
     args = parser.parse_args()
 
     generator = torch.Generator().manual_seed(args.seed)
-    centers = torch.randn(args.classes, args.features, generator=generator) * 3
+    centers = torch.randn(args.classes, args.features, generator=generator) * 0.6
     args.out.mkdir(parents=True, exist_ok=True)
     for shard in range(args.shards):
         labels = torch.randint(args.classes, (args.samples_per_shard,), generator=generator)

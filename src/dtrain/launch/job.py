@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -180,7 +181,11 @@ class JobRun:
             raise DtrainError(
                 f"job folder {self.folder.root} already exists; choose another job name"
             )
-        self.store.create(self.name, spec.to_json(), self.folder.root)
+        # Record the resolved layout, so `dtrain jobs` and `describe` show what actually ran.
+        resolved = dataclasses.replace(
+            spec, processes_per_host=self.job.distribution.processes_per_host
+        )
+        self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
         try:
             self._lay_out()
