@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +60,66 @@ def processes_of_job(job_name: str) -> list[int]:
         if marker in environ and state != b"Z":
             found.append(int(entry))
     return found
+
+
+S3_KEYS = ["train/part-0.csv", "train/part-1.csv", "train/sub/part-2.csv", "train/part-3.csv"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A ``moto_server`` on a free loopback port, with the AWS environment pointed at it."""
+    for module in ("moto.server", "s3fs", "boto3"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install 'dtrain[test]')")
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "moto.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except (urllib.error.URLError, OSError):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not start: {(tmp_path / 'moto.log').read_text()}")
+                time.sleep(0.1)
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ENDPOINT_URL_S3": endpoint,
+            "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+        }.items():
+            monkeypatch.setenv(key, value)
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(key, raising=False)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str) -> str:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="dtrain-test")
+    for key in [*S3_KEYS, "train/sub/", "other/ignored.csv"]:  # "train/sub/": a folder marker
+        client.put_object(Bucket="dtrain-test", Key=key, Body=f"object {key}\n".encode())
+    return "dtrain-test"

@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +17,7 @@ from dtrain.jobs.channels import (
     validate_channels,
 )
 from dtrain.jobs.spec import ChannelSpec
+from tests.conftest import S3_KEYS
 
 FILES = ["a.csv", "b.csv", "nested/c.csv", "nested/deeper/d.csv", "e.csv"]
 
@@ -220,70 +213,7 @@ def test_input_data_config() -> None:
     }
 
 
-# --- S3, against a local moto server (never AWS) ----------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A ``moto_server`` on a free loopback port, with the AWS environment pointed at it."""
-    for module in ("moto.server", "s3fs", "boto3"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install 'dtrain[test]')")
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "moto.log").open("wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except (urllib.error.URLError, OSError):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start: {(tmp_path / 'moto.log').read_text()}")
-                time.sleep(0.1)
-        for key, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ENDPOINT_URL_S3": endpoint,
-            "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
-        }.items():
-            monkeypatch.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            monkeypatch.delenv(key, raising=False)
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        log.close()
-
-
-S3_KEYS = ["train/part-0.csv", "train/part-1.csv", "train/sub/part-2.csv", "train/part-3.csv"]
-
-
-@pytest.fixture
-def bucket(s3_endpoint: str) -> str:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    client.create_bucket(Bucket="dtrain-test")
-    for key in [*S3_KEYS, "train/sub/", "other/ignored.csv"]:  # "train/sub/": a folder marker
-        client.put_object(Bucket="dtrain-test", Key=key, Body=f"object {key}\n".encode())
-    return "dtrain-test"
+# --- S3, against a local moto server (never AWS): fixtures in conftest.py -----------------------
 
 
 def test_s3_sharded_materialize(bucket: str, tmp_path: Path) -> None:

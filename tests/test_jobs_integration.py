@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
+from tests.conftest import JOB_SCRIPTS, S3_KEYS, dtrain, processes_of_job
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -214,3 +214,56 @@ def test_bad_input_is_rejected_before_launch(dtrain_home: Path) -> None:
     assert missing.returncode == 2 and "entry_point" in missing.stderr
     ml = run_script(dtrain_home, "collective.py", "ml", "--instance-type", "ml.p4d.24xlarge")
     assert ml.returncode == 2 and "local_gpu" in ml.stderr
+
+
+def test_s3_channel_and_output_path(dtrain_home: Path, bucket: str) -> None:
+    import boto3
+
+    result = run_script(
+        dtrain_home, "collective.py", "on-s3", "--instance-count", "2",
+        "--channel", f"training=s3://{bucket}/train/,distribution=ShardedByS3Key",
+        "--output-path", f"s3://{bucket}/results",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    info = describe(dtrain_home, "on-s3")
+    assert info["ModelArtifacts"]["S3ModelArtifacts"] == (
+        f"s3://{bucket}/results/on-s3/output/model.tar.gz"
+    )
+    client = boto3.client("s3")
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert {"results/on-s3/output/model.tar.gz", "results/on-s3/output/output.tar.gz"} <= keys
+    hosts = Path(info["JobFolder"]) / "hosts"
+    shares = [
+        sorted(p.relative_to(hosts / h / "input/data/training").as_posix()
+               for p in (hosts / h / "input/data/training").rglob("*.csv"))
+        for h in ("algo-1", "algo-2")
+    ]  # fmt: skip
+    assert sorted(shares[0] + shares[1]) == sorted(k.removeprefix("train/") for k in S3_KEYS)
+    assert not set(shares[0]) & set(shares[1])
+
+
+def test_killed_rank_is_retried_when_asked(dtrain_home: Path) -> None:
+    result = run_script(
+        dtrain_home, "killed.py", "retried", "--processes-per-host", "2",
+        "--max-retry-attempts", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    info = describe(dtrain_home, "retried")
+    statuses = [t["Status"] for t in info["SecondaryStatusTransitions"]]
+    assert statuses.count("Training") == 2 and "Restarting" in statuses
+    assert processes_of_job("retried") == []
+
+
+def test_logs_follow_until_the_job_ends(dtrain_home: Path) -> None:
+    job = _start_in_background(dtrain_home, "followed", "--max-run", "3")
+    try:
+        _wait_for_training(dtrain_home, "followed")
+        follow = dtrain("logs", "followed", "--follow", home=dtrain_home, timeout=60)
+        assert follow.returncode == 0
+        assert follow.stdout.startswith("[rank 0]: started")
+        assert job.wait(timeout=30) == 3
+        final = dtrain("logs", "followed", "--rank", "0", home=dtrain_home).stdout
+        assert final.count("\n") == follow.stdout.count("\n")
+    finally:
+        if job.poll() is None:
+            job.kill()
