@@ -267,3 +267,22 @@ def test_logs_follow_until_the_job_ends(dtrain_home: Path) -> None:
     finally:
         if job.poll() is None:
             job.kill()
+
+
+def test_model_parallel_job_gets_mp_parameters(dtrain_home: Path) -> None:
+    distribution = {
+        "smdistributed": {
+            "modelparallel": {"enabled": True, "parameters": {"partitions": 2, "microbatches": 4}}
+        },
+        "mpi": {"enabled": True, "processes_per_host": 2},
+    }
+    result = run_script(
+        dtrain_home, "collective.py", "mp-env", "--distribution", json.dumps(distribution)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_dir = Path(describe(dtrain_home, "mp-env")["JobFolder"])
+    report = json.loads((job_dir / "hosts/algo-1/output/data/report-rank1.json").read_text())
+    assert json.loads(report["env"]["SM_HP_MP_PARAMETERS"]) == {"microbatches": 4, "partitions": 2}
+    assert report["argv"] == ["--mp_parameters", "microbatches=4,partitions=2"]
+    framework = json.loads(report["env"]["SM_FRAMEWORK_PARAMS"])
+    assert framework["sagemaker_mpi_enabled"] is True

@@ -1,0 +1,13 @@
+"""Docs generated from code stay in sync with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtrain.config.modelparallel import schema_markdown
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_model_parallel_parameter_table_is_current() -> None:
+    assert schema_markdown().strip() in (DOCS / "distribution.md").read_text()
