@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.compat import shim_pythonpath_entry
 from dtrain.config.distribution import DistributionPlan
 from dtrain.jobs.folder import HostFolder, JobFolder
 from dtrain.jobs.hyperparameters import (
@@ -266,6 +267,5 @@ class LaunchPlan:
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         threads = max(1, multiprocessing.cpu_count() // self.world_size)
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        code_path = str(self.folder.code_dir)
-        existing = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = f"{code_path}{os.pathsep}{existing}" if existing else code_path
+        entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
+        env["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)

@@ -1,0 +1,1 @@
+"""dtrain's stand-in for SageMaker's ``smdistributed`` package (see ``dtrain.compat``)."""

@@ -1,0 +1,1 @@
+"""``smdistributed.dataparallel``: SageMaker's data-parallel library, provided by dtrain."""

@@ -1,0 +1,1 @@
+"""``smdistributed.dataparallel.torch``: see ``dtrain.dataparallel``."""

@@ -1,0 +1,5 @@
+"""``from smdistributed.dataparallel.torch.parallel.distributed import DistributedDataParallel``."""
+
+from dtrain.dataparallel import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

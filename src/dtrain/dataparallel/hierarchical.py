@@ -1,0 +1,97 @@
+"""Two-level all-reduce for jobs spanning hosts: reduce inside each host first, then across hosts.
+
+Stages, for a bucket of B bytes, L processes per host and H hosts:
+
+1. reduce-scatter inside the host: local rank i ends with the host's sum of shard i (B/L bytes);
+   each rank sends and receives (L-1)/L * B over the fast intra-host link.
+2. all-reduce of shard i across hosts, between the ranks with local rank i: only B/L bytes per
+   rank cross the network (2 (H-1)/H * B/L with a ring), L times less than a flat ring.
+3. all-gather inside the host: every rank gets all L summed shards back, (L-1)/L * B again.
+
+torch 2.13's gloo implements reduce-scatter (``reduce_scatter_single``, formerly
+``reduce_scatter_tensor``), so stage 1 is a real reduce-scatter on CPU as well as on NCCL.
+The reduce-scatter and the all-gather use two different groups over the same host ranks: the
+reducer issues each stage in bucket order, and with one shared group the gather of bucket b
+and the scatter of bucket b+1 could be issued in different orders on different ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dtrain.dataparallel.transport import Transfer
+from dtrain.topology import Topology
+
+HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"
+"""Set to 1 or 0 to force hierarchical reduction on or off when the constructor leaves it None."""
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wants_hierarchical(
+    requested: bool | None, world_size: int, local_size: int, spans_world: bool
+) -> bool:
+    """Resolve ``hierarchical=None|True|False``: None reads the env var, else auto.
+
+    Auto means more than one host and more than one process per host. Only a group spanning
+    the whole world in rank order can be split by host here (every rank has to create the
+    host groups, which it can only do for a layout it knows).
+    """
+    if requested is None and os.environ.get(HIERARCHICAL_ENV, "") != "":
+        requested = os.environ[HIERARCHICAL_ENV] not in ("0", "false", "False")
+    if requested is None:
+        return spans_world and local_size > 1 and world_size > local_size
+    if requested and not spans_world:
+        raise ValueError(
+            "hierarchical reduction needs a process group spanning all ranks in order; "
+            "pass hierarchical=False for a sub-group"
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class HierarchicalAllReduce:
+    """Reduce-scatter in the host, all-reduce across hosts, all-gather in the host."""
+
+    scatter_group: dist.ProcessGroup
+    cross_host_group: dist.ProcessGroup
+    gather_group: dist.ProcessGroup
+    pad_multiple: int
+    num_stages: int = 3
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, local_size: int) -> HierarchicalAllReduce:
+        """Create the groups; every rank must call this at the same point (a collective)."""
+        topology = Topology(world_size, local_size)
+        hosts, columns = topology.all_groups("host"), topology.all_groups("cross_host")
+        scatter = _own_group(rank, hosts)
+        cross_host = _own_group(rank, columns)
+        gather = _own_group(rank, hosts)
+        return cls(scatter, cross_host, gather, pad_multiple=local_size)
+
+    def launch(self, stage: int, transfer: Transfer) -> dist.Work:
+        if stage == 0:
+            transfer.scratch = transfer.wire.new_empty(transfer.wire.numel() // self.pad_multiple)
+            return _reduce_scatter(
+                transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
+            )
+        shard = transfer.scratch
+        assert shard is not None, "stage 0 allocates the shard"
+        if stage == 1:
+            return dist.all_reduce(shard, group=self.cross_host_group, async_op=True)
+        return _all_gather(transfer.wire, shard, group=self.gather_group, async_op=True)
+
+
+def _own_group(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
+    """Create every group of a partition (all ranks must) and keep the one holding ``rank``."""
+    own: dist.ProcessGroup | None = None
+    for ranks in partition:
+        created = dist.new_group(ranks)
+        if rank in ranks:
+            own = created
+    assert own is not None, f"rank {rank} is in no group of {partition}"
+    return own

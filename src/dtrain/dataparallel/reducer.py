@@ -1,0 +1,213 @@
+"""Averages gradients across ranks during backward, bucket by bucket, overlapping the backward pass.
+
+A post-accumulate-grad hook on every parameter copies its gradient into its bucket's flat buffer
+(or finds it already there with ``gradient_as_bucket_view``). When a bucket's last gradient
+arrives, its all-reduce starts asynchronously while autograd keeps computing earlier layers.
+Buckets start strictly in index order on every rank, which keeps collectives matched without any
+negotiation. A final callback queued on the autograd engine then fills in parameters that got no
+gradient, waits for the rest, and writes the averages back to ``param.grad``.
+
+The first plan packs parameters in reverse definition order (a guess at backward order). The
+first synced backward records the real order in which gradients became ready; rank 0's record
+is broadcast (ranks must agree, and autograd's order can differ between them) and the buckets
+are rebuilt once in that order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.dataparallel.buckets import BucketPlan, plan_buckets
+from dtrain.dataparallel.compression import Codec
+from dtrain.dataparallel.transport import StagedAllReduce, Transfer
+
+
+class Reducer:
+    """Owns the buckets of one DistributedDataParallel and the hooks that fill them."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        strategy: StagedAllReduce,
+        codec: Codec,
+        group: dist.ProcessGroup,
+        cap_bytes: int,
+        find_unused: bool,
+        grad_as_view: bool,
+    ) -> None:
+        self._names = [name for name, _ in named_params]
+        self._params = [param for _, param in named_params]
+        self._strategy, self._codec, self._group = strategy, codec, group
+        self._world = dist.get_world_size(group)
+        self._root = dist.get_global_rank(group, 0)
+        self._cap, self._find_unused, self._grad_as_view = cap_bytes, find_unused, grad_as_view
+        self._sizes = [p.numel() * p.element_size() for p in self._params]
+        self._kinds = [(p.dtype, p.device) for p in self._params]
+        self._plan = plan_buckets(
+            self._sizes, list(reversed(range(len(self._params)))), cap_bytes, self._kinds
+        )
+        self._order_fixed = False
+        self._sync = True
+        self._allocate()
+        self._reset()
+        for index, param in enumerate(self._params):
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_ready, index))
+
+    @property
+    def plan(self) -> BucketPlan:
+        return self._plan
+
+    def prepare_forward(self, sync: bool) -> None:
+        """Record whether the backward of this forward reduces (False inside ``no_sync``)."""
+        self._sync = sync
+
+    # --- during backward ---------------------------------------------------------------------
+
+    def _on_ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._sync:
+            return  # no_sync: autograd keeps summing into param.grad; the next sync reduces it
+        if not self._in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._in_backward = True
+        if self._ready[index]:
+            raise RuntimeError(
+                f"the gradient of {self._names[index]} became ready twice in one backward pass "
+                "(reentrant backward, e.g. checkpoint(use_reentrant=True), is not supported)"
+            )
+        self._mark_ready(index, param.grad)
+        self._advance(block=False)
+
+    def _mark_ready(self, index: int, grad: torch.Tensor | None) -> None:
+        view = self._views[index]
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        self._ready[index] = True
+        self._order.append(index)
+        self._pending[self._bucket_of[index]] -= 1
+
+    def _advance(self, block: bool) -> None:
+        """Issue every stage that can start, each stage in bucket order; ``block`` waits instead.
+
+        Stage 0 of bucket b needs all of b's gradients; stage s > 0 needs b's stage s-1 done.
+        A stage is never issued for bucket b before it was issued for bucket b-1.
+        """
+        buckets = len(self._plan.buckets)
+        for stage in range(self._strategy.num_stages):
+            while self._issued[stage] < buckets:
+                b = self._issued[stage]
+                if stage == 0:
+                    if self._pending[b]:
+                        break
+                    wire = self._codec.encode(self._buffers[b], self._world)
+                    self._transfers.append(Transfer(wire))
+                else:
+                    if self._issued[stage - 1] <= b:
+                        break
+                    previous = self._transfers[b].work
+                    assert previous is not None
+                    if not (block or previous.is_completed()):
+                        break
+                    previous.wait()
+                self._transfers[b].work = self._strategy.launch(stage, self._transfers[b])
+                self._issued[stage] += 1
+
+    def _finish_backward(self) -> None:
+        """End of a synced backward: reduce what is left, then write averages into ``.grad``."""
+        self._in_backward = False
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        if missing and not self._find_unused:
+            self._advance(block=True)  # finish what every rank started, so the group stays usable
+            self._drain()
+            self._reset()
+            names = ", ".join(self._names[i] for i in missing)
+            raise RuntimeError(
+                f"no gradient reached these parameters in this backward pass: {names}. Pass "
+                "find_unused_parameters=True if the forward does not use every parameter."
+            )
+        for index in reversed(missing):
+            # An earlier no_sync backward may have left a gradient to contribute; else zeros.
+            self._mark_ready(index, self._params[index].grad)
+        locally_used = [param.grad is not None for param in self._params]
+        self._advance(block=True)
+        self._drain()
+        for transfer, buffer in zip(self._transfers, self._buffers, strict=True):
+            self._codec.decode(transfer.wire, buffer)
+        used = self._globally_used(locally_used) if self._find_unused else locally_used
+        self._write_back(used)
+        if not self._order_fixed:
+            self._fix_order()
+        self._reset()
+
+    def _drain(self) -> None:
+        for transfer in self._transfers:
+            assert transfer.work is not None
+            transfer.work.wait()
+
+    def _globally_used(self, locally_used: list[bool]) -> list[bool]:
+        """Whether any rank had a gradient: parameters no rank used keep ``grad=None``, as alone."""
+        flags = torch.tensor(locally_used, dtype=torch.int32, device=self._buffers[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return [bool(flag) for flag in flags.tolist()]
+
+    def _write_back(self, used: list[bool]) -> None:
+        for param, view, is_used in zip(self._params, self._views, used, strict=True):
+            if not is_used:
+                continue
+            if self._grad_as_view:
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
+    # --- bucket layout -------------------------------------------------------------------------
+
+    def _fix_order(self) -> None:
+        """Rebuild the buckets once, in the ready order rank 0 observed."""
+        order = torch.tensor(self._order, dtype=torch.int64, device=self._buffers[0].device)
+        dist.broadcast(order, src=self._root, group=self._group)
+        self._order_fixed = True
+        plan = plan_buckets(self._sizes, order.tolist(), self._cap, self._kinds)
+        if plan == self._plan:
+            return
+        self._plan = plan
+        self._allocate()
+        if self._grad_as_view:
+            for param, view in zip(self._params, self._views, strict=True):
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                    param.grad = view
+
+    def _allocate(self) -> None:
+        """Zeroed flat buffers for the plan (padded for the strategy) and a view per parameter."""
+        pad = self._strategy.pad_multiple
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        self._bucket_of = [0] * len(self._params)
+        for b, bucket in enumerate(self._plan.buckets):
+            first = self._params[bucket.params[0]]
+            numel = sum(self._params[i].numel() for i in bucket.params)
+            buffer = torch.zeros(-(-numel // pad) * pad, dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in bucket.params:
+                param = self._params[i]
+                self._views[i] = buffer[offset : offset + param.numel()].view(param.shape)
+                self._bucket_of[i] = b
+                offset += param.numel()
+            self._buffers.append(buffer)
+
+    def _reset(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._order: list[int] = []
+        self._pending = [len(bucket.params) for bucket in self._plan.buckets]
+        self._transfers: list[Transfer] = []
+        self._issued = [0] * self._strategy.num_stages
+        self._in_backward = False
