@@ -1,0 +1,578 @@
+"""Pipeline schedules as data: per-rank action lists, a simulator and a checker.
+
+Chain abstraction: partition ``p`` is pipeline stage ``p``, run by pp rank ``p``. Microbatch ``mb``
+goes forward through stages ``0..P-1`` and backward through ``P-1..0``. A :class:`Schedule` lists,
+per rank, the order in which that rank runs forwards (``F``), backwards (``B``) and the sends and
+receives between neighbouring stages. The runtime records what it really ran in the same form, so a
+plan and a measured run are checked, simulated and exported (Chrome trace) by the same code, and
+schedules can be tested without a model or processes.
+
+The two pipelines of SMP v1 (``pipeline`` parameter):
+
+* ``simple`` (GPipe): every forward, then every backward. Every microbatch's activations are alive
+  at once (in flight = ``microbatches``). Backwards run in microbatch order (B0, B1, ...), not
+  reversed: SMP's SimplePipeline runs ``F0 F1 B0 B1``, and the runtime releases the tasks it holds
+  at ``model.backward`` in microbatch order, so plan and recorded run compare action for action.
+  The makespan is the same either way.
+* ``interleaved`` (backward first, 1F1B-like): rank ``s`` runs a warm-up of
+  ``min(active_microbatches, P - s, microbatches)`` forwards, then alternates one backward and one
+  forward, then drains the remaining backwards. ``P - s`` forwards are what rank ``s`` needs in
+  flight to keep busy until the first gradient comes back; ``active_microbatches`` caps memory.
+
+As in SMP, ``simple`` is forced to ``interleaved`` when ``active_microbatches < microbatches``:
+``simple`` keeps all microbatches in flight, which that bound forbids. With SMP's default
+``active_microbatches = stages + 2`` this happens whenever ``microbatches > stages + 2``.
+
+Sends are buffered (the runtime's receiver thread takes every message as it arrives), so a send
+never blocks its rank; a receive waits until the matching send's message has arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from dtrain.errors import did_you_mean
+from dtrain.modelparallel.timeline import TimelineEvent
+
+ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+KINDS: tuple[str, ...] = get_args(ActionKind)
+PIPELINES: tuple[str, ...] = ("simple", "interleaved")
+COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
+
+_ACTION_TEXT = re.compile(r"^(?:(\d+):)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule (missing or repeated work, bad order, too many in flight)."""
+
+
+class ScheduleDeadlock(ScheduleError):
+    """No rank can make progress; ``blocked`` maps each stuck rank to its action and its wait."""
+
+    def __init__(self, blocked: dict[int, tuple[Action, str]]) -> None:
+        self.blocked = blocked
+        details = "; ".join(
+            f"rank {rank} is blocked at {action} waiting for {waits_for}"
+            for rank, (action, waits_for) in sorted(blocked.items())
+        )
+        super().__init__(f"schedule deadlocks, no rank can progress: {details}")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank: compute ``F``/``B`` or a send/receive of microbatch ``microbatch``.
+
+    ``stage`` is the stage the action belongs to (the rank running it, in the chain abstraction);
+    it prints as ``F3`` / ``SEND_F3`` because the row of a schedule already says the rank.
+    """
+
+    kind: ActionKind
+    microbatch: int
+    stage: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind: got {self.kind!r}; allowed: {', '.join(KINDS)}")
+        for name in ("microbatch", "stage"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"Action {name}: got {value!r}; must be an integer >= 0")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}@{self.stage}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @classmethod
+    def parse(cls, text: str, stage: int) -> Action:
+        """``"F3"`` -> ``Action("F", 3, stage)``; ``"1:F3"`` names the stage explicitly."""
+        match = _ACTION_TEXT.match(text.strip())
+        if not match:
+            raise ValueError(
+                f"action: got {text!r}; expected a kind ({', '.join(KINDS)}) then a microbatch, "
+                "e.g. 'F3' or 'SEND_B0'"
+            )
+        explicit_stage, kind, microbatch = match.groups()
+        return cls(kind, int(microbatch), int(explicit_stage) if explicit_stage else stage)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: ``actions[r]`` is what rank ``r`` runs, strictly in that order."""
+
+    pipeline: str
+    stages: int
+    microbatches: int
+    active_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_pipeline(self.pipeline)
+        for name in ("stages", "microbatches", "active_microbatches"):
+            _check_positive_int(name, getattr(self, name))
+        if self.active_microbatches > self.microbatches:
+            raise ValueError(
+                f"active_microbatches: got {self.active_microbatches}; allowed: 1 to "
+                f"microbatches ({self.microbatches})"
+            )
+        if self.pipeline == "simple" and self.active_microbatches < self.microbatches:
+            raise ValueError(
+                f"pipeline 'simple' needs active_microbatches == microbatches "
+                f"({self.microbatches}), got {self.active_microbatches}; SMP runs it as "
+                "'interleaved' then"
+            )
+        actions = tuple(tuple(rank_actions) for rank_actions in self.actions)
+        object.__setattr__(self, "actions", actions)
+        if len(actions) != self.stages:
+            raise ValueError(
+                f"actions: got {len(actions)} rank lists; need one per stage ({self.stages})"
+            )
+        for rank, rank_actions in enumerate(actions):
+            for action in rank_actions:
+                if not isinstance(action, Action):
+                    raise ValueError(f"actions[{rank}]: got {action!r}; expected an Action")
+                if action.microbatch >= self.microbatches or action.stage >= self.stages:
+                    raise ValueError(
+                        f"actions[{rank}]: {action!r} is outside {self.stages} stages x "
+                        f"{self.microbatches} microbatches"
+                    )
+
+    def compute_actions(self, rank: int) -> tuple[Action, ...]:
+        """Rank ``rank``'s ``F``/``B`` actions in order (sends and receives left out)."""
+        return tuple(action for action in self.actions[rank] if action.is_compute)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; actions are written compactly (``"F3"``), one list per rank."""
+        return {
+            "pipeline": self.pipeline,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "active_microbatches": self.active_microbatches,
+            "actions": [
+                [str(a) if a.stage == rank else f"{a.stage}:{a}" for a in rank_actions]
+                for rank, rank_actions in enumerate(self.actions)
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
+        return cls(
+            pipeline=data["pipeline"],
+            stages=data["stages"],
+            microbatches=data["microbatches"],
+            active_microbatches=data["active_microbatches"],
+            actions=tuple(
+                tuple(Action.parse(text, rank) for text in rank_actions)
+                for rank, rank_actions in enumerate(data["actions"])
+            ),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        """A grid, one row per rank, one column per unit of time (unit costs, no comm latency).
+
+        Time-aligned so the pipeline's fill and drain (its bubbles, shown as ``.``) are visible.
+        """
+        header = (
+            f"{self.pipeline} pipeline: {self.stages} stages, {self.microbatches} microbatches, "
+            f"at most {self.active_microbatches} in flight"
+        )
+        label = f"rank {{:>{len(str(self.stages - 1))}}}"
+        try:
+            result = simulate(self, forward_cost=1.0, backward_cost=1.0)
+        except ScheduleDeadlock as error:
+            rows = [
+                f"{label.format(rank)} | " + " ".join(map(str, rank_actions))
+                for rank, rank_actions in enumerate(self.actions)
+            ]
+            return "\n".join([f"{header} (deadlocks; actions in list order)", *rows, str(error)])
+        cells: list[dict[int, str]] = [
+            {round(e.start): e.name for e in rank_events if e.kind in COMPUTE_KINDS}
+            for rank_events in result.events
+        ]
+        width = max((len(name) for row in cells for name in row.values()), default=1)
+        columns = round(result.makespan)
+        rows = [
+            f"{label.format(rank)} | "
+            + " ".join(row.get(t, ".").ljust(width) for t in range(columns)).rstrip()
+            for rank, row in enumerate(cells)
+        ]
+        return "\n".join([header, *rows])
+
+
+def build_schedule(
+    pipeline: str, stages: int, microbatches: int, active_microbatches: int | None = None
+) -> Schedule:
+    """The action lists SMP's ``pipeline`` runs on ``stages`` ranks for ``microbatches``.
+
+    ``active_microbatches`` defaults to ``stages + 2`` (SMP's default) and is clamped to
+    ``microbatches``, since no more than that can ever be in flight. ``simple`` with
+    ``active_microbatches < microbatches`` is built as ``interleaved`` (SMP's rule): check
+    ``Schedule.pipeline`` for the pipeline actually used.
+    """
+    _check_pipeline(pipeline)
+    _check_positive_int("stages", stages)
+    _check_positive_int("microbatches", microbatches)
+    if active_microbatches is None:
+        active_microbatches = stages + 2
+    else:
+        _check_positive_int("active_microbatches", active_microbatches)
+    active = min(active_microbatches, microbatches)
+    if pipeline == "simple" and active < microbatches:
+        pipeline = "interleaved"
+    build = _simple_rank if pipeline == "simple" else _interleaved_rank
+    actions = tuple(build(stage, stages, microbatches, active) for stage in range(stages))
+    return Schedule(pipeline, stages, microbatches, active, actions)
+
+
+def _forward(mb: int, stage: int, stages: int) -> list[Action]:
+    """``F`` with its receive from the previous stage and send to the next."""
+    actions = [Action("RECV_F", mb, stage)] if stage > 0 else []
+    actions.append(Action("F", mb, stage))
+    if stage < stages - 1:
+        actions.append(Action("SEND_F", mb, stage))
+    return actions
+
+
+def _backward(mb: int, stage: int, stages: int) -> list[Action]:
+    """``B`` with its receive from the next stage and send to the previous."""
+    actions = [Action("RECV_B", mb, stage)] if stage < stages - 1 else []
+    actions.append(Action("B", mb, stage))
+    if stage > 0:
+        actions.append(Action("SEND_B", mb, stage))
+    return actions
+
+
+def _simple_rank(stage: int, stages: int, microbatches: int, active: int) -> tuple[Action, ...]:
+    actions: list[Action] = []
+    for mb in range(microbatches):
+        actions += _forward(mb, stage, stages)
+    for mb in range(microbatches):
+        actions += _backward(mb, stage, stages)
+    return tuple(actions)
+
+
+def _interleaved_rank(
+    stage: int, stages: int, microbatches: int, active: int
+) -> tuple[Action, ...]:
+    # The warm-up shrinks down the pipeline (non-increasing in stage), which is what makes the
+    # schedule deadlock-free: rank s's k-th backward never waits for a forward rank s-1 has not
+    # been allowed to start.
+    warmup = min(active, stages - stage, microbatches)
+    actions: list[Action] = []
+    forwards = backwards = 0
+    for _ in range(warmup):
+        actions += _forward(forwards, stage, stages)
+        forwards += 1
+    while forwards < microbatches:
+        actions += _backward(backwards, stage, stages)
+        backwards += 1
+        actions += _forward(forwards, stage, stages)
+        forwards += 1
+    while backwards < microbatches:
+        actions += _backward(backwards, stage, stages)
+        backwards += 1
+    return tuple(actions)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What running a schedule with given costs gives.
+
+    ``events[r]`` holds rank ``r``'s events in execution order: compute spans, sends (instants)
+    and receives (from when the rank reached the receive until the message arrived).
+    ``peak_in_flight[r]`` is the most microbatches rank ``r`` held activations for at once
+    (forwarded, not yet backwarded); ``busy[r]`` its total compute time.
+    """
+
+    events: tuple[tuple[TimelineEvent, ...], ...]
+    makespan: float
+    peak_in_flight: tuple[int, ...]
+    busy: tuple[float, ...]
+
+    def all_events(self, include_comm: bool = True) -> list[TimelineEvent]:
+        """Every rank's events, ordered by start time (then rank)."""
+        events = [
+            event
+            for rank_events in self.events
+            for event in rank_events
+            if include_comm or event.kind in COMPUTE_KINDS
+        ]
+        return sorted(events, key=lambda event: (event.start, event.rank))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of rank-time spent idle: ``1 - sum(busy) / (ranks x makespan)``."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+def simulate(
+    schedule: Schedule,
+    forward_cost: Sequence[float] | float = 1.0,
+    backward_cost: Sequence[float] | float = 2.0,
+    comm_cost: float = 0.0,
+) -> SimulationResult:
+    """Run the action lists in order, each rank one worker, and time them.
+
+    Costs are per stage (one number for all stages, or one per stage). ``comm_cost`` is the
+    latency of a message between neighbouring stages: ``F(mb, s)`` starts at least ``comm_cost``
+    after ``F(mb, s-1)`` ends, ``B(mb, s)`` likewise after ``B(mb, s+1)``, and a receive completes
+    ``comm_cost`` after its matching send. Sends and receives take no worker time. Raises
+    :class:`ScheduleDeadlock` when every unfinished rank waits on something that never happens.
+    """
+    stages = schedule.stages
+    forward = _per_stage("forward_cost", forward_cost, stages)
+    backward = _per_stage("backward_cost", backward_cost, stages)
+    if not _is_number(comm_cost) or comm_cost < 0 or not math.isfinite(comm_cost):
+        raise ValueError(f"comm_cost: got {comm_cost!r}; must be a finite number >= 0")
+
+    compute_end: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end
+    arrivals: dict[tuple[str, int, int], list[float]] = {}  # (F|B, mb, sending stage) -> times
+    received: dict[tuple[str, int, int], int] = {}  # (F|B, mb, sending stage) -> receives done
+    position = [0] * stages
+    free_at = [0.0] * stages
+    events: list[list[TimelineEvent]] = [[] for _ in range(stages)]
+    live: list[set[int]] = [set() for _ in range(stages)]
+    peak = [0] * stages
+    busy = [0.0] * stages
+
+    def ready_time(action: Action) -> tuple[float | None, str]:
+        """When ``action``'s inputs are there (None: not yet), and what it waits for."""
+        mb, stage = action.microbatch, action.stage
+        if action.kind in ("RECV_F", "RECV_B"):
+            direction = action.kind[-1]
+            sender = stage - 1 if direction == "F" else stage + 1
+            needed = f"SEND_{direction}{mb} from rank {sender}"
+            if not 0 <= sender < stages:
+                return None, f"{needed}, which does not exist"
+            key = (direction, mb, sender)
+            times = arrivals.get(key, [])
+            index = received.get(key, 0)
+            return (times[index] if index < len(times) else None), needed
+        waits: list[tuple[tuple[str, int, int], float, str]] = []
+        if action.kind == "F" and stage > 0:
+            waits.append((("F", mb, stage - 1), comm_cost, f"F{mb} on rank {stage - 1}"))
+        if action.kind == "B":
+            waits.append((("F", mb, stage), 0.0, f"its own F{mb}"))
+            if stage < stages - 1:
+                waits.append((("B", mb, stage + 1), comm_cost, f"B{mb} on rank {stage + 1}"))
+        if action.kind in ("SEND_F", "SEND_B"):
+            waits.append(((action.kind[-1], mb, stage), 0.0, f"its own {action.kind[-1]}{mb}"))
+        ready = 0.0
+        for key, latency, needed in waits:
+            if key not in compute_end:
+                return None, needed
+            ready = max(ready, compute_end[key] + latency)
+        return ready, ""
+
+    def run(rank: int, action: Action, ready: float) -> None:
+        start = max(free_at[rank], ready)
+        mb, stage = action.microbatch, action.stage
+        end = start
+        if action.kind == "F":
+            end = start + forward[stage]
+            live[rank].add(mb)
+            peak[rank] = max(peak[rank], len(live[rank]))
+        elif action.kind == "B":
+            end = start + backward[stage]
+            live[rank].discard(mb)
+        elif action.kind in ("SEND_F", "SEND_B"):
+            arrivals.setdefault((action.kind[-1], mb, stage), []).append(start + comm_cost)
+        else:
+            direction = action.kind[-1]
+            key = (direction, mb, stage - 1 if direction == "F" else stage + 1)
+            received[key] = received.get(key, 0) + 1
+            start = free_at[rank]  # the event shows the wait
+        if action.is_compute:
+            compute_end.setdefault((action.kind, mb, stage), end)
+            busy[rank] += end - start
+        free_at[rank] = end
+        events[rank].append(TimelineEvent(rank, action.kind, mb, start, end, str(action)))
+
+    while True:
+        progressed = False
+        for rank in range(stages):
+            rank_actions = schedule.actions[rank]
+            while position[rank] < len(rank_actions):
+                action = rank_actions[position[rank]]
+                ready, _ = ready_time(action)
+                if ready is None:
+                    break
+                run(rank, action, ready)
+                position[rank] += 1
+                progressed = True
+        unfinished = [r for r in range(stages) if position[r] < len(schedule.actions[r])]
+        if not unfinished:
+            break
+        if not progressed:
+            blocked = {}
+            for rank in unfinished:
+                action = schedule.actions[rank][position[rank]]
+                blocked[rank] = (action, ready_time(action)[1])
+            raise ScheduleDeadlock(blocked)
+
+    return SimulationResult(
+        events=tuple(tuple(rank_events) for rank_events in events),
+        makespan=max(free_at, default=0.0),
+        peak_in_flight=tuple(peak),
+        busy=tuple(busy),
+    )
+
+
+def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:
+    """Pipeline makespan of the bubble formula: ``max(stage_costs) x (M + P - 1)``.
+
+    ``stage_costs[s]`` is stage ``s``'s forward + backward time for one microbatch. With uniform
+    stages and no communication latency it is the exact makespan of both pipelines (``simple``,
+    and ``interleaved`` with ``active_microbatches >= min(stages, microbatches)``): fill and
+    drain cost ``P - 1`` slots of a stage. With uneven stages (same forward:backward split) it
+    is an upper bound, as if every stage were the slowest: what benchmarks compare steps to.
+    """
+    _check_positive_int("microbatches", microbatches)
+    if not stage_costs:
+        raise ValueError("stage_costs: got an empty sequence; need one cost per stage")
+    costs = _per_stage("stage_costs", stage_costs, len(stage_costs))
+    return max(costs) * (microbatches + len(costs) - 1)
+
+
+def check(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` listing every rule ``schedule`` breaks.
+
+    Rules: each rank runs ``F`` and ``B`` of each microbatch of its own stage exactly once, ``F``
+    before ``B``; every send has exactly one matching receive on the neighbouring rank (forward
+    results go to the next stage, gradients to the previous), received before use and sent after
+    being computed; ``simple`` runs all forwards before any backward; no rank holds more than
+    ``active_microbatches`` in flight. Then it must run to the end (:class:`ScheduleDeadlock`).
+    """
+    problems: list[str] = []
+    stages = schedule.stages
+    for rank, rank_actions in enumerate(schedule.actions):
+        where = f"rank {rank}"
+        positions: dict[tuple[str, int], list[int]] = {}
+        for index, action in enumerate(rank_actions):
+            if action.stage != rank:
+                problems.append(f"{where}: {action} belongs to stage {action.stage}")
+            positions.setdefault((action.kind, action.microbatch), []).append(index)
+        expected = {
+            "F": "",
+            "B": "",
+            "RECV_F": "" if rank > 0 else "stage 0 has no previous stage",
+            "SEND_B": "" if rank > 0 else "stage 0 has no previous stage",
+            "SEND_F": "" if rank < stages - 1 else "the last stage has no next stage",
+            "RECV_B": "" if rank < stages - 1 else "the last stage has no next stage",
+        }
+        for mb in range(schedule.microbatches):
+            for kind, unexpected_because in expected.items():
+                count = len(positions.get((kind, mb), []))
+                if unexpected_because and count:
+                    problems.append(f"{where}: unexpected {kind}{mb} ({unexpected_because})")
+                elif not unexpected_because and count != 1:
+                    problems.append(
+                        f"{where}: {kind}{mb} missing"
+                        if count == 0
+                        else f"{where}: {kind}{mb} appears {count} times"
+                    )
+            for first, second in (
+                ("RECV_F", "F"),
+                ("F", "SEND_F"),
+                ("F", "B"),
+                ("RECV_B", "B"),
+                ("B", "SEND_B"),
+            ):
+                before = positions.get((first, mb), [])
+                after = positions.get((second, mb), [])
+                if len(before) == 1 and len(after) == 1 and before[0] > after[0]:
+                    problems.append(f"{where}: {first}{mb} must come before {second}{mb}")
+        if schedule.pipeline == "simple":
+            forwards = [i for i, a in enumerate(rank_actions) if a.kind == "F"]
+            backwards = [i for i, a in enumerate(rank_actions) if a.kind == "B"]
+            if forwards and backwards and max(forwards) > min(backwards):
+                problems.append(f"{where}: simple pipeline runs a backward before its last forward")
+        in_flight = _peak_in_flight(rank_actions)
+        if in_flight > schedule.active_microbatches:
+            problems.append(
+                f"{where}: {in_flight} microbatches in flight, more than "
+                f"active_microbatches={schedule.active_microbatches}"
+            )
+    if problems:
+        shown = problems[:20]
+        more = f"; and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ScheduleError(f"invalid schedule: {'; '.join(shown)}{more}")
+    simulate(schedule)
+
+
+def timeline(
+    schedule: Schedule,
+    forward_cost: Sequence[float] | float = 1.0,
+    backward_cost: Sequence[float] | float = 2.0,
+    comm_cost: float = 0.0,
+    include_comm: bool = False,
+) -> list[TimelineEvent]:
+    """The simulated timeline, ready for :func:`~dtrain.modelparallel.timeline.write_chrome_trace`.
+
+    Compute only by default: receive spans cover idle time and would hide the bubbles.
+    """
+    result = simulate(schedule, forward_cost, backward_cost, comm_cost)
+    return result.all_events(include_comm=include_comm)
+
+
+def _peak_in_flight(actions: Sequence[Action]) -> int:
+    live: set[int] = set()
+    peak = 0
+    for action in actions:
+        if action.kind == "F":
+            live.add(action.microbatch)
+            peak = max(peak, len(live))
+        elif action.kind == "B":
+            live.discard(action.microbatch)
+    return peak
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        raise ValueError(f"{name}: got {value!r}; must be a positive integer")
+
+
+def _check_pipeline(pipeline: object) -> None:
+    if pipeline not in PIPELINES:
+        suggestion = did_you_mean(pipeline, PIPELINES) if isinstance(pipeline, str) else None
+        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
+        allowed = ", ".join(repr(p) for p in PIPELINES)
+        raise ValueError(f"pipeline: got {pipeline!r}; allowed: {allowed}{hint}")
+
+
+def _per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:
+    """One finite, non-negative cost per stage, from a number or a sequence."""
+    costs = (cost,) * stages if _is_number(cost) else tuple(cost)  # type: ignore[arg-type]
+    if len(costs) != stages:
+        raise ValueError(f"{name}: got {len(costs)} costs; need one per stage ({stages})")
+    for value in costs:
+        if not _is_number(value) or value < 0 or not math.isfinite(value):
+            raise ValueError(f"{name}: got {value!r}; costs must be finite numbers >= 0")
+    return tuple(float(value) for value in costs)

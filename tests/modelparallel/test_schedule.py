@@ -1,0 +1,379 @@
+"""Pipeline schedules as data: exact lists, rules, memory bound, simulator, deadlocks, export.
+
+No model and no processes: schedules are checked and timed by the simulator alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtrain.modelparallel.schedule import (
+    Action,
+    Schedule,
+    ScheduleDeadlock,
+    ScheduleError,
+    build_schedule,
+    check,
+    ideal_makespan,
+    simulate,
+    timeline,
+)
+from dtrain.modelparallel.timeline import write_chrome_trace
+
+
+def rank(stage: int, text: str) -> tuple[Action, ...]:
+    return tuple(Action.parse(word, stage) for word in text.split())
+
+
+def schedule(pipeline: str, microbatches: int, active: int, *rows: str) -> Schedule:
+    """A hand-built schedule, one string of actions per rank."""
+    actions = tuple(rank(stage, row) for stage, row in enumerate(rows))
+    return Schedule(pipeline, len(rows), microbatches, active, actions)
+
+
+GRID = [
+    (pipeline, stages, microbatches, active)
+    for pipeline in ("simple", "interleaved")
+    for stages in range(1, 5)
+    for microbatches in range(1, 9)
+    for active in range(1, microbatches + 1)
+]
+
+
+# Exact action lists (P=2, M=4), written out by hand.
+
+
+def test_simple_two_stages_four_microbatches() -> None:
+    built = build_schedule("simple", 2, 4)
+    assert built.pipeline == "simple"
+    assert built.active_microbatches == 4
+    assert built.actions == (
+        rank(
+            0,
+            "F0 SEND_F0 F1 SEND_F1 F2 SEND_F2 F3 SEND_F3 "
+            "RECV_B0 B0 RECV_B1 B1 RECV_B2 B2 RECV_B3 B3",
+        ),
+        rank(
+            1,
+            "RECV_F0 F0 RECV_F1 F1 RECV_F2 F2 RECV_F3 F3 "
+            "B0 SEND_B0 B1 SEND_B1 B2 SEND_B2 B3 SEND_B3",
+        ),
+    )
+
+
+def test_interleaved_two_stages_four_microbatches() -> None:
+    built = build_schedule("interleaved", 2, 4)
+    assert built.active_microbatches == 4  # default stages + 2, clamped to microbatches
+    assert built.actions == (
+        rank(
+            0,
+            "F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 SEND_F2 "
+            "RECV_B1 B1 F3 SEND_F3 RECV_B2 B2 RECV_B3 B3",
+        ),
+        rank(
+            1,
+            "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1 "
+            "RECV_F2 F2 B2 SEND_B2 RECV_F3 F3 B3 SEND_B3",
+        ),
+    )
+
+
+def test_interleaved_one_active_alternates_on_every_rank() -> None:
+    built = build_schedule("interleaved", 2, 4, active_microbatches=1)
+    for stage in range(2):
+        assert " ".join(map(str, built.compute_actions(stage))) == "F0 B0 F1 B1 F2 B2 F3 B3"
+
+
+def test_one_stage_has_no_communication() -> None:
+    assert build_schedule("interleaved", 1, 3).actions == (rank(0, "F0 B0 F1 B1 F2 B2"),)
+    assert build_schedule("simple", 1, 3, 3).actions == (rank(0, "F0 F1 F2 B0 B1 B2"),)
+
+
+def test_fewer_microbatches_than_stages() -> None:
+    built = build_schedule("interleaved", 4, 2)
+    assert [len(built.compute_actions(s)) for s in range(4)] == [4, 4, 4, 4]
+    assert [str(a) for a in built.compute_actions(0)] == ["F0", "F1", "B0", "B1"]
+    assert [str(a) for a in built.compute_actions(3)] == ["F0", "B0", "F1", "B1"]
+
+
+# Rules, over a grid of shapes.
+
+
+@pytest.mark.parametrize(("pipeline", "stages", "microbatches", "active"), GRID)
+def test_built_schedules_pass_check(
+    pipeline: str, stages: int, microbatches: int, active: int
+) -> None:
+    check(build_schedule(pipeline, stages, microbatches, active))
+
+
+@pytest.mark.parametrize(("pipeline", "stages", "microbatches", "active"), GRID)
+def test_in_flight_bound(pipeline: str, stages: int, microbatches: int, active: int) -> None:
+    built = build_schedule(pipeline, stages, microbatches, active)
+    peaks = simulate(built).peak_in_flight
+    if built.pipeline == "simple":
+        assert peaks == (microbatches,) * stages
+    else:
+        # Rank s needs at most P - s in flight to stay busy; active_microbatches caps memory.
+        assert peaks == tuple(min(active, stages - s, microbatches) for s in range(stages))
+        assert max(peaks) <= active
+
+
+def test_simple_keeps_every_microbatch_in_flight() -> None:
+    assert simulate(build_schedule("simple", 3, 5, 5)).peak_in_flight == (5, 5, 5)
+
+
+# SMP's rule: simple is forced to interleaved when active < microbatches.
+
+
+def test_simple_forced_to_interleaved_when_active_below_microbatches() -> None:
+    forced = build_schedule("simple", 2, 8, active_microbatches=3)
+    assert forced.pipeline == "interleaved"
+    assert forced == build_schedule("interleaved", 2, 8, active_microbatches=3)
+
+
+def test_simple_forced_by_the_default_active() -> None:
+    # Default active = stages + 2 = 4 < 8 microbatches.
+    assert build_schedule("simple", 2, 8).pipeline == "interleaved"
+    assert build_schedule("simple", 2, 4).pipeline == "simple"
+
+
+def test_active_is_clamped_to_microbatches() -> None:
+    built = build_schedule("simple", 2, 3, active_microbatches=10)
+    assert built.pipeline == "simple"
+    assert built.active_microbatches == 3
+
+
+def test_simple_schedule_with_active_below_microbatches_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"simple.*interleaved"):
+        Schedule("simple", 1, 2, 1, (rank(0, "F0 F1 B0 B1"),))
+
+
+# Simulated makespan.
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("forward", "backward"), [(1.0, 2.0), (1.0, 1.0), (2.0, 1.0)])
+def test_uniform_makespan_matches_bubble_formula(
+    stages: int, microbatches: int, forward: float, backward: float
+) -> None:
+    ideal = ideal_makespan([forward + backward] * stages, microbatches)
+    for active in range(min(stages, microbatches), microbatches + 1):
+        built = build_schedule("interleaved", stages, microbatches, active)
+        assert simulate(built, forward, backward).makespan == pytest.approx(ideal)
+    gpipe = build_schedule("simple", stages, microbatches, microbatches)
+    assert simulate(gpipe, forward, backward).makespan == pytest.approx(ideal)
+
+
+def test_fewer_active_than_stages_costs_time() -> None:
+    ideal = ideal_makespan([3.0] * 4, 8)
+    assert simulate(build_schedule("interleaved", 4, 8, 2)).makespan > ideal
+
+
+def test_bubble_fraction() -> None:
+    result = simulate(build_schedule("interleaved", 4, 8), 1.0, 2.0)
+    # Idle share of the bubble formula: (P - 1) / (M + P - 1).
+    assert result.bubble_fraction == pytest.approx(3 / 11)
+    assert result.busy == (24.0,) * 4
+
+
+def test_comm_latency_on_one_microbatch() -> None:
+    result = simulate(build_schedule("interleaved", 3, 1), 1.0, 2.0, comm_cost=0.5)
+    # Forward through 3 stages, backward through 3, 2 hops each way.
+    assert result.makespan == pytest.approx(3 * 3.0 + 4 * 0.5)
+
+
+def test_slowest_stage_sets_the_pace() -> None:
+    result = simulate(build_schedule("interleaved", 3, 6), [1.0, 2.0, 1.0], [2.0, 4.0, 2.0])
+    # At least the slowest stage's work; at most the formula (every stage as slow as it).
+    assert 6 * 6.0 <= result.makespan <= ideal_makespan([3.0, 6.0, 3.0], 6)
+    assert result.makespan == pytest.approx(40.0)
+    assert result.busy == (18.0, 36.0, 18.0)
+
+
+def test_events_follow_the_action_lists() -> None:
+    built = build_schedule("interleaved", 2, 4)
+    result = simulate(built)
+    for stage in range(2):
+        assert [e.name for e in result.events[stage]] == [str(a) for a in built.actions[stage]]
+        assert all(e.rank == stage for e in result.events[stage])
+    f0_rank1 = next(e for e in result.events[1] if e.name == "F0")
+    assert (f0_rank1.start, f0_rank1.end) == (1.0, 2.0)
+    recv = result.events[1][0]
+    assert (recv.kind, recv.start, recv.end) == ("RECV_F", 0.0, 1.0)  # waited for rank 0's F0
+
+
+# Broken schedules.
+
+
+def test_deadlock_names_each_blocked_rank_and_its_wait() -> None:
+    # Rank 0 waits for a gradient before sending its activation; rank 1 waits for the activation.
+    broken = schedule("interleaved", 1, 1, "F0 RECV_B0 SEND_F0 B0", "RECV_F0 F0 B0 SEND_B0")
+    with pytest.raises(ScheduleDeadlock) as caught:
+        simulate(broken)
+    message = str(caught.value)
+    assert "rank 0 is blocked at RECV_B0 waiting for SEND_B0 from rank 1" in message
+    assert "rank 1 is blocked at RECV_F0 waiting for SEND_F0 from rank 0" in message
+    assert set(caught.value.blocked) == {0, 1}
+    with pytest.raises(ScheduleDeadlock):
+        check(broken)
+
+
+def test_deadlock_on_a_cycle_of_compute() -> None:
+    # Rank 0 asks for microbatch 1's gradient before sending microbatch 1 forward.
+    broken = schedule(
+        "interleaved",
+        2,
+        2,
+        "F0 SEND_F0 RECV_B1 B1 F1 SEND_F1 RECV_B0 B0",
+        "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1",
+    )
+    with pytest.raises(ScheduleDeadlock, match="rank 0 is blocked at RECV_B1") as caught:
+        simulate(broken)
+    assert caught.value.blocked[1][0] == Action("RECV_F", 1, 1)
+
+
+def test_str_of_a_deadlocked_schedule_lists_actions() -> None:
+    broken = schedule("interleaved", 1, 1, "F0 RECV_B0 SEND_F0 B0", "RECV_F0 F0 B0 SEND_B0")
+    text = str(broken)
+    assert "deadlocks" in text
+    assert "rank 0 | F0 RECV_B0 SEND_F0 B0" in text
+
+
+@pytest.mark.parametrize(
+    ("rows", "microbatches", "active", "expected"),
+    [
+        (("F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0"), 1, 1, "rank 1: B0 missing"),
+        (("F0 F0 B0",), 1, 1, "rank 0: F0 appears 2 times"),
+        (("F0 RECV_B0 B0", "RECV_F0 F0 B0 SEND_B0"), 1, 1, "rank 0: SEND_F0 missing"),
+        (("B0 F0",), 1, 1, "rank 0: F0 must come before B0"),
+        (("RECV_F0 F0 B0",), 1, 1, "rank 0: unexpected RECV_F0 (stage 0 has no previous stage)"),
+        (("F0 SEND_F0 B0",), 1, 1, "rank 0: unexpected SEND_F0 (the last stage has no next"),
+        (("F0 F1 B0 B1",), 2, 1, "rank 0: 2 microbatches in flight, more than"),
+        (("1:F0 B0", "RECV_F0 F0 B0 SEND_B0"), 1, 1, "rank 0: F0 belongs to stage 1"),
+    ],
+)
+def test_check_reports_broken_rules(
+    rows: tuple[str, ...], microbatches: int, active: int, expected: str
+) -> None:
+    with pytest.raises(ScheduleError, match="invalid schedule") as caught:
+        check(schedule("interleaved", microbatches, active, *rows))
+    assert expected in str(caught.value)
+
+
+def test_check_simple_runs_every_forward_first() -> None:
+    with pytest.raises(ScheduleError, match="simple pipeline runs a backward before"):
+        check(schedule("simple", 2, 2, "F0 B0 F1 B1"))
+
+
+# Validation.
+
+
+@pytest.mark.parametrize("name", ["stages", "microbatches", "active_microbatches"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_non_positive_or_non_int_rejected(name: str, value: object) -> None:
+    arguments: dict[str, object] = {"stages": 2, "microbatches": 4, "active_microbatches": 2}
+    arguments[name] = value
+    with pytest.raises(ValueError, match=f"^{name}: got {value!r}; must be a positive integer"):
+        build_schedule("interleaved", **arguments)  # type: ignore[arg-type]
+
+
+def test_unknown_pipeline_suggests_the_closest() -> None:
+    with pytest.raises(ValueError, match=r"pipeline: got 'interleave'.*did you mean 'interleaved'"):
+        build_schedule("interleave", 2, 4)
+    with pytest.raises(ValueError, match=r"allowed: 'simple', 'interleaved'$"):
+        build_schedule("1f1b", 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"forward_cost": [1.0]}, "forward_cost: got 1 costs; need one per stage \\(2\\)"),
+        ({"backward_cost": -1.0}, "backward_cost: got -1.0"),
+        ({"forward_cost": float("nan")}, "forward_cost: got nan"),
+        ({"comm_cost": -0.5}, "comm_cost: got -0.5"),
+    ],
+)
+def test_bad_costs_rejected(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        simulate(build_schedule("interleaved", 2, 2), **kwargs)  # type: ignore[arg-type]
+
+
+def test_ideal_makespan() -> None:
+    assert ideal_makespan([3.0, 5.0, 4.0], 4) == 5.0 * 6
+    assert ideal_makespan([2.0], 1) == 2.0
+    with pytest.raises(ValueError, match="stage_costs"):
+        ideal_makespan([], 4)
+    with pytest.raises(ValueError, match="microbatches: got 0"):
+        ideal_makespan([1.0], 0)
+
+
+def test_action_validation_and_text() -> None:
+    action = Action("SEND_F", 3, 1)
+    assert str(action) == "SEND_F3"
+    assert repr(action) == "SEND_F3@1"
+    assert Action.parse("SEND_F3", 1) == action
+    assert Action.parse("0:B2", 1) == Action("B", 2, 0)
+    with pytest.raises(ValueError, match="Action kind: got 'X'"):
+        Action("X", 0, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Action microbatch: got -1"):
+        Action("F", -1, 0)
+    with pytest.raises(ValueError, match="action: got 'G3'"):
+        Action.parse("G3", 0)
+
+
+def test_schedule_shape_validated() -> None:
+    with pytest.raises(ValueError, match="got 1 rank lists; need one per stage \\(2\\)"):
+        Schedule("interleaved", 2, 1, 1, (rank(0, "F0 B0"),))
+    with pytest.raises(ValueError, match="outside 1 stages x 1 microbatches"):
+        Schedule("interleaved", 1, 1, 1, (rank(0, "F0 B0 F1"),))
+
+
+# Text, JSON and Chrome trace.
+
+
+def test_str_is_a_time_aligned_grid() -> None:
+    assert str(build_schedule("interleaved", 2, 4)) == (
+        "interleaved pipeline: 2 stages, 4 microbatches, at most 4 in flight\n"
+        "rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3\n"
+        "rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 ."
+    )
+    assert str(build_schedule("simple", 2, 4)).splitlines()[1:] == [
+        "rank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3",
+        "rank 1 | .  F0 F1 F2 F3 B0 B1 B2 B3 .",
+    ]
+
+
+def test_json_round_trip() -> None:
+    built = build_schedule("interleaved", 3, 5, 2)
+    data = json.loads(built.to_json())
+    assert data["pipeline"] == "interleaved"
+    assert data["active_microbatches"] == 2
+    assert data["actions"][2][:3] == ["RECV_F0", "F0", "B0"]
+    assert Schedule.from_json(built.to_json()) == built
+
+
+def test_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
+    built = build_schedule("interleaved", 3, 4)
+    path = tmp_path / "pipeline.json"
+    write_chrome_trace(timeline(built, forward_cost=1.0, backward_cost=2.0), path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 2 * 3 * 4  # compute only by default
+    assert {(e["tid"], e["name"]) for e in spans} == {
+        (stage, f"{kind}{mb}") for stage in range(3) for kind in "FB" for mb in range(4)
+    }
+    f0_last = next(e for e in spans if e["tid"] == 2 and e["name"] == "F0")
+    assert (f0_last["ts"], f0_last["dur"]) == (2e6, 1e6)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+
+
+def test_timeline_can_include_communication() -> None:
+    built = build_schedule("simple", 2, 2, 2)
+    events = timeline(built, include_comm=True)
+    assert {e.kind for e in events} == {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    assert [e.start for e in events] == sorted(e.start for e in events)
