@@ -1,16 +1,18 @@
-"""The ``dtrain`` command: run training jobs and look at them afterwards."""
+"""The ``dtrain`` command: run training jobs, look at them afterwards, plan model partitions."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError, DtrainError, did_you_mean
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -99,6 +101,25 @@ def _build_parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser("metrics", help="a job's metric time series")
     metrics.add_argument("name")
     metrics.add_argument("--plot", metavar="OUT.png", help="write a plot of every metric")
+
+    plan = commands.add_parser("plan", help="profile a model and print its partition plan")
+    plan.add_argument(
+        "model", metavar="FILE:FACTORY", help="Python file and its function returning the nn.Module"
+    )
+    plan.add_argument(
+        "--input",
+        default="sample_batch",
+        metavar="[FILE:]FUNCTION",
+        help="function returning example inputs: (args, kwargs), a tuple of args, or one "
+        "argument (default: sample_batch in the model's file)",
+    )
+    plan.add_argument("--partitions", type=int, required=True, help="pipeline partitions")
+    plan.add_argument(
+        "--memory-weight", type=float, default=0.2, help="0..1, memory against compute balance"
+    )
+    plan.add_argument("--repeats", type=int, default=3, help="timed passes (times are medians)")
+    plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
+    plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
     return parser
 
 
@@ -200,6 +221,89 @@ def _metrics(name: str, plot: str | None) -> int:
     return EXIT_OK
 
 
+def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(flag, spec, f"FILE:FUNCTION naming an existing Python file ({path})")
+    module_spec = importlib.util.spec_from_file_location(f"_dtrain_plan_{path.stem}", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
+    folder = str(path.parent.resolve())
+    sys.path.insert(0, folder)  # so the file can import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def _load_function(
+    flag: str, spec: str, files: dict[Path, ModuleType], default_file: Path | None = None
+) -> tuple[Path, Callable[..., Any]]:
+    """``FILE:FUNCTION`` (or ``FUNCTION`` of ``default_file``); each file is imported once."""
+    file, _, name = spec.rpartition(":")
+    path = Path(file) if file else default_file
+    if path is None or not name:
+        raise ConfigError(flag, spec, "FILE:FUNCTION, e.g. model.py:build_model")
+    if path not in files:
+        files[path] = _import_file(flag, spec, path)
+    function = getattr(files[path], name, None)
+    if not callable(function):
+        names = sorted(
+            key for key, value in vars(files[path]).items() if callable(value) and key[0] != "_"
+        )
+        raise ConfigError(
+            flag, spec, f"a function of {path}: {', '.join(names)}", did_you_mean(name, names)
+        )
+    return path, function
+
+
+def _example_inputs(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample function's result as ``(args, kwargs)``."""
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], dict)
+    ):
+        return tuple(value[0]), value[1]
+    return (value if isinstance(value, tuple) else (value,)), {}
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from torch import nn
+
+    from dtrain.modelparallel.partition import auto_plan
+    from dtrain.modelparallel.profile import profile_module
+
+    if args.partitions < 1:
+        raise ConfigError("--partitions", args.partitions, "an integer >= 1")
+    if not 0.0 <= args.memory_weight <= 1.0:
+        raise ConfigError("--memory-weight", args.memory_weight, "a number from 0 to 1")
+    if args.repeats < 1:
+        raise ConfigError("--repeats", args.repeats, "an integer >= 1")
+    files: dict[Path, ModuleType] = {}
+    model_file, factory = _load_function("FILE:FACTORY", args.model, files)
+    _, sample = _load_function("--input", args.input, files, default_file=model_file)
+    model = factory()
+    if not isinstance(model, nn.Module):
+        returned = type(model).__name__
+        raise ConfigError(
+            "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
+        )
+    inputs, kwargs = _example_inputs(sample())
+    profile = profile_module(model, inputs, kwargs, repeats=args.repeats)
+    plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight)
+    print(plan.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        print(f"plan written to {args.json}")
+    if args.dot:
+        Path(args.dot).write_text(plan.to_dot())
+        print(f"graph written to {args.dot} (render: dot -Tsvg {args.dot} -o plan.svg)")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -231,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         if args.command == "metrics":
             return _metrics(args.name, args.plot)
+        if args.command == "plan":
+            return _plan(args)
     except DtrainError as error:
         print(f"dtrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

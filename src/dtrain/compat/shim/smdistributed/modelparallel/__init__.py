@@ -1,0 +1,1 @@
+"""``smdistributed.modelparallel``: SageMaker's model-parallel library (v1), provided by dtrain."""

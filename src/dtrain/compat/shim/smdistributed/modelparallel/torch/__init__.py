@@ -1,0 +1,22 @@
+"""``import smdistributed.modelparallel.torch as smp``: see ``dtrain.modelparallel``.
+
+As SMP does, importing this inside a model-parallel job (``SM_HP_MP_PARAMETERS`` and
+``OMPI_COMM_WORLD_RANK`` set, as ``dtrain run`` does) calls ``smp.init()`` at once, unless
+``SMP_MANUAL_INIT`` is set to a non-zero value; a later ``smp.init(config)`` then only warns.
+"""
+
+import os
+
+from dtrain import modelparallel
+from dtrain.modelparallel import *  # noqa: F403  (the module is the API)
+
+__all__ = modelparallel.__all__
+
+
+def _auto_init() -> bool:
+    in_job = "SM_HP_MP_PARAMETERS" in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ
+    return in_job and os.environ.get("SMP_MANUAL_INIT", "0").strip() in ("", "0")
+
+
+if _auto_init():
+    modelparallel.init()

@@ -1,0 +1,234 @@
+"""Saving and loading a partitioned model: ``smp.save``/``load`` and SMP's checkpoint folders.
+
+A *partial* checkpoint keeps each pipeline partition's own state in its own file, written by
+the partition's dp rank 0 and read back by every rank holding that partition, so it needs the
+same ``pipeline_parallel_degree`` to load. A *full* checkpoint is the whole model's state dict
+(gathered from every partition) in one file written by rank 0; like SMP, it holds no optimizer
+state. Layout under ``path``::
+
+    {tag}_partial/model_{pp}_{tp}_{rdp}.pt      partial model state (``local_state_dict``)
+    {tag}_partial/optimizer_{pp}_{tp}_{rdp}.pt  partial optimizer state
+    {tag}_partial/user_content.pt               whatever the script passed as user_content
+    {tag}                                       full model state dict
+    user_content_{tag}                          user_content of a full checkpoint
+    newest                                      the tag of the newest checkpoint
+
+The model and optimizer only need ``local_state_dict()``, ``state_dict()`` (full; every rank
+calls it) and ``load_state_dict(...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.modelparallel import comm, state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.state import MPState
+
+NEWEST = "newest"
+PARTIAL_SUFFIX = "_partial"
+USER_CONTENT = "user_content.pt"
+
+
+def _part_path(f: str | os.PathLike[str], st: MPState) -> str:
+    return f"{os.fspath(f)}_{st.pp_rank}_{st.tp_rank}.pt"
+
+
+def _check_parts(f: str, st: MPState) -> None:
+    """A partial file must exist for this rank, and exactly one per model-parallel rank."""
+    base = Path(f)
+    pattern = re.compile(re.escape(base.name) + r"_\d+_\d+\.pt")
+    names = [p.name for p in base.parent.iterdir()] if base.parent.is_dir() else []
+    parts = sorted(name for name in names if pattern.fullmatch(name))
+    if len(parts) != st.mp_size or not Path(_part_path(f, st)).exists():
+        raise ModelParallelError(
+            f"smp.load: found {len(parts)} partial files for {f} ({', '.join(parts) or 'none'}) "
+            f"but this job has {st.mp_size} model-parallel ranks (pipeline_parallel_degree "
+            f"{st.pp_size}); partial checkpoints load only with the degree they were saved "
+            "with; save a full one (partial=False) to change it"
+        )
+
+
+def save(obj: Any, f: str | os.PathLike[str], partial: bool = True) -> None:
+    """``torch.save`` for model-parallel scripts (``smp.save``).
+
+    ``partial``: each caller writes its own part, ``{f}_{pp_rank}_{tp_rank}.pt`` (call it on
+    ``dp_rank() == 0``); otherwise only rank 0 writes ``f``.
+    """
+    st = state.current("smp.save")
+    if partial:
+        torch.save(obj, _part_path(f, st))
+    elif st.rank == 0:
+        torch.save(obj, os.fspath(f))
+
+
+def load(
+    f: str | os.PathLike[str],
+    partial: bool = True,
+    map_location: Any = None,
+    weights_only: bool = False,
+) -> Any:
+    """``torch.load`` for model-parallel scripts (``smp.load``): ``partial`` reads this rank's part.
+
+    ``weights_only`` defaults to False because, as in SMP, checkpoints hold arbitrary objects the
+    job saved itself.
+    """
+    st = state.current("smp.load")
+    path = os.fspath(f)
+    if partial:
+        _check_parts(path, st)
+        path = _part_path(path, st)
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+def _check_tag(tag: object) -> str:
+    if not isinstance(tag, str) or not tag or "/" in tag:
+        raise ValueError(f"checkpoint tag must be a non-empty string without '/', got {tag!r}")
+    tags = comm.allgather(tag, comm.WORLD)
+    if len(set(tags)) != 1:
+        raise ModelParallelError(f"every rank must save the same checkpoint tag, got {tags}")
+    return tag
+
+
+def _rank_file(kind: str, st: MPState, rdp_rank: int) -> str:
+    return f"{kind}_{st.pp_rank}_{st.tp_rank}_{rdp_rank}.pt"
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str,
+    partial: bool = True,
+    model: Any = None,
+    optimizer: Any = None,
+    user_content: Any = None,
+    num_kept_partial_checkpoints: int | None = None,
+) -> None:
+    """Save a checkpoint under ``path`` (``smp.save_checkpoint``); every rank must call it.
+
+    ``num_kept_partial_checkpoints`` removes the oldest partial checkpoints beyond that many.
+    On return the checkpoint is complete on every rank and ``path/newest`` names it.
+    """
+    st = state.current("smp.save_checkpoint")
+    if num_kept_partial_checkpoints is not None and num_kept_partial_checkpoints < 1:
+        raise ValueError(
+            f"num_kept_partial_checkpoints must be at least 1, got {num_kept_partial_checkpoints}"
+        )
+    tag = _check_tag(tag)
+    root = Path(path)
+    if partial:
+        folder = root / f"{tag}{PARTIAL_SUFFIX}"
+        if st.dp_rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            if model is not None:
+                torch.save(model.local_state_dict(), folder / _rank_file("model", st, st.rdp_rank))
+            if optimizer is not None:
+                optimizer_state = optimizer.local_state_dict()
+                torch.save(optimizer_state, folder / _rank_file("optimizer", st, st.rdp_rank))
+            if st.rank == 0 and user_content is not None:
+                torch.save(user_content, folder / USER_CONTENT)
+    else:
+        if optimizer is not None and st.rank == 0:
+            warnings.warn(
+                "smp.save_checkpoint(partial=False) saves the model only, not the optimizer "
+                "state; use partial=True to resume training",
+                stacklevel=2,
+            )
+        model_state = model.state_dict() if model is not None else None
+        if st.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if model_state is not None:
+                torch.save(model_state, root / tag)
+            if user_content is not None:
+                torch.save(user_content, root / f"user_content_{tag}")
+    comm.barrier()
+    if st.rank == 0:
+        _write_newest(root, tag)
+        if partial and num_kept_partial_checkpoints is not None:
+            _prune(root, tag, num_kept_partial_checkpoints)
+    comm.barrier()
+
+
+def _write_newest(root: Path, tag: str) -> None:
+    scratch = root / f".{NEWEST}.tmp"
+    scratch.write_text(tag)
+    os.replace(scratch, root / NEWEST)
+
+
+def _prune(root: Path, tag: str, keep: int) -> None:
+    """Remove the oldest (by modification time) partial checkpoints, never the one just saved."""
+    others = [
+        p
+        for p in root.glob(f"*{PARTIAL_SUFFIX}")
+        if p.is_dir() and p.name != f"{tag}{PARTIAL_SUFFIX}"
+    ]
+    others.sort(key=lambda p: (p.stat().st_mtime_ns, p.name))
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(old)
+
+
+def newest_tag(path: str | os.PathLike[str]) -> str:
+    """The tag ``save_checkpoint`` last wrote under ``path``."""
+    marker = Path(path) / NEWEST
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint under {path}: {marker} does not exist; pass tag= to choose one"
+        )
+    return marker.read_text().strip()
+
+
+def resume_from_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+) -> Any:
+    """Load a checkpoint into the ``DistributedModel`` (and optimizer); returns user_content.
+
+    ``tag=None`` loads the newest. Every rank loads its own partition's part (partial) or the
+    whole state (full); the model applies it once it is partitioned.
+    """
+    st = state.current("smp.resume_from_checkpoint")
+    model = state.current_model()
+    if model is None:
+        raise ModelParallelError(
+            "smp.resume_from_checkpoint loads into the model: create smp.DistributedModel first"
+        )
+    root = Path(path)
+    tag = newest_tag(root) if tag is None else tag
+    if partial:
+        folder = root / f"{tag}{PARTIAL_SUFFIX}"
+        model_file = folder / _rank_file("model", st, 0)
+        if not model_file.is_file():
+            raise FileNotFoundError(
+                f"no partial checkpoint for pp_rank {st.pp_rank}: {model_file} does not exist "
+                f"(saved with another pipeline_parallel_degree, or not a partial checkpoint?)"
+            )
+        model.load_state_dict(_read(model_file), strict=strict)
+        optimizer_file = folder / _rank_file("optimizer", st, 0)
+        if load_optimizer and optimizer_file.is_file():
+            optimizer = state.current_optimizer()
+            if optimizer is None:
+                warnings.warn(
+                    "the checkpoint has optimizer state but there is no smp.DistributedOptimizer "
+                    "to load it into; create it before resume_from_checkpoint",
+                    stacklevel=2,
+                )
+            else:
+                optimizer.load_state_dict(_read(optimizer_file))
+        user_file = folder / USER_CONTENT
+    else:
+        model.load_state_dict(_read(root / tag), strict=strict)
+        user_file = root / f"user_content_{tag}"
+    return _read(user_file) if user_file.is_file() else None
+
+
+def _read(file: Path) -> Any:
+    return torch.load(file, map_location="cpu", weights_only=False)

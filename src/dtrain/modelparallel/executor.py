@@ -1,0 +1,305 @@
+"""Who computes next on a rank: one compute token, handed out by the pipeline schedule's priority.
+
+A pipeline stage is one worker, so a rank runs one task at a time. Tasks are threads: on the
+leader one per microbatch (the step body), on every rank one per served forward or backward
+request. A task holds the token while it computes and gives it back while it waits for a remote
+reply, so another task (another microbatch, or a nested request) can use the stage meanwhile.
+
+Which waiting task gets the token is the schedule policy:
+
+* ``interleaved``: backward work first, then the lowest microbatch (1F1B-like); the leader admits
+  at most ``active_microbatches`` microbatches at a time.
+* ``simple``: the lowest microbatch first, and the leader holds every task at ``model.backward``
+  until all microbatches have finished their forward, so every forward runs before any backward.
+
+The thread that runs the user's script is the *main* task: it holds the token outside steps, so a
+request that arrives early (the leader already started the next step) waits until this rank has
+finished its own work (e.g. ``optimizer.step()``) and entered the step.
+
+Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dtrain.modelparallel.errors import CommunicationTimeoutError
+from dtrain.modelparallel.timeline import TimelineEvent
+
+Role = Literal["main", "leader", "serve"]
+Phase = Literal["F", "B"]
+Outcome = tuple[bool, Any]
+"""``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
+
+
+@dataclass(eq=False)
+class Task:
+    """One unit of work on this rank: the script's main thread, a microbatch, or a request."""
+
+    role: Role
+    microbatch: int = 0
+    phase: Phase = "F"
+    name: str = ""
+    holding: bool = False
+    started: float = 0.0
+
+    def describe(self) -> str:
+        if self.role == "main":
+            return "the main thread (outside the step)"
+        what = "microbatch task" if self.role == "leader" else f"served {self.name!r}"
+        return f"{what} {self.phase}{self.microbatch}"
+
+
+@dataclass
+class _LeaderStep:
+    """Progress of the microbatch tasks of the step running on the leader."""
+
+    count: int
+    running: int = 0
+    finished: int = 0
+    forward_done: set[int] = field(default_factory=set)
+
+
+def effective_policy(pipeline: str, microbatches: int, active: int) -> str:
+    """SMP's rule: a bound on microbatches in flight turns ``simple`` into ``interleaved``."""
+    return "interleaved" if pipeline == "simple" and active < microbatches else pipeline
+
+
+class Executor:
+    """The compute token of one rank, its microbatch tasks and its timeline."""
+
+    def __init__(self, pp_rank: int, policy: str, active: int, timeout: float) -> None:
+        self.pp_rank = pp_rank
+        self.policy = policy
+        self.active = active
+        self.timeout = timeout
+        self.main = Task("main")
+        self._cv = threading.Condition()
+        self._holder: Task | None = None
+        self._waiting: list[tuple[tuple[int, int], int, Task]] = []
+        self._seq: Iterator[int] = itertools.count()
+        self._local = threading.local()
+        self._events: list[TimelineEvent] = []
+        self._leader_step: _LeaderStep | None = None
+        self._progress = time.monotonic()
+        self._clock_offset = time.time() - time.perf_counter()
+        self.acquire(self.main)
+
+    # --- the token ---------------------------------------------------------------------------
+
+    def _key(self, task: Task) -> tuple[int, int]:
+        if task.role == "main":
+            return (-1, 0)
+        backward = 0 if task.phase == "B" else 1
+        if self.policy == "simple":
+            return (task.microbatch, backward)
+        return (backward, task.microbatch)
+
+    def _grant(self) -> None:
+        """Give a free token to the most urgent waiter (call with the lock held)."""
+        if self._holder is None and self._waiting:
+            entry = min(self._waiting, key=lambda e: (e[0], e[1]))
+            self._waiting.remove(entry)
+            self._holder = entry[2]
+            self._cv.notify_all()
+
+    def enqueue(self, task: Task) -> None:
+        """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
+        with self._cv:
+            self._waiting.append((self._key(task), next(self._seq), task))
+            self._grant()
+
+    def acquire(self, task: Task) -> None:
+        self.enqueue(task)
+        self.await_token(task)
+
+    def await_token(self, task: Task) -> None:
+        """Wait until an enqueued ``task`` holds the token."""
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while self._holder is not task:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._waiting = [e for e in self._waiting if e[2] is not task]
+                    holder = self._holder.describe() if self._holder else "nobody"
+                    raise CommunicationTimeoutError(
+                        f"pp rank {self.pp_rank}: {task.describe()} waited {self.timeout:g} s "
+                        f"for the compute token, held by {holder}"
+                    )
+                self._cv.wait(remaining)
+            task.holding = True
+            task.started = self._now()
+            self._progress = time.monotonic()
+
+    def release(self, task: Task) -> None:
+        with self._cv:
+            if self._holder is not task:
+                raise RuntimeError(f"{task.describe()} releases a compute token it does not hold")
+            if task.role != "main":
+                self._events.append(
+                    TimelineEvent(
+                        self.pp_rank,
+                        task.phase,
+                        task.microbatch,
+                        task.started,
+                        self._now(),
+                        task.name,
+                    )
+                )
+            task.holding = False
+            self._holder = None
+            self._progress = time.monotonic()
+            self._grant()
+
+    @property
+    def last_progress(self) -> float:
+        """Monotonic time of the last token hand-over: work is still moving on this rank."""
+        return self._progress
+
+    def _now(self) -> float:
+        """Wall-clock seconds from a monotonic clock, comparable across processes."""
+        return time.perf_counter() + self._clock_offset
+
+    # --- tasks -------------------------------------------------------------------------------
+
+    def current(self) -> Task | None:
+        """The task running on this thread, or the token holder (autograd's device threads).
+
+        The main task never counts: code running there is outside any step.
+        """
+        task = getattr(self._local, "task", None)
+        if task is None:
+            holder = self._holder
+            task = holder if holder is not None and holder.role != "main" else None
+        return task
+
+    @contextmanager
+    def computing(self, task: Task) -> Iterator[Task]:
+        """Run the body as ``task`` on this thread, holding the token."""
+        previous = getattr(self._local, "task", None)
+        self._local.task = task
+        try:
+            self.acquire(task)
+            try:
+                yield task
+            finally:
+                if task.holding:
+                    self.release(task)
+        finally:
+            self._local.task = previous
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Give the token away while the current task waits for another rank."""
+        task = self.current()
+        if task is None or not task.holding:
+            yield
+            return
+        self.release(task)
+        try:
+            yield
+        finally:
+            self.acquire(task)
+
+    def spawn(self, target: Callable[[], None], name: str) -> None:
+        """Start a served task's thread (daemon: a stuck one never blocks the exit)."""
+        threading.Thread(target=target, name=name, daemon=True).start()
+
+    # --- the leader's step -------------------------------------------------------------------
+
+    def run_microbatches(self, count: int, body: Callable[[int], Any]) -> list[Outcome]:
+        """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
+        step = _LeaderStep(count)
+        outcomes: list[Outcome] = [(False, None)] * count
+        threads: list[threading.Thread] = []
+        self._leader_step = step
+        self.release(self.main)
+        try:
+            for mb in range(count):
+                self._wait(lambda: step.running < self.active, f"a free slot for microbatch {mb}")
+                with self._cv:
+                    step.running += 1
+                thread = threading.Thread(
+                    target=self._leader_task,
+                    args=(mb, body, outcomes, step),
+                    name=f"dtrain-mp-microbatch-{mb}",
+                    daemon=True,
+                )
+                thread.start()
+                threads.append(thread)
+            self._wait(lambda: step.finished == count, "the microbatch tasks to finish")
+            for thread in threads:
+                thread.join(self.timeout)
+        finally:
+            self.acquire(self.main)
+            self._leader_step = None
+        return outcomes
+
+    def _leader_task(
+        self, mb: int, body: Callable[[int], Any], outcomes: list[Outcome], step: _LeaderStep
+    ) -> None:
+        try:
+            with self.computing(Task("leader", mb)):
+                outcomes[mb] = (True, body(mb))
+        except BaseException as exc:
+            outcomes[mb] = (False, exc)
+        finally:
+            with self._cv:
+                step.forward_done.add(mb)
+                step.running -= 1
+                step.finished += 1
+                self._progress = time.monotonic()
+                self._cv.notify_all()
+
+    def enter_backward(self) -> None:
+        """The current microbatch task starts its backward: apply the policy's hold, then yield.
+
+        ``simple`` holds the task until every microbatch has finished its forward; either
+        policy then re-queues the task with backward priority.
+        """
+        task = self.current()
+        step = self._leader_step
+        if task is None or task.role != "leader" or step is None or task.phase == "B":
+            if task is not None:
+                task.phase = "B"
+            return
+        with self._cv:
+            step.forward_done.add(task.microbatch)
+            self._cv.notify_all()
+        self.release(task)
+        task.phase = "B"
+        if self.policy == "simple":
+            self._wait(
+                lambda: len(step.forward_done) == step.count,
+                f"every forward before backward {task.microbatch} (simple pipeline)",
+            )
+        self.acquire(task)
+
+    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""
+        with self._cv:
+            while not predicate():
+                remaining = self._progress + self.timeout - time.monotonic()
+                if remaining <= 0:
+                    raise CommunicationTimeoutError(
+                        f"pp rank {self.pp_rank}: no progress for {self.timeout:g} s while "
+                        f"waiting for {what}"
+                    )
+                self._cv.wait(remaining)
+
+    # --- timeline ----------------------------------------------------------------------------
+
+    def timeline(self) -> list[TimelineEvent]:
+        """The work this rank computed since the last :meth:`clear_timeline`."""
+        with self._cv:
+            return list(self._events)
+
+    def clear_timeline(self) -> None:
+        with self._cv:
+            self._events.clear()

@@ -1,0 +1,448 @@
+"""``smp.DistributedModel``: a module split across the pipeline, trained one step at a time.
+
+Nothing happens to the module until the first step: then every rank takes rank 0's parameters
+and buffers, the model is partitioned (rank 0 profiles the first microbatch and plans, or the
+manual placement is used), each rank frees the parameters it does not own, and the pipeline
+runtime starts. After each step each rank averages its own parameters' gradients over its
+data-parallel group.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dtrain.dataparallel.collectives import ReduceOp, all_reduce
+from dtrain.modelparallel import placement, state
+from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
+from dtrain.modelparallel.executor import Outcome
+from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
+from dtrain.modelparallel.profile import ModelProfile, profile_module
+from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
+from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
+from dtrain.modelparallel.transport import error_body
+
+PARTIAL_KEY = "_smp_is_partial"
+
+
+class DistributedModel(nn.Module):
+    """Wraps the model to train with pipeline (and data) parallelism; one per process.
+
+    The arguments SMP v1 takes for its internal DDP are accepted; ``bucket_cap_mb`` sizes the
+    gradient reduction over the data-parallel group and ``average_grads_across_microbatches``
+    chooses between the mean (default) and the sum of the microbatches' gradients.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        bucket_cap_mb: float = 25,
+        trace_memory_usage: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        self._state = state.current()
+        state.register_model(self)
+        self.module = module
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_cap_mb = bucket_cap_mb
+        self._runtime: PipelineRuntime | None = None
+        self._plan: PartitionPlan | None = None
+        self._local_modules: set[int] | None = None
+        """ids of the modules this rank owns; ``None`` before partitioning (all of them)."""
+        self._tracing = threading.Event()
+        self._profile: ModelProfile | None = None
+        self._pending_loads: list[tuple[dict[str, Any], bool]] = []
+        self._post_partition_hooks: dict[int, Callable[[DistributedModel], None]] = {}
+
+    # --- calling the model -------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tracing.is_set():
+            if self._profile is None:
+                self._profile = profile_module(self.module, args, kwargs)
+            with torch.no_grad():
+                return self.module(*args, **kwargs)
+        self._require_step("the model")
+        return self.module(*args, **kwargs)
+
+    def backward(
+        self,
+        tensors: torch.Tensor | list[torch.Tensor],
+        grad_tensors: torch.Tensor | list[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Replaces ``loss.backward()`` inside a step; gradients are averaged over microbatches."""
+        if self._tracing.is_set():
+            return
+        runtime = self._require_step("model.backward")
+        outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grads: list[torch.Tensor | None] = [None] * len(outputs)
+        elif isinstance(grad_tensors, torch.Tensor):
+            grads = [grad_tensors]
+        else:
+            grads = list(grad_tensors)
+        if self.average_grads_across_microbatches:
+            scale = 1.0 / self._state.config["microbatches"]
+            grads = [
+                (torch.ones_like(out) if g is None else g) * scale
+                for out, g in zip(outputs, grads, strict=True)
+            ]
+        runtime.executor.enter_backward()
+        torch.autograd.backward(outputs, grads)
+
+    def _require_step(self, what: str) -> PipelineRuntime:
+        runtime = self._runtime
+        if runtime is None or runtime.executor.current() is None:
+            raise NotInStepError(
+                f"{what} was used outside an @smp.step function: call the model and "
+                "model.backward inside the function decorated with @smp.step"
+            )
+        return runtime
+
+    # --- steps -------------------------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        return self._runtime is not None
+
+    def run_step(self, count: int, make_body: Callable[[], Callable[[int], Any]]) -> list[Outcome]:
+        """Called by ``@smp.step`` on every rank: partition if needed, run, reduce gradients."""
+        if self._runtime is None:
+            self._partition(make_body)
+        runtime = self._runtime
+        assert runtime is not None
+        if runtime.is_leader:
+            try:
+                body = make_body()
+            except BaseException as exc:
+                runtime.abort_step(exc)
+                raise
+            outcomes = runtime.run_step(count, body)
+        else:
+            outcomes = runtime.run_step(count, None)
+        if all(ok for ok, _ in outcomes):
+            self._reduce_gradients()
+        return outcomes
+
+    # --- partitioning ------------------------------------------------------------------------
+
+    def _partition(self, make_body: Callable[[], Callable[[int], Any]]) -> None:
+        st = self._state
+        self._broadcast_initial_state()
+        fixed = placement.manual_placements(self.module)
+        if st.config["auto_partition"] and st.pp_size > 1:
+            plan = self._auto_plan(make_body, fixed)
+        else:
+            plan = manual_plan(
+                self.module,
+                st.pp_size,
+                fixed=fixed,
+                default_partition=st.config.get("default_partition") or 0,
+            )
+        self._apply_plan(plan)
+
+    def _auto_plan(
+        self, make_body: Callable[[], Callable[[int], Any]], fixed: dict[str, int]
+    ) -> PartitionPlan:
+        """Rank 0 profiles its first microbatch and plans; every rank gets rank 0's plan."""
+        st = self._state
+        payload: list[Any] = [None]
+        if st.rank == 0:
+            try:
+                self._tracing.set()
+                try:
+                    make_body()(0)
+                finally:
+                    self._tracing.clear()
+                if self._profile is None:
+                    raise ModelParallelError(
+                        "the step function did not call the model, so it cannot be partitioned"
+                    )
+                plan = auto_plan(
+                    self._profile,
+                    st.pp_size,
+                    memory_weight=st.config["memory_weight"],
+                    fixed=fixed,
+                )
+                payload = [("plan", plan.to_dict())]
+            except BaseException as exc:
+                payload = [("error", error_body(0, exc))]
+                self._broadcast_objects(payload)
+                raise
+        self._broadcast_objects(payload)
+        kind, value = payload[0]
+        if kind == "error":
+            raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
+        return PartitionPlan.from_dict(value)
+
+    def _broadcast_objects(self, payload: list[Any]) -> None:
+        st = self._state
+        device = st.device if st.device.type == "cuda" else None
+        dist.broadcast_object_list(payload, src=0, group=st.world_process_group, device=device)
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (models may be seeded apart)."""
+        st = self._state
+        if st.size == 1:
+            return
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                data = tensor.data.to(st.device)
+                dist.broadcast(data, src=0, group=st.world_process_group)
+                if data is not tensor.data:
+                    tensor.data.copy_(data)
+
+    def _apply_plan(self, plan: PartitionPlan) -> None:
+        st = self._state
+        modules = dict(self.module.named_modules())
+        self._plan = plan
+        owners = {name: plan.owner(name) for name in modules}
+        self._local_modules = {id(m) for name, m in modules.items() if owners[name] == st.pp_rank}
+        local = {id(t) for _, t, _ in self._state_tensors(local_only=True, persistent_only=False)}
+        with torch.no_grad():
+            for _, tensor, _ in self._state_tensors(local_only=False, persistent_only=False):
+                if id(tensor) in local:
+                    tensor.data = tensor.data.to(st.device)
+                else:  # another rank owns it: free the memory, keep the object
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=st.device)
+        group = PipelineGroup(
+            rank=st.rank,
+            pp_rank=st.pp_rank,
+            ranks=list(st.pp_group),
+            control_group=st.pp_control_group,
+            data_group=st.pp_data_group,
+            device=st.device,
+            timeout=st.timeout,
+        )
+        self._runtime = PipelineRuntime(
+            group,
+            modules,
+            owners,
+            st.config["pipeline"],
+            st.config["microbatches"],
+            st.config["active_microbatches"],
+        )
+        if st.pp_size > 1:
+            dist.barrier(group=st.pp_control_group)
+        for sd, strict in self._pending_loads:
+            self._load_local(sd, strict)
+        self._pending_loads.clear()
+        for hook in list(self._post_partition_hooks.values()):
+            hook(self)
+
+    def partition_plan(self) -> PartitionPlan:
+        """Module → partition with costs; known after the first step."""
+        if self._plan is None:
+            raise ModelParallelError(
+                "the model is partitioned at the first step: call the step function first"
+            )
+        return self._plan
+
+    def register_post_partition_hook(
+        self, hook: Callable[[DistributedModel], None]
+    ) -> RemovableHandle:
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    # --- this rank's share -------------------------------------------------------------------
+
+    def _owns(self, module: nn.Module) -> bool:
+        return self._local_modules is None or id(module) in self._local_modules
+
+    def _state_tensors(
+        self, local_only: bool, persistent_only: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """``(name, tensor, is_parameter)`` under every name ``state_dict()`` uses (a tied
+        parameter appears under each of its names)."""
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
+            if local_only and not self._owns(module):
+                continue
+            for key, param in module._parameters.items():
+                if param is not None:
+                    yield (f"{prefix}.{key}" if prefix else key), param, True
+            for key, buffer in module._buffers.items():
+                if buffer is not None and not (
+                    persistent_only and key in module._non_persistent_buffers_set
+                ):
+                    yield (f"{prefix}.{key}" if prefix else key), buffer, False
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for name, tensor, is_param in self._state_tensors(local_only=True):
+            if is_param and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield name, tensor  # type: ignore[misc]
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, param in self.local_named_parameters():
+            yield param
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for name, tensor, is_param in self._state_tensors(local_only=True, persistent_only=False):
+            if not is_param and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield name, tensor
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, buffer in self.local_named_buffers():
+            yield buffer
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        for name, module in self.module.named_modules():
+            if self._owns(module):
+                yield name, module
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        for _, module in self.local_named_modules():
+            yield module
+
+    # --- gradients over the data-parallel group ----------------------------------------------
+
+    def _reduce_gradients(self) -> None:
+        """Average this rank's gradients over its data-parallel group, in buckets."""
+        st = self._state
+        if st.dp_size == 1:
+            return
+        params = [p for p in self.local_parameters() if p.requires_grad]
+        if not params:
+            return
+        has_grad = torch.tensor([float(p.grad is not None) for p in params], device=st.device)
+        dist.all_reduce(has_grad, group=st.dp_process_group)
+        grads = []
+        for param, count in zip(params, has_grad.tolist(), strict=True):
+            if count > 0:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+        cap = int(self.bucket_cap_mb * 1024 * 1024)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= cap:
+                self._average(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._average(bucket)
+
+    def _average(self, grads: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            all_reduce(flat, ReduceOp.AVERAGE, group=self._state.dp_process_group)
+            offset = 0
+            for grad in same:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    # --- state dicts -------------------------------------------------------------------------
+
+    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
+        """This rank's parameters and persistent buffers, by their names in the full model."""
+        result: dict[str, Any] = {
+            name: (t.detach().cpu() if cast_to_cpu else t.detach())
+            for name, t, _ in self._state_tensors(local_only=True)
+        }
+        result[PARTIAL_KEY] = True
+        return result
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The full model's state, gathered from the pipeline; every pipeline rank must call it."""
+        del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
+        local = self.local_state_dict(cast_to_cpu=True)
+        local.pop(PARTIAL_KEY)
+        st = self._state
+        if self._runtime is None or st.pp_size == 1:
+            return local
+        parts: list[dict[str, Any] | None] = [None] * st.pp_size
+        dist.all_gather_object(parts, local, group=st.pp_control_group)
+        full: dict[str, Any] = {}
+        for part in parts:
+            assert part is not None
+            full.update(part)
+        order = [name for name, _, _ in self._state_tensors(local_only=False)]
+        return {name: full[name] for name in order if name in full}
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True
+    ) -> Any:
+        """Load a full or a partial (``local_state_dict``) state; before the first step a
+        partial one is kept and applied once this rank knows its share."""
+        partial = bool(state_dict.get(PARTIAL_KEY, False))
+        values = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        if self._runtime is None:
+            if partial:
+                self._pending_loads.append((values, strict))
+                return None
+            return self.module.load_state_dict(values, strict=strict)
+        self._load_local(values, strict and not partial, full=not partial)
+        return None
+
+    def _load_local(self, values: dict[str, Any], strict: bool, full: bool = False) -> None:
+        mine = {name: t for name, t, _ in self._state_tensors(local_only=True)}
+        if strict:
+            missing = sorted(set(mine) - set(values))
+            known = {name for name, _, _ in self._state_tensors(local_only=False)}
+            unexpected = sorted(set(values) - known) if full else []
+            if missing or unexpected:
+                raise ModelParallelError(
+                    f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+                )
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                if name in values:
+                    tensor.copy_(values[name])
+
+    # --- timeline ----------------------------------------------------------------------------
+
+    def timeline(self) -> list[TimelineEvent]:
+        """What this rank computed in the last step (pp rank as the row)."""
+        return [] if self._runtime is None else self._runtime.executor.timeline()
+
+    def export_timeline(self, path: str) -> None:
+        """Chrome trace JSON of the last step of the whole pipeline; every pipeline rank calls
+        it, the leader writes the file."""
+        st = self._state
+        events = self.timeline()
+        if st.pp_size > 1:
+            parts: list[list[TimelineEvent] | None] = [None] * st.pp_size
+            dist.all_gather_object(parts, events, group=st.pp_control_group)
+            events = [event for part in parts for event in (part or [])]
+        if st.pp_rank == 0:
+            write_chrome_trace(events, path)
+
+    def close(self) -> None:
+        """Stop the pipeline runtime (every rank); the model stays usable for a new one."""
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None

@@ -1,0 +1,136 @@
+"""``smp.DistributedOptimizer``: the user's optimizer, restricted to this rank's parameters.
+
+Like SMP v1 it returns the same optimizer object with some methods replaced, so learning-rate
+schedulers and code that reads ``param_groups`` keep working. The optimizer is usually created
+before the first step, with every parameter of the model; at its first ``step()`` after
+partitioning it drops the parameters other ranks own, so their state is never allocated here.
+
+State dicts are keyed by parameter *name* (not position), so a full optimizer state saved with
+one partitioning loads into another, and partial states merge without renumbering.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    static_loss_scale: float = 1.0,
+    dynamic_loss_scale: bool = False,
+    **dynamic_loss_args: Any,
+) -> torch.optim.Optimizer:
+    """Adapt ``optimizer`` to the partitioned model (create it after ``DistributedModel``)."""
+    del static_loss_scale, dynamic_loss_scale, dynamic_loss_args  # fp16 wrappers: use amp
+    model = state.current_model()
+    if not isinstance(model, DistributedModel):
+        raise ModelParallelError(
+            "smp.DistributedOptimizer needs the model: create smp.DistributedModel(module) "
+            "before smp.DistributedOptimizer(optimizer)"
+        )
+    names = {id(p): n for n, p in model.module.named_parameters(remove_duplicate=True)}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ModelParallelError(
+                    f"the optimizer's param group {index} holds a parameter of shape "
+                    f"{tuple(param.shape)} that is not in the DistributedModel: create the "
+                    "optimizer from model.parameters() (or model.local_parameters())"
+                )
+    adapter = _Adapter(optimizer, model, names)
+    original_step = optimizer.step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        adapter.prune()
+        return original_step(*args, **kwargs)
+
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.local_state_dict = adapter.local_state_dict  # type: ignore[attr-defined]
+    optimizer.state_dict = adapter.state_dict  # type: ignore[method-assign]
+    optimizer.load_state_dict = adapter.load_state_dict  # type: ignore[method-assign]
+    state.register_optimizer(optimizer)
+    return optimizer
+
+
+class _Adapter:
+    """What the replaced methods share: the optimizer, the model and parameter names."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: DistributedModel, names: dict[int, str]
+    ) -> None:
+        self.optimizer = optimizer
+        self.model = model
+        self.names = names
+        self.pruned = False
+
+    def prune(self) -> None:
+        """Keep only the local parameters, once the model is partitioned."""
+        if self.pruned or not self.model.partitioned:
+            return
+        local = {id(p) for p in self.model.local_parameters()}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in local]
+        for param in list(self.optimizer.state):
+            if id(param) not in local:
+                del self.optimizer.state[param]
+        self.pruned = True
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, by parameter name."""
+        self.prune()
+        local = {id(p) for p in self.model.local_parameters()}
+        groups = []
+        for group in self.optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            options["params"] = [self.names[id(p)] for p in group["params"] if id(p) in local]
+            groups.append(options)
+        states = {
+            self.names[id(p)]: _to_cpu(s) for p, s in self.optimizer.state.items() if id(p) in local
+        }
+        return {"state": states, "param_groups": groups, PARTIAL_KEY: True}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole pipeline's optimizer state; every pipeline rank must call it."""
+        local = self.local_state_dict()
+        st = state.current()
+        parts = [local]
+        if self.model.partitioned and st.pp_size > 1:
+            gathered: list[dict[str, Any] | None] = [None] * st.pp_size
+            dist.all_gather_object(gathered, local, group=st.pp_control_group)
+            parts = [p for p in gathered if p is not None]
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        for part in parts:
+            merged["state"].update(part["state"])
+            for index, group in enumerate(part["param_groups"]):
+                if index == len(merged["param_groups"]):
+                    merged["param_groups"].append({**group, "params": []})
+                merged["param_groups"][index]["params"].extend(group["params"])
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full or partial state saved by :meth:`state_dict`/:meth:`local_state_dict`."""
+        self.prune()
+        by_name = {self.names[id(p)]: p for g in self.optimizer.param_groups for p in g["params"]}
+        for group, saved in zip(
+            self.optimizer.param_groups, state_dict["param_groups"], strict=True
+        ):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for name, saved_state in state_dict["state"].items():
+            param = by_name.get(name)
+            if param is not None:
+                self.optimizer.state[param] = {
+                    k: v.to(param.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                    for k, v in saved_state.items()
+                }
+
+
+def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}

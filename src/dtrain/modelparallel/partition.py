@@ -1,0 +1,641 @@
+"""The partition plan: which pipeline partition owns each module, and what each partition costs.
+
+Costs follow SMP v1: a module's **compute** is the forward and backward time of its own code
+(exclusive of the modules it calls), its **memory** ``3 × parameter bytes`` (weights, gradients and
+optimizer state) ``+ buffer bytes + activation bytes``, and its **cost** ``memory_weight × memory
++ (1 − memory_weight) × compute``, each part normalised to the model total (the whole model costs
+one). A partition's predicted time adds the **traffic** of the runtime: a call whose caller runs
+on another partition sends its tensor arguments to the owner and its outputs back (and the same
+sizes again as gradients in backward), which both ranks spend time on.
+
+:func:`auto_plan` places modules from a profile:
+
+1. **Atoms.** Walk the module tree from the root. A module is split into its children when its
+   subtree costs more than one partition's share (``1 / partitions``), when a module below it is
+   fixed, or when it never ran itself (a container such as ``nn.ModuleList``); otherwise it and
+   its subtree are one atom. A split module keeps its own code and parameters as an atom of its
+   own (its *glue*), and modules that never ran stay in their parent's atom.
+2. **Constraints.** The root's glue is pinned to partition 0 (the leader runs the step body and
+   the root's forward); atoms holding ``fixed`` modules are pinned where they are fixed; atoms
+   holding modules that share a parameter are merged into one, placed where the first of them
+   runs (or where one of them is pinned).
+3. **Segments.** The free atoms, in execution order, are cut into ``partitions`` contiguous
+   segments, segment ``k`` on partition ``k``, by an exact dynamic program minimising the largest
+   partition cost. It is exact because a partition's cost depends only on its own segment: the
+   traffic it pays is that of calls with exactly one end on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from dtrain.errors import did_you_mean
+from dtrain.modelparallel.errors import PartitionError
+from dtrain.modelparallel.profile import ModelProfile, static_profile
+
+DEFAULT_BANDWIDTH = 1e9
+"""Bytes per second assumed between two partitions (a cautious figure for gloo on one host)."""
+
+PARAMETER_COST_MULTIPLIER = 3
+"""Weights, their gradients and the optimizer state: SMP's factor for parameter memory."""
+
+_PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#d9d9d9")
+
+
+@dataclass
+class PlacedModule:
+    """One row of a plan: a module's own share (its code and parameters, not its children's)."""
+
+    type: str
+    placement: str
+    """``auto`` (chosen by the planner), ``manual`` (fixed), ``inherited`` (follows its parent
+    or the atom it belongs to) or ``tied`` (follows a module it shares a parameter with)."""
+    param_count: int
+    compute_time: float = 0.0
+    """Seconds of its own forward and backward code on the profiled batch."""
+    memory_bytes: int = 0
+    cost: float = 0.0
+
+
+@dataclass
+class StageCost:
+    """What one partition does for the profiled batch (a microbatch in training), predicted."""
+
+    compute_time: float = 0.0
+    comm_time: float = 0.0
+    """Seconds sending and receiving remote-call tensors, forward and backward."""
+    memory_bytes: int = 0
+    cost: float = 0.0
+
+    @property
+    def time(self) -> float:
+        return self.compute_time + self.comm_time
+
+
+@dataclass
+class PartitionPlan:
+    """Module → partition for every module of the model, with the costs behind it."""
+
+    partitions: int
+    owners: dict[str, int]
+    modules: dict[str, PlacedModule]
+    stages: list[StageCost]
+    traffic: list[list[int]]
+    """``traffic[p][q]``: bytes partition ``p`` sends partition ``q`` in one forward pass."""
+    memory_weight: float = 0.0
+    bandwidth: float = DEFAULT_BANDWIDTH
+    profiled: bool = True
+    """False for a plan made without running the model: times and costs are unknown."""
+    warnings: list[str] = field(default_factory=list)
+
+    def owner(self, name: str) -> int:
+        """Partition owning module ``name`` (``""`` is the root)."""
+        try:
+            return self.owners[name]
+        except KeyError:
+            raise PartitionError(
+                f"module {name!r} is not in the partition plan (the plan was made for another "
+                "model?)"
+            ) from None
+
+    @property
+    def stage_costs(self) -> list[float]:
+        return [stage.cost for stage in self.stages]
+
+    @property
+    def slowest_stage(self) -> int:
+        """The partition with the longest predicted time."""
+        return max(range(self.partitions), key=lambda k: self.stages[k].time)
+
+    def table(self) -> str:
+        """Human-readable plan: one row per module, then one per partition."""
+        rows = [("module", "type", "placement", "part", "params", "compute ms", "memory", "cost")]
+        for name, entry in self.modules.items():
+            label = "  " * (name.count(".") + 1) + name.rpartition(".")[2] if name else "(root)"
+            rows.append(
+                (
+                    label,
+                    entry.type,
+                    entry.placement,
+                    str(self.owners[name]),
+                    _count(entry.param_count),
+                    f"{entry.compute_time * 1e3:.3f}" if self.profiled else "-",
+                    _size(entry.memory_bytes),
+                    f"{entry.cost:.3f}" if self.profiled else "-",
+                )
+            )
+        lines = _columns(rows, left=3)
+        lines.append("")
+        stage_rows = [
+            ("partition", "modules", "compute ms", "comm ms", "time ms", "memory", "cost")
+        ]
+        for k, stage in enumerate(self.stages):
+            members = sum(1 for owner in self.owners.values() if owner == k)
+            known = self.profiled
+            stage_rows.append(
+                (
+                    str(k),
+                    str(members),
+                    f"{stage.compute_time * 1e3:.3f}" if known else "-",
+                    f"{stage.comm_time * 1e3:.3f}" if known else "-",
+                    f"{stage.time * 1e3:.3f}" if known else "-",
+                    _size(stage.memory_bytes),
+                    f"{stage.cost:.3f}" if known else "-",
+                )
+            )
+        lines.extend(_columns(stage_rows, left=0))
+        if self.profiled:
+            slowest = self.slowest_stage
+            lines.append(
+                f"slowest partition: {slowest} "
+                f"({self.stages[slowest].time * 1e3:.3f} ms predicted for the profiled batch); "
+                f"largest cost {max(self.stage_costs):.3f} (memory weight {self.memory_weight:g})"
+            )
+        for p, row in enumerate(self.traffic):
+            for q, sent in enumerate(row):
+                if sent:
+                    lines.append(f"traffic {p} -> {q}: {_size(sent)} per forward pass")
+        lines.extend(f"warning: {warning}" for warning in self.warnings)
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """Graphviz text: the modules placed by a decision (not ``inherited``) as a tree, filled
+        with their partition's colour, and a legend with each partition's predicted time."""
+        shown = [name for name, entry in self.modules.items() if entry.placement != "inherited"]
+        ids = {name: f"m{i}" for i, name in enumerate(shown)}
+        lines = [
+            "digraph partition_plan {",
+            "  rankdir=LR;",
+            '  node [shape=box, style="rounded,filled", fontname="Helvetica"];',
+        ]
+        for k, stage in enumerate(self.stages):
+            timing = f"\\n{stage.time * 1e3:.3f} ms, cost {stage.cost:.3f}" if self.profiled else ""
+            lines.append(f'  p{k} [label="partition {k}{timing}", fillcolor="{_colour(k)}"];')
+        for name in shown:
+            entry = self.modules[name]
+            parts = (name or "(root)", entry.type, entry.placement)
+            label = "\\n".join(_dot_escape(part) for part in parts)
+            colour = _colour(self.owners[name])
+            lines.append(f'  {ids[name]} [label="{label}", fillcolor="{colour}"];')
+        for name in shown:
+            ancestor = name
+            while ancestor:
+                ancestor = ancestor.rpartition(".")[0]
+                if ancestor in ids:
+                    lines.append(f"  {ids[ancestor]} -> {ids[name]};")
+                    break
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PartitionPlan:
+        data = dict(data)
+        modules = {name: PlacedModule(**row) for name, row in data.pop("modules").items()}
+        stages = [StageCost(**stage) for stage in data.pop("stages")]
+        return cls(modules=modules, stages=stages, **data)
+
+
+def auto_plan(
+    profile: ModelProfile,
+    partitions: int,
+    *,
+    memory_weight: float,
+    fixed: Mapping[str, int] | None = None,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+) -> PartitionPlan:
+    """Place every module so that the costliest partition costs as little as possible."""
+    fixed = dict(fixed or {})
+    _check_weights(memory_weight, bandwidth)
+    _check_placements(profile, partitions, fixed)
+    if fixed.get("", 0) != 0:
+        raise PartitionError(
+            f"the root module is fixed to partition {fixed['']}, but automatic partitioning "
+            "keeps it on partition 0, where the step runs"
+        )
+    model = _CostModel(profile, memory_weight, bandwidth)
+    atoms = _Atoms(profile, model, partitions, fixed)
+    free = sorted((u for u in atoms.units if u.pin is None), key=lambda u: u.position)
+    owners = {name: u.pin for u in atoms.units if u.pin is not None for name in u.members}
+    for k, segment in enumerate(_best_segments(free, atoms, model, partitions)):
+        for unit in segment:
+            owners.update(dict.fromkeys(unit.members, k))
+    warnings = [
+        f"partition {k} is empty: the model splits into only {len(free)} placeable parts "
+        f"besides the root's own code, fewer than the {partitions} partitions"
+        for k in range(partitions)
+        if k not in owners.values()
+    ]
+    return costed_plan(
+        profile,
+        partitions,
+        owners,
+        memory_weight=memory_weight,
+        bandwidth=bandwidth,
+        placements=atoms.labels,
+        warnings=warnings,
+    )
+
+
+def manual_plan(
+    module: nn.Module, partitions: int, *, fixed: Mapping[str, int], default_partition: int
+) -> PartitionPlan:
+    """SMP's ``auto_partition=False``: the root on ``fixed.get("", default_partition)``, every
+    other module where it is fixed, else with its parent. Costs are not known (no profile)."""
+    profile = static_profile(module)
+    fixed = dict(fixed)
+    _check_placements(profile, partitions, fixed)
+    if not 0 <= default_partition < partitions:
+        raise PartitionError(
+            f"default_partition is {default_partition}, but there are {partitions} partitions: "
+            f"allowed 0..{partitions - 1}"
+        )
+    owners: dict[str, int] = {}
+    for name, stats in profile.modules.items():  # parents come before their children
+        inherited = default_partition if stats.parent is None else owners[stats.parent]
+        owners[name] = fixed.get(name, inherited)
+    for group in profile.tied_groups:
+        first = group[0]
+        for other in group[1:]:
+            if owners[other] != owners[first]:
+                raise PartitionError(
+                    f"modules {first!r} (partition {owners[first]}) and {other!r} (partition "
+                    f"{owners[other]}) share a parameter, so they must be on the same partition"
+                )
+    placements = {name: "manual" if name in fixed or not name else "inherited" for name in owners}
+    return costed_plan(
+        profile, partitions, owners, memory_weight=1.0, placements=placements, profiled=False
+    )
+
+
+def costed_plan(
+    profile: ModelProfile,
+    partitions: int,
+    owners: Mapping[str, int],
+    *,
+    memory_weight: float,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    placements: Mapping[str, str] | None = None,
+    warnings: list[str] | None = None,
+    profiled: bool = True,
+) -> PartitionPlan:
+    """The plan for given owners (every module named), with its predicted costs: compare any
+    placement, a manual or an equal-layer one, with :func:`auto_plan`'s."""
+    _check_weights(memory_weight, bandwidth)
+    _check_placements(profile, partitions, owners)
+    missing = [name for name in profile.modules if name not in owners]
+    if missing:
+        raise PartitionError(f"the plan gives no partition to modules {missing[:5]}")
+    model = _CostModel(profile, memory_weight, bandwidth)
+    stages = [StageCost() for _ in range(partitions)]
+    modules: dict[str, PlacedModule] = {}
+    for name, stats in profile.modules.items():
+        time, memory = model.time[name], model.memory[name]
+        stage = stages[owners[name]]
+        stage.compute_time += time
+        stage.memory_bytes += memory
+        modules[name] = PlacedModule(
+            type=stats.type,
+            placement=(placements or {}).get(name, "manual"),
+            param_count=stats.param_count,
+            compute_time=time,
+            memory_bytes=memory,
+            cost=model.cost(time, memory),
+        )
+    traffic = [[0] * partitions for _ in range(partitions)]
+    for caller, callee, sent, returned in model.calls:
+        p, q = owners[caller], owners[callee]
+        if p != q:
+            traffic[p][q] += sent
+            traffic[q][p] += returned
+            stages[p].comm_time += model.comm_time(sent + returned)
+            stages[q].comm_time += model.comm_time(sent + returned)
+    for stage in stages:
+        stage.cost = model.cost(stage.time, stage.memory_bytes)
+    return PartitionPlan(
+        partitions=partitions,
+        owners={name: owners[name] for name in profile.modules},
+        modules=modules,
+        stages=stages,
+        traffic=traffic,
+        memory_weight=memory_weight,
+        bandwidth=bandwidth,
+        profiled=profiled,
+        warnings=list(warnings or []),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_weights(memory_weight: float, bandwidth: float) -> None:
+    if not 0.0 <= memory_weight <= 1.0:
+        raise PartitionError(f"memory_weight is {memory_weight}; allowed: 0 to 1")
+    if bandwidth <= 0:
+        raise PartitionError(f"bandwidth is {bandwidth} bytes/s; it must be positive")
+
+
+def _check_placements(profile: ModelProfile, partitions: int, placed: Mapping[str, int]) -> None:
+    """``partitions`` is at least 1 and every placed module exists and has a partition in range."""
+    if partitions < 1:
+        raise PartitionError(f"partitions is {partitions}; it must be at least 1")
+    for name, partition in placed.items():
+        if name not in profile.modules:
+            guess = did_you_mean(name, profile.modules)
+            hint = f" (did you mean {guess!r}?)" if guess else ""
+            raise PartitionError(f"there is no module {name!r} in the model to place{hint}")
+        if not isinstance(partition, int) or not 0 <= partition < partitions:
+            raise PartitionError(
+                f"module {name!r} is placed on partition {partition!r}, but there are "
+                f"{partitions} partitions: allowed 0..{partitions - 1}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Costs
+
+
+class _CostModel:
+    """Per-module time and memory, the traffic of every call, and the normalised cost."""
+
+    def __init__(self, profile: ModelProfile, memory_weight: float, bandwidth: float) -> None:
+        self.memory_weight = memory_weight
+        self.time = {
+            name: m.forward_exclusive + m.backward_exclusive for name, m in profile.modules.items()
+        }
+        self.memory = {
+            name: PARAMETER_COST_MULTIPLIER * m.param_bytes + m.buffer_bytes + m.activation_bytes
+            for name, m in profile.modules.items()
+        }
+        self.total_time = sum(self.time.values())
+        self.total_memory = sum(self.memory.values())
+        # Gradients of the outputs go to the owner in backward, those of the inputs come back.
+        self.seconds_per_byte = (2 if profile.backward_measured else 1) / bandwidth
+        self.calls = [
+            (profile.calls[call.caller].module, call.module, call.input_bytes, call.output_bytes)
+            for call in profile.calls
+            if call.caller >= 0
+        ]
+
+    def comm_time(self, moved: int) -> float:
+        return moved * self.seconds_per_byte
+
+    def cost(self, time: float, memory: float) -> float:
+        w = self.memory_weight
+        memory_share = memory / self.total_memory if self.total_memory else 0.0
+        time_share = time / self.total_time if self.total_time else 0.0
+        return w * memory_share + (1 - w) * time_share
+
+
+@dataclass
+class _Unit:
+    """Modules that go to one partition together; ``pin`` is their partition once known."""
+
+    members: list[str]
+    position: int
+    pin: int | None
+    time: float = 0.0
+    memory: int = 0
+
+
+class _Atoms:
+    """Steps 1 and 2 of :func:`auto_plan`: the units (atoms, tied ones merged), pinned or free,
+    and how each module got its place."""
+
+    def __init__(
+        self, profile: ModelProfile, model: _CostModel, partitions: int, fixed: dict[str, int]
+    ) -> None:
+        self.profile = profile
+        self.fixed = fixed
+        self.cost = {name: model.cost(model.time[name], model.memory[name]) for name in model.time}
+        self.share = sum(self.cost.values()) / partitions
+        self.units: list[_Unit] = []
+        self.unit_of: dict[str, _Unit] = {}
+        self.labels: dict[str, str] = {}
+        self._subtree_cost: dict[str, float] = {}
+        self._ran_below: dict[str, bool] = {}
+        self._fixed_below: dict[str, bool] = {}
+        self._summarise("")
+        self._place("", None)
+        self._tie()
+        for unit in self.units:
+            unit.time = sum(model.time[name] for name in unit.members)
+            unit.memory = sum(model.memory[name] for name in unit.members)
+
+    def _summarise(self, name: str) -> None:
+        """Subtree cost, and whether a module below ran or is fixed (children first)."""
+        cost, ran, fixed = self.cost[name], False, False
+        for child in self.profile.modules[name].children:
+            self._summarise(child)
+            cost += self._subtree_cost[child]
+            ran = ran or self.profile.modules[child].calls > 0 or self._ran_below[child]
+            fixed = fixed or child in self.fixed or self._fixed_below[child]
+        self._subtree_cost[name] = cost
+        self._ran_below[name] = ran
+        self._fixed_below[name] = fixed
+
+    def _place(self, name: str, glue: _Unit | None) -> None:
+        stats = self.profile.modules[name]
+        if glue is not None and stats.calls == 0 and name not in self.fixed:
+            self._join(glue, name, "inherited")
+            for child in stats.children:
+                self._place(child, glue)
+            return
+        pin = 0 if glue is None else self.fixed.get(name)
+        unit = _Unit([], position=-1 if stats.order is None else stats.order, pin=pin)
+        self.units.append(unit)
+        self._join(unit, name, "manual" if name in self.fixed else "auto")
+        split = (
+            glue is None
+            or stats.calls == 0
+            or self._fixed_below[name]
+            or (self._ran_below[name] and self._subtree_cost[name] > self.share)
+        )
+        for child in stats.children:
+            if split:
+                self._place(child, unit)
+            else:
+                self._join_subtree(unit, child)
+
+    def _join(self, unit: _Unit, name: str, label: str) -> None:
+        unit.members.append(name)
+        self.unit_of[name] = unit
+        self.labels[name] = label
+
+    def _join_subtree(self, unit: _Unit, name: str) -> None:
+        self._join(unit, name, "inherited")
+        for child in self.profile.modules[name].children:
+            self._join_subtree(unit, child)
+
+    def _tie(self) -> None:
+        """Merge the units of modules sharing a parameter into the pinned or the first one."""
+        for group in self.profile.tied_groups:
+            pins = [(self.unit_of[n].pin, n) for n in group if self.unit_of[n].pin is not None]
+            for pin, name in pins[1:]:
+                if pin != pins[0][0]:
+                    raise PartitionError(
+                        f"modules {pins[0][1]!r} (partition {pins[0][0]}) and {name!r} "
+                        f"(partition {pin}) share a parameter, so they must be on one partition"
+                    )
+            units = list({id(self.unit_of[n]): self.unit_of[n] for n in group}.values())
+            pinned = [unit for unit in units if unit.pin is not None]
+            target = pinned[0] if pinned else min(units, key=lambda unit: unit.position)
+            for unit in units:
+                if unit is target:
+                    continue
+                if self.labels[unit.members[0]] == "auto":
+                    self.labels[unit.members[0]] = "tied"
+                for name in unit.members:
+                    target.members.append(name)
+                    self.unit_of[name] = target
+                self.units.remove(unit)
+
+
+def _best_segments(
+    free: list[_Unit], atoms: _Atoms, model: _CostModel, partitions: int
+) -> list[list[_Unit]]:
+    """Step 3 of :func:`auto_plan`: contiguous segments of ``free``, segment ``k`` on partition
+    ``k``, minimising the largest partition cost (pinned units count where they are pinned).
+
+    Partition ``k`` holding ``free[l:r]`` costs a function of ``(k, l, r)`` only, from prefix
+    sums, so the dynamic program over (partition, end of its segment) is exact. Every segment is
+    non-empty when there are at least as many free units as partitions.
+    """
+    n = len(free)
+    index = {id(unit): i for i, unit in enumerate(free)}
+    pinned_time = [0.0] * partitions
+    pinned_memory = [0] * partitions
+    for unit in atoms.units:
+        if unit.pin is not None:
+            pinned_time[unit.pin] += unit.time
+            pinned_memory[unit.pin] += unit.memory
+    # Bytes moved by calls between units: free-free, free-pinned and pinned-pinned.
+    free_degree = [0] * n
+    earlier: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    pinned_degree = [[0] * n for _ in range(partitions)]
+    pinned_total = [0] * partitions
+    pinned_pinned = [0] * partitions
+    for caller, callee, sent, returned in model.calls:
+        a, b = atoms.unit_of[caller], atoms.unit_of[callee]
+        moved = sent + returned
+        if a is b or not moved:
+            continue
+        if a.pin is None and b.pin is None:
+            i, j = sorted((index[id(a)], index[id(b)]))
+            free_degree[i] += moved
+            free_degree[j] += moved
+            earlier[j].append((i, moved))
+        elif a.pin is not None and b.pin is not None:
+            if a.pin != b.pin:
+                pinned_pinned[a.pin] += moved
+                pinned_pinned[b.pin] += moved
+        else:
+            unit, pin = (a, b.pin) if b.pin is not None else (b, a.pin)
+            assert pin is not None
+            pinned_degree[pin][index[id(unit)]] += moved
+            pinned_total[pin] += moved
+    time_sum = _prefix([unit.time for unit in free])
+    memory_sum = _prefix([unit.memory for unit in free])
+    free_sum = _prefix(free_degree)
+    pinned_sum = [_prefix(row) for row in pinned_degree]
+    all_pinned_sum = _prefix([sum(column) for column in zip(*pinned_degree, strict=True)])
+    # internal[l][r]: bytes of calls with both ends in free[l:r].
+    internal = [[0] * (n + 1) for _ in range(n + 1)]
+    for left in range(n):
+        inside = 0
+        for right in range(left + 1, n + 1):
+            inside += sum(moved for i, moved in earlier[right - 1] if i >= left)
+            internal[left][right] = inside
+
+    def stage_cost(k: int, left: int, right: int) -> float:
+        own = pinned_sum[k][right] - pinned_sum[k][left]
+        moved = (
+            free_sum[right]
+            - free_sum[left]
+            - 2 * internal[left][right]
+            + all_pinned_sum[right]
+            - all_pinned_sum[left]
+            - 2 * own
+            + pinned_total[k]
+            + pinned_pinned[k]
+        )
+        time = time_sum[right] - time_sum[left] + pinned_time[k] + model.comm_time(moved)
+        memory = memory_sum[right] - memory_sum[left] + pinned_memory[k]
+        return model.cost(time, memory)
+
+    gap = 1 if n >= partitions else 0  # least units per segment
+    best = [[math.inf] * (n + 1) for _ in range(partitions)]
+    start = [[0] * (n + 1) for _ in range(partitions)]
+    for right in range(gap, n + 1):
+        best[0][right] = stage_cost(0, 0, right)
+    for k in range(1, partitions):
+        for right in range(n + 1):
+            for left in range(right - gap + 1):
+                if best[k - 1][left] == math.inf:
+                    continue
+                value = max(best[k - 1][left], stage_cost(k, left, right))
+                if value < best[k][right]:
+                    best[k][right] = value
+                    start[k][right] = left
+    segments: list[list[_Unit]] = []
+    right = n
+    for k in range(partitions - 1, -1, -1):
+        left = start[k][right]
+        segments.append(free[left:right])
+        right = left
+    return segments[::-1]
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _prefix(values: list[Any]) -> list[Any]:
+    """``sums[i]`` is the sum of ``values[:i]``."""
+    return list(itertools.accumulate(values, initial=0))
+
+
+def _columns(rows: list[tuple[str, ...]], left: int) -> list[str]:
+    """Rows as aligned text: the first ``left`` columns flush left, the others flush right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i < left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def _size(count: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while count >= 1024 and power < len(units) - 1:
+        count /= 1024
+        power += 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
+
+
+def _count(count: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.1f}{suffix}"
+    return str(count)
+
+
+def _colour(partition: int) -> str:
+    return _PALETTE[partition % len(_PALETTE)]
+
+
+def _dot_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')

@@ -1,0 +1,474 @@
+"""The model-parallel runtime's process-wide state: config, rank layout and process groups.
+
+``init`` (``smp.init``) joins the job's torch.distributed world (or uses the one the script made),
+lays the ranks out with :class:`dtrain.topology.Topology` and creates every group SMP v1 exposes,
+so the rest of the runtime asks :func:`current` instead of recomputing ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config.modelparallel import MP_PARAMETER_ALIASES, validate_mp_parameters
+from dtrain.dataparallel import process_group
+from dtrain.errors import ConfigError
+from dtrain.modelparallel.errors import (
+    ModelParallelError,
+    MultipleDistributedModelError,
+    NotInitializedError,
+)
+from dtrain.topology import Topology
+
+ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
+"""Where SageMaker (and ``dtrain run``) put the job's model-parallel parameters, as JSON."""
+
+ENV_TIMEOUT = "DTRAIN_MP_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+"""Seconds any wait for another rank may take before it fails naming that rank."""
+
+WHERE = "mp_parameters"
+"""How errors name the merged parameters (``mp_parameters.microbatches: got 0; ...``)."""
+
+GROUP_KINDS = ("pp", "dp", "mp", "tp", "rdp")
+
+_UNSUPPORTED = {
+    "tensor_parallel_degree": "tensor parallelism",
+    "sharded_data_parallel_degree": "sharded data parallelism",
+}
+
+
+@dataclass(frozen=True)
+class MPState:
+    """Everything ``smp.init`` decided for this process; read-only for the rest of the runtime.
+
+    ``*_group`` are sorted global ranks; ``*_rank`` is this rank's index in them (what
+    ``torch.distributed`` reports as the group rank). ``object_groups`` are gloo groups of the
+    same members (keys ``world`` and :data:`GROUP_KINDS`) for pickled objects, so object
+    messaging works whatever the world's backend.
+    """
+
+    config: dict[str, Any]
+    topology: Topology
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    mp_rank: int
+    mp_size: int
+    tp_rank: int
+    tp_size: int
+    rdp_rank: int
+    rdp_size: int
+    pp_group: list[int]
+    dp_group: list[int]
+    mp_group: list[int]
+    tp_group: list[int]
+    rdp_group: list[int]
+    world_process_group: dist.ProcessGroup
+    pp_process_group: dist.ProcessGroup
+    dp_process_group: dist.ProcessGroup
+    mp_process_group: dist.ProcessGroup
+    tp_process_group: dist.ProcessGroup
+    rdp_process_group: dist.ProcessGroup
+    pp_control_group: dist.ProcessGroup
+    """gloo group of the pipeline for the runtime's control messages (even on an NCCL world)."""
+    pp_data_group: dist.ProcessGroup
+    """A second pipeline group of the world's backend, for the runtime's tensors."""
+    object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
+    device: torch.device
+    timeout: float
+    owns_world: bool = field(repr=False)
+    """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
+    created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
+
+
+_state: MPState | None = None
+_model: Any = None
+_optimizer: Any = None
+
+
+# --- lifecycle -------------------------------------------------------------------------------
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """Start the model-parallel runtime (``smp.init``); every rank of the job must call it.
+
+    ``SM_HP_MP_PARAMETERS`` (set by SageMaker and ``dtrain run``) is merged over ``config``:
+    the job's parameters win, as in SMP. A second call warns and changes nothing.
+    """
+    global _state
+    if _state is not None:
+        warnings.warn(
+            "smp.init: the model-parallel runtime is already initialized, ignoring this call",
+            stacklevel=2,
+        )
+        return
+    parameters = _merge(config or {}, _env_parameters())
+    # Checked before joining the world, so a typo fails at once on every rank.
+    _check_supported(validate_mp_parameters(parameters, where=WHERE))
+    timeout = _env_timeout()
+    owns_world = _join_world(timeout)
+    try:
+        values = validate_mp_parameters(parameters, world_size=dist.get_world_size(), where=WHERE)
+        _state = _build(values, timeout, owns_world)
+    except BaseException:
+        if owns_world:
+            dist.destroy_process_group()
+        raise
+
+
+def is_initialized() -> bool:
+    return _state is not None
+
+
+def current(what: str = "this call") -> MPState:
+    """The runtime's state; raises :class:`NotInitializedError` naming ``what`` before init."""
+    if _state is None:
+        raise NotInitializedError(what)
+    return _state
+
+
+def reset() -> None:
+    """Forget the model, optimizer and manual placements (``smp.reset``), keeping the groups.
+
+    Closes the model's pipeline runtime, so every rank of the pipeline must call it.
+    """
+    global _model, _optimizer
+    from dtrain.modelparallel import placement  # here: placement itself imports this module
+
+    model, _model, _optimizer = _model, None, None
+    close = getattr(model, "close", None)
+    if callable(close):
+        close()
+    placement.clear()
+
+
+def shutdown() -> None:
+    """Reset, then destroy the groups ``init`` created (the world too if it made it)."""
+    global _state
+    if _state is None:
+        return
+    reset()
+    st, _state = _state, None
+    for group in st.created_groups:
+        dist.destroy_process_group(group)
+    if st.owns_world:
+        dist.destroy_process_group()
+
+
+# --- the one model per process ---------------------------------------------------------------
+
+
+def register_model(model: Any) -> None:
+    """Record the process's ``DistributedModel``; SMP allows exactly one per script."""
+    global _model
+    current("smp.DistributedModel")
+    if _model is not None and _model is not model:
+        raise MultipleDistributedModelError(
+            "only one smp.DistributedModel per script is supported; call smp.reset() to start "
+            "over with a new one"
+        )
+    _model = model
+
+
+def current_model() -> Any:
+    """The registered ``DistributedModel``, or None."""
+    return _model
+
+
+def register_optimizer(optimizer: Any) -> None:
+    """Record the ``DistributedOptimizer`` that ``resume_from_checkpoint`` loads into."""
+    global _optimizer
+    current("smp.DistributedOptimizer")
+    _optimizer = optimizer
+
+
+def current_optimizer() -> Any:
+    """The registered ``DistributedOptimizer``, or None."""
+    return _optimizer
+
+
+def num_microbatches() -> int:
+    return int(current("smp.num_microbatches()").config["microbatches"])
+
+
+# --- ranks and groups (SMP v1 names) ---------------------------------------------------------
+
+
+def rank() -> int:
+    return current("smp.rank()").rank
+
+
+def size() -> int:
+    return current("smp.size()").size
+
+
+def local_rank() -> int:
+    return current("smp.local_rank()").local_rank
+
+
+def local_size() -> int:
+    return current("smp.local_size()").local_size
+
+
+def mp_rank() -> int:
+    return current("smp.mp_rank()").mp_rank
+
+
+def mp_size() -> int:
+    return current("smp.mp_size()").mp_size
+
+
+def dp_rank() -> int:
+    return current("smp.dp_rank()").dp_rank
+
+
+def dp_size() -> int:
+    return current("smp.dp_size()").dp_size
+
+
+def pp_rank() -> int:
+    return current("smp.pp_rank()").pp_rank
+
+
+def pp_size() -> int:
+    return current("smp.pp_size()").pp_size
+
+
+def tp_rank() -> int:
+    return current("smp.tp_rank()").tp_rank
+
+
+def tp_size() -> int:
+    return current("smp.tp_size()").tp_size
+
+
+def rdp_rank() -> int:
+    return current("smp.rdp_rank()").rdp_rank
+
+
+def rdp_size() -> int:
+    return current("smp.rdp_size()").rdp_size
+
+
+def get_mp_group() -> list[int]:
+    return list(current("smp.get_mp_group()").mp_group)
+
+
+def get_dp_group() -> list[int]:
+    return list(current("smp.get_dp_group()").dp_group)
+
+
+def get_pp_group() -> list[int]:
+    return list(current("smp.get_pp_group()").pp_group)
+
+
+def get_tp_group() -> list[int]:
+    return list(current("smp.get_tp_group()").tp_group)
+
+
+def get_rdp_group() -> list[int]:
+    return list(current("smp.get_rdp_group()").rdp_group)
+
+
+def get_world_process_group() -> dist.ProcessGroup:
+    return current("smp.get_world_process_group()").world_process_group
+
+
+def get_mp_process_group() -> dist.ProcessGroup:
+    return current("smp.get_mp_process_group()").mp_process_group
+
+
+def get_dp_process_group() -> dist.ProcessGroup:
+    return current("smp.get_dp_process_group()").dp_process_group
+
+
+def get_pp_process_group() -> dist.ProcessGroup:
+    return current("smp.get_pp_process_group()").pp_process_group
+
+
+def get_tp_process_group() -> dist.ProcessGroup:
+    return current("smp.get_tp_process_group()").tp_process_group
+
+
+def get_rdp_process_group() -> dist.ProcessGroup:
+    return current("smp.get_rdp_process_group()").rdp_process_group
+
+
+# --- helpers of init -------------------------------------------------------------------------
+
+
+def _env_parameters() -> dict[str, Any]:
+    raw = os.environ.get(ENV_PARAMETERS)
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(ENV_PARAMETERS, raw, "a JSON object of model-parallel parameters")
+    return value
+
+
+def _merge(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with ``env`` on top; an env key also replaces the config's other spelling."""
+    merged = dict(config)
+    for key, value in env.items():
+        name = MP_PARAMETER_ALIASES.get(key, key)
+        for spelling in (name, *(a for a, n in MP_PARAMETER_ALIASES.items() if n == name)):
+            merged.pop(spelling, None)
+        merged[key] = value
+    return merged
+
+
+def _check_supported(values: Mapping[str, Any]) -> None:
+    for key, feature in _UNSUPPORTED.items():
+        if values[key] != 1:
+            raise ConfigError(
+                f"{WHERE}.{key}", values[key], f"1: {feature} is not supported by dtrain"
+            )
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(ENV_TIMEOUT, raw, "a positive number of seconds")
+    return value
+
+
+def _join_world(timeout: float) -> bool:
+    """Join the job's world unless the script already did; True if we created it.
+
+    Launched by ``dtrain run``, torchrun or mpirun, the environment names the rendezvous; a
+    script started on its own becomes a world of one process.
+    """
+    if dist.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout)}
+    if not any(os.environ.get(name) for name in ("RANK", "OMPI_COMM_WORLD_RANK")):
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    process_group.init_process_group(**kwargs)
+    return True
+
+
+def _device(local: int) -> torch.device:
+    """This rank's GPU when the world runs on NCCL (SMP: ``cuda.set_device(local_rank)``)."""
+    if not torch.cuda.is_available() or dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise ModelParallelError(
+            f"local rank {local} has no GPU: {count} visible on this host; run at most {count} "
+            "processes per host"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+class _GroupMaker:
+    """Creates process groups as torch requires: every rank creates every group, in one order.
+
+    Groups with the same backend and members are created once and shared, unless ``fresh``.
+    """
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.timeout = timedelta(seconds=timeout)
+        self.created: list[dist.ProcessGroup] = []
+        self._shared: dict[tuple[str, tuple[int, ...]], Any] = {}  # non-members get a marker
+
+    def mine(self, groups: list[list[int]], backend: str, fresh: bool = False) -> dist.ProcessGroup:
+        """This rank's group among ``groups`` (which partition the world)."""
+        found: dist.ProcessGroup | None = None
+        for members in groups:
+            key = (backend, tuple(members))
+            group = None if fresh else self._shared.get(key)
+            if group is None:
+                group = dist.new_group(members, timeout=self.timeout, backend=backend)
+                self._shared.setdefault(key, group)
+                if self.rank in members:
+                    self.created.append(group)
+            if self.rank in members:
+                found = group
+        assert found is not None, f"rank {self.rank} is in none of {groups}"
+        return found
+
+
+def _build(values: dict[str, Any], timeout: float, owns_world: bool) -> MPState:
+    me, world = dist.get_rank(), dist.get_world_size()
+    topology = Topology(
+        world,
+        process_group.get_local_size(),
+        values["pipeline_parallel_degree"],
+        1,
+        values["placement_strategy"],
+    )
+    coords = topology.coords(me)
+    local = process_group.get_local_rank()
+    device = _device(local)
+    backend = str(dist.get_backend())
+    maker = _GroupMaker(me, timeout)
+    groups = {kind: maker.mine(topology.all_groups(kind), backend) for kind in GROUP_KINDS}
+    objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
+    objects["world"] = maker.mine([list(range(world))], "gloo")
+    pipelines = topology.all_groups("pp")
+    control = maker.mine(pipelines, "gloo", fresh=True)
+    data = maker.mine(pipelines, backend, fresh=True)
+    members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
+    return MPState(
+        config=values,
+        topology=topology,
+        rank=me,
+        size=world,
+        local_rank=local,
+        local_size=topology.processes_per_host,
+        pp_rank=coords.pp_rank,
+        pp_size=topology.pipeline_degree,
+        dp_rank=coords.dp_rank,
+        dp_size=topology.dp_degree,
+        mp_rank=coords.mp_rank,
+        mp_size=topology.mp_degree,
+        tp_rank=coords.tp_rank,
+        tp_size=topology.tensor_degree,
+        rdp_rank=coords.rdp_rank,
+        rdp_size=topology.rdp_degree,
+        pp_group=members["pp"],
+        dp_group=members["dp"],
+        mp_group=members["mp"],
+        tp_group=members["tp"],
+        rdp_group=members["rdp"],
+        world_process_group=dist.group.WORLD,
+        pp_process_group=groups["pp"],
+        dp_process_group=groups["dp"],
+        mp_process_group=groups["mp"],
+        tp_process_group=groups["tp"],
+        rdp_process_group=groups["rdp"],
+        pp_control_group=control,
+        pp_data_group=data,
+        object_groups=objects,
+        device=device,
+        timeout=timeout,
+        owns_world=owns_world,
+        created_groups=tuple(maker.created),
+    )

@@ -1,0 +1,333 @@
+"""Messages between the ranks of one pipeline group: pickled headers, tensors point-to-point.
+
+Control plane: a header (kind, call id, module name, a Python structure whose tensors are replaced
+by :class:`TensorRef` placeholders) is pickled into a fixed-size byte buffer (an overflow message
+follows when it does not fit) and sent over a gloo group. One receiver thread per rank takes
+headers from any source, so no rank has to know in advance who will call it.
+
+Data plane: the tensors of a message follow its header, one point-to-point send each from the
+now-known source, over a group of the job's backend (gloo on CPU, NCCL on GPU, where receiving
+from any source is not possible). A send lock keeps one message's parts together; the receiver
+reads a whole message before the next header, so parts never interleave.
+
+Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
+timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
+and joins the receiver once it has a stop from each of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.modelparallel.errors import (
+    CommunicationTimeoutError,
+    ModelParallelError,
+    RemoteError,
+)
+
+HEADER_BYTES = 4096
+"""Size of the first control message; longer headers send the rest in one overflow message."""
+
+_LENGTH_BYTES = 8
+_TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
+
+# Message kinds.
+FORWARD, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED = (
+    "forward",
+    "backward",
+    "reply",
+    "error",
+    "end_step",
+    "stop",
+    "failed",
+)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Placeholder for the ``index``-th tensor of a message inside a pickled structure."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the receiver needs to allocate a tensor before receiving its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class Message:
+    """A control message; its tensors travel separately and are passed alongside it."""
+
+    kind: str
+    call_id: int
+    source: int = -1
+    module: str = ""
+    body: Any = None
+    microbatch: int = 0
+    meta: tuple[TensorMeta, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Short text for errors: which request this is."""
+        what = f"{self.kind} request #{self.call_id}"
+        if self.module:
+            what += f" for module {self.module!r}"
+        return f"{what} (microbatch {self.microbatch})"
+
+
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Replace tensors in nested tuples/lists/dicts by :class:`TensorRef`; return both parts."""
+    tensors: list[torch.Tensor] = []
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return TensorRef(len(tensors) - 1)
+        if isinstance(value, tuple):
+            items = [visit(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, list):
+            return [visit(v) for v in value]
+        if isinstance(value, dict):
+            return type(value)((k, visit(v)) for k, v in value.items())
+        return value
+
+    return visit(obj), tensors
+
+
+def unflatten(structure: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    if isinstance(structure, TensorRef):
+        return tensors[structure.index]
+    if isinstance(structure, tuple):
+        items = [unflatten(v, tensors) for v in structure]
+        return type(structure)(*items) if hasattr(structure, "_fields") else type(structure)(items)
+    if isinstance(structure, list):
+        return [unflatten(v, tensors) for v in structure]
+    if isinstance(structure, dict):
+        return type(structure)((k, unflatten(v, tensors)) for k, v in structure.items())
+    return structure
+
+
+def error_body(rank: int, exc: BaseException) -> RemoteError:
+    """What an error reply carries: the exception's type, message and traceback, and our rank.
+
+    A :class:`RemoteError` passing through (a nested call failed further away) keeps its origin.
+    """
+    if isinstance(exc, RemoteError):
+        return exc
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RemoteError(rank, type(exc).__name__, str(exc), text)
+
+
+class Pending:
+    """The future reply to one request."""
+
+    def __init__(self, peer: int, request: Message) -> None:
+        self.peer = peer
+        self.request = request
+        self._done = threading.Event()
+        self._reply: tuple[Message, list[torch.Tensor]] | None = None
+        self._error: BaseException | None = None
+
+    def resolve(self, message: Message, tensors: list[torch.Tensor]) -> None:
+        if message.kind == ERROR:
+            self._error = message.body
+        else:
+            self._reply = (message, tensors)
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: float, rank: int) -> tuple[Message, list[torch.Tensor]]:
+        """The reply; raises the remote error, or a timeout naming the peer and the request."""
+        if not self._done.wait(timeout):
+            raise CommunicationTimeoutError(
+                f"rank {rank}: no reply from rank {self.peer} to {self.request.describe()} "
+                f"within {timeout:g} s"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+
+class Transport:
+    """Messaging of one rank with the other ranks of its pipeline group."""
+
+    def __init__(
+        self,
+        rank: int,
+        peers: list[int],
+        control_group: dist.ProcessGroup,
+        data_group: dist.ProcessGroup,
+        device: torch.device,
+        timeout: float,
+        on_message: Callable[[Message, list[torch.Tensor]], None],
+    ) -> None:
+        self.rank = rank
+        self.peers = [p for p in peers if p != rank]
+        self.timeout = timeout
+        self.last_activity = time.monotonic()
+        self._control, self._data, self._device = control_group, data_group, device
+        self._on_message = on_message
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._ids: Iterator[int] = itertools.count(1)
+        self._failure: BaseException | None = None
+        self._stops = 0
+        self._thread = threading.Thread(
+            target=self._receive_loop, name=f"dtrain-mp-receiver-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # --- sending -----------------------------------------------------------------------------
+
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, dst: int, message: Message, tensors: list[torch.Tensor] | None = None) -> None:
+        """Send a header and its tensors to global rank ``dst``; raises if the transport failed."""
+        if self._failure is not None:
+            raise ModelParallelError(f"rank {self.rank}: transport failed: {self._failure}")
+        tensors = tensors or []
+        message.source = self.rank
+        message.meta = tuple(
+            TensorMeta(tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point())
+            for t in tensors
+        )
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        first = bytearray(HEADER_BYTES)
+        first[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
+        head = payload[: HEADER_BYTES - _LENGTH_BYTES]
+        first[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = head
+        rest = payload[len(head) :]
+        with self._send_lock:
+            self._send_part(dst, _bytes_tensor(bytes(first)), self._control, _TAG_HEADER, message)
+            if rest:
+                self._send_part(dst, _bytes_tensor(rest), self._control, _TAG_OVERFLOW, message)
+            for tensor in tensors:
+                if tensor.numel():
+                    data = tensor.detach().to(self._device).contiguous()
+                    self._send_part(dst, data, self._data, _TAG_TENSOR, message)
+
+    def _send_part(
+        self,
+        dst: int,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        tag: int,
+        message: Message,
+    ) -> None:
+        work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+        try:
+            finished = work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise CommunicationTimeoutError(
+                f"rank {self.rank}: sending {message.describe()} to rank {dst} failed: {exc}"
+            ) from exc
+        if finished is False:
+            raise CommunicationTimeoutError(
+                f"rank {self.rank}: rank {dst} did not take {message.describe()} "
+                f"within {self.timeout:g} s"
+            )
+
+    def request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
+        """Send a request; its reply (matched by ``message.call_id``) resolves the future."""
+        pending = Pending(dst, message)
+        with self._pending_lock:
+            self._pending[message.call_id] = pending
+        try:
+            self.send(dst, message, tensors)
+        except BaseException:
+            with self._pending_lock:
+                self._pending.pop(message.call_id, None)
+            raise
+        return pending
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        try:
+            while self._stops < len(self.peers):
+                message, tensors = self._receive_one()
+                self.last_activity = time.monotonic()
+                if message.kind == STOP:
+                    self._stops += 1
+                elif message.kind in (REPLY, ERROR):
+                    with self._pending_lock:
+                        pending = self._pending.pop(message.call_id, None)
+                    if pending is not None:
+                        pending.resolve(message, tensors)
+                else:
+                    self._on_message(message, tensors)
+        except BaseException as exc:  # the process group broke: fail every waiter
+            self._fail(exc)
+
+    def _receive_one(self) -> tuple[Message, list[torch.Tensor]]:
+        first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        src = dist.recv(first, src=None, group=self._control, tag=_TAG_HEADER)
+        raw = first.numpy().tobytes()
+        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+        payload = raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
+        if length > len(payload):
+            rest = torch.empty(length - len(payload), dtype=torch.uint8)
+            dist.recv(rest, src=src, group=self._control, tag=_TAG_OVERFLOW)
+            payload += rest.numpy().tobytes()
+        message: Message = pickle.loads(payload)
+        tensors = []
+        for meta in message.meta:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            if tensor.numel():
+                dist.recv(tensor, src=src, group=self._data, tag=_TAG_TENSOR)
+            tensors.append(tensor)
+        return message, tensors
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        error = ModelParallelError(f"rank {self.rank}: receiving from the pipeline failed: {exc}")
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for future in pending:
+            future.fail(error)
+        self._on_message(Message(FAILED, 0, self.rank, body=error), [])
+
+    # --- shutdown ----------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Tell every peer we stop, wait for theirs; False if the receiver did not end in time.
+
+        Every rank of the pipeline group must call this (the receiver ends on its peers' stops).
+        """
+        timeout = self.timeout if timeout is None else timeout
+        if self._failure is None:
+            for peer in self.peers:
+                try:
+                    self.send(peer, Message(STOP, 0))
+                except ModelParallelError:
+                    break  # the peer is gone; its stop will not come either
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

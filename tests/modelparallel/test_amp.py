@@ -1,0 +1,46 @@
+"""smp.amp.GradScaler: an inf/NaN on one pipeline stage makes every stage skip the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import NotInitializedError
+from tests.modelparallel.harness import run_ranks
+
+
+def _scaled_steps() -> list[dict[str, Any]]:
+    smp.init({"pipeline_parallel_degree": 2})
+    me = smp.rank()
+    param = torch.nn.Parameter(torch.ones(2))  # this stage's share of the model
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = smp.amp.GradScaler(init_scale=4.0, growth_interval=1000)
+    history = []
+    # step 0: rank 1 overflows; step 1: all finite; step 2: rank 0 has no gradient at all
+    for step, broken in enumerate((1, None, 1)):
+        optimizer.zero_grad()
+        if not (step == 2 and me == 0):
+            scaler.scale((param * torch.tensor([1.0, 2.0])).sum()).backward()
+        if me == broken:
+            param.grad[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        history.append({"param": param.detach().tolist(), "scale": scaler.get_scale()})
+    return history
+
+
+def test_found_inf_is_agreed_by_every_rank() -> None:
+    for history in run_ranks(2, _scaled_steps):
+        assert history == [
+            {"param": [1.0, 1.0], "scale": 2.0},  # skipped everywhere, scale backed off
+            {"param": [0.5, 0.0], "scale": 2.0},  # unscaled gradient [1, 2] applied
+            {"param": [0.5, 0.0], "scale": 1.0},  # skipped again, though rank 0 had nothing
+        ]
+
+
+def test_scaler_needs_init() -> None:
+    with pytest.raises(NotInitializedError, match=r"smp\.amp\.GradScaler"):
+        smp.amp.GradScaler()

@@ -1,0 +1,147 @@
+"""smp.save/load and save_checkpoint/resume_from_checkpoint with SMP's file layout.
+
+The model and optimizer are small fakes following the protocol checkpoint.py codes against:
+pp rank 0 holds parameter ``a``, pp rank 1 holds ``b``; every rank starts from its own values, so
+what a rank loads shows whose file it read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError, NotInitializedError
+from tests.modelparallel.harness import run_ranks, single_process
+
+PARTIAL = "_smp_is_partial"
+
+
+class FakeModel:
+    def __init__(self, value: float) -> None:
+        self.params = {"a": torch.full((2,), value), "b": torch.full((3,), value)}
+        self.loads: list[tuple[str, bool]] = []
+
+    def _mine(self) -> str:
+        return "ab"[smp.pp_rank()]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {self._mine(): self.params[self._mine()].clone(), PARTIAL: True}
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = smp.allgather({self._mine(): self.params[self._mine()]}, smp.PP_GROUP)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def load_state_dict(self, sd: dict[str, Any], strict: bool = True) -> None:
+        self.loads.append(("partial" if sd.get(PARTIAL) else "full", strict))
+        self.params.update({k: v for k, v in sd.items() if k != PARTIAL})
+
+
+class FakeOptimizer:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "pp": smp.pp_rank(), PARTIAL: True}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = sd["step"]
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _checkpoints(path: str) -> dict[str, Any]:
+    root = Path(path)
+    smp.init({"pipeline_parallel_degree": 2, "ddp": True})  # cluster: dp rank 0 = ranks 0, 1
+    me = smp.rank()
+    model, optimizer = FakeModel(float(me)), FakeOptimizer(100 + me)
+    state.register_model(model)
+    state.register_optimizer(optimizer)
+    out: dict[str, Any] = {}
+
+    smp.save_checkpoint(root, "step1", model=model, optimizer=optimizer, user_content={"e": 1})
+    out["after_step1"] = _files(root)
+    model.params = {k: torch.zeros_like(v) for k, v in model.params.items()}
+    out["user_content"] = smp.resume_from_checkpoint(root)
+    out["resumed"] = {k: v.tolist() for k, v in model.params.items()}
+    out["optimizer_step"] = optimizer.step
+
+    for tag in ("step2", "step3"):
+        smp.save_checkpoint(root, tag, model=model, num_kept_partial_checkpoints=2)
+    out["after_pruning"] = sorted(p.name for p in root.iterdir())
+
+    model.params = {"a": torch.full((2,), 7.0), "b": torch.full((3,), 8.0)}
+    smp.save_checkpoint(root, "final", partial=False, model=model, user_content="done")
+    out["full_file"] = {k: v.tolist() for k, v in torch.load(root / "final").items()}
+    out["full_user_content"] = smp.resume_from_checkpoint(root, partial=False, strict=False)
+    out["loads"] = model.loads
+    out["newest"] = (root / "newest").read_text()
+
+    if smp.dp_rank() == 0:
+        smp.save({"pp": smp.pp_rank()}, root / "extra")
+    smp.save({"rank": me}, root / "whole", partial=False)
+    smp.barrier()
+    out["extra"] = smp.load(root / "extra")
+    out["whole"] = smp.load(root / "whole", partial=False)
+    try:
+        smp.save_checkpoint(root, f"tag{me % 2}", model=model)
+    except ModelParallelError as exc:
+        out["tag_error"] = str(exc)
+    return out
+
+
+def test_partial_and_full_checkpoints_round_trip_on_a_pipeline(tmp_path: Path) -> None:
+    results = run_ranks(4, _checkpoints, str(tmp_path))
+    first = results[0]
+    assert first["after_step1"] == [
+        "newest",
+        "step1_partial/model_0_0_0.pt",
+        "step1_partial/model_1_0_0.pt",
+        "step1_partial/optimizer_0_0_0.pt",
+        "step1_partial/optimizer_1_0_0.pt",
+        "step1_partial/user_content.pt",
+    ]
+    for rank, out in enumerate(results):
+        pp = rank % 2
+        assert out["user_content"] == {"e": 1}
+        # each rank loads its own partition's part, as written by the partition's dp rank 0
+        resumed = {"a": [0.0, 0.0], "b": [1.0, 1.0, 1.0]}
+        assert out["resumed"]["ab"[pp]] == resumed["ab"[pp]]
+        assert out["resumed"]["ba"[pp]] == [0.0] * len(resumed["ba"[pp]])  # untouched
+        assert out["optimizer_step"] == 100 + pp
+        assert out["after_pruning"] == ["newest", "step2_partial", "step3_partial"]
+        assert out["full_file"] == {"a": [7.0, 7.0], "b": [8.0, 8.0, 8.0]}
+        assert out["full_user_content"] == "done"
+        assert out["loads"] == [("partial", True), ("full", False)]
+        assert out["newest"] == "final"
+        assert out["extra"] == {"pp": pp} and out["whole"] == {"rank": 0}
+        assert out["tag_error"] == "every rank must save the same checkpoint tag, got " + str(
+            ["tag0", "tag1", "tag0", "tag1"]
+        )
+    assert not (tmp_path / "whole_0_0.pt").exists()
+    assert (tmp_path / "extra_0_0.pt").exists() and (tmp_path / "extra_1_0.pt").exists()
+
+
+def test_wrong_uses_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(NotInitializedError, match=r"smp\.save_checkpoint"):
+        smp.save_checkpoint(tmp_path, "t")
+    with single_process():
+        with pytest.raises(ModelParallelError, match=r"create smp\.DistributedModel first"):
+            smp.resume_from_checkpoint(tmp_path)
+        state.register_model(FakeModel(0.0))
+        with pytest.raises(FileNotFoundError, match="newest does not exist; pass tag="):
+            smp.resume_from_checkpoint(tmp_path)
+        with pytest.raises(ValueError, match="tag must be a non-empty string"):
+            smp.save_checkpoint(tmp_path, "a/b")
+        with pytest.raises(ValueError, match="num_kept_partial_checkpoints must be at least 1"):
+            smp.save_checkpoint(tmp_path, "t", num_kept_partial_checkpoints=0)
+        torch.save({}, tmp_path / "m.pt_0_0.pt")
+        torch.save({}, tmp_path / "m.pt_1_0.pt")  # saved by a 2-stage pipeline
+        with pytest.raises(ModelParallelError, match=r"found 2 partial files .* 1 model-parallel"):
+            smp.load(tmp_path / "m.pt")
