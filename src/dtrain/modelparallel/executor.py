@@ -1,9 +1,15 @@
 """Who computes next on a rank: one compute token, handed out by the pipeline schedule's priority.
 
-A pipeline stage is one worker, so a rank runs one task at a time. Tasks are threads: on the
+A pipeline stage is one worker, so a rank computes one task at a time. Tasks are threads: on the
 leader one per microbatch (the step body), on every rank one per served forward or backward
 request. A task holds the token while it computes and gives it back while it waits for a remote
 reply, so another task (another microbatch, or a nested request) can use the stage meanwhile.
+
+A microbatch task on the leader holds the token only inside :meth:`Executor.computing_module`
+(a call of a module this rank owns, entered from code that does not hold it: the root's own
+code, between calls) and for its backward. The root's code between module calls is glue: it
+mostly hands one remote call's outputs to the next, and must not wait behind another
+microbatch's computation, or the other ranks would idle meanwhile.
 
 Which waiting task gets the token is the schedule policy:
 
@@ -149,7 +155,7 @@ class Executor:
                         task.microbatch,
                         task.started,
                         self._now(),
-                        task.name,
+                        task.name or f"{task.phase}{task.microbatch}",
                     )
                 )
             task.holding = False
@@ -193,6 +199,21 @@ class Executor:
                     self.release(task)
         finally:
             self._local.task = previous
+
+    @contextmanager
+    def computing_module(self, name: str) -> Iterator[None]:
+        """Hold the token for a call of an owned module, unless this task already holds it."""
+        task = self.current()
+        if task is None or task.holding:
+            yield
+            return
+        task.name = name
+        self.acquire(task)
+        try:
+            yield
+        finally:
+            if task.holding:
+                self.release(task)
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -244,12 +265,17 @@ class Executor:
     def _leader_task(
         self, mb: int, body: Callable[[int], Any], outcomes: list[Outcome], step: _LeaderStep
     ) -> None:
+        task = Task("leader", mb)
+        previous = getattr(self._local, "task", None)
+        self._local.task = task
         try:
-            with self.computing(Task("leader", mb)):
-                outcomes[mb] = (True, body(mb))
+            outcomes[mb] = (True, body(mb))
         except BaseException as exc:
             outcomes[mb] = (False, exc)
         finally:
+            if task.holding:
+                self.release(task)
+            self._local.task = previous
             with self._cv:
                 step.forward_done.add(mb)
                 step.running -= 1
@@ -257,29 +283,37 @@ class Executor:
                 self._progress = time.monotonic()
                 self._cv.notify_all()
 
-    def enter_backward(self) -> None:
-        """The current microbatch task starts its backward: apply the policy's hold, then yield.
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """A microbatch task's backward: apply the policy's hold, compute with the token.
 
         ``simple`` holds the task until every microbatch has finished its forward; either
-        policy then re-queues the task with backward priority.
+        policy queues the task with backward priority.
         """
         task = self.current()
         step = self._leader_step
-        if task is None or task.role != "leader" or step is None or task.phase == "B":
-            if task is not None:
-                task.phase = "B"
+        if task is None or task.role != "leader" or step is None:
+            yield
             return
-        with self._cv:
-            step.forward_done.add(task.microbatch)
-            self._cv.notify_all()
-        self.release(task)
-        task.phase = "B"
-        if self.policy == "simple":
-            self._wait(
-                lambda: len(step.forward_done) == step.count,
-                f"every forward before backward {task.microbatch} (simple pipeline)",
-            )
+        if task.holding:
+            self.release(task)
+        if task.phase == "F":
+            with self._cv:
+                step.forward_done.add(task.microbatch)
+                self._cv.notify_all()
+            task.phase = "B"
+            if self.policy == "simple":
+                self._wait(
+                    lambda: len(step.forward_done) == step.count,
+                    f"every forward before backward {task.microbatch} (simple pipeline)",
+                )
+        task.name = ""
         self.acquire(task)
+        try:
+            yield
+        finally:
+            if task.holding:
+                self.release(task)
 
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""

@@ -103,8 +103,8 @@ class DistributedModel(nn.Module):
                 (torch.ones_like(out) if g is None else g) * scale
                 for out, g in zip(outputs, grads, strict=True)
             ]
-        runtime.executor.enter_backward()
-        torch.autograd.backward(outputs, grads)
+        with runtime.executor.backward():
+            torch.autograd.backward(outputs, grads)
 
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime

@@ -108,6 +108,8 @@ class PipelineRuntime:
         for name, module in modules.items():
             if owners[name] != group.pp_rank:
                 install_stub(module, self._stub(name))
+            elif name:
+                install_stub(module, self._guard(name, module.forward))
 
     @property
     def is_leader(self) -> bool:
@@ -125,6 +127,16 @@ class PipelineRuntime:
             return call_remote(self, name, self.owners[name], args, kwargs)
 
         return forward
+
+    def _guard(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """An owned module computes with the token; when called from code that holds it
+        already (its parent's forward) this costs nothing (see :mod:`.executor`)."""
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            with self.executor.computing_module(name):
+                return forward(*args, **kwargs)
+
+        return guarded
 
     def _exchange(
         self, owner: int, message: Message, tensors: list[torch.Tensor]
