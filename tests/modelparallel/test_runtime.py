@@ -54,9 +54,8 @@ def _errors_and_outputs() -> dict[str, Any]:
     expect("partition_range", (PartitionError,), lambda: smp.set_partition(module.group1, 2))
     smp.set_partition(module.group2, 1)
     model = smp.DistributedModel(module)
-    expect(
-        "second_model", (MultipleDistributedModelError,), lambda: smp.DistributedModel(nn.Linear(2, 2))
-    )
+    second = nn.Linear(2, 2)
+    expect("second_model", (MultipleDistributedModelError,), lambda: smp.DistributedModel(second))
     stranger = nn.Linear(2, 2)
     expect(
         "foreign_optimizer",
@@ -99,7 +98,8 @@ def test_misuse_is_explained_and_outputs_are_assembled() -> None:
     assert "not in the DistributedModel" in leader["foreign_optimizer"][1]
     assert "@smp.step" in leader["outside_step_before"][1]
     assert leader["indivisible"][0] == "MicrobatchSplitError"
-    assert "batch size 3" in leader["indivisible"][1] and "microbatches=2" in leader["indivisible"][1]
+    assert "batch size 3" in leader["indivisible"][1]
+    assert "microbatches=2" in leader["indivisible"][1]
     assert other["indivisible"][0] == StepFailedError.__name__
     assert "raised on rank 0" in other["indivisible"][1]
     for seen in (leader, other):
@@ -120,9 +120,11 @@ def test_misuse_is_explained_and_outputs_are_assembled() -> None:
 
 
 def test_pipeline_degree_must_divide_the_world() -> None:
-    with pytest.raises(ConfigError, match="pipeline_parallel_degree"):
-        with single_process({"pipeline_parallel_degree": 2}):
-            pass
+    with (
+        pytest.raises(ConfigError, match="pipeline_parallel_degree"),
+        single_process({"pipeline_parallel_degree": 2}),
+    ):
+        pass
 
 
 # --- checkpoints and timeline ------------------------------------------------------------------
@@ -176,7 +178,12 @@ def _save_then_resume(folder: str) -> dict[str, Any]:
     reloaded = model.state_dict()
     smp.shutdown()
     dist.destroy_process_group()
-    return {"continued": continued, "resumed": resumed, "full": full, "reloaded_keys": list(reloaded)}
+    return {
+        "continued": continued,
+        "resumed": resumed,
+        "full": full,
+        "reloaded_keys": list(reloaded),
+    }
 
 
 def test_checkpoints_round_trip_and_change_layout(tmp_path: Path) -> None:
