@@ -1,0 +1,48 @@
+"""An unmodified SMP training script as a ``dtrain run`` job: pipeline × data parallel, 2 hosts."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import dtrain, processes_of_job
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "modelparallel"
+
+
+@pytest.mark.timeout(300)
+def test_smp_script_trains_as_a_two_host_hybrid_job(dtrain_home: Path, tmp_path: Path) -> None:
+    distribution = {
+        "smdistributed": {
+            "modelparallel": {
+                "enabled": True,
+                "parameters": {"partitions": 2, "microbatches": 2, "ddp": True},
+            }
+        },
+        "mpi": {"enabled": True, "processes_per_host": 2},
+    }
+    result = dtrain(
+        "run", "train_smp.py", "--source-dir", str(EXAMPLES), "--job-name", "smp-hybrid",
+        "--instance-count", "2", "--processes-per-host", "2", "--instance-type", "local_cpu",
+        "--distribution", json.dumps(distribution), "--hyperparameters", '{"steps": 8}',
+        "--output-path", str(tmp_path / "out"), home=dtrain_home, timeout=280,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = [
+        float(x) for x in re.findall(r"\[algo-1,0\]: step=\d+ train_loss=([0-9.]+)", result.stdout)
+    ]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    assert "slowest partition" in result.stdout  # the partition plan table
+    assert processes_of_job("smp-hybrid") == []
+
+    info = json.loads(dtrain("describe", "smp-hybrid", home=dtrain_home).stdout)
+    artifact = Path(info["ModelArtifacts"]["S3ModelArtifacts"].removeprefix("file://"))
+    with tarfile.open(artifact) as tar:
+        tar.extract("model.pt", tmp_path, filter="data")
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert any(name.startswith("blocks.3.") for name in state)  # gathered from partition 1
