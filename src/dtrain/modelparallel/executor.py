@@ -27,6 +27,7 @@ Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any, Literal
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError
 from dtrain.modelparallel.timeline import TimelineEvent
+from dtrain.modelparallel.workers import WorkerPool
 
 Role = Literal["main", "leader", "serve"]
 Phase = Literal["F", "B"]
@@ -95,6 +97,7 @@ class Executor:
         self._leader_step: _LeaderStep | None = None
         self._progress = time.monotonic()
         self._clock_offset = time.time() - time.perf_counter()
+        self._workers = WorkerPool(f"dtrain-mp-{pp_rank}")
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -228,9 +231,9 @@ class Executor:
         finally:
             self.acquire(task)
 
-    def spawn(self, target: Callable[[], None], name: str) -> None:
-        """Start a served task's thread (daemon: a stuck one never blocks the exit)."""
-        threading.Thread(target=target, name=name, daemon=True).start()
+    def spawn(self, target: Callable[[], None]) -> None:
+        """Run a served task on a pooled thread."""
+        self._workers.submit(target)
 
     # --- the leader's step -------------------------------------------------------------------
 
@@ -238,7 +241,6 @@ class Executor:
         """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
         step = _LeaderStep(count)
         outcomes: list[Outcome] = [(False, None)] * count
-        threads: list[threading.Thread] = []
         self._leader_step = step
         self.release(self.main)
         try:
@@ -246,17 +248,8 @@ class Executor:
                 self._wait(lambda: step.running < self.active, f"a free slot for microbatch {mb}")
                 with self._cv:
                     step.running += 1
-                thread = threading.Thread(
-                    target=self._leader_task,
-                    args=(mb, body, outcomes, step),
-                    name=f"dtrain-mp-microbatch-{mb}",
-                    daemon=True,
-                )
-                thread.start()
-                threads.append(thread)
+                self._workers.submit(functools.partial(self._leader_task, mb, body, outcomes, step))
             self._wait(lambda: step.finished == count, "the microbatch tasks to finish")
-            for thread in threads:
-                thread.join(self.timeout)
         finally:
             self.acquire(self.main)
             self._leader_step = None

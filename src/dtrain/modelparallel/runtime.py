@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,11 @@ from dtrain.modelparallel.transport import (
 )
 
 _POLL_S = 0.5
+
+GIL_SWITCH_INTERVAL_S = 0.0005
+"""Python hands the GIL to a waiting thread after this long (default 5 ms). A rank's receiver
+and its tasks take turns at every message, and each turn costing up to 5 ms would stall the
+whole pipeline behind whichever thread runs Python code."""
 
 
 @dataclass
@@ -95,6 +101,7 @@ class PipelineRuntime:
         self._steps = 0
         self.transport: Transport | None = None
         if len(group.ranks) > 1:
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             assert group.control_group is not None and group.data_group is not None
             self.transport = Transport(
                 group.rank,
@@ -185,10 +192,7 @@ class PipelineRuntime:
         self._arrivals += 1
         arrival = self._arrivals
         if message.kind in (FORWARD, BACKWARD):
-            self.executor.spawn(
-                lambda: self._serve(message, tensors, arrival),
-                f"dtrain-mp-serve-{message.kind}-{message.call_id}",
-            )
+            self.executor.spawn(lambda: self._serve(message, tensors, arrival))
         else:
             self._inbox.put((message, tensors, arrival))
 
