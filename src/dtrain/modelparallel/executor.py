@@ -56,6 +56,8 @@ class Task:
     name: str = ""
     holding: bool = False
     started: float = 0.0
+    granted: threading.Event = field(default_factory=threading.Event, repr=False)
+    """Set when the token is handed to this task: only the new holder wakes up."""
 
     def describe(self) -> str:
         if self.role == "main":
@@ -98,6 +100,7 @@ class Executor:
         self._progress = time.monotonic()
         self._clock_offset = time.time() - time.perf_counter()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}")
+        self._main_reclaimed = False
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -116,11 +119,12 @@ class Executor:
             entry = min(self._waiting, key=lambda e: (e[0], e[1]))
             self._waiting.remove(entry)
             self._holder = entry[2]
-            self._cv.notify_all()
+            entry[2].granted.set()
 
     def enqueue(self, task: Task) -> None:
         """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
         with self._cv:
+            task.granted.clear()
             self._waiting.append((self._key(task), next(self._seq), task))
             self._grant()
 
@@ -130,18 +134,16 @@ class Executor:
 
     def await_token(self, task: Task) -> None:
         """Wait until an enqueued ``task`` holds the token."""
-        deadline = time.monotonic() + self.timeout
-        with self._cv:
-            while self._holder is not task:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        if not task.granted.wait(self.timeout):
+            with self._cv:
+                if self._holder is not task:
                     self._waiting = [e for e in self._waiting if e[2] is not task]
                     holder = self._holder.describe() if self._holder else "nobody"
                     raise CommunicationTimeoutError(
                         f"pp rank {self.pp_rank}: {task.describe()} waited {self.timeout:g} s "
                         f"for the compute token, held by {holder}"
                     )
-                self._cv.wait(remaining)
+        with self._cv:
             task.holding = True
             task.started = self._now()
             self._progress = time.monotonic()
@@ -170,6 +172,31 @@ class Executor:
     def last_progress(self) -> float:
         """Monotonic time of the last token hand-over: work is still moving on this rank."""
         return self._progress
+
+    # --- the main task on the other ranks of the pipeline --------------------------------------
+
+    def lend_main(self) -> None:
+        """The main thread waits for the step to end: served tasks may compute meanwhile."""
+        with self._cv:
+            if not self._main_reclaimed:
+                self.release(self.main)
+
+    def reclaim_main(self) -> None:
+        """The step ended (called by the receiver, in message order): the main task gets the
+        token before any request that arrives later, which belongs to the next step and must
+        wait until this rank has finished its own work (e.g. the optimizer step)."""
+        with self._cv:
+            self._main_reclaimed = True
+            queued = any(entry[2] is self.main for entry in self._waiting)
+            if self._holder is not self.main and not queued:
+                self.enqueue(self.main)
+
+    def resume_main(self) -> None:
+        """Back on the main thread after :meth:`reclaim_main`: hold the token again."""
+        if not self.main.holding:
+            self.await_token(self.main)
+        with self._cv:
+            self._main_reclaimed = False
 
     def _now(self) -> float:
         """Wall-clock seconds from a monotonic clock, comparable across processes."""

@@ -194,6 +194,8 @@ class PipelineRuntime:
         if message.kind in (FORWARD, BACKWARD):
             self.executor.spawn(lambda: self._serve(message, tensors, arrival))
         else:
+            if not self.is_leader:
+                self.executor.reclaim_main()
             self._inbox.put((message, tensors, arrival))
 
     def _serve(self, message: Message, tensors: list[torch.Tensor], arrival: int) -> None:
@@ -312,7 +314,7 @@ class PipelineRuntime:
         assert self.transport is not None
         leader = self.group.ranks[0]
         executor = self.executor
-        executor.release(executor.main)
+        executor.lend_main()
         try:
             while True:
                 try:
@@ -329,7 +331,8 @@ class PipelineRuntime:
                             f"{leader}) to end step {self._steps}"
                         ) from None
         finally:
-            executor.acquire(executor.main)
+            executor.reclaim_main()
+            executor.resume_main()
         if message.kind != END_STEP:
             raise ModelParallelError(f"rank {self.group.rank}: pipeline failed: {message.body}")
         outcomes: list[Outcome] = []
