@@ -237,6 +237,12 @@ class Executor:
         if task is None or task.holding:
             yield
             return
+        with self._holding(task, name):
+            yield
+
+    @contextmanager
+    def _holding(self, task: Task, name: str) -> Iterator[None]:
+        """Compute as ``task`` (timeline name ``name``) from here to the end of the block."""
         task.name = name
         self.acquire(task)
         try:
@@ -327,13 +333,8 @@ class Executor:
                     lambda: len(step.forward_done) == step.count,
                     f"every forward before backward {task.microbatch} (simple pipeline)",
                 )
-        task.name = ""
-        self.acquire(task)
-        try:
+        with self._holding(task, ""):
             yield
-        finally:
-            if task.holding:
-                self.release(task)
 
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""
