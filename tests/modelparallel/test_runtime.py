@@ -88,6 +88,10 @@ def _errors_and_outputs() -> dict[str, Any]:
     expect("set_partition_late", (PartitionError,), lambda: smp.set_partition(module.group1, 1))
     seen["plan_owner_group2"] = model.partition_plan().owner("group2")
     seen["local"] = sorted(name for name, _ in model.local_named_parameters())
+    local = set(seen["local"])
+    seen["others_freed"] = all(
+        p.numel() == 0 for name, p in module.named_parameters() if name not in local
+    )
     return seen
 
 
@@ -117,6 +121,7 @@ def test_misuse_is_explained_and_outputs_are_assembled() -> None:
         assert seen["plan_owner_group2"] == 1
     assert all(name.startswith("group1.") for name in leader["local"])
     assert all(name.startswith("group2.") for name in other["local"])
+    assert leader["others_freed"] and other["others_freed"]
 
 
 def test_pipeline_degree_must_divide_the_world() -> None:
@@ -177,12 +182,20 @@ def _save_then_resume(folder: str) -> dict[str, Any]:
     _train(model, optimizer, range(1))  # partitions, then compare the loaded weights
     reloaded = model.state_dict()
     smp.shutdown()
+
+    # Another partition count: no pipeline, two data-parallel replicas.
+    smp.init({"pipeline_parallel_degree": 1, "microbatches": 2, "ddp": True})
+    model = smp.DistributedModel(GroupedNet(seed=7))
+    smp.resume_from_checkpoint(folder, tag="full3", partial=False)
+    unpipelined = model.state_dict()
+    smp.shutdown()
     dist.destroy_process_group()
     return {
         "continued": continued,
         "resumed": resumed,
         "full": full,
         "reloaded_keys": list(reloaded),
+        "unpipelined": unpipelined,
     }
 
 
@@ -191,6 +204,8 @@ def test_checkpoints_round_trip_and_change_layout(tmp_path: Path) -> None:
     assert leader["resumed"] == pytest.approx(leader["continued"], rel=1e-6)
     assert other["resumed"] == leader["resumed"]
     assert leader["reloaded_keys"] == list(leader["full"])
+    for name, value in leader["full"].items():
+        assert torch.equal(leader["unpipelined"][name], value), name
 
     # The full checkpoint is a plain state dict: it loads into an unpartitioned model.
     plain = GroupedNet(seed=3)
@@ -202,3 +217,22 @@ def test_checkpoints_round_trip_and_change_layout(tmp_path: Path) -> None:
     rows = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert rows == {0, 1} and kinds == {"F", "B"}
+
+
+def _in_flight_bound() -> list[Any]:
+    smp.init({**CONFIG, "microbatches": 4, "active_microbatches": 2})
+    model, optimizer = _pipeline("group2", seed=0)
+    _train(model, optimizer, range(2))
+    return model.timeline()
+
+
+def test_active_microbatches_bounds_the_microbatches_in_flight() -> None:
+    leader, _ = run_ranks(2, _in_flight_bound, timeout=120)
+    spans: dict[int, list[float]] = {}
+    for event in leader:
+        start, end = spans.get(event.microbatch, [event.start, event.end])
+        spans[event.microbatch] = [min(start, event.start), max(end, event.end)]
+    assert sorted(spans) == [0, 1, 2, 3]
+    for start, _ in spans.values():
+        alive = sum(1 for s, e in spans.values() if s <= start < e)
+        assert alive <= 2, spans
