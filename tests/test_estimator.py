@@ -48,7 +48,42 @@ def test_training_input_rejects_what_local_jobs_cannot_do() -> None:
         TrainingInput("s3://b/p", input_mode="Pipe")
 
 
-def test_fit_runs_a_job_and_exposes_its_artifacts(dtrain_home: Path, tmp_path: Path) -> None:
+def test_arguments_map_to_the_job_request(tmp_path: Path) -> None:
+    estimator = PyTorch(
+        entry_point="train.py",
+        source_dir="src",
+        instance_type="local_cpu",
+        instance_count=2,
+        processes_per_host=3,
+        hyperparameters={"epochs": 1},
+        distribution={"torch_distributed": {"enabled": True}},
+        metric_definitions=[{"Name": "loss", "Regex": "loss=([0-9.]+)"}],
+        max_run=600,
+        checkpoint_local_path=str(tmp_path / "ckpt"),
+        output_path="s3://bucket/out",
+        environment={"A": "1"},
+        base_job_name="base",
+        max_retry_attempts=2,
+    )
+    estimator.set_hyperparameters(lr=0.5)
+    spec = estimator._spec({"training": TrainingInput("s3://bucket/train")}, job_name=None)
+    assert spec.job_name.startswith("base-")
+    assert (spec.entry_point, spec.source_dir) == ("train.py", "src")
+    assert spec.instance_type == "local_cpu"
+    assert (spec.instance_count, spec.processes_per_host) == (2, 3)
+    assert spec.hyperparameters == {"epochs": 1, "lr": 0.5}
+    assert spec.distribution == {"torch_distributed": {"enabled": True}}
+    assert spec.metric_definitions == ({"Name": "loss", "Regex": "loss=([0-9.]+)"},)
+    assert (spec.max_run, spec.max_retry_attempts) == (600, 2)
+    assert spec.checkpoint_local_path == str(tmp_path / "ckpt")
+    assert spec.output_path == "s3://bucket/out" and spec.environment == {"A": "1"}
+    assert [(c.name, c.uri) for c in spec.channels] == [("training", "s3://bucket/train")]
+    assert estimator._spec(None, job_name="given").job_name == "given"
+
+
+def test_fit_runs_a_job_and_exposes_its_artifacts(
+    dtrain_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "data"
     data.mkdir()
     for i in range(4):
@@ -66,8 +101,8 @@ def test_fit_runs_a_job_and_exposes_its_artifacts(dtrain_home: Path, tmp_path: P
     estimator.fit(
         {"training": TrainingInput(data.as_uri(), distribution="ShardedByS3Key")},
         job_name="from-estimator",
-        logs=False,
     )
+    assert "[algo-2,1]: step=2 loss=101.0000" in capsys.readouterr().out  # logs=True shows them
     job = estimator.latest_training_job
     assert job is not None and job.name == "from-estimator"
     description = job.describe()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,17 @@ def describe(home: Path, name: str) -> dict:
     return json.loads(result.stdout)
 
 
-def run_script(home: Path, script: str, name: str, *flags: str, timeout: float = 120):
+def run_script(
+    home: Path,
+    script: str,
+    name: str,
+    *flags: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+):
     return dtrain(
         "run", script, "--source-dir", str(JOB_SCRIPTS), "--job-name", name,
-        "--instance-type", "local_cpu", *flags, home=home, timeout=timeout,
+        "--instance-type", "local_cpu", *flags, home=home, timeout=timeout, env=env,
     )  # fmt: skip
 
 
@@ -42,10 +51,12 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
         "--channel", f"training={data}",
         "--metric-definitions", '[{"Name": "loss", "Regex": "loss=([0-9.]+)"}]',
         "--environment", "MY_FLAG=on",
+        "--checkpoint-local-path", str(tmp_path / "checkpoints"),
+        env={"LAUNCHER_SETTING": "inherited"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[algo-2,3]: step=2 loss=0.3333" in result.stdout
-    assert "Completed" in result.stdout
+    assert "[algo-2,3]: step=2 loss=103.0000" in result.stdout
+    assert re.search(r"^\[dtrain good \d\d:\d\d:\d\d\] Completed", result.stdout, re.M)
 
     info = describe(dtrain_home, "good")
     assert info["TrainingJobStatus"] == "Completed"
@@ -55,7 +66,12 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
         "Starting", "Downloading", "Training", "Uploading", "Completed",
     ]  # fmt: skip
     assert [m["MetricName"] for m in info["FinalMetricDataList"]] == ["loss"]
-    assert info["FinalMetricDataList"][0]["Value"] == pytest.approx(0.3333)
+    assert info["FinalMetricDataList"][0]["Value"] == pytest.approx(0.3333)  # rank 0's only
+    assert info["ResourceConfig"] == {
+        "InstanceType": "local_cpu", "InstanceCount": 2, "ProcessesPerHost": 2,
+    }  # fmt: skip
+    start = datetime.fromisoformat(info["TrainingStartTime"])
+    assert start <= datetime.fromisoformat(info["TrainingEndTime"])
 
     artifact = Path(info["ModelArtifacts"]["S3ModelArtifacts"].removeprefix("file://"))
     with tarfile.open(artifact) as tar:
@@ -78,7 +94,13 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     assert env3["RANK"] == "3" and env3["WORLD_SIZE"] == "4"
     assert env3["LOCAL_RANK"] == "1" and env3["LOCAL_WORLD_SIZE"] == "2"
     assert env3["OMPI_COMM_WORLD_RANK"] == "3" and env3["OMPI_COMM_WORLD_LOCAL_RANK"] == "1"
+    assert env3["OMPI_COMM_WORLD_SIZE"] == "4"
     assert env3["MASTER_ADDR"] == "127.0.0.1"
+    assert {r["env"]["MASTER_PORT"] for r in reports.values()} == {env3["MASTER_PORT"]}
+    assert 0 < int(env3["MASTER_PORT"]) < 65536
+    assert env3["MY_FLAG"] == "on" and env3["LAUNCHER_SETTING"] == "inherited"
+    assert env3["DTRAIN_CHECKPOINT_DIR"] == str(tmp_path / "checkpoints")
+    assert (tmp_path / "checkpoints").is_dir()
     assert env3["SM_CURRENT_HOST"] == "algo-2"
     assert json.loads(env3["SM_HOSTS"]) == ["algo-1", "algo-2"]
     assert json.loads(env3["SM_CHANNELS"]) == ["training"]
@@ -96,6 +118,11 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     assert env3["SM_NUM_GPUS"] == "0" and int(env3["SM_NUM_CPUS"]) >= 1
     assert Path(reports[3]["cwd"]) == job_dir / "code"
     host2 = job_dir / "hosts" / "algo-2"
+    assert env3["SM_OUTPUT_DIR"] == str(host2 / "output")
+    assert env3["SM_INPUT_DIR"] == str(host2 / "input")
+    assert env3["SM_INPUT_CONFIG_DIR"] == str(host2 / "input" / "config")
+    data_config = json.loads((host2 / "input/config/inputdataconfig.json").read_text())
+    assert data_config["training"]["S3DistributionType"] == "FullyReplicated"
     resource = json.loads((host2 / "input/config/resourceconfig.json").read_text())
     assert resource["current_host"] == "algo-2" and resource["hosts"] == ["algo-1", "algo-2"]
     hps = json.loads((host2 / "input/config/hyperparameters.json").read_text())
@@ -107,7 +134,7 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     assert processes_of_job("good") == []
 
     logs = dtrain("logs", "good", "--rank", "2", home=dtrain_home)
-    assert logs.returncode == 0 and "step=0 loss=1.0000" in logs.stdout
+    assert logs.returncode == 0 and "step=0 loss=102.0000" in logs.stdout
     jobs = dtrain("jobs", home=dtrain_home)
     assert "good" in jobs.stdout and "Completed" in jobs.stdout
     plot = tmp_path / "metrics.png"

@@ -1,4 +1,8 @@
-"""A well-behaved job: all-reduce across ranks, report the environment, save a model on rank 0."""
+"""A well-behaved job: all-reduce across ranks, report the environment, save a model on rank 0.
+
+Only rank 0's loss falls with the step; the others print a loss of 100 + rank, so a metric
+taken from any rank but 0 shows.
+"""
 
 import json
 import os
@@ -31,6 +35,8 @@ report = {
                 "DTRAIN_",
                 "GROUP_RANK",
                 "CUDA_VISIBLE",
+                "MY_FLAG",
+                "LAUNCHER_",
             )
         )
     },
@@ -39,7 +45,8 @@ report = {
 out = Path(os.environ["SM_OUTPUT_DATA_DIR"]) / f"report-rank{rank}.json"
 out.write_text(json.dumps(report))
 for step in range(3):
-    print(f"step={step} loss={1.0 / (step + 1):.4f}", flush=True)
+    loss = 1.0 / (step + 1) if rank == 0 else 100.0 + rank
+    print(f"step={step} loss={loss:.4f}", flush=True)
 if rank == 0:
     Path(os.environ["SM_MODEL_DIR"], "weights.txt").write_text("trained")
 dist.barrier()

@@ -209,6 +209,8 @@ class JobRun:
         self.folder.logs_dir.mkdir(parents=True)
         _copy_code(spec, self.folder.code_dir)
         self.folder.spec_file.write_text(spec.to_json())
+        if spec.checkpoint_local_path:  # shared by the hosts, as a checkpoint volume would be
+            Path(spec.checkpoint_local_path).mkdir(parents=True, exist_ok=True)
         self.transition("Downloading", "Downloading input data")
         for host_index in range(spec.instance_count):
             host = self.folder.host(host_index)

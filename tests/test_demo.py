@@ -1,0 +1,52 @@
+"""The README's demo command (``make demo``) runs the example job to completion."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dtrain.jobs.store import JobStore
+from tests.conftest import dtrain
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_make_demo_trains_on_two_hosts(dtrain_home: Path, tmp_path: Path) -> None:
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("make") is None or not (bin_dir / "dtrain").exists():
+        pytest.skip("needs make and the dtrain console script beside this python")
+    data = tmp_path / "demo-data"
+    result = subprocess.run(
+        # -o: the environment running the tests is the install; never (re)create it here
+        ["make", "-s", "-o", f"{bin_dir}/.installed", "demo",
+         f"VENV={bin_dir.parent}", f"DEMO_DATA={data}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=200, check=False,
+        env={**os.environ, "DTRAIN_HOME": str(dtrain_home)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "epoch=5 train_loss=" in result.stdout
+
+    (record,) = JobStore().list()
+    assert record.name.startswith("demo-") and record.status == "Completed"
+    info = json.loads(dtrain("describe", record.name, home=dtrain_home).stdout)
+    metrics = {m["MetricName"]: m["Value"] for m in info["FinalMetricDataList"]}
+    assert set(metrics) == {"train:loss", "train:accuracy"}
+    assert metrics["train:accuracy"] > 0.5  # 4 separable classes: well above chance (0.25)
+    hosts = Path(info["JobFolder"]) / "hosts"
+    shards = [
+        sorted(p.name for p in (hosts / host / "input/data/training").iterdir())
+        for host in ("algo-1", "algo-2")
+    ]
+    assert shards == [["shard-00.pt", "shard-02.pt"], ["shard-01.pt", "shard-03.pt"]]
+    artifact = Path(info["ModelArtifacts"]["S3ModelArtifacts"].removeprefix("file://"))
+    with tarfile.open(artifact) as tar:
+        assert tar.getnames() == ["model.pt"]
