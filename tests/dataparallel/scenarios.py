@@ -7,6 +7,7 @@ different random initialisations: the wrap-time broadcast must make them rank 0'
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,8 @@ def _train(rank: int, factory: Callable[[int], nn.Module] = mlp, **options: Any)
         "order": model.bucket_plan.order,
         "hierarchical": model.hierarchical,
         "grads_are_views": all(p.grad._base is not None for p in model.parameters()),
+        "shared_memory": model.shared_memory,
+        "pid": os.getpid(),
     }
 
 
@@ -247,10 +250,10 @@ def batchnorm(rank: int, world: int) -> dict[str, Any]:
     return {"params": params_of(net), "after_train": after_train, "after_eval": buffers_of(net)}
 
 
-def _compressed(rank: int, compression: str) -> dict[str, Any]:
+def _compressed(rank: int, compression: str, **options: Any) -> dict[str, Any]:
     """Train as ``plain`` and record, per step, this rank's exact gradient and the reduced one."""
     model = DistributedDataParallel(
-        mlp(ROOT_SEED + rank), bucket_cap_mb=CAP_MB, compression=compression
+        mlp(ROOT_SEED + rank), bucket_cap_mb=CAP_MB, compression=compression, **options
     )
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=LR)
@@ -279,6 +282,19 @@ def fp16(rank: int, world: int) -> dict[str, Any]:
 
 def bf16(rank: int, world: int) -> dict[str, Any]:
     return _compressed(rank, "bf16")
+
+
+def shm_plain(rank: int, world: int) -> dict[str, Any]:
+    return _train(rank, shared_memory=True)
+
+
+def shm_bucket_view(rank: int, world: int) -> dict[str, Any]:
+    return _train(rank, shared_memory=True, gradient_as_bucket_view=True)
+
+
+def shm_fp16(rank: int, world: int) -> dict[str, Any]:
+    """Across hosts only the cross-host shards are compressed; inside a host, full precision."""
+    return _compressed(rank, "fp16", shared_memory=True)
 
 
 def collectives(rank: int, world: int) -> dict[str, Any]:
@@ -348,8 +364,10 @@ TWO_RANKS = [
     bf16,
     smddp_backend,
     missing_gradient,
+    shm_plain,
+    shm_bucket_view,
 ]
-TWO_HOSTS_OF_TWO = [collectives, plain, flat, unused, fp16]
+TWO_HOSTS_OF_TWO = [collectives, plain, flat, unused, fp16, shm_plain, shm_fp16]
 
 
 # --- single-process references -----------------------------------------------------------------

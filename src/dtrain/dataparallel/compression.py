@@ -44,9 +44,13 @@ class Codec:
         The bucket's contents are consumed: ``decode`` overwrites them with the average.
         """
         bucket.div_(world_size)
-        if self.wire_dtype is None or bucket.element_size() <= self.wire_dtype.itemsize:
-            return bucket
-        return bucket.to(self.wire_dtype)
+        return self.to_wire(bucket)
+
+    def to_wire(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in the wire dtype: the tensor itself when uncompressed or already narrow."""
+        if self.wire_dtype is None or values.element_size() <= self.wire_dtype.itemsize:
+            return values
+        return values.to(self.wire_dtype)
 
     def decode(self, wire: torch.Tensor, bucket: torch.Tensor) -> None:
         """Write the reduced wire tensor back into the bucket in the bucket's dtype."""

@@ -9,6 +9,7 @@ statistics follow rank 0; each backward leaves the across-rank average of the gr
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,14 @@ from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.hierarchical import HierarchicalAllReduce, wants_hierarchical
 from dtrain.dataparallel.process_group import get_local_size
 from dtrain.dataparallel.reducer import Reducer
+from dtrain.dataparallel.shm import (
+    SHM_ENV,
+    SharedMemoryAllReduce,
+    SharedMemoryUnavailable,
+    wants_shared_memory,
+)
 from dtrain.dataparallel.transport import FlatAllReduce, StagedAllReduce
+from dtrain.topology import Topology
 
 DEFAULT_BUCKET_CAP_MB = 25
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -36,7 +44,10 @@ class DistributedDataParallel(nn.Module):
     ``compression``: ``None``, ``"fp16"`` or ``"bf16"`` for the wire format of gradients (see
     ``dtrain.dataparallel.compression`` for the error this adds). ``hierarchical``: ``None`` (auto:
     several hosts with several processes each, or the ``DTRAIN_HIERARCHICAL_ALLREDUCE`` env var),
-    ``True`` or ``False``.
+    ``True`` or ``False``. ``shared_memory``: reduce CPU gradients inside a host through
+    ``/dev/shm`` instead of the process group (``dtrain.dataparallel.shm``); ``None`` reads
+    ``DTRAIN_SHM_ALLREDUCE`` and falls back with a warning where it cannot apply, ``True`` raises
+    there. Compression then applies to the bytes that cross hosts only.
     """
 
     def __init__(
@@ -52,6 +63,7 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         compression: str | None = None,
         hierarchical: bool | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -66,13 +78,13 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._require_sync = True
         _broadcast_from_root([*module.parameters(), *module.buffers()], self.process_group)
-        strategy = self._strategy(hierarchical)
-        self.hierarchical = isinstance(strategy, HierarchicalAllReduce)
+        strategy = self._transport(hierarchical, shared_memory, codec, [p for _, p in named])
+        self.shared_memory = isinstance(strategy, SharedMemoryAllReduce)
         cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         self.reducer = Reducer(
             named,
             strategy,
-            codec,
+            Codec() if self.shared_memory else codec,  # it compresses the cross-host shards
             self.process_group,
             int(cap_mb * 1024 * 1024),
             find_unused_parameters,
@@ -104,14 +116,56 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
-    def _strategy(self, hierarchical: bool | None) -> StagedAllReduce:
+    def _transport(
+        self,
+        hierarchical: bool | None,
+        shared_memory: bool | None,
+        codec: Codec,
+        params: list[nn.Parameter],
+    ) -> StagedAllReduce:
+        """Pick how buckets are summed; sets ``self.hierarchical`` (two levels: host, network)."""
         world = dist.get_world_size(self.process_group)
         ranks = dist.get_process_group_ranks(self.process_group)
         spans_world = ranks == list(range(dist.get_world_size()))
         local_size = get_local_size()
-        if wants_hierarchical(hierarchical, world, local_size, spans_world):
+        self.hierarchical = wants_hierarchical(hierarchical, world, local_size, spans_world)
+        if wants_shared_memory(shared_memory):
+            host_size = local_size if self.hierarchical else world
+            obstacle = _shared_memory_obstacle(spans_world, host_size, local_size, params)
+            try:
+                if obstacle:
+                    raise SharedMemoryUnavailable(obstacle)
+                topology = Topology(world, host_size)
+                return SharedMemoryAllReduce.create(
+                    dist.get_rank(),
+                    topology.all_groups("host"),
+                    topology.all_groups("cross_host"),
+                    codec,
+                )
+            except SharedMemoryUnavailable as error:
+                if shared_memory:
+                    raise
+                warnings.warn(
+                    f"{SHM_ENV} is set but {error}; reducing through the process group",
+                    stacklevel=3,
+                )
+        if self.hierarchical:
             return HierarchicalAllReduce.create(dist.get_rank(), world, local_size)
         return FlatAllReduce(self.process_group)
+
+
+def _shared_memory_obstacle(
+    spans_world: bool, host_size: int, local_size: int, params: list[nn.Parameter]
+) -> str | None:
+    """Why the ranks cannot reduce through shared memory, known without asking the others."""
+    if not spans_world:
+        return "shared memory reduction needs a process group spanning all ranks in order"
+    if host_size > local_size:
+        return "hierarchical=False with several hosts: a flat reduction must cross the network"
+    devices = {param.device.type for param in params}
+    if devices != {"cpu"}:
+        return f"shared memory reduction serves CPU gradients, not {sorted(devices - {'cpu'})}"
+    return None
 
 
 def _broadcast_from_root(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -10,6 +10,8 @@ Stages, for a bucket of B bytes, L processes per host and H hosts:
 
 torch 2.13's gloo implements reduce-scatter (``reduce_scatter_single``, formerly
 ``reduce_scatter_tensor``), so stage 1 is a real reduce-scatter on CPU as well as on NCCL.
+Its gloo work never reports ``is_completed()``, though, so the reducer only moves a chunk past
+it by waiting (at the end of backward), not by polling during backward.
 The reduce-scatter and the all-gather use two different groups over the same host ranks: the
 reducer issues each stage in bucket order, and with one shared group the gather of bucket b
 and the scatter of bucket b+1 could be issued in different orders on different ranks.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dtrain.dataparallel.transport import Transfer
+from dtrain.dataparallel.transport import Transfer, own_group, private_buffers
 from dtrain.topology import Topology
 
 HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"
@@ -62,15 +64,16 @@ class HierarchicalAllReduce:
     gather_group: dist.ProcessGroup
     pad_multiple: int
     num_stages: int = 3
+    buffers = staticmethod(private_buffers)
 
     @classmethod
     def create(cls, rank: int, world_size: int, local_size: int) -> HierarchicalAllReduce:
         """Create the groups; every rank must call this at the same point (a collective)."""
         topology = Topology(world_size, local_size)
         hosts, columns = topology.all_groups("host"), topology.all_groups("cross_host")
-        scatter = _own_group(rank, hosts)
-        cross_host = _own_group(rank, columns)
-        gather = _own_group(rank, hosts)
+        scatter = own_group(rank, hosts)
+        cross_host = own_group(rank, columns)
+        gather = own_group(rank, hosts)
         return cls(scatter, cross_host, gather, pad_multiple=local_size)
 
     def launch(self, stage: int, transfer: Transfer) -> dist.Work:
@@ -84,14 +87,3 @@ class HierarchicalAllReduce:
         if stage == 1:
             return dist.all_reduce(shard, group=self.cross_host_group, async_op=True)
         return _all_gather(transfer.wire, shard, group=self.gather_group, async_op=True)
-
-
-def _own_group(rank: int, partition: list[list[int]]) -> dist.ProcessGroup:
-    """Create every group of a partition (all ranks must) and keep the one holding ``rank``."""
-    own: dist.ProcessGroup | None = None
-    for ranks in partition:
-        created = dist.new_group(ranks)
-        if rank in ranks:
-            own = created
-    assert own is not None, f"rank {rank} is in no group of {partition}"
-    return own

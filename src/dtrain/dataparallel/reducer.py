@@ -7,6 +7,10 @@ Buckets start strictly in index order on every rank, which keeps collectives mat
 negotiation. A final callback queued on the autograd engine then fills in parameters that got no
 gradient, waits for the rest, and writes the averages back to ``param.grad``.
 
+A bucket travels as one transfer, or, when the strategy has several stages and the bucket is
+over the cap (a parameter larger than the cap has a bucket of its own), as balanced chunks that
+pipeline through the stages.
+
 The first plan packs parameters in reverse definition order (a guess at backward order). The
 first synced backward records the real order in which gradients became ready; rank 0's record
 is broadcast (ranks must agree, and autograd's order can differ between them) and the buckets
@@ -24,7 +28,7 @@ from torch import nn
 
 from dtrain.dataparallel.buckets import BucketPlan, plan_buckets
 from dtrain.dataparallel.compression import Codec
-from dtrain.dataparallel.transport import StagedAllReduce, Transfer
+from dtrain.dataparallel.transport import BufferSpec, StagedAllReduce, Transfer
 
 
 class Reducer:
@@ -93,30 +97,57 @@ class Reducer:
         self._pending[self._bucket_of[index]] -= 1
 
     def _advance(self, block: bool) -> None:
-        """Issue every stage that can start, each stage in bucket order; ``block`` waits instead.
+        """Issue every stage that can start; ``block`` waits until no more can be issued.
 
-        Stage 0 of bucket b needs all of b's gradients; stage s > 0 needs b's stage s-1 done.
-        A stage is never issued for bucket b before it was issued for bucket b-1.
+        Stage 0 of a chunk needs all of its bucket's gradients; stage s > 0 needs the chunk's
+        stage s-1 done. A stage is never issued for chunk c before it was issued for chunk c-1.
+        Blocking waits for the lowest chunk with a stage in flight, issues its next stage, then
+        whatever else became possible: chunk 0's last stage does not queue behind chunk 5's
+        first. (It also never relies on ``is_completed`` after ``wait``: gloo's reduce-scatter
+        work never reports completion.)
         """
-        buckets = len(self._plan.buckets)
+        while True:
+            self._issue()
+            waiting = [
+                (self._issued[stage], stage)
+                for stage in range(1, self._strategy.num_stages)
+                if self._issued[stage] < self._issued[stage - 1]
+            ]
+            if not (block and waiting):
+                return
+            c, stage = min(waiting)
+            self._wait(c)
+            self._launch(stage, c)
+
+    def _issue(self) -> None:
+        """Issue, in chunk order, every stage whose inputs are ready now."""
+        chunks = len(self._chunks)
         for stage in range(self._strategy.num_stages):
-            while self._issued[stage] < buckets:
-                b = self._issued[stage]
+            while self._issued[stage] < chunks:
+                c = self._issued[stage]
                 if stage == 0:
-                    if self._pending[b]:
+                    bucket, chunk = self._chunks[c]
+                    if self._pending[bucket]:
                         break
-                    wire = self._codec.encode(self._buffers[b], self._world)
-                    self._transfers.append(Transfer(wire))
+                    self._transfers.append(Transfer(self._codec.encode(chunk, self._world)))
                 else:
-                    if self._issued[stage - 1] <= b:
+                    if self._issued[stage - 1] <= c:
                         break
-                    previous = self._transfers[b].work
-                    assert previous is not None
-                    if not (block or previous.is_completed()):
+                    work = self._transfers[c].work
+                    assert work is not None
+                    if not work.is_completed():
                         break
-                    previous.wait()
-                self._transfers[b].work = self._strategy.launch(stage, self._transfers[b])
-                self._issued[stage] += 1
+                    self._wait(c)  # surfaces the collective's error, if any
+                self._launch(stage, c)
+
+    def _launch(self, stage: int, c: int) -> None:
+        self._transfers[c].work = self._strategy.launch(stage, self._transfers[c])
+        self._issued[stage] += 1
+
+    def _wait(self, c: int) -> None:
+        work = self._transfers[c].work
+        assert work is not None
+        work.wait()
 
     def _finish_backward(self) -> None:
         """End of a synced backward: reduce what is left, then write averages into ``.grad``."""
@@ -137,8 +168,8 @@ class Reducer:
         locally_used = [param.grad is not None for param in self._params]
         self._advance(block=True)
         self._drain()
-        for transfer, buffer in zip(self._transfers, self._buffers, strict=True):
-            self._codec.decode(transfer.wire, buffer)
+        for transfer, (_, chunk) in zip(self._transfers, self._chunks, strict=True):
+            self._codec.decode(transfer.wire, chunk)
         used = self._globally_used(locally_used) if self._find_unused else locally_used
         self._write_back(used)
         if not self._order_fixed:
@@ -146,9 +177,8 @@ class Reducer:
         self._reset()
 
     def _drain(self) -> None:
-        for transfer in self._transfers:
-            assert transfer.work is not None
-            transfer.work.wait()
+        for c in range(len(self._transfers)):
+            self._wait(c)
 
     def _globally_used(self, locally_used: list[bool]) -> list[bool]:
         """Whether any rank had a gradient: parameters no rank used keep ``grad=None``, as alone."""
@@ -189,20 +219,36 @@ class Reducer:
     def _allocate(self) -> None:
         """Zeroed flat buffers for the plan (padded for the strategy) and a view per parameter."""
         pad = self._strategy.pad_multiple
-        self._buffers: list[torch.Tensor] = []
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
-        self._bucket_of = [0] * len(self._params)
-        for b, bucket in enumerate(self._plan.buckets):
+        specs = []
+        for bucket in self._plan.buckets:
             first = self._params[bucket.params[0]]
             numel = sum(self._params[i].numel() for i in bucket.params)
-            buffer = torch.zeros(-(-numel // pad) * pad, dtype=first.dtype, device=first.device)
+            specs.append(BufferSpec(-(-numel // pad) * pad, first.dtype, first.device))
+        self._buffers = self._strategy.buffers(specs)
+        self._chunks = [
+            (b, chunk) for b, buf in enumerate(self._buffers) for chunk in self._split(buf)
+        ]
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        self._bucket_of = [0] * len(self._params)
+        for b, (bucket, buffer) in enumerate(zip(self._plan.buckets, self._buffers, strict=True)):
             offset = 0
             for i in bucket.params:
                 param = self._params[i]
                 self._views[i] = buffer[offset : offset + param.numel()].view(param.shape)
                 self._bucket_of[i] = b
                 offset += param.numel()
-            self._buffers.append(buffer)
+
+    def _split(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """A bucket over the cap (one large parameter) as balanced chunks within it, if staged.
+
+        The chunks go through the stages one after another, so one chunk's cross-host stage
+        overlaps the next one's in-host stage; with a single stage nothing would overlap.
+        """
+        count = -(-buffer.numel() * buffer.element_size() // self._cap)
+        if self._strategy.num_stages == 1 or count <= 1:
+            return [buffer]
+        pad = self._strategy.pad_multiple
+        return list(buffer.split(-(-buffer.numel() // (count * pad)) * pad))
 
     def _reset(self) -> None:
         self._ready = [False] * len(self._params)

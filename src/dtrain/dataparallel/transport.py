@@ -1,15 +1,16 @@
 """How one bucket's wire tensor is summed across ranks: a fixed chain of async collectives.
 
 A strategy splits the all-reduce into stages (one for a flat all-reduce, three for the
-hierarchical one). Each stage runs on its own process group and the reducer issues every stage
-for buckets in index order, so on every group all ranks see the same sequence of collectives
-even though stages of different buckets overlap.
+hierarchical one, three or four through shared memory). Each stage runs on its own process
+group and the reducer issues every stage for chunks in index order, so on every group all ranks
+see the same sequence of collectives even though stages of different chunks overlap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,12 +25,22 @@ class Transfer:
     work: dist.Work | None = None
 
 
+class BufferSpec(NamedTuple):
+    """One bucket's flat buffer: elements (already padded), dtype and device."""
+
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
 class StagedAllReduce(Protocol):
     """Sums ``transfer.wire`` over the data-parallel group, stage by stage.
 
     ``pad_multiple``: the wire's length must be a multiple of this (the reducer zero-pads).
-    ``launch(stage, transfer)`` starts stage ``stage`` once the previous one has completed and
-    returns its work; after the last stage ``transfer.wire`` holds the sum.
+    ``buffers(specs)`` makes a bucket plan's zeroed flat buffers (a strategy may need them in
+    memory it controls); every rank calls it at the same point. ``launch(stage, transfer)``
+    starts stage ``stage`` once the previous one has completed and returns its work; after the
+    last stage ``transfer.wire`` holds the sum.
     """
 
     @property
@@ -38,7 +49,27 @@ class StagedAllReduce(Protocol):
     @property
     def pad_multiple(self) -> int: ...
 
+    def buffers(self, specs: Sequence[BufferSpec]) -> list[torch.Tensor]: ...
+
     def launch(self, stage: int, transfer: Transfer) -> dist.Work: ...
+
+
+def private_buffers(specs: Sequence[BufferSpec]) -> list[torch.Tensor]:
+    """Zeroed buffers in the process's own memory: what collectives over a process group use."""
+    return [torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device) for spec in specs]
+
+
+def own_group(
+    rank: int, partition: list[list[int]], backend: str | None = None
+) -> dist.ProcessGroup:
+    """Create every group of a partition (all ranks must) and keep the one holding ``rank``."""
+    own: dist.ProcessGroup | None = None
+    for ranks in partition:
+        created = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            own = created
+    assert own is not None, f"rank {rank} is in no group of {partition}"
+    return own
 
 
 @dataclass(frozen=True)
@@ -48,6 +79,7 @@ class FlatAllReduce:
     group: dist.ProcessGroup | None
     num_stages: int = 1
     pad_multiple: int = 1
+    buffers = staticmethod(private_buffers)
 
     def launch(self, stage: int, transfer: Transfer) -> dist.Work:
         return dist.all_reduce(transfer.wire, group=self.group, async_op=True)
