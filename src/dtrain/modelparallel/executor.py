@@ -54,10 +54,14 @@ class Task:
     microbatch: int = 0
     phase: Phase = "F"
     name: str = ""
+    step: int = 0
+    """The leader's step this work belongs to (sent with the task's requests)."""
     holding: bool = False
     started: float = 0.0
     granted: threading.Event = field(default_factory=threading.Event, repr=False)
     """Set when the token is handed to this task: only the new holder wakes up."""
+    calls: list[Any] = field(default_factory=list, repr=False)
+    """Remote calls this task made whose replies it has not checked yet."""
 
     def describe(self) -> str:
         if self.role == "main":
@@ -270,7 +274,9 @@ class Executor:
 
     # --- the leader's step -------------------------------------------------------------------
 
-    def run_microbatches(self, count: int, body: Callable[[int], Any]) -> list[Outcome]:
+    def run_microbatches(
+        self, count: int, body: Callable[[int], Any], step_number: int = 0
+    ) -> list[Outcome]:
         """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
         step = _LeaderStep(count)
         outcomes: list[Outcome] = [(False, None)] * count
@@ -281,7 +287,9 @@ class Executor:
                 self._wait(lambda: step.running < self.active, f"a free slot for microbatch {mb}")
                 with self._cv:
                     step.running += 1
-                self._workers.submit(functools.partial(self._leader_task, mb, body, outcomes, step))
+                self._workers.submit(
+                    functools.partial(self._leader_task, mb, step_number, body, outcomes, step)
+                )
             self._wait(lambda: step.finished == count, "the microbatch tasks to finish")
         finally:
             self.acquire(self.main)
@@ -289,9 +297,14 @@ class Executor:
         return outcomes
 
     def _leader_task(
-        self, mb: int, body: Callable[[int], Any], outcomes: list[Outcome], step: _LeaderStep
+        self,
+        mb: int,
+        step_number: int,
+        body: Callable[[int], Any],
+        outcomes: list[Outcome],
+        step: _LeaderStep,
     ) -> None:
-        task = Task("leader", mb)
+        task = Task("leader", mb, step=step_number)
         previous = getattr(self._local, "task", None)
         self._local.task = task
         try:

@@ -24,6 +24,7 @@ from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, Step
 from dtrain.modelparallel.executor import Outcome
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.profile import ModelProfile, profile_module
+from dtrain.modelparallel.remote import materialize
 from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
@@ -90,6 +91,7 @@ class DistributedModel(nn.Module):
         if self._tracing.is_set():
             return
         runtime = self._require_step("model.backward")
+        tensors, grad_tensors = materialize((tensors, grad_tensors))  # computed elsewhere: fetch
         outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
             grads: list[torch.Tensor | None] = [None] * len(outputs)

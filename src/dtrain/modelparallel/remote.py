@@ -2,9 +2,26 @@
 
 On a rank that does not own a module, the module's ``forward`` is replaced by a stub that sends
 the call (arguments of any nesting, tensors and picklable values, keyword arguments included) to
-the owner and returns the owner's outputs. The call is one node of the caller's autograd graph
-(:class:`RemoteCall`): its backward sends the output gradients to the owner, which runs the
-backward of the graph it kept for that call and returns the gradients of the call's inputs.
+the owner. The owner keeps what it computed; the caller gets either the outputs themselves or
+*deferred* outputs:
+
+* **Eager** (the first call of a module with given argument kinds): the caller waits for the
+  owner's reply, which carries the outputs; they become the outputs of one autograd node
+  (:class:`RemoteFetch`) whose backward sends their gradients to the owner.
+* **Deferred** (later calls): the outputs will have the structure the previous call's had, so
+  the stub returns at once with a :class:`RemoteValue` at each tensor of that structure. A
+  deferred value passed to another module of the same owner travels as a reference
+  (:class:`~dtrain.modelparallel.transport.OutputRef`): the owner uses its own tensor, and the
+  calls chain on the owner, in its autograd graph, without a round trip through the caller.
+  Anything else the caller does with it (an operator, a torch function, an attribute, another
+  rank's module, a module of its own) fetches it first, again through a :class:`RemoteFetch`.
+  When the reply comes, its structure is checked against the prediction: a module whose output
+  structure changes between calls with the same kinds of arguments fails the step with an error
+  that says so (``DTRAIN_MP_DEFER=0`` waits for every call instead).
+
+A fetched value's backward runs on the owner from that value down to every input the caller sent
+into its chain of calls (the fetched call, the calls it referenced, and so on), and returns their
+gradients: a chain of k calls costs one backward round trip, not k.
 
 An empty *anchor* tensor that requires grad is passed along with the real inputs, so the outputs
 require grad even when no input does (integer token ids into an embedding on another rank): the
@@ -13,6 +30,7 @@ owner's parameters must still get their gradients.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,70 +38,333 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.modelparallel.transport import TensorMeta, flatten, unflatten
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.transport import (
+    OutputRef,
+    Pending,
+    TensorMeta,
+    TensorRef,
+    map_leaves,
+    resolve,
+    unflatten,
+)
 
 if TYPE_CHECKING:
     from dtrain.modelparallel.runtime import PipelineRuntime
 
+DEFER_ENV = "DTRAIN_MP_DEFER"
+"""``0`` makes every remote call eager (wait for the owner's reply before going on)."""
 
-@dataclass
+LeafId = tuple[int, int]
+"""An input the caller sent: (call id, index among that call's tensors)."""
+
+
+def defer_enabled() -> bool:
+    return os.environ.get(DEFER_ENV, "1") not in ("0", "false", "False")
+
+
+@dataclass(eq=False)
 class CallRecord:
-    """Caller-side state of one remote call, shared by its forward and backward."""
+    """Caller-side state of one remote call, shared by its outputs, fetches and backward."""
 
     runtime: PipelineRuntime
     module: str
     owner: int
-    input_count: int = 0
-    call_id: int = 0
-    output_structure: Any = None
+    call_id: int
+    grad: bool
+    sent: list[torch.Tensor]
+    refs: list[CallRecord]
+    pending: Pending
+    predicted: Any = None
+    """The structure the outputs were assumed to have (deferred calls), checked at the reply."""
+    structure: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
-    output_meta: tuple[TensorMeta, ...] = field(default_factory=tuple)
+    meta: tuple[TensorMeta, ...] = ()
+    _replied: bool = False
+
+    def reply(self) -> Any:
+        """Wait for the owner's reply (errors and a changed structure raise); its structure."""
+        if not self._replied:
+            message, tensors = self.runtime.wait(self.pending)
+            if self.predicted is not None and not same_structure(message.body, self.predicted):
+                raise ModelParallelError(
+                    f"module {self.module!r} returned {_shape_text(message.body)} where its "
+                    f"previous call with the same kinds of arguments returned "
+                    f"{_shape_text(self.predicted)}: dtrain pipelines calls by assuming the "
+                    f"structure repeats. Return the same structure every time, or set "
+                    f"{DEFER_ENV}=0 to wait for every remote call"
+                )
+            self.structure, self.outputs, self.meta = message.body, tensors, message.meta
+            self._replied = True
+        return self.structure
+
+    def closure(self) -> tuple[list[LeafId], list[torch.Tensor]]:
+        """The differentiable inputs sent into this call's chain, and where the owner has them."""
+        ids: list[LeafId] = []
+        tensors: list[torch.Tensor] = []
+        seen: set[int] = set()
+        stack = [self]
+        while stack:
+            record = stack.pop()
+            if record.call_id in seen:
+                continue
+            seen.add(record.call_id)
+            for index, tensor in enumerate(record.sent):
+                if tensor.requires_grad and tensor.is_floating_point():
+                    ids.append((record.call_id, index))
+                    tensors.append(tensor)
+            stack.extend(record.refs)
+        return ids, tensors
 
 
-class RemoteCall(torch.autograd.Function):
-    """Autograd node of a remote call: forward and backward both run on the owner."""
+@dataclass
+class _FetchContext:
+    record: CallRecord
+    path: tuple[Any, ...]
+    leaves: list[LeafId]
+    outputs: list[torch.Tensor]
+    meta: tuple[TensorMeta, ...]
+
+
+class RemoteFetch(torch.autograd.Function):
+    """Autograd node of a fetched remote value: its backward runs on the owner."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, record: CallRecord, anchor: torch.Tensor, *inputs: torch.Tensor
+        ctx: Any, fetch: _FetchContext, anchor: torch.Tensor, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        del (
-            anchor,
-            inputs,
-        )  # the owner already computed the outputs; these put the call on the graph
-        outputs = record.outputs
-        ctx.record = record
+        del anchor, inputs  # the owner computed the outputs; these put the chain on the graph
+        ctx.fetch = fetch
         ctx.set_materialize_grads(False)
-        frozen = [
-            t for t, meta in zip(outputs, record.output_meta, strict=True) if not meta.requires_grad
-        ]
+        frozen = [t for t, m in zip(fetch.outputs, fetch.meta, strict=True) if not m.requires_grad]
         ctx.mark_non_differentiable(*frozen)
-        ctx.input_count = record.input_count
-        return tuple(outputs)
+        ctx.input_count = len(fetch.leaves)
+        return tuple(fetch.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        record: CallRecord = ctx.record
+        fetch: _FetchContext = ctx.fetch
         if all(g is None for g in grads):
             return (None, None) + (None,) * ctx.input_count
-        input_grads = record.runtime.backward_call(record, list(grads))
+        input_grads = fetch.record.runtime.backward_call(
+            fetch.record, fetch.path, fetch.leaves, list(grads)
+        )
         return (None, None, *input_grads)
 
 
-def call_remote(
-    runtime: PipelineRuntime, module: str, owner: int, args: tuple[Any, ...], kwargs: dict
+def attach(
+    record: CallRecord,
+    path: tuple[Any, ...],
+    structure: Any,
+    tensors: list[torch.Tensor],
+    meta: tuple[TensorMeta, ...],
 ) -> Any:
-    """Run ``module(*args, **kwargs)`` on partition ``owner``; its result as the owner made it."""
-    structure, tensors = flatten((args, kwargs))
-    record = CallRecord(runtime, module, owner, input_count=len(tensors))
-    grad = torch.is_grad_enabled()
-    runtime.forward_call(record, structure, tensors, grad)
-    outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = record.outputs
-    if grad and any(meta.requires_grad for meta in record.output_meta):
-        anchor = torch.empty(0, requires_grad=True)
-        outputs = RemoteCall.apply(record, anchor, *tensors)
-    record.outputs = []  # the graph holds them now
-    return unflatten(record.output_structure, list(outputs))
+    """The owner's outputs at ``path`` as the caller's values, on the caller's autograd graph."""
+    outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = tensors
+    if record.grad and any(m.requires_grad for m in meta):
+        leaves, inputs = record.closure()
+        context = _FetchContext(record, path, leaves, tensors, meta)
+        with torch.enable_grad():  # fetched under no_grad, still differentiable later
+            anchor = torch.empty(0, requires_grad=True)
+            outputs = RemoteFetch.apply(context, anchor, *inputs)
+    return unflatten(structure, list(outputs))
+
+
+class RemoteValue:
+    """A tensor a remote call will produce, not fetched yet (see the module docstring).
+
+    Passed to a module of its owner it stays there; any other use fetches it, once, after which
+    it stands for the fetched tensor (so in-place changes are seen by later calls).
+    """
+
+    __slots__ = ("_fetched", "_path", "_record")
+
+    def __init__(self, record: CallRecord, path: tuple[Any, ...]) -> None:
+        self._record = record
+        self._path = path
+        self._fetched: torch.Tensor | None = None
+
+    def reference_for(self, owner: int) -> OutputRef | None:
+        """How to pass this value to a module of ``owner``: a reference, if it is still there."""
+        if self._fetched is None and self._record.owner == owner:
+            return OutputRef(self._record.call_id, self._path)
+        return None
+
+    @property
+    def record(self) -> CallRecord:
+        return self._record
+
+    def fetch(self) -> torch.Tensor:
+        if self._fetched is None:
+            self._fetched = self._record.runtime.fetch(self._record, self._path)
+        return self._fetched
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args, kwargs = materialize((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fetch(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in RemoteValue.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.fetch(), name, value)
+
+    def __repr__(self) -> str:
+        return repr(self.fetch())
+
+    __hash__ = object.__hash__
+
+
+def _delegate(name: str) -> Callable[..., Any]:
+    def method(self: RemoteValue, *args: Any) -> Any:
+        return getattr(self.fetch(), name)(*materialize(args))
+
+    method.__name__ = name
+    return method
+
+
+_FETCHING_METHODS = (
+    "__add__",
+    "__radd__",
+    "__iadd__",
+    "__sub__",
+    "__rsub__",
+    "__isub__",
+    "__mul__",
+    "__rmul__",
+    "__imul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__itruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__pow__",
+    "__rpow__",
+    "__matmul__",
+    "__rmatmul__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rshift__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__invert__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__eq__",
+    "__ne__",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "__len__",
+    "__iter__",
+    "__reversed__",
+    "__contains__",
+    "__getitem__",
+    "__setitem__",
+    "__delitem__",
+    "__format__",
+    "__array__",
+    "__dlpack__",
+    "__dlpack_device__",
+)
+"""Operators and protocols of a tensor: using any of them on a :class:`RemoteValue` fetches it."""
+
+for _name in _FETCHING_METHODS:
+    setattr(RemoteValue, _name, _delegate(_name))
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`RemoteValue` in it (nested) fetched."""
+    return map_leaves(obj, lambda v: v.fetch() if isinstance(v, RemoteValue) else v)
+
+
+def deferred_outputs(record: CallRecord, structure: Any) -> Any:
+    """The outputs of a deferred call: ``structure`` with a :class:`RemoteValue` per tensor."""
+
+    def build(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, TensorRef):
+            return RemoteValue(record, path)
+        if isinstance(node, tuple):
+            items = [build(v, (*path, i)) for i, v in enumerate(node)]
+            return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+        if isinstance(node, list):
+            return [build(v, (*path, i)) for i, v in enumerate(node)]
+        if isinstance(node, dict):
+            return type(node)((k, build(v, (*path, k))) for k, v in node.items())
+        return node
+
+    return build(structure, ())
+
+
+def predictable(structure: Any) -> bool:
+    """Whether outputs of this structure can be assumed before they exist: only containers,
+    tensors and ``None`` (any other value may change from call to call)."""
+    leaves: list[Any] = []
+    map_leaves(structure, leaves.append)
+    return all(leaf is None or isinstance(leaf, TensorRef) for leaf in leaves)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_structure(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_structure(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def call_signature(module: str, structure: Any) -> str:
+    """What the output structure of a call is assumed to depend on: the module and the
+    arguments, with every tensor (sent or referenced) as ``T``."""
+    kinds = map_leaves(structure, lambda v: "T" if isinstance(v, (TensorRef, OutputRef)) else v)
+    return f"{module}:{kinds!r}"
+
+
+class _Shown:
+    """Prints as its text, unquoted: ``(tensor, None)`` in messages."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _shape_text(structure: Any) -> str:
+    tensor = _Shown("tensor")
+    return repr(map_leaves(structure, lambda v: tensor if isinstance(v, TensorRef) else v))
+
+
+def resolve_output(output: Any, path: tuple[Any, ...], module: str) -> Any:
+    try:
+        return resolve(output, path)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ModelParallelError(
+            f"output {path!r} of module {module!r} does not exist in what it returned"
+        ) from exc
 
 
 def install_stub(module: nn.Module, stub: Callable[..., Any]) -> None:

@@ -7,17 +7,24 @@ caller's rank, and several microbatches are in flight on all partitions at once.
 compute token decides which task computes next (the pipeline schedule's policy). When the
 leader's microbatches are done it sends their results to the other ranks of the pipeline, which
 return them from the step too.
+
+What an owner computed for a call stays with it (:class:`_Served`) until the call's microbatch
+ends: later calls may refer to its outputs, callers may fetch them, and backward starts from
+them. Calls linked by such references form a *chain* whose autograd graph lives on the owner;
+one backward runs through the whole chain, keeping the graph only when the chain has several
+fetched outputs (each may bring its own backward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,17 +39,35 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.executor import Executor, Outcome, Task, effective_policy
-from dtrain.modelparallel.remote import CallRecord, call_remote, install_stub, remove_stub
+from dtrain.modelparallel.remote import (
+    CallRecord,
+    LeafId,
+    RemoteValue,
+    attach,
+    call_signature,
+    defer_enabled,
+    deferred_outputs,
+    install_stub,
+    materialize,
+    predictable,
+    remove_stub,
+    resolve_output,
+)
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
     ERROR,
+    FETCH,
     FORWARD,
+    RELEASE,
     REPLY,
     Message,
+    OutputRef,
+    Pending,
     Transport,
     error_body,
     flatten,
+    map_leaves,
     unflatten,
 )
 
@@ -53,15 +78,33 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 and its tasks take turns at every message, and each turn costing up to 5 ms would stall the
 whole pipeline behind whichever thread runs Python code."""
 
+CallKey = tuple[int, int]
+"""A served call: (caller's global rank, call id)."""
 
-@dataclass
+
+@dataclass(eq=False)
+class _Chain:
+    """Served calls linked by output references, and how many of their outputs were fetched."""
+
+    members: list[CallKey]
+    fetched: int = 0
+
+
+@dataclass(eq=False)
 class _Served:
-    """What the owner keeps of a forward call it served, until the call's backward."""
+    """What the owner keeps of a forward call it serves, until the call's microbatch ends."""
 
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
+    module: str
+    step: int
+    microbatch: int
     arrival: int
     """Receive order of the request: tells which step it belongs to (see ``_forget_served``)."""
+    chain: _Chain
+    done: threading.Event = field(default_factory=threading.Event)
+    output: Any = None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    """The tensors the caller sent, by index (the leaves of the chain's graph)."""
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +137,10 @@ class PipelineRuntime:
         self._modules = modules
         policy = effective_policy(pipeline, microbatches, active_microbatches)
         self.executor = Executor(group.pp_rank, policy, active_microbatches, group.timeout)
-        self._served: dict[tuple[int, int], _Served] = {}
+        self._served: dict[CallKey, _Served] = {}
         self._served_lock = threading.Lock()
+        self._predictions: dict[str, Any] = {}
+        self._defer = defer_enabled()
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor], int]] = queue.Queue()
         self._arrivals = 0
         self._steps = 0
@@ -126,64 +171,121 @@ class PipelineRuntime:
 
     def _stub(self, name: str) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.executor.current() is None:
+            task = self.executor.current()
+            if task is None:
                 raise NotInStepError(
                     f"module {name or '<root>'!r} was called outside an @smp.step function: "
                     "call the model (and model.backward) inside the step function"
                 )
-            return call_remote(self, name, self.owners[name], args, kwargs)
+            return self._call(task, name, self.owners[name], args, kwargs)
 
         return forward
 
     def _guard(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         """An owned module computes with the token; when called from code that holds it
-        already (its parent's forward) this costs nothing (see :mod:`.executor`)."""
+        already (its parent's forward) this costs nothing (see :mod:`.executor`). Deferred
+        remote values among its arguments are fetched first."""
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = materialize((args, kwargs))
             with self.executor.computing_module(name):
                 return forward(*args, **kwargs)
 
         return guarded
 
-    def _exchange(
-        self, owner: int, message: Message, tensors: list[torch.Tensor]
-    ) -> tuple[Message, list[torch.Tensor]]:
-        """Send a request to partition ``owner``; give the token away until the reply."""
+    def _call(
+        self, task: Task, name: str, owner: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``module(*args, **kwargs)`` on partition ``owner`` (see :mod:`.remote`)."""
         assert self.transport is not None
-        task = self.executor.current()
-        message.microbatch = task.microbatch if task is not None else 0
+        refs: list[CallRecord] = []
+
+        def pass_value(value: Any) -> Any:
+            if isinstance(value, RemoteValue):
+                reference = value.reference_for(owner)
+                if reference is None:
+                    return value.fetch()
+                refs.append(value.record)
+                return reference
+            return value
+
+        structure, tensors = flatten(map_leaves((args, kwargs), pass_value))
+        signature = call_signature(name, structure)
+        predicted = self._predictions.get(signature) if self._defer else None
+        grad = torch.is_grad_enabled()
+        call_id = self.transport.next_call_id()
+        message = Message(
+            FORWARD,
+            call_id,
+            module=name,
+            body=structure,
+            microbatch=task.microbatch,
+            step=task.step,
+            extra={"grad": grad, "eager": predicted is None},
+        )
+        pending = self.transport.request(self.group.ranks[owner], message, tensors)
+        record = CallRecord(self, name, owner, call_id, grad, tensors, refs, pending, predicted)
+        task.calls.append(record)
+        if predicted is not None:
+            return deferred_outputs(record, predicted)
+        outputs = record.reply()
+        if predictable(outputs):
+            self._predictions[signature] = outputs
+        return attach(record, (), outputs, record.outputs, record.meta)
+
+    def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
+        """A reply, giving the compute token away meanwhile."""
         with self.executor.waiting():
-            pending = self.transport.request(self.group.ranks[owner], message, tensors)
             return pending.wait(self.group.timeout, self.group.rank)
 
-    def forward_call(
-        self, record: CallRecord, structure: Any, tensors: list[torch.Tensor], grad: bool
-    ) -> None:
-        """Run a remote module's forward; fills the record with the owner's outputs."""
+    def fetch(self, record: CallRecord, path: tuple[Any, ...]) -> Any:
+        """The value at ``path`` of a deferred call's outputs, from its owner."""
         assert self.transport is not None
-        record.call_id = self.transport.next_call_id()
-        message = Message(
-            FORWARD, record.call_id, module=record.module, body=structure, extra={"grad": grad}
+        request = Message(
+            FETCH,
+            self.transport.next_call_id(),
+            module=record.module,
+            body={"call": record.call_id, "path": path},
+            microbatch=record.pending.request.microbatch,
+            step=record.pending.request.step,
         )
-        reply, outputs = self._exchange(record.owner, message, tensors)
-        record.output_structure = reply.body
-        record.outputs = outputs
-        record.output_meta = reply.meta
+        pending = self.transport.request(self.group.ranks[record.owner], request, [])
+        record.reply()  # the call's own errors first, and its structure checked
+        reply, tensors = self.wait(pending)
+        return attach(record, path, reply.body, tensors, reply.meta)
 
     def backward_call(
-        self, record: CallRecord, grads: list[torch.Tensor | None]
+        self,
+        record: CallRecord,
+        path: tuple[Any, ...],
+        leaves: list[LeafId],
+        grads: list[torch.Tensor | None],
     ) -> list[torch.Tensor | None]:
-        """Send a remote call's output gradients to its owner; the gradients of its inputs."""
+        """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
         assert self.transport is not None
         message = Message(
             BACKWARD,
             self.transport.next_call_id(),
             module=record.module,
-            body={"call": record.call_id, "present": [g is not None for g in grads]},
+            body={
+                "call": record.call_id,
+                "path": path,
+                "leaves": leaves,
+                "present": [g is not None for g in grads],
+            },
+            microbatch=record.pending.request.microbatch,
+            step=record.pending.request.step,
         )
-        reply, tensors = self._exchange(record.owner, message, [g for g in grads if g is not None])
+        owner = self.group.ranks[record.owner]
+        pending = self.transport.request(owner, message, [g for g in grads if g is not None])
+        reply, tensors = self.wait(pending)
         received = iter(tensors)
         return [next(received) if present else None for present in reply.body["present"]]
+
+    def check_calls(self, task: Task) -> None:
+        """Wait for the replies of every call ``task`` made (their errors raise here)."""
+        while task.calls:
+            task.calls.pop(0).reply()
 
     # --- serving calls from other ranks ------------------------------------------------------
 
@@ -191,72 +293,182 @@ class PipelineRuntime:
         """Receiver thread: requests become tasks; step ends and failures go to the inbox."""
         self._arrivals += 1
         arrival = self._arrivals
-        if message.kind in (FORWARD, BACKWARD):
-            self.executor.spawn(lambda: self._serve(message, tensors, arrival))
+        if message.kind == FORWARD:
+            key = (message.source, message.call_id)
+            entry = _Served(
+                message.module, message.step, message.microbatch, arrival, _Chain([key])
+            )
+            with self._served_lock:
+                self._served[key] = entry
+            self.executor.spawn(lambda: self._serve_forward(message, tensors, entry))
+        elif message.kind == FETCH:
+            self.executor.spawn(lambda: self._reply(message, self._serve_fetch, message))
+        elif message.kind == BACKWARD:
+            self.executor.spawn(lambda: self._serve_backward(message, tensors))
+        elif message.kind == RELEASE:
+            self._forget_microbatch(message.step, message.microbatch)
         else:
             if not self.is_leader:
                 self.executor.reclaim_main()
             self._inbox.put((message, tensors, arrival))
 
-    def _serve(self, message: Message, tensors: list[torch.Tensor], arrival: int) -> None:
+    def _reply(
+        self, request: Message, serve: Callable[..., tuple[Any, list[torch.Tensor]]], *args: Any
+    ) -> None:
+        """Run ``serve`` and send its result (or its error) back to the requester."""
         assert self.transport is not None
-        phase = "F" if message.kind == FORWARD else "B"
-        task = Task("serve", message.microbatch, phase, message.module)
-        outputs: list[torch.Tensor] = []
         try:
-            with self.executor.computing(task):
-                if message.kind == FORWARD:
-                    body, outputs = self._serve_forward(message, tensors, arrival)
-                else:
-                    body, outputs = self._serve_backward(message, tensors)
-            reply = Message(REPLY, message.call_id, body=body)
+            body, tensors = serve(*args)
+            reply = Message(REPLY, request.call_id, body=body)
         except BaseException as exc:
-            reply = Message(ERROR, message.call_id, body=error_body(self.group.rank, exc))
-            outputs = []
+            reply = Message(ERROR, request.call_id, body=error_body(self.group.rank, exc))
+            tensors = []
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the caller's wait says so
-            self.transport.send(message.source, reply, outputs)
+            self.transport.send(request.source, reply, tensors)
 
-    def _serve_forward(
-        self, message: Message, tensors: list[torch.Tensor], arrival: int
-    ) -> tuple[Any, list[torch.Tensor]]:
+    def _serve_forward(self, message: Message, tensors: list[torch.Tensor], entry: _Served) -> None:
+        def compute() -> tuple[Any, list[torch.Tensor]]:
+            try:
+                output = self._compute_forward(message, tensors, entry)
+            except BaseException as exc:
+                entry.error = exc
+                raise
+            finally:
+                entry.done.set()
+            structure, outputs = flatten(output)
+            if not message.extra.get("eager"):
+                return structure, []
+            with self._served_lock:
+                entry.chain.fetched += 1
+            return structure, outputs
+
+        self._reply(message, compute)
+
+    def _compute_forward(
+        self, message: Message, tensors: list[torch.Tensor], entry: _Served
+    ) -> Any:
         grad = bool(message.extra.get("grad"))
-        inputs = [
+        entry.inputs = [
             t.requires_grad_() if meta.requires_grad and grad else t
             for t, meta in zip(tensors, message.meta, strict=True)
         ]
-        args, kwargs = unflatten(message.body, inputs)
-        with torch.set_grad_enabled(grad):
-            output = self._modules[message.module](*args, **kwargs)
-        structure, outputs = flatten(output)
-        if grad and any(t.requires_grad for t in outputs):
-            with self._served_lock:
-                key = (message.source, message.call_id)
-                self._served[key] = _Served(inputs, outputs, arrival)
-        return structure, outputs
+        # Referenced outputs may still be computing: wait for them before taking the token.
+        structure = map_leaves(message.body, lambda v: self._referenced(message.source, v, entry))
+        args, kwargs = unflatten(structure, entry.inputs)
+        task = Task("serve", message.microbatch, "F", message.module, step=message.step)
+        with self.executor.computing(task):
+            with torch.set_grad_enabled(grad):
+                output = materialize(self._modules[message.module](*args, **kwargs))
+            self.check_calls(task)
+        entry.output = output
+        return output
 
-    def _serve_backward(
+    def _referenced(self, source: int, value: Any, entry: _Served) -> Any:
+        """An argument as the owner has it: a referenced output joins the caller's chain."""
+        if not isinstance(value, OutputRef):
+            return value
+        other = self._served_entry((source, value.call_id), f"output of call #{value.call_id}")
+        if not other.done.wait(self.group.timeout):
+            raise CommunicationTimeoutError(
+                f"rank {self.group.rank}: call #{value.call_id} of module {other.module!r} did "
+                f"not finish within {self.group.timeout:g} s"
+            )
+        if other.error is not None:
+            raise ModelParallelError(
+                f"input from module {other.module!r} (call #{value.call_id}) failed: {other.error}"
+            )
+        self._join(entry, other)
+        return resolve_output(other.output, value.path, other.module)
+
+    def _join(self, entry: _Served, other: _Served) -> None:
+        with self._served_lock:
+            if entry.chain is other.chain:
+                return
+            keep, gone = sorted((entry.chain, other.chain), key=lambda c: -len(c.members))
+            keep.members.extend(gone.members)
+            keep.fetched += gone.fetched
+            for key in gone.members:
+                member = self._served.get(key)
+                if member is not None:
+                    member.chain = keep
+
+    def _served_entry(self, key: CallKey, what: str) -> _Served:
+        with self._served_lock:
+            entry = self._served.get(key)
+        if entry is None:
+            raise ModelParallelError(
+                f"rank {self.group.rank}: {what} from rank {key[0]} is no longer kept (its "
+                "microbatch ended, or it ran without grad and backward came anyway)"
+            )
+        return entry
+
+    def _serve_fetch(self, message: Message) -> tuple[Any, list[torch.Tensor]]:
+        key = (message.source, message.body["call"])
+        entry = self._served_entry(key, f"call #{key[1]} of module {message.module!r}")
+        if not entry.done.wait(self.group.timeout):
+            raise CommunicationTimeoutError(
+                f"rank {self.group.rank}: module {entry.module!r} (call #{key[1]}) did not "
+                f"finish within {self.group.timeout:g} s"
+            )
+        if entry.error is not None:
+            raise ModelParallelError(f"module {entry.module!r} failed: {entry.error}")
+        with self._served_lock:
+            entry.chain.fetched += 1
+        return flatten(resolve_output(entry.output, message.body["path"], entry.module))
+
+    def _serve_backward(self, message: Message, tensors: list[torch.Tensor]) -> None:
+        task = Task("serve", message.microbatch, "B", message.module, step=message.step)
+
+        def backward() -> tuple[Any, list[torch.Tensor]]:
+            with self.executor.computing(task):
+                return self._compute_backward(message, tensors)
+
+        self._reply(message, backward)
+
+    def _compute_backward(
         self, message: Message, tensors: list[torch.Tensor]
     ) -> tuple[Any, list[torch.Tensor]]:
-        key = (message.source, message.body["call"])
-        with self._served_lock:
-            served = self._served.pop(key, None)
-        if served is None:
-            raise ModelParallelError(
-                f"backward for call #{key[1]} of module {message.module!r} from rank {key[0]}: "
-                "its forward was not kept (ran without grad, or backward ran twice)"
-            )
+        source, body = message.source, message.body
+        entry = self._served_entry((source, body["call"]), f"call #{body['call']}")
+        _, outputs = flatten(resolve_output(entry.output, body["path"], entry.module))
         received = iter(tensors)
-        grads = [next(received) if present else None for present in message.body["present"]]
+        grads = [next(received) if present else None for present in body["present"]]
+        leaves = [
+            self._served_entry((source, call), f"call #{call}").inputs[index]
+            for call, index in body["leaves"]
+        ]
+        for leaf in leaves:
+            leaf.grad = None
         pairs = [
             (out, g)
-            for out, g in zip(served.outputs, grads, strict=True)
+            for out, g in zip(outputs, grads, strict=True)
             if g is not None and out.requires_grad
         ]
+        keep_graph = entry.chain.fetched > 1  # another fetched output may bring a backward
         if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [g for _, g in pairs])
-        input_grads = [t.grad if t.requires_grad else None for t in served.inputs]
+            torch.autograd.backward(
+                [out for out, _ in pairs], [g for _, g in pairs], retain_graph=keep_graph
+            )
+        input_grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        if not keep_graph:
+            self._forget_chain(entry.chain)
         present = [g is not None for g in input_grads]
         return {"present": present}, [g for g in input_grads if g is not None]
+
+    def _forget_chain(self, chain: _Chain) -> None:
+        with self._served_lock:
+            for key in chain.members:
+                self._served.pop(key, None)
+
+    def _forget_microbatch(self, step: int, microbatch: int) -> None:
+        """The leader finished this microbatch: nothing of it is needed any more."""
+        with self._served_lock:
+            for key in [
+                k for k, v in self._served.items() if (v.step, v.microbatch) == (step, microbatch)
+            ]:
+                del self._served[key]
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -271,7 +483,9 @@ class PipelineRuntime:
         if self.is_leader:
             assert body is not None
             try:
-                outcomes = self.executor.run_microbatches(count, body)
+                outcomes = self.executor.run_microbatches(
+                    count, functools.partial(self._run_microbatch, body), self._steps
+                )
             finally:
                 self._forget_served(None)
             self._announce(outcomes)
@@ -279,6 +493,27 @@ class PipelineRuntime:
         outcomes, arrival = self._await_step_end()
         self._forget_served(arrival)
         return outcomes
+
+    def _run_microbatch(self, body: Callable[[int], Any], microbatch: int) -> Any:
+        """One microbatch on the leader: its result fetched, its calls checked, then released
+        everywhere."""
+        task = self.executor.current()
+        assert task is not None
+        try:
+            result = materialize(body(microbatch))
+            self.check_calls(task)
+            return result
+        finally:
+            task.calls.clear()
+            self._release(task.step, microbatch)
+
+    def _release(self, step: int, microbatch: int) -> None:
+        self._forget_microbatch(step, microbatch)
+        if self.transport is None:
+            return
+        for peer in self.transport.peers:
+            with contextlib.suppress(ModelParallelError):  # broken: the step fails anyway
+                self.transport.send(peer, Message(RELEASE, 0, microbatch=microbatch, step=step))
 
     def _forget_served(self, before: int | None) -> None:
         """Drop kept forwards whose backward never came (evaluation, unused outputs).

@@ -43,11 +43,13 @@ _LENGTH_BYTES = 8
 _TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
 
 # Message kinds.
-FORWARD, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED = (
+FORWARD, FETCH, BACKWARD, REPLY, ERROR, RELEASE, END_STEP, STOP, FAILED = (
     "forward",
+    "fetch",
     "backward",
     "reply",
     "error",
+    "release",
     "end_step",
     "stop",
     "failed",
@@ -59,6 +61,14 @@ class TensorRef:
     """Placeholder for the ``index``-th tensor of a message inside a pickled structure."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """Placeholder for an output the receiver computed itself: call ``call_id``'s at ``path``."""
+
+    call_id: int
+    path: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class Message:
     module: str = ""
     body: Any = None
     microbatch: int = 0
+    step: int = 0
+    """The leader's step the message belongs to (requests and releases)."""
     meta: tuple[TensorMeta, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +103,21 @@ class Message:
         return f"{what} (microbatch {self.microbatch})"
 
 
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every leaf (anything but a tuple, list or dict) replaced by ``fn(leaf)``.
+
+    Containers keep their types (named tuples and dict subclasses included).
+    """
+    if isinstance(obj, tuple):
+        items = [map_leaves(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_leaves(v, fn) for v in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, map_leaves(v, fn)) for k, v in obj.items())
+    return fn(obj)
+
+
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     """Replace tensors in nested tuples/lists/dicts by :class:`TensorRef`; return both parts."""
     tensors: list[torch.Tensor] = []
@@ -99,30 +126,21 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(value, torch.Tensor):
             tensors.append(value)
             return TensorRef(len(tensors) - 1)
-        if isinstance(value, tuple):
-            items = [visit(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, list):
-            return [visit(v) for v in value]
-        if isinstance(value, dict):
-            return type(value)((k, visit(v)) for k, v in value.items())
         return value
 
-    return visit(obj), tensors
+    return map_leaves(obj, visit), tensors
 
 
 def unflatten(structure: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`flatten`."""
-    if isinstance(structure, TensorRef):
-        return tensors[structure.index]
-    if isinstance(structure, tuple):
-        items = [unflatten(v, tensors) for v in structure]
-        return type(structure)(*items) if hasattr(structure, "_fields") else type(structure)(items)
-    if isinstance(structure, list):
-        return [unflatten(v, tensors) for v in structure]
-    if isinstance(structure, dict):
-        return type(structure)((k, unflatten(v, tensors)) for k, v in structure.items())
-    return structure
+    return map_leaves(structure, lambda v: tensors[v.index] if isinstance(v, TensorRef) else v)
+
+
+def resolve(obj: Any, path: tuple[Any, ...]) -> Any:
+    """The part of a nested structure at ``path`` (keys or indices, outermost first)."""
+    for key in path:
+        obj = obj[key]
+    return obj
 
 
 def error_body(rank: int, exc: BaseException) -> RemoteError:
