@@ -1,14 +1,15 @@
-"""Messages between the ranks of one pipeline group: pickled headers, tensors point-to-point.
+"""Messages between the ranks of one pipeline group: a pickled header and its tensors' bytes.
 
-Control plane: a header (kind, call id, module name, a Python structure whose tensors are replaced
-by :class:`TensorRef` placeholders) is pickled into a fixed-size byte buffer (an overflow message
-follows when it does not fit) and sent over a gloo group. One receiver thread per rank takes
-headers from any source, so no rank has to know in advance who will call it.
-
-Data plane: the tensors of a message follow its header, one point-to-point send each from the
-now-known source, over a group of the job's backend (gloo on CPU, NCCL on GPU, where receiving
-from any source is not possible). A send lock keeps one message's parts together; the receiver
-reads a whole message before the next header, so parts never interleave.
+A message is one byte stream: two lengths, the pickled header (kind, call id, module name, a
+Python structure whose tensors are replaced by :class:`TensorRef` placeholders, the tensors'
+shapes and dtypes), then every tensor's bytes, each 64-byte aligned. Its first ``HEADER_BYTES``
+go in one fixed-size send over a gloo group, so one receiver thread per rank can take messages
+from any source without knowing their size; the rest, if any, follows in a single send from the
+now-known source. On a GPU the tensors' bytes travel instead as one buffer over a group of the
+job's backend (NCCL, where receiving from any source is not possible). Few sends matter: gloo
+does not start a send before the receiver has posted its receive, so each part costs a round
+trip. A send lock keeps one message's parts together; the receiver reads a whole message before
+the next, so parts never interleave.
 
 Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
 timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
@@ -18,7 +19,9 @@ and joins the receiver once it has a stop from each of them.
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
+import queue
 import threading
 import time
 import traceback
@@ -37,9 +40,10 @@ from dtrain.modelparallel.errors import (
 )
 
 HEADER_BYTES = 4096
-"""Size of the first control message; longer headers send the rest in one overflow message."""
+"""Size of a message's first send; longer messages send the rest in one more."""
 
 _LENGTH_BYTES = 8
+_ALIGN = 64
 _TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
 
 # Message kinds.
@@ -69,6 +73,16 @@ class OutputRef:
 
     call_id: int
     path: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A message on its way: its sends, and the buffers they read until they complete."""
+
+    dst: int
+    message: Message
+    works: list[dist.Work]
+    buffers: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,11 @@ class Transport:
         self._ids: Iterator[int] = itertools.count(1)
         self._failure: BaseException | None = None
         self._stops = 0
+        self._sending: queue.SimpleQueue[_Sent | None] = queue.SimpleQueue()
+        self._completer = threading.Thread(
+            target=self._complete_sends, name=f"dtrain-mp-sender-{rank}", daemon=True
+        )
+        self._completer.start()
         self._thread = threading.Thread(
             target=self._receive_loop, name=f"dtrain-mp-receiver-{rank}", daemon=True
         )
@@ -234,40 +253,56 @@ class Transport:
             for t in tensors
         )
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        first = bytearray(HEADER_BYTES)
-        first[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
-        head = payload[: HEADER_BYTES - _LENGTH_BYTES]
-        first[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = head
-        rest = payload[len(head) :]
+        start = _aligned(2 * _LENGTH_BYTES + len(payload))
+        offsets, data_bytes = _layout(message.meta)
+        inline = self._device.type == "cpu"
+        stream = torch.zeros(max(HEADER_BYTES, start + data_bytes * inline), dtype=torch.uint8)
+        stream[: 2 * _LENGTH_BYTES] = torch.frombuffer(
+            bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+            + bytearray(data_bytes.to_bytes(_LENGTH_BYTES, "little")),
+            dtype=torch.uint8,
+        )
+        stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + len(payload)] = torch.frombuffer(
+            bytearray(payload), dtype=torch.uint8
+        )
+        if inline:
+            data = stream[start:]
+        else:
+            data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            if tensor.numel():
+                size = tensor.numel() * tensor.element_size()
+                data[offset : offset + size].copy_(_as_bytes(tensor))
+        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
+        parts = [(stream[:HEADER_BYTES], self._control, _TAG_HEADER)]
+        if end > HEADER_BYTES:
+            parts.append((stream[HEADER_BYTES:end], self._control, _TAG_OVERFLOW))
+        if not inline and data_bytes:
+            parts.append((data, self._data, _TAG_TENSOR))
         with self._send_lock:
-            self._send_part(dst, _bytes_tensor(bytes(first)), self._control, _TAG_HEADER, message)
-            if rest:
-                self._send_part(dst, _bytes_tensor(rest), self._control, _TAG_OVERFLOW, message)
-            for tensor in tensors:
-                if tensor.numel():
-                    data = tensor.detach().to(self._device).contiguous()
-                    self._send_part(dst, data, self._data, _TAG_TENSOR, message)
+            works = [dist.isend(part, dst=dst, group=group, tag=tag) for part, group, tag in parts]
+            self._sending.put(_Sent(dst, message, works, [part for part, _, _ in parts]))
 
-    def _send_part(
-        self,
-        dst: int,
-        tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        tag: int,
-        message: Message,
-    ) -> None:
-        work = dist.isend(tensor, dst=dst, group=group, tag=tag)
-        try:
-            finished = work.wait(timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            raise CommunicationTimeoutError(
-                f"rank {self.rank}: sending {message.describe()} to rank {dst} failed: {exc}"
-            ) from exc
-        if finished is False:
-            raise CommunicationTimeoutError(
-                f"rank {self.rank}: rank {dst} did not take {message.describe()} "
-                f"within {self.timeout:g} s"
-            )
+    def _complete_sends(self) -> None:
+        """Sender side's thread: wait for each send in order; a failed one fails the transport."""
+        while True:
+            sent = self._sending.get()
+            if sent is None:
+                return
+            for work in sent.works:
+                what = f"{sent.message.describe()} to rank {sent.dst}"
+                try:
+                    finished = work.wait(timedelta(seconds=self.timeout))
+                except RuntimeError as exc:
+                    error: BaseException = ModelParallelError(f"sending {what} failed: {exc}")
+                else:
+                    if finished is not False:
+                        continue
+                    error = CommunicationTimeoutError(
+                        f"sending {what}: not taken within {self.timeout:g} s"
+                    )
+                self._fail(error)
+                return
 
     def request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
         """Send a request; its reply (matched by ``message.call_id``) resolves the future."""
@@ -304,25 +339,41 @@ class Transport:
     def _receive_one(self) -> tuple[Message, list[torch.Tensor]]:
         first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         src = dist.recv(first, src=None, group=self._control, tag=_TAG_HEADER)
-        raw = first.numpy().tobytes()
-        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-        payload = raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
-        if length > len(payload):
-            rest = torch.empty(length - len(payload), dtype=torch.uint8)
-            dist.recv(rest, src=src, group=self._control, tag=_TAG_OVERFLOW)
-            payload += rest.numpy().tobytes()
+        lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
+        length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
+        data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
+        start = _aligned(2 * _LENGTH_BYTES + length)
+        inline = self._device.type == "cpu"
+        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + length
+        stream = first
+        if end > HEADER_BYTES:
+            stream = torch.empty(end, dtype=torch.uint8)
+            stream[:HEADER_BYTES] = first
+            dist.recv(stream[HEADER_BYTES:], src=src, group=self._control, tag=_TAG_OVERFLOW)
+        payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
         message: Message = pickle.loads(payload)
-        tensors = []
-        for meta in message.meta:
-            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-            if tensor.numel():
-                dist.recv(tensor, src=src, group=self._data, tag=_TAG_TENSOR)
-            tensors.append(tensor)
+        if inline:
+            data = stream[start:end]
+        else:
+            data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
+            if data_bytes:
+                dist.recv(data, src=src, group=self._data, tag=_TAG_TENSOR)
+        offsets, _ = _layout(message.meta)
+        # Copies, not views of the buffer: views of one storage as several dtypes cannot be
+        # saved with torch.save, and a kept view would keep the whole message alive.
+        tensors = [
+            data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
+            if _nbytes(meta)
+            else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            for meta, offset in zip(message.meta, offsets, strict=True)
+        ]
         return message, tensors
 
     def _fail(self, exc: BaseException) -> None:
+        if self._failure is not None:
+            return
         self._failure = exc
-        error = ModelParallelError(f"rank {self.rank}: receiving from the pipeline failed: {exc}")
+        error = ModelParallelError(f"rank {self.rank}: the pipeline's messaging failed: {exc}")
         with self._pending_lock:
             pending, self._pending = list(self._pending.values()), {}
         for future in pending:
@@ -343,9 +394,29 @@ class Transport:
                     self.send(peer, Message(STOP, 0))
                 except ModelParallelError:
                     break  # the peer is gone; its stop will not come either
+        self._sending.put(None)
+        self._completer.join(timeout)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
 
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as a flat uint8 tensor (a copy only when it is not contiguous)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def _layout(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a message's data, and the data's length."""
+    offsets, end = [], 0
+    for meta in metas:
+        offsets.append(end)
+        end = _aligned(end + _nbytes(meta))
+    return offsets, end

@@ -1,0 +1,86 @@
+"""Messages between two ranks: any tensors (dtypes, shapes, layouts, sizes) arrive intact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.modelparallel.transport import (
+    FORWARD,
+    HEADER_BYTES,
+    REPLY,
+    Message,
+    Transport,
+    map_leaves,
+    resolve,
+)
+from tests.modelparallel.harness import run_ranks
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 5, generator=g),
+        torch.randn(4, 6, generator=g).t(),  # not contiguous
+        torch.ones(1).expand(7),  # stride 0
+        torch.tensor(2.5),  # 0-dim
+        torch.zeros(0, 3),  # empty
+        torch.arange(10, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.randn(5, generator=g).half(),
+        torch.randn(HEADER_BYTES, generator=g),  # larger than the first send: an overflow
+    ]
+
+
+def _echo() -> list[Any]:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
+    transport: Transport | None = None
+
+    def on_message(message: Message, tensors: list[torch.Tensor]) -> None:
+        assert transport is not None
+        flags = [meta.requires_grad for meta in message.meta]
+        reply = Message(REPLY, message.call_id, body=(message.body, flags))
+        transport.send(message.source, reply, tensors)
+
+    transport = Transport(rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_message)
+    received: list[Any] = []
+    if rank == 0:
+        for count in (0, 1, len(_tensors())):
+            sent = _tensors()[:count]
+            pending = transport.request(1, Message(FORWARD, count, body={"n": count}), sent)
+            reply, tensors = pending.wait(30.0, rank)
+            received.append((reply.body[0], tensors))
+        grad = torch.randn(3, requires_grad=True)
+        sent = [grad * 2, torch.ones(2), torch.arange(2)]
+        reply, _ = transport.request(1, Message(FORWARD, 99), sent).wait(30.0, rank)
+        received.append(reply.body[1])
+    dist.barrier()
+    assert transport.close()
+    dist.destroy_process_group()
+    return received
+
+
+def test_tensors_round_trip_in_one_message() -> None:
+    results, _ = run_ranks(2, _echo, timeout=60)
+    *echoes, grad_flags = results
+    for (body, tensors), count in zip(echoes, (0, 1, len(_tensors())), strict=True):
+        assert body == {"n": count}
+        expected = _tensors()[:count]
+        assert len(tensors) == count
+        for got, want in zip(tensors, expected, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want)
+    assert grad_flags == [True, False, False]  # the receiver knows which need gradients
+
+
+def test_structures_map_and_resolve() -> None:
+    nested = {"a": (1, [2, 3]), "b": None}
+    assert map_leaves(nested, lambda v: v if v is None else v * 10) == {
+        "a": (10, [20, 30]),
+        "b": None,
+    }
+    assert resolve(nested, ("a", 1, 0)) == 2
