@@ -97,6 +97,8 @@ class Layout:
 class Trained:
     losses: list[float]
     params: dict[str, Tensor]
+    partitions_used: int = 1
+    """How many partitions own at least one parameter (the plan really split the model)."""
 
 
 def reference(case_name: str, steps: int) -> Trained:
@@ -157,7 +159,9 @@ def train_layouts(layouts: Sequence[Layout], steps: int, pipeline_degree: int = 
             losses.append(float(train_step(model, x[rows], y[rows]).reduce_mean()))
             optimizer.step()
         params = model.state_dict()
-        results.append(Trained(losses, params) if smp.pp_rank() == 0 else None)
+        plan = model.partition_plan()
+        used = {plan.owner(name.rpartition(".")[0]) for name, _ in module.named_parameters()}
+        results.append(Trained(losses, params, len(used)) if smp.pp_rank() == 0 else None)
         smp.shutdown()
     dist.destroy_process_group()
     return results

@@ -43,6 +43,7 @@ def test_auto_partition_trains_like_one_process() -> None:
     layouts = [Layout(case, "interleaved", 4, auto=True) for case in sorted(CASES)]
     rank0, _ = run_ranks(2, train_layouts, layouts, STEPS, timeout=240)
     for layout, got in zip(layouts, rank0, strict=True):
+        assert got.partitions_used == 2, f"{layout}: the automatic plan did not split the model"
         assert_equivalent(got, reference(layout.case, STEPS), str(layout))
 
 

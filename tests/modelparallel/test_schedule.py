@@ -18,10 +18,11 @@ from dtrain.modelparallel.schedule import (
     build_schedule,
     check,
     ideal_makespan,
+    recorded_schedule,
     simulate,
     timeline,
 )
-from dtrain.modelparallel.timeline import write_chrome_trace
+from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 
 
 def rank(stage: int, text: str) -> tuple[Action, ...]:
@@ -377,3 +378,37 @@ def test_timeline_can_include_communication() -> None:
     events = timeline(built, include_comm=True)
     assert {e.kind for e in events} == {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
     assert [e.start for e in events] == sorted(e.start for e in events)
+
+
+# --- recorded runs ------------------------------------------------------------------------------
+
+
+def _events(rows: dict[int, str]) -> list[TimelineEvent]:
+    """``{rank: "F0@0 F0@3 B0@5"}``: compute periods (kind, microbatch, start), 1 long each."""
+    events = []
+    for rank_, text in rows.items():
+        for word in text.split():
+            action, start = word.split("@")
+            events.append(
+                TimelineEvent(rank_, action[0], int(action[1:]), float(start), float(start) + 1)
+            )
+    return events
+
+
+def test_a_recorded_run_orders_work_by_first_start_with_chain_messages() -> None:
+    events = _events({0: "F1@1 F0@0 B0@6 B0@9 F1@2 B1@10", 1: "F0@3 B0@4 F1@5 B1@8"})
+    recorded = recorded_schedule(events, "interleaved", 2, 2, 2)
+    assert recorded.actions == (
+        rank(0, "F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 RECV_B1 B1"),
+        rank(1, "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1"),
+    )
+    check(recorded)
+
+
+def test_a_recorded_run_that_breaks_a_rule_fails_the_check() -> None:
+    over_bound = _events({0: "F0@0 F1@1 B0@5 B1@6", 1: "F0@2 F1@3 B0@4 B1@5"})
+    with pytest.raises(ScheduleError, match="2 microbatches in flight, more than"):
+        check(recorded_schedule(over_bound, "interleaved", 2, 2, 1))
+    backward_early = _events({0: "F0@0 B0@5 F1@6 B1@9", 1: "F0@2 B0@3 F1@7 B1@8"})
+    with pytest.raises(ScheduleError, match="backward before its last forward"):
+        check(recorded_schedule(backward_early, "simple", 2, 2, 2))

@@ -3,17 +3,20 @@
 Chain abstraction: partition ``p`` is pipeline stage ``p``, run by pp rank ``p``. Microbatch ``mb``
 goes forward through stages ``0..P-1`` and backward through ``P-1..0``. A :class:`Schedule` lists,
 per rank, the order in which that rank runs forwards (``F``), backwards (``B``) and the sends and
-receives between neighbouring stages. The runtime records what it really ran in the same form, so a
-plan and a measured run are checked, simulated and exported (Chrome trace) by the same code, and
-schedules can be tested without a model or processes.
+receives between neighbouring stages. A real run's timeline turns into the same form
+(:func:`recorded_schedule`), so a plan and a measured run are checked, simulated and exported
+(Chrome trace) by the same code, and schedules can be tested without a model or processes.
+
+The runtime keeps a pipeline's rules (which work exists, its dependencies, ``simple``'s forwards
+before backwards, the in-flight bound, backward priority) but is work-conserving: a rank never
+idles waiting for the plan's next microbatch while another one is ready, so among ready
+microbatches its order can differ from the plan's. Tests check recorded runs with :func:`check`.
 
 The two pipelines of SMP v1 (``pipeline`` parameter):
 
 * ``simple`` (GPipe): every forward, then every backward. Every microbatch's activations are alive
   at once (in flight = ``microbatches``). Backwards run in microbatch order (B0, B1, ...), not
-  reversed: SMP's SimplePipeline runs ``F0 F1 B0 B1``, and the runtime releases the tasks it holds
-  at ``model.backward`` in microbatch order, so plan and recorded run compare action for action.
-  The makespan is the same either way.
+  reversed, as SMP's SimplePipeline runs ``F0 F1 B0 B1``. The makespan is the same either way.
 * ``interleaved`` (backward first, 1F1B-like): rank ``s`` runs a warm-up of
   ``min(active_microbatches, P - s, microbatches)`` forwards, then alternates one backward and one
   forward, then drains the remaining backwards. ``P - s`` forwards are what rank ``s`` needs in
@@ -32,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -239,6 +242,36 @@ def build_schedule(
     build = _simple_rank if pipeline == "simple" else _interleaved_rank
     actions = tuple(build(stage, stages, microbatches, active) for stage in range(stages))
     return Schedule(pipeline, stages, microbatches, active, actions)
+
+
+def recorded_schedule(
+    events: Iterable[TimelineEvent],
+    pipeline: str,
+    stages: int,
+    microbatches: int,
+    active_microbatches: int,
+) -> Schedule:
+    """What a real run computed, as a schedule that :func:`check` and :func:`build_schedule`'s
+    plans can be compared with.
+
+    Each rank's forwards and backwards in the order they started (a task may compute in several
+    periods, e.g. a backward that waited for the next stage's gradients: its first counts), with
+    the sends and receives of the chain abstraction around them. Meaningful for a chain of
+    partitions (stage ``s`` on pp rank ``s``), which is how the schedules are defined.
+    """
+    starts: dict[int, dict[tuple[str, int], float]] = {rank: {} for rank in range(stages)}
+    for event in events:
+        if event.kind in COMPUTE_KINDS:
+            first = starts[event.rank]
+            key = (event.kind, event.microbatch)
+            first[key] = min(first.get(key, math.inf), event.start)
+    actions = []
+    for rank, first in starts.items():
+        rank_actions: list[Action] = []
+        for kind, mb in sorted(first, key=first.__getitem__):
+            rank_actions += (_forward if kind == "F" else _backward)(mb, rank, stages)
+        actions.append(tuple(rank_actions))
+    return Schedule(pipeline, stages, microbatches, active_microbatches, tuple(actions))
 
 
 def _forward(mb: int, stage: int, stages: int) -> list[Action]:
