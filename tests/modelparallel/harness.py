@@ -18,7 +18,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -176,3 +176,26 @@ def single_process(config: Mapping[str, Any] | None = None) -> Iterator[None]:
     finally:
         state.shutdown()
         os.environ.update(saved)
+
+
+def train_steps(
+    model: Any,
+    optimizer: Any,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[float]:
+    """Train a ``smp.DistributedModel`` one step per ``(x, y)`` batch; the step losses."""
+    import dtrain.modelparallel as smp
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, x, y).reduce_mean()))
+        optimizer.step()
+    return losses

@@ -22,7 +22,7 @@ from dtrain.modelparallel.remote import (
     same_structure,
 )
 from dtrain.modelparallel.transport import OutputRef, TensorRef, flatten
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, train_steps
 from tests.modelparallel.models import seeded
 
 Pair = namedtuple("Pair", "first second")
@@ -184,17 +184,8 @@ def _train_chain() -> dict[str, Any]:
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, *_batch(step)).reduce_mean()))
-        optimizer.step()
+    batches = (_batch(step) for step in range(STEPS))
+    losses = train_steps(model, optimizer, batches, F.cross_entropy)
     return {"losses": losses, "params": model.state_dict(), "timeline": model.timeline()}
 
 

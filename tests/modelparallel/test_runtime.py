@@ -23,7 +23,7 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.schedule import Schedule, build_schedule, check, recorded_schedule
-from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.harness import run_ranks, single_process, train_steps
 from tests.modelparallel.models import GroupedNet
 
 CONFIG = {
@@ -136,20 +136,13 @@ def test_pipeline_degree_must_divide_the_world() -> None:
 # --- checkpoints and timeline ------------------------------------------------------------------
 
 
-def _train(model: smp.DistributedModel, optimizer: Any, steps: range) -> list[float]:
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = F.nll_loss(model(x), y)
-        model.backward(loss)
-        return loss
+def _labels(batch: int, seed: int) -> Tensor:
+    return torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(seed))
 
-    losses = []
-    for index in steps:
-        y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(index))
-        optimizer.zero_grad()
-        losses.append(train_step(model, _images(4, index), y).reduce_mean().item())
-        optimizer.step()
-    return losses
+
+def _train(model: smp.DistributedModel, optimizer: Any, steps: range) -> list[float]:
+    batches = ((_images(4, index), _labels(4, index)) for index in steps)
+    return train_steps(model, optimizer, batches, F.nll_loss)
 
 
 def _pipeline(split: str, seed: int) -> tuple[smp.DistributedModel, Any]:
