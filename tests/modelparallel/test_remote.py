@@ -239,3 +239,66 @@ def test_an_output_structure_that_changes_fails_the_step_and_says_why() -> None:
     leader, _ = run_ranks(2, _changing_structure, timeout=60)
     assert "module 'part' returned (tensor, None)" in leader
     assert "previous call" in leader and f"{DEFER_ENV}=0" in leader
+
+
+class DictNet(nn.Module):
+    """``part`` (partition 1) returns a dict with a tensor, ``None`` and a tuple of tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.part = seeded(0, lambda: _DictPart())
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.part(x)
+        assert out["aux"] is None and isinstance(out["pair"], tuple)
+        return (out["h"] * out["pair"][1]).mean()
+
+
+class _DictPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> dict[str, Any]:
+        h = self.linear(x)
+        return {"h": h, "aux": None, "pair": (x, torch.tanh(h))}
+
+
+def _dict_batches() -> list[Tensor]:
+    return [torch.randn(4, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+
+def _train_dict_outputs() -> list[float]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    module = DictNet()
+    smp.set_partition(module.part, 1)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        loss = model(x)
+        model.backward([loss], [torch.tensor(2.0)])  # grad_tensors: twice the loss's gradient
+        return loss
+
+    losses = []
+    for x in _dict_batches():
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, x).reduce_mean()))
+        optimizer.step()
+    return losses
+
+
+def test_dict_outputs_cross_partitions_and_backward_takes_gradients() -> None:
+    leader, _ = run_ranks(2, _train_dict_outputs, timeout=60)
+    model = DictNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = []
+    for x in _dict_batches():
+        optimizer.zero_grad()
+        loss = model(x)
+        (2 * loss).backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert leader == pytest.approx(expected, rel=1e-5)
