@@ -159,13 +159,17 @@ def test_rank_that_raises_fails_the_job_fast(dtrain_home: Path) -> None:
 
 
 def test_killed_rank_fails_the_job_and_leaves_no_grandchildren(dtrain_home: Path) -> None:
+    started = time.monotonic()
     result = run_script(
         dtrain_home, "killed.py", "killed", "--instance-count", "1", "--processes-per-host", "2"
     )
+    assert time.monotonic() - started < 30  # rank 0 sleeps for minutes: it was stopped
     assert result.returncode == 1
     info = describe(dtrain_home, "killed")
     assert info["TrainingJobStatus"] == "Failed"
     assert info["FailureReason"].startswith("rank 1 (algo-1) was killed by SIGKILL")
+    failure = Path(info["JobFolder"]) / "hosts" / "algo-1" / "output" / "failure"
+    assert "killed by SIGKILL" in failure.read_text()
     time.sleep(0.5)
     assert processes_of_job("killed") == []
 
