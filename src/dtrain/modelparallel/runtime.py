@@ -78,6 +78,10 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 and its tasks take turns at every message, and each turn costing up to 5 ms would stall the
 whole pipeline behind whichever thread runs Python code."""
 
+MAX_PREDICTIONS = 4096
+"""Output structures remembered per rank (a module called with ever new non-tensor arguments,
+a step counter say, would otherwise grow the table without end)."""
+
 CallKey = tuple[int, int]
 """A served call: (caller's global rank, call id)."""
 
@@ -230,6 +234,8 @@ class PipelineRuntime:
             return deferred_outputs(record, predicted)
         outputs = record.reply()
         if predictable(outputs):
+            if len(self._predictions) >= MAX_PREDICTIONS:  # arguments that never repeat
+                self._predictions.clear()
             self._predictions[signature] = outputs
         return attach(record, (), outputs, record.outputs, record.meta)
 
