@@ -373,16 +373,7 @@ class PipelineRuntime:
         """An argument as the owner has it: a referenced output joins the caller's chain."""
         if not isinstance(value, OutputRef):
             return value
-        other = self._served_entry((source, value.call_id), f"output of call #{value.call_id}")
-        if not other.done.wait(self.group.timeout):
-            raise CommunicationTimeoutError(
-                f"rank {self.group.rank}: call #{value.call_id} of module {other.module!r} did "
-                f"not finish within {self.group.timeout:g} s"
-            )
-        if other.error is not None:
-            raise ModelParallelError(
-                f"input from module {other.module!r} (call #{value.call_id}) failed: {other.error}"
-            )
+        other = self._finished_entry((source, value.call_id))
         self._join(entry, other)
         return resolve_output(other.output, value.path, other.module)
 
@@ -408,16 +399,22 @@ class PipelineRuntime:
             )
         return entry
 
-    def _serve_fetch(self, message: Message) -> tuple[Any, list[torch.Tensor]]:
-        key = (message.source, message.body["call"])
-        entry = self._served_entry(key, f"call #{key[1]} of module {message.module!r}")
+    def _finished_entry(self, key: CallKey) -> _Served:
+        """A served call once it has finished; raises if it failed or does not finish in time."""
+        entry = self._served_entry(key, f"output of call #{key[1]}")
         if not entry.done.wait(self.group.timeout):
             raise CommunicationTimeoutError(
-                f"rank {self.group.rank}: module {entry.module!r} (call #{key[1]}) did not "
+                f"rank {self.group.rank}: call #{key[1]} of module {entry.module!r} did not "
                 f"finish within {self.group.timeout:g} s"
             )
         if entry.error is not None:
-            raise ModelParallelError(f"module {entry.module!r} failed: {entry.error}")
+            raise ModelParallelError(
+                f"module {entry.module!r} (call #{key[1]}) failed: {entry.error}"
+            )
+        return entry
+
+    def _serve_fetch(self, message: Message) -> tuple[Any, list[torch.Tensor]]:
+        entry = self._finished_entry((message.source, message.body["call"]))
         with self._served_lock:
             entry.chain.fetched += 1
         return flatten(resolve_output(entry.output, message.body["path"], entry.module))

@@ -269,10 +269,9 @@ class Transport:
             data = stream[start:]
         else:
             data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
-        for tensor, offset in zip(tensors, offsets, strict=True):
+        for tensor, meta, offset in zip(tensors, message.meta, offsets, strict=True):
             if tensor.numel():
-                size = tensor.numel() * tensor.element_size()
-                data[offset : offset + size].copy_(_as_bytes(tensor))
+                data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
         end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
         parts = [(stream[:HEADER_BYTES], self._control, _TAG_HEADER)]
         if end > HEADER_BYTES:
