@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from dtrain.modelparallel.transport import (
     FORWARD,
-    HEADER_BYTES,
     REPLY,
     Message,
     Transport,
@@ -17,6 +16,9 @@ from dtrain.modelparallel.transport import (
     resolve,
 )
 from tests.modelparallel.harness import run_ranks
+
+FIRST_SEND = 4096
+"""A small first send, so that a message of the test overflows it."""
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -30,7 +32,7 @@ def _tensors() -> list[torch.Tensor]:
         torch.arange(10, dtype=torch.int64),
         torch.tensor([True, False, True]),
         torch.randn(5, generator=g).half(),
-        torch.randn(HEADER_BYTES, generator=g),  # larger than the first send: an overflow
+        torch.randn(FIRST_SEND, generator=g),  # larger than the first send: an overflow
     ]
 
 
@@ -46,7 +48,9 @@ def _echo() -> list[Any]:
         reply = Message(REPLY, message.call_id, body=(message.body, flags))
         transport.send(message.source, reply, tensors)
 
-    transport = Transport(rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_message)
+    transport = Transport(
+        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_message, FIRST_SEND
+    )
     received: list[Any] = []
     if rank == 0:
         for count in (0, 1, len(_tensors())):

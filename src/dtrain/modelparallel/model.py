@@ -24,7 +24,7 @@ from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, Step
 from dtrain.modelparallel.executor import Outcome
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.profile import ModelProfile, profile_module
-from dtrain.modelparallel.remote import materialize
+from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
@@ -87,20 +87,31 @@ class DistributedModel(nn.Module):
         tensors: torch.Tensor | list[torch.Tensor],
         grad_tensors: torch.Tensor | list[torch.Tensor | None] | None = None,
     ) -> None:
-        """Replaces ``loss.backward()`` inside a step; gradients are averaged over microbatches."""
+        """Replaces ``loss.backward()`` inside a step; gradients are averaged over microbatches.
+
+        A loss another partition computed and nobody fetched yet is fetched with its backward,
+        in one request to its owner.
+        """
         if self._tracing.is_set():
             return
         runtime = self._require_step("model.backward")
-        tensors, grad_tensors = materialize((tensors, grad_tensors))  # computed elsewhere: fetch
-        outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        outputs = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if grad_tensors is None:
             grads: list[torch.Tensor | None] = [None] * len(outputs)
-        elif isinstance(grad_tensors, torch.Tensor):
-            grads = [grad_tensors]
-        else:
+        elif isinstance(grad_tensors, (list, tuple)):
             grads = list(grad_tensors)
+        else:
+            grads = [grad_tensors]
+        grads = materialize(grads)  # computed elsewhere: fetch
+        scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
+            with runtime.executor.backward():
+                runtime.backward_deferred(outputs[0], grads[0], scale)
+            return
+        outputs = materialize(outputs)
+        if scale is not None:
             grads = [
                 (torch.ones_like(out) if g is None else g) * scale
                 for out, g in zip(outputs, grads, strict=True)

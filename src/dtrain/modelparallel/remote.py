@@ -9,15 +9,17 @@ the owner. The owner keeps what it computed; the caller gets either the outputs 
   owner's reply, which carries the outputs; they become the outputs of one autograd node
   (:class:`RemoteFetch`) whose backward sends their gradients to the owner.
 * **Deferred** (later calls): the outputs will have the structure the previous call's had, so
-  the stub returns at once with a :class:`RemoteValue` at each tensor of that structure. A
-  deferred value passed to another module of the same owner travels as a reference
-  (:class:`~dtrain.modelparallel.transport.OutputRef`): the owner uses its own tensor, and the
-  calls chain on the owner, in its autograd graph, without a round trip through the caller.
-  Anything else the caller does with it (an operator, a torch function, an attribute, another
-  rank's module, a module of its own) fetches it first, again through a :class:`RemoteFetch`.
-  When the reply comes, its structure is checked against the prediction: a module whose output
-  structure changes between calls with the same kinds of arguments fails the step with an error
-  that says so (``DTRAIN_MP_DEFER=0`` waits for every call instead).
+  the stub returns at once with a :class:`RemoteValue` at each tensor of that structure, and the
+  owner replies only if the call fails. A deferred value passed to another module of the same
+  owner travels as a reference (:class:`~dtrain.modelparallel.transport.OutputRef`): the owner
+  uses its own tensor, and the calls chain on the owner, in its autograd graph, without a round
+  trip through the caller. Anything else the caller does with it (an operator, a torch function,
+  an attribute, another rank's module, a module of its own) fetches it first, again through a
+  :class:`RemoteFetch`. The owner checks the structure it computed against the prediction sent
+  with the call: a module whose output structure changes between calls with the same kinds of
+  arguments fails the step with an error that says so (``DTRAIN_MP_DEFER=0`` waits for every
+  call instead). A call is known to have succeeded once its value (or one computed from it)
+  was fetched; a call nobody fetched from is confirmed with a round trip when its microbatch ends.
 
 A fetched value's backward runs on the owner from that value down to every input the caller sent
 into its chain of calls (the fetched call, the calls it referenced, and so on), and returns their
@@ -76,27 +78,39 @@ class CallRecord:
     refs: list[CallRecord]
     pending: Pending
     predicted: Any = None
-    """The structure the outputs were assumed to have (deferred calls), checked at the reply."""
+    """The structure the outputs are assumed to have (deferred calls; the owner checks it)."""
     structure: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     meta: tuple[TensorMeta, ...] = ()
-    _replied: bool = False
+    _settled: bool = False
 
     def reply(self) -> Any:
-        """Wait for the owner's reply (errors and a changed structure raise); its structure."""
-        if not self._replied:
-            message, tensors = self.runtime.wait(self.pending)
-            if self.predicted is not None and not same_structure(message.body, self.predicted):
-                raise ModelParallelError(
-                    f"module {self.module!r} returned {_shape_text(message.body)} where its "
-                    f"previous call with the same kinds of arguments returned "
-                    f"{_shape_text(self.predicted)}: dtrain pipelines calls by assuming the "
-                    f"structure repeats. Return the same structure every time, or set "
-                    f"{DEFER_ENV}=0 to wait for every remote call"
-                )
-            self.structure, self.outputs, self.meta = message.body, tensors, message.meta
-            self._replied = True
+        """Wait until the call is known to have succeeded (its error raises); its structure."""
+        if not self._settled:
+            if self.predicted is None:
+                message, tensors = self.runtime.wait(self.pending)
+                self.structure, self.outputs, self.meta = message.body, tensors, message.meta
+                self._settled = True
+            else:
+                self.runtime.confirm(self)
         return self.structure
+
+    def succeeded(self) -> None:
+        """A value of this call, or of one that referenced it, was fetched: the call and every
+        call it referenced succeeded, so no error reply can come for them any more."""
+        stack = [self]
+        while stack:
+            record = stack.pop()
+            if not record._settled:
+                record._settled = True
+                record.structure = record.predicted
+                record.runtime.forget(record)
+                stack.extend(record.refs)
+
+    def failure(self) -> BaseException | None:
+        """The call's own error, if the owner has reported one: more telling than the error of
+        a later request that used its outputs."""
+        return self.pending.failure()
 
     def closure(self) -> tuple[list[LeafId], list[torch.Tensor]]:
         """The differentiable inputs sent into this call's chain, and where the owner has them."""
@@ -193,6 +207,18 @@ class RemoteValue:
     @property
     def record(self) -> CallRecord:
         return self._record
+
+    @property
+    def path(self) -> tuple[Any, ...]:
+        return self._path
+
+    @property
+    def fetched(self) -> bool:
+        return self._fetched is not None
+
+    def resolve(self, value: torch.Tensor) -> None:
+        """The value arrived another way (with its backward): later uses need no fetch."""
+        self._fetched = value
 
     def fetch(self) -> torch.Tensor:
         if self._fetched is None:
@@ -334,6 +360,17 @@ def same_structure(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_structure(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+def check_prediction(module: str, structure: Any, predicted: Any) -> None:
+    """The owner's check of a deferred call: it returned the structure the caller assumed."""
+    if not same_structure(structure, predicted):
+        raise ModelParallelError(
+            f"module {module!r} returned {_shape_text(structure)} where its previous call with "
+            f"the same kinds of arguments returned {_shape_text(predicted)}: dtrain pipelines "
+            f"calls by assuming the structure repeats. Return the same structure every time, "
+            f"or set {DEFER_ENV}=0 to wait for every remote call"
+        )
 
 
 def call_signature(module: str, structure: Any) -> str:

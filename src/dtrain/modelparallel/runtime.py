@@ -45,6 +45,7 @@ from dtrain.modelparallel.remote import (
     RemoteValue,
     attach,
     call_signature,
+    check_prediction,
     defer_enabled,
     deferred_outputs,
     install_stub,
@@ -59,7 +60,6 @@ from dtrain.modelparallel.transport import (
     ERROR,
     FETCH,
     FORWARD,
-    RELEASE,
     REPLY,
     Message,
     OutputRef,
@@ -111,6 +111,19 @@ class _Served:
     error: BaseException | None = None
 
 
+def _loss_gradient(
+    output: torch.Tensor, grad: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """The gradient ``model.backward`` starts from, with the errors ``Tensor.backward`` gives."""
+    if not output.requires_grad:
+        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    if grad is None:
+        if scale is None and output.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        grad = torch.ones_like(output)
+    return grad if scale is None else grad * scale
+
+
 @dataclass(frozen=True)
 class PipelineGroup:
     """Where this rank sits: its pipeline's global ranks (index = pp rank) and process groups."""
@@ -144,6 +157,8 @@ class PipelineRuntime:
         self._served: dict[CallKey, _Served] = {}
         self._served_lock = threading.Lock()
         self._predictions: dict[str, Any] = {}
+        self._releases: dict[int, list[tuple[int, int]]] = {}
+        self._releases_lock = threading.Lock()
         self._defer = defer_enabled()
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor], int]] = queue.Queue()
         self._arrivals = 0
@@ -225,9 +240,9 @@ class PipelineRuntime:
             body=structure,
             microbatch=task.microbatch,
             step=task.step,
-            extra={"grad": grad, "eager": predicted is None},
+            extra={"grad": grad, "expect": predicted},
         )
-        pending = self.transport.request(self.group.ranks[owner], message, tensors)
+        pending = self._request(self.group.ranks[owner], message, tensors)
         record = CallRecord(self, name, owner, call_id, grad, tensors, refs, pending, predicted)
         task.calls.append(record)
         if predicted is not None:
@@ -239,26 +254,63 @@ class PipelineRuntime:
             self._predictions[signature] = outputs
         return attach(record, (), outputs, record.outputs, record.meta)
 
+    def _request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
+        """Send a request to global rank ``dst``; the microbatches released since the last
+        request to it travel along (their kept calls are dropped there on arrival)."""
+        assert self.transport is not None
+        with self._releases_lock:
+            released = self._releases.pop(dst, None)
+        if released:
+            message.extra["released"] = released
+        return self.transport.request(dst, message, tensors)
+
     def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile."""
         with self.executor.waiting():
             return pending.wait(self.group.timeout, self.group.rank)
 
-    def fetch(self, record: CallRecord, path: tuple[Any, ...]) -> Any:
-        """The value at ``path`` of a deferred call's outputs, from its owner."""
+    def forget(self, record: CallRecord) -> None:
+        """The call is settled: no reply to it will be waited for."""
+        assert self.transport is not None
+        self.transport.forget(record.call_id)
+
+    def _ask(
+        self, kind: str, record: CallRecord, body: dict[str, Any], tensors: list[torch.Tensor]
+    ) -> tuple[Message, list[torch.Tensor]]:
+        """A request about ``record``'s kept outputs; a failure of the call itself is reported
+        as the call's own error (the owner sends it before answering anything about the call).
+        Success means the call and those it referenced succeeded."""
         assert self.transport is not None
         request = Message(
-            FETCH,
+            kind,
             self.transport.next_call_id(),
             module=record.module,
-            body={"call": record.call_id, "path": path},
+            body={"call": record.call_id, **body},
             microbatch=record.pending.request.microbatch,
             step=record.pending.request.step,
         )
-        pending = self.transport.request(self.group.ranks[record.owner], request, [])
-        record.reply()  # the call's own errors first, and its structure checked
-        reply, tensors = self.wait(pending)
+        try:
+            reply = self.wait(self._request(self.group.ranks[record.owner], request, tensors))
+        except RemoteError:
+            failure = record.failure()
+            if failure is not None:
+                raise failure from None
+            raise
+        failure = record.failure()  # confirmed after it was dropped: it may have failed before
+        if failure is not None:
+            raise failure
+        record.succeeded()
+        return reply
+
+    def fetch(self, record: CallRecord, path: tuple[Any, ...]) -> Any:
+        """The value at ``path`` of a deferred call's outputs, from its owner."""
+        reply, tensors = self._ask(FETCH, record, {"path": path}, [])
         return attach(record, path, reply.body, tensors, reply.meta)
+
+    def confirm(self, record: CallRecord) -> None:
+        """Wait until the owner has finished a deferred call nobody fetched from (its error
+        raises)."""
+        self._ask(FETCH, record, {"path": None}, [])
 
     def backward_call(
         self,
@@ -268,30 +320,60 @@ class PipelineRuntime:
         grads: list[torch.Tensor | None],
     ) -> list[torch.Tensor | None]:
         """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
-        assert self.transport is not None
-        message = Message(
-            BACKWARD,
-            self.transport.next_call_id(),
-            module=record.module,
-            body={
-                "call": record.call_id,
-                "path": path,
-                "leaves": leaves,
-                "present": [g is not None for g in grads],
-            },
-            microbatch=record.pending.request.microbatch,
-            step=record.pending.request.step,
+        _, input_grads = self._backward_request(record, path, leaves, grads, {})
+        return input_grads
+
+    def backward_deferred(
+        self, value: RemoteValue, grad: torch.Tensor | None, scale: float | None
+    ) -> None:
+        """``model.backward`` of a value not fetched yet (a loss computed on another partition):
+        one request fetches it and runs its backward on the owner (its gradient ``grad``, or
+        ones, times ``scale``); the gradients of what this rank sent into its chain continue
+        the backward here."""
+        record = value.record
+        leaves, inputs = record.closure()
+        fetched, input_grads = self._backward_request(
+            record, value.path, leaves, [grad], {"fetch": True, "scale": scale}
         )
-        owner = self.group.ranks[record.owner]
-        pending = self.transport.request(owner, message, [g for g in grads if g is not None])
-        reply, tensors = self.wait(pending)
+        assert fetched is not None
+        value.resolve(fetched)
+        pairs = [(t, g) for t, g in zip(inputs, input_grads, strict=True) if g is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def _backward_request(
+        self,
+        record: CallRecord,
+        path: tuple[Any, ...],
+        leaves: list[LeafId],
+        grads: list[torch.Tensor | None],
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """The fetched value (if ``options`` ask for it) and the gradients of ``leaves``."""
+        body = {"path": path, "leaves": leaves, "present": [g is not None for g in grads]}
+        reply, tensors = self._ask(
+            BACKWARD, record, {**body, **options}, [g for g in grads if g is not None]
+        )
         received = iter(tensors)
-        return [next(received) if present else None for present in reply.body["present"]]
+        fetched = next(received) if options.get("fetch") else None
+        return fetched, [next(received) if present else None for present in reply.body["present"]]
 
     def check_calls(self, task: Task) -> None:
-        """Wait for the replies of every call ``task`` made (their errors raise here)."""
-        while task.calls:
-            task.calls.pop(0).reply()
+        """Wait until every call ``task`` made is known to have succeeded (errors raise here,
+        the earliest call's first)."""
+        try:
+            while task.calls:
+                task.calls[0].reply()
+                task.calls.pop(0)
+        finally:
+            self.drop_calls(task)
+
+    def drop_calls(self, task: Task) -> None:
+        """Forget the calls of ``task`` that are not settled (it failed): replies to them are
+        no longer awaited."""
+        for record in task.calls:
+            self.forget(record)
+        task.calls.clear()
 
     # --- serving calls from other ranks ------------------------------------------------------
 
@@ -299,6 +381,8 @@ class PipelineRuntime:
         """Receiver thread: requests become tasks; step ends and failures go to the inbox."""
         self._arrivals += 1
         arrival = self._arrivals
+        for step, microbatch in message.extra.get("released", ()):
+            self._forget_microbatch(step, microbatch)
         if message.kind == FORWARD:
             key = (message.source, message.call_id)
             entry = _Served(
@@ -311,8 +395,6 @@ class PipelineRuntime:
             self.executor.spawn(lambda: self._reply(message, self._serve_fetch, message))
         elif message.kind == BACKWARD:
             self.executor.spawn(lambda: self._serve_backward(message, tensors))
-        elif message.kind == RELEASE:
-            self._forget_microbatch(message.step, message.microbatch)
         else:
             if not self.is_leader:
                 self.executor.reclaim_main()
@@ -322,33 +404,43 @@ class PipelineRuntime:
         self, request: Message, serve: Callable[..., tuple[Any, list[torch.Tensor]]], *args: Any
     ) -> None:
         """Run ``serve`` and send its result (or its error) back to the requester."""
-        assert self.transport is not None
         try:
             body, tensors = serve(*args)
-            reply = Message(REPLY, request.call_id, body=body)
         except BaseException as exc:
-            reply = Message(ERROR, request.call_id, body=error_body(self.group.rank, exc))
-            tensors = []
+            self._send_error(request, exc)
+        else:
+            self._send_reply(request, Message(REPLY, request.call_id, body=body), tensors)
+
+    def _send_error(self, request: Message, exc: BaseException) -> None:
+        error = Message(ERROR, request.call_id, body=error_body(self.group.rank, exc))
+        self._send_reply(request, error, [])
+
+    def _send_reply(self, request: Message, reply: Message, tensors: list[torch.Tensor]) -> None:
+        assert self.transport is not None
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the caller's wait says so
             self.transport.send(request.source, reply, tensors)
 
     def _serve_forward(self, message: Message, tensors: list[torch.Tensor], entry: _Served) -> None:
-        def compute() -> tuple[Any, list[torch.Tensor]]:
-            try:
-                output = self._compute_forward(message, tensors, entry)
-            except BaseException as exc:
-                entry.error = exc
-                raise
-            finally:
-                entry.done.set()
-            structure, outputs = flatten(output)
-            if not message.extra.get("eager"):
-                return structure, []
+        """Compute a call; reply with its outputs if eager, only with an error if deferred.
+
+        A failure is sent before the call counts as finished, so it reaches the caller before
+        the answer to any later request that uses the call's outputs.
+        """
+        predicted = message.extra.get("expect")
+        try:
+            structure, outputs = flatten(self._compute_forward(message, tensors, entry))
+            if predicted is not None:
+                check_prediction(message.module, structure, predicted)
+        except BaseException as exc:
+            entry.error = exc
+            self._send_error(message, exc)
+            return
+        finally:
+            entry.done.set()
+        if predicted is None:
             with self._served_lock:
                 entry.chain.fetched += 1
-            return structure, outputs
-
-        self._reply(message, compute)
+            self._send_reply(message, Message(REPLY, message.call_id, body=structure), outputs)
 
     def _compute_forward(
         self, message: Message, tensors: list[torch.Tensor], entry: _Served
@@ -414,28 +506,48 @@ class PipelineRuntime:
         return entry
 
     def _serve_fetch(self, message: Message) -> tuple[Any, list[torch.Tensor]]:
-        entry = self._finished_entry((message.source, message.body["call"]))
+        """A kept output, or (``path`` None) that the call finished: if it is no longer kept,
+        it finished and a failure was reported before this answer."""
+        key = (message.source, message.body["call"])
+        path = message.body["path"]
+        if path is None:
+            with self._served_lock:
+                kept = key in self._served
+            if kept:
+                self._finished_entry(key)
+            return None, []
+        entry = self._finished_entry(key)
         with self._served_lock:
             entry.chain.fetched += 1
-        return flatten(resolve_output(entry.output, message.body["path"], entry.module))
+        return flatten(resolve_output(entry.output, path, entry.module))
 
     def _serve_backward(self, message: Message, tensors: list[torch.Tensor]) -> None:
         task = Task("serve", message.microbatch, "B", message.module, step=message.step)
 
         def backward() -> tuple[Any, list[torch.Tensor]]:
+            # Without the token: a value fetched with its backward may still be computing.
+            entry = self._finished_entry((message.source, message.body["call"]))
             with self.executor.computing(task):
-                return self._compute_backward(message, tensors)
+                return self._compute_backward(message, tensors, entry)
 
         self._reply(message, backward)
 
     def _compute_backward(
-        self, message: Message, tensors: list[torch.Tensor]
+        self, message: Message, tensors: list[torch.Tensor], entry: _Served
     ) -> tuple[Any, list[torch.Tensor]]:
+        """Backward from the outputs at ``path`` down to the chain's ``leaves``; with ``fetch``
+        (a deferred value's ``model.backward``) the value goes back too, and its gradient is
+        ``scale`` times the one sent, or ones."""
         source, body = message.source, message.body
-        entry = self._served_entry((source, body["call"]), f"call #{body['call']}")
         _, outputs = flatten(resolve_output(entry.output, body["path"], entry.module))
         received = iter(tensors)
         grads = [next(received) if present else None for present in body["present"]]
+        fetched = []
+        if body.get("fetch"):
+            with self._served_lock:
+                entry.chain.fetched += 1
+            grads = [_loss_gradient(outputs[0], grads[0], body["scale"])]
+            fetched = [outputs[0].detach()]
         leaves = [
             self._served_entry((source, call), f"call #{call}").inputs[index]
             for call, index in body["leaves"]
@@ -458,12 +570,16 @@ class PipelineRuntime:
         if not keep_graph:
             self._forget_chain(entry.chain)
         present = [g is not None for g in input_grads]
-        return {"present": present}, [g for g in input_grads if g is not None]
+        return {"present": present}, fetched + [g for g in input_grads if g is not None]
 
     def _forget_chain(self, chain: _Chain) -> None:
+        """Drop a chain after its backward; a member still computing (joined the chain, its
+        outputs unused) stays until it finishes, so a confirmation of it can wait for it."""
         with self._served_lock:
             for key in chain.members:
-                self._served.pop(key, None)
+                entry = self._served.get(key)
+                if entry is not None and entry.done.is_set():
+                    del self._served[key]
 
     def _forget_microbatch(self, step: int, microbatch: int) -> None:
         """The leader finished this microbatch: nothing of it is needed any more."""
@@ -507,16 +623,18 @@ class PipelineRuntime:
             self.check_calls(task)
             return result
         finally:
-            task.calls.clear()
+            self.drop_calls(task)
             self._release(task.step, microbatch)
 
     def _release(self, step: int, microbatch: int) -> None:
+        """Nothing of this microbatch is needed any more: the other ranks learn it with the
+        next request they get (or the step's end, which drops everything kept)."""
         self._forget_microbatch(step, microbatch)
         if self.transport is None:
             return
-        for peer in self.transport.peers:
-            with contextlib.suppress(ModelParallelError):  # broken: the step fails anyway
-                self.transport.send(peer, Message(RELEASE, 0, microbatch=microbatch, step=step))
+        with self._releases_lock:
+            for peer in self.transport.peers:
+                self._releases.setdefault(peer, []).append((step, microbatch))
 
     def _forget_served(self, before: int | None) -> None:
         """Drop kept forwards whose backward never came (evaluation, unused outputs).
@@ -545,6 +663,8 @@ class PipelineRuntime:
         ]
         structure, tensors = flatten(payload)
         tensors = [t.detach() for t in tensors]
+        with self._releases_lock:
+            self._releases.clear()  # the step's end drops what the others kept of it
         for peer in self.transport.peers:
             self.transport.send(peer, Message(END_STEP, self._steps, body=structure), tensors)
 

@@ -2,14 +2,16 @@
 
 A message is one byte stream: two lengths, the pickled header (kind, call id, module name, a
 Python structure whose tensors are replaced by :class:`TensorRef` placeholders, the tensors'
-shapes and dtypes), then every tensor's bytes, each 64-byte aligned. Its first ``HEADER_BYTES``
-go in one fixed-size send over a gloo group, so one receiver thread per rank can take messages
-from any source without knowing their size; the rest, if any, follows in a single send from the
-now-known source. On a GPU the tensors' bytes travel instead as one buffer over a group of the
-job's backend (NCCL, where receiving from any source is not possible). Few sends matter: gloo
-does not start a send before the receiver has posted its receive, so each part costs a round
-trip. A send lock keeps one message's parts together; the receiver reads a whole message before
-the next, so parts never interleave.
+shapes and dtypes), then every tensor's bytes, each 64-byte aligned. One receiver thread per
+rank keeps a receive from any source posted over a gloo group, into a buffer of
+``FIRST_SEND_BYTES``; gloo accepts a send shorter than the receive, so a message up to that size
+is one send whatever its length. A longer one sends the rest in one more, from the now-known
+source. On a GPU the tensors' bytes travel instead as one buffer over a group of the job's
+backend (NCCL, where receiving from any source is not possible). Few sends matter: gloo does not
+start a send before the receiver has posted its receive, so a second part costs a round trip
+through the receiver thread, which has to wait for the GIL first. A send lock keeps one
+message's parts together; the receiver reads a whole message before the next, so parts never
+interleave.
 
 Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
 timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
@@ -39,21 +41,21 @@ from dtrain.modelparallel.errors import (
     RemoteError,
 )
 
-HEADER_BYTES = 4096
-"""Size of a message's first send; longer messages send the rest in one more."""
+FIRST_SEND_BYTES = 8 << 20
+"""Most bytes of a message's first send (the receiver's buffer); longer messages send the rest
+in one more."""
 
 _LENGTH_BYTES = 8
 _ALIGN = 64
 _TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
 
 # Message kinds.
-FORWARD, FETCH, BACKWARD, REPLY, ERROR, RELEASE, END_STEP, STOP, FAILED = (
+FORWARD, FETCH, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED = (
     "forward",
     "fetch",
     "backward",
     "reply",
     "error",
-    "release",
     "end_step",
     "stop",
     "failed",
@@ -189,6 +191,10 @@ class Pending:
         self._error = error
         self._done.set()
 
+    def failure(self) -> BaseException | None:
+        """The error this request ended with, if it has ended with one."""
+        return self._error if self._done.is_set() else None
+
     def wait(self, timeout: float, rank: int) -> tuple[Message, list[torch.Tensor]]:
         """The reply; raises the remote error, or a timeout naming the peer and the request."""
         if not self._done.wait(timeout):
@@ -214,6 +220,7 @@ class Transport:
         device: torch.device,
         timeout: float,
         on_message: Callable[[Message, list[torch.Tensor]], None],
+        first_send_bytes: int = FIRST_SEND_BYTES,
     ) -> None:
         self.rank = rank
         self.peers = [p for p in peers if p != rank]
@@ -221,6 +228,9 @@ class Transport:
         self.last_activity = time.monotonic()
         self._control, self._data, self._device = control_group, data_group, device
         self._on_message = on_message
+        self._first_bytes = first_send_bytes
+        self._received = torch.empty(first_send_bytes, dtype=torch.uint8)
+        """Where every message's first part lands (its tensors are copied out before the next)."""
         self._send_lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
@@ -256,7 +266,8 @@ class Transport:
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
         offsets, data_bytes = _layout(message.meta)
         inline = self._device.type == "cpu"
-        stream = torch.zeros(max(HEADER_BYTES, start + data_bytes * inline), dtype=torch.uint8)
+        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
+        stream = torch.empty(end if inline else start, dtype=torch.uint8)
         stream[: 2 * _LENGTH_BYTES] = torch.frombuffer(
             bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little"))
             + bytearray(data_bytes.to_bytes(_LENGTH_BYTES, "little")),
@@ -272,10 +283,9 @@ class Transport:
         for tensor, meta, offset in zip(tensors, message.meta, offsets, strict=True):
             if tensor.numel():
                 data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
-        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
-        parts = [(stream[:HEADER_BYTES], self._control, _TAG_HEADER)]
-        if end > HEADER_BYTES:
-            parts.append((stream[HEADER_BYTES:end], self._control, _TAG_OVERFLOW))
+        parts = [(stream[: min(end, self._first_bytes)], self._control, _TAG_HEADER)]
+        if end > self._first_bytes:
+            parts.append((stream[self._first_bytes : end], self._control, _TAG_OVERFLOW))
         if not inline and data_bytes:
             parts.append((data, self._data, _TAG_TENSOR))
         with self._send_lock:
@@ -316,6 +326,11 @@ class Transport:
             raise
         return pending
 
+    def forget(self, call_id: int) -> None:
+        """No reply will be waited for: stop expecting one (a late one is dropped)."""
+        with self._pending_lock:
+            self._pending.pop(call_id, None)
+
     # --- receiving ---------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
@@ -336,7 +351,7 @@ class Transport:
             self._fail(exc)
 
     def _receive_one(self) -> tuple[Message, list[torch.Tensor]]:
-        first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        first = self._received
         src = dist.recv(first, src=None, group=self._control, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
         length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
@@ -345,10 +360,10 @@ class Transport:
         inline = self._device.type == "cpu"
         end = start + data_bytes if inline else 2 * _LENGTH_BYTES + length
         stream = first
-        if end > HEADER_BYTES:
+        if end > self._first_bytes:
             stream = torch.empty(end, dtype=torch.uint8)
-            stream[:HEADER_BYTES] = first
-            dist.recv(stream[HEADER_BYTES:], src=src, group=self._control, tag=_TAG_OVERFLOW)
+            stream[: self._first_bytes] = first
+            dist.recv(stream[self._first_bytes :], src=src, group=self._control, tag=_TAG_OVERFLOW)
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
         message: Message = pickle.loads(payload)
         if inline:
