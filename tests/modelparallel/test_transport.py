@@ -42,14 +42,15 @@ def _echo() -> list[Any]:
     control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
     transport: Transport | None = None
 
-    def on_message(message: Message, tensors: list[torch.Tensor]) -> None:
+    def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
         assert transport is not None
-        flags = [meta.requires_grad for meta in message.meta]
-        reply = Message(REPLY, message.call_id, body=(message.body, flags))
-        transport.send(message.source, reply, tensors)
+        for message, tensors in messages:
+            flags = [meta.requires_grad for meta in message.meta]
+            reply = Message(REPLY, message.call_id, body=(message.body, flags))
+            transport.send(message.source, reply, tensors)
 
     transport = Transport(
-        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_message, FIRST_SEND
+        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
     )
     received: list[Any] = []
     if rank == 0:

@@ -61,7 +61,9 @@ class Task:
     granted: threading.Event = field(default_factory=threading.Event, repr=False)
     """Set when the token is handed to this task: only the new holder wakes up."""
     calls: list[Any] = field(default_factory=list, repr=False)
-    """Remote calls this task made whose replies it has not checked yet."""
+    """Remote calls this task made that are not known to have succeeded yet."""
+    outbox: list[Any] = field(default_factory=list, repr=False)
+    """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
 
     def describe(self) -> str:
         if self.role == "main":
@@ -88,8 +90,19 @@ def effective_policy(pipeline: str, microbatches: int, active: int) -> str:
 class Executor:
     """The compute token of one rank, its microbatch tasks and its timeline."""
 
-    def __init__(self, pp_rank: int, policy: str, active: int, timeout: float) -> None:
+    def __init__(
+        self,
+        pp_rank: int,
+        policy: str,
+        active: int,
+        timeout: float,
+        flush: Callable[[Task], None] = lambda task: None,
+    ) -> None:
+        """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
+        (for the token or a condition) and before it computes a module, so that nothing
+        queued waits on the task's own progress."""
         self.pp_rank = pp_rank
+        self.flush = flush
         self.policy = policy
         self.active = active
         self.timeout = timeout
@@ -138,6 +151,8 @@ class Executor:
 
     def await_token(self, task: Task) -> None:
         """Wait until an enqueued ``task`` holds the token."""
+        if not task.granted.is_set():
+            self.flush(task)
         if not task.granted.wait(self.timeout):
             with self._cv:
                 if self._holder is not task:
@@ -241,6 +256,7 @@ class Executor:
         if task is None or task.holding:
             yield
             return
+        self.flush(task)
         with self._holding(task, name):
             yield
 
@@ -322,18 +338,16 @@ class Executor:
                 self._progress = time.monotonic()
                 self._cv.notify_all()
 
-    @contextmanager
-    def backward(self) -> Iterator[None]:
-        """A microbatch task's backward: apply the policy's hold, compute with the token.
+    def start_backward(self) -> Task | None:
+        """A microbatch task turns to its backward: the policy's hold, without the token.
 
-        ``simple`` holds the task until every microbatch has finished its forward; either
-        policy queues the task with backward priority.
+        ``simple`` holds the task until every microbatch has finished its forward. Returns the
+        task (``None`` outside a microbatch task).
         """
         task = self.current()
         step = self._leader_step
         if task is None or task.role != "leader" or step is None:
-            yield
-            return
+            return None
         if task.holding:
             self.release(task)
         if task.phase == "F":
@@ -342,10 +356,22 @@ class Executor:
                 self._cv.notify_all()
             task.phase = "B"
             if self.policy == "simple":
+                self.flush(task)
                 self._wait(
                     lambda: len(step.forward_done) == step.count,
                     f"every forward before backward {task.microbatch} (simple pipeline)",
                 )
+        return task
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """A microbatch task's backward: :meth:`start_backward`, then compute with the token
+        (queued with backward priority)."""
+        task = self.start_backward()
+        if task is None:
+            yield
+            return
+        self.flush(task)
         with self._holding(task, ""):
             yield
 

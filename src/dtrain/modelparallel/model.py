@@ -107,8 +107,8 @@ class DistributedModel(nn.Module):
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
-            with runtime.executor.backward():
-                runtime.backward_deferred(outputs[0], grads[0], scale)
+            runtime.executor.start_backward()  # the request goes out without the token
+            runtime.backward_deferred(outputs[0], grads[0], scale)
             return
         outputs = materialize(outputs)
         if scale is not None:

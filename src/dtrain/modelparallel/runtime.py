@@ -111,6 +111,11 @@ class _Served:
     error: BaseException | None = None
 
 
+def _run_all(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
+
+
 def _loss_gradient(
     output: torch.Tensor, grad: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
@@ -153,7 +158,9 @@ class PipelineRuntime:
         self.owners = owners
         self._modules = modules
         policy = effective_policy(pipeline, microbatches, active_microbatches)
-        self.executor = Executor(group.pp_rank, policy, active_microbatches, group.timeout)
+        self.executor = Executor(
+            group.pp_rank, policy, active_microbatches, group.timeout, self._flush
+        )
         self._served: dict[CallKey, _Served] = {}
         self._served_lock = threading.Lock()
         self._predictions: dict[str, Any] = {}
@@ -174,7 +181,7 @@ class PipelineRuntime:
                 group.data_group,
                 group.device,
                 group.timeout,
-                self._on_message,
+                self._on_messages,
             )
         for name, module in modules.items():
             if owners[name] != group.pp_rank:
@@ -242,7 +249,12 @@ class PipelineRuntime:
             step=task.step,
             extra={"grad": grad, "expect": predicted},
         )
-        pending = self._request(self.group.ranks[owner], message, tensors)
+        dst = self.group.ranks[owner]
+        if predicted is None:
+            pending = self._request(dst, message, tensors)
+        else:  # nobody waits for it: it goes with the task's next request or before it blocks
+            pending = self.transport.expect(dst, message)
+            task.outbox.append((dst, message, tensors))
         record = CallRecord(self, name, owner, call_id, grad, tensors, refs, pending, predicted)
         task.calls.append(record)
         if predicted is not None:
@@ -255,14 +267,41 @@ class PipelineRuntime:
         return attach(record, (), outputs, record.outputs, record.meta)
 
     def _request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
-        """Send a request to global rank ``dst``; the microbatches released since the last
-        request to it travel along (their kept calls are dropped there on arrival)."""
+        """Send a request to global rank ``dst``, after the requests the current task queued
+        for it (in the same stream), and the task's other queued requests."""
+        assert self.transport is not None
+        pending = self.transport.expect(dst, message)
+        task = self.executor.current()
+        queued = []
+        if task is not None and task.outbox:
+            queued = [(m, t) for d, m, t in task.outbox if d == dst]
+            task.outbox = [item for item in task.outbox if item[0] != dst]
+            self._flush(task)
+        self._send_all(dst, [*queued, (message, tensors)])
+        return pending
+
+    def _flush(self, task: Task) -> None:
+        """Send the requests ``task`` queued, one stream per peer."""
+        while task.outbox:
+            dst = task.outbox[0][0]
+            items = [(m, t) for d, m, t in task.outbox if d == dst]
+            task.outbox = [item for item in task.outbox if item[0] != dst]
+            self._send_all(dst, items)
+
+    def _send_all(self, dst: int, items: list[tuple[Message, list[torch.Tensor]]]) -> None:
+        """Send requests in one stream; the microbatches released since the last request to
+        ``dst`` travel along (their kept calls are dropped there on arrival)."""
         assert self.transport is not None
         with self._releases_lock:
             released = self._releases.pop(dst, None)
         if released:
-            message.extra["released"] = released
-        return self.transport.request(dst, message, tensors)
+            items[0][0].extra["released"] = released
+        try:
+            self.transport.send_all(dst, items)
+        except BaseException:
+            for message, _ in items:
+                self.transport.forget(message.call_id)
+            raise
 
     def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile."""
@@ -339,7 +378,8 @@ class PipelineRuntime:
         value.resolve(fetched)
         pairs = [(t, g) for t, g in zip(inputs, input_grads, strict=True) if g is not None]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            with self.executor.backward():
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
     def _backward_request(
         self,
@@ -374,31 +414,41 @@ class PipelineRuntime:
         for record in task.calls:
             self.forget(record)
         task.calls.clear()
+        task.outbox.clear()
 
     # --- serving calls from other ranks ------------------------------------------------------
 
-    def _on_message(self, message: Message, tensors: list[torch.Tensor]) -> None:
-        """Receiver thread: requests become tasks; step ends and failures go to the inbox."""
-        self._arrivals += 1
-        arrival = self._arrivals
-        for step, microbatch in message.extra.get("released", ()):
-            self._forget_microbatch(step, microbatch)
-        if message.kind == FORWARD:
-            key = (message.source, message.call_id)
-            entry = _Served(
-                message.module, message.step, message.microbatch, arrival, _Chain([key])
-            )
-            with self._served_lock:
-                self._served[key] = entry
-            self.executor.spawn(lambda: self._serve_forward(message, tensors, entry))
-        elif message.kind == FETCH:
-            self.executor.spawn(lambda: self._reply(message, self._serve_fetch, message))
-        elif message.kind == BACKWARD:
-            self.executor.spawn(lambda: self._serve_backward(message, tensors))
-        else:
-            if not self.is_leader:
-                self.executor.reclaim_main()
-            self._inbox.put((message, tensors, arrival))
+    def _on_messages(self, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
+        """Receiver thread: the requests of one stream (one caller's, in its order) are served
+        one after the other by one task; step ends and failures go to the inbox.
+
+        Serving them in order cannot deadlock: a request can only depend on earlier ones (the
+        caller sent it after them, never waiting in between).
+        """
+        jobs: list[Callable[[], None]] = []
+        for message, tensors in messages:
+            self._arrivals += 1
+            arrival = self._arrivals
+            for step, microbatch in message.extra.get("released", ()):
+                self._forget_microbatch(step, microbatch)
+            if message.kind == FORWARD:
+                key = (message.source, message.call_id)
+                entry = _Served(
+                    message.module, message.step, message.microbatch, arrival, _Chain([key])
+                )
+                with self._served_lock:
+                    self._served[key] = entry
+                jobs.append(functools.partial(self._serve_forward, message, tensors, entry))
+            elif message.kind == FETCH:
+                jobs.append(functools.partial(self._reply, message, self._serve_fetch, message))
+            elif message.kind == BACKWARD:
+                jobs.append(functools.partial(self._serve_backward, message, tensors))
+            else:
+                if not self.is_leader:
+                    self.executor.reclaim_main()
+                self._inbox.put((message, tensors, arrival))
+        if jobs:
+            self.executor.spawn(lambda: _run_all(jobs))
 
     def _reply(
         self, request: Message, serve: Callable[..., tuple[Any, list[torch.Tensor]]], *args: Any

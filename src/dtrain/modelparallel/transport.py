@@ -1,8 +1,10 @@
 """Messages between the ranks of one pipeline group: a pickled header and its tensors' bytes.
 
-A message is one byte stream: two lengths, the pickled header (kind, call id, module name, a
-Python structure whose tensors are replaced by :class:`TensorRef` placeholders, the tensors'
-shapes and dtypes), then every tensor's bytes, each 64-byte aligned. One receiver thread per
+What travels is one byte stream: two lengths, the pickled headers of one or more messages (kind,
+call id, module name, a Python structure whose tensors are replaced by :class:`TensorRef`
+placeholders, the tensors' shapes and dtypes), then every tensor's bytes, each 64-byte aligned.
+Several messages to one peer can go as one stream (:meth:`Transport.send_all`); the receiver
+handles them in order. One receiver thread per
 rank keeps a receive from any source posted over a gloo group, into a buffer of
 ``FIRST_SEND_BYTES``; gloo accepts a send shorter than the receive, so a message up to that size
 is one send whatever its length. A longer one sends the rest in one more, from the now-known
@@ -79,10 +81,11 @@ class OutputRef:
 
 @dataclass(frozen=True)
 class _Sent:
-    """A message on its way: its sends, and the buffers they read until they complete."""
+    """Messages on their way: their sends, and the buffers they read until they complete."""
 
     dst: int
     message: Message
+    """The first of them (named in errors)."""
     works: list[dist.Work]
     buffers: list[torch.Tensor]
 
@@ -219,7 +222,7 @@ class Transport:
         data_group: dist.ProcessGroup,
         device: torch.device,
         timeout: float,
-        on_message: Callable[[Message, list[torch.Tensor]], None],
+        on_messages: Callable[[list[tuple[Message, list[torch.Tensor]]]], None],
         first_send_bytes: int = FIRST_SEND_BYTES,
     ) -> None:
         self.rank = rank
@@ -227,7 +230,8 @@ class Transport:
         self.timeout = timeout
         self.last_activity = time.monotonic()
         self._control, self._data, self._device = control_group, data_group, device
-        self._on_message = on_message
+        self._on_messages = on_messages
+        """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
         self._received = torch.empty(first_send_bytes, dtype=torch.uint8)
         """Where every message's first part lands (its tensors are copied out before the next)."""
@@ -254,17 +258,24 @@ class Transport:
 
     def send(self, dst: int, message: Message, tensors: list[torch.Tensor] | None = None) -> None:
         """Send a header and its tensors to global rank ``dst``; raises if the transport failed."""
+        self.send_all(dst, [(message, tensors or [])])
+
+    def send_all(self, dst: int, items: list[tuple[Message, list[torch.Tensor]]]) -> None:
+        """Send messages (each with its tensors) to ``dst`` as one stream, in this order."""
         if self._failure is not None:
             raise ModelParallelError(f"rank {self.rank}: transport failed: {self._failure}")
-        tensors = tensors or []
-        message.source = self.rank
-        message.meta = tuple(
-            TensorMeta(tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point())
-            for t in tensors
-        )
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        messages = [message for message, _ in items]
+        tensors = [tensor for _, sent in items for tensor in sent]
+        for message, sent in items:
+            message.source = self.rank
+            message.meta = tuple(
+                TensorMeta(tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point())
+                for t in sent
+            )
+        metas = tuple(meta for message in messages for meta in message.meta)
+        payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
-        offsets, data_bytes = _layout(message.meta)
+        offsets, data_bytes = _layout(metas)
         inline = self._device.type == "cpu"
         end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
         stream = torch.empty(end if inline else start, dtype=torch.uint8)
@@ -280,7 +291,7 @@ class Transport:
             data = stream[start:]
         else:
             data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
-        for tensor, meta, offset in zip(tensors, message.meta, offsets, strict=True):
+        for tensor, meta, offset in zip(tensors, metas, offsets, strict=True):
             if tensor.numel():
                 data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
         parts = [(stream[: min(end, self._first_bytes)], self._control, _TAG_HEADER)]
@@ -290,7 +301,7 @@ class Transport:
             parts.append((data, self._data, _TAG_TENSOR))
         with self._send_lock:
             works = [dist.isend(part, dst=dst, group=group, tag=tag) for part, group, tag in parts]
-            self._sending.put(_Sent(dst, message, works, [part for part, _, _ in parts]))
+            self._sending.put(_Sent(dst, messages[0], works, [part for part, _, _ in parts]))
 
     def _complete_sends(self) -> None:
         """Sender side's thread: wait for each send in order; a failed one fails the transport."""
@@ -315,15 +326,19 @@ class Transport:
 
     def request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
         """Send a request; its reply (matched by ``message.call_id``) resolves the future."""
-        pending = Pending(dst, message)
-        with self._pending_lock:
-            self._pending[message.call_id] = pending
+        pending = self.expect(dst, message)
         try:
             self.send(dst, message, tensors)
         except BaseException:
-            with self._pending_lock:
-                self._pending.pop(message.call_id, None)
+            self.forget(message.call_id)
             raise
+        return pending
+
+    def expect(self, dst: int, request: Message) -> Pending:
+        """The future reply to ``request`` (sent to ``dst`` now or later)."""
+        pending = Pending(dst, request)
+        with self._pending_lock:
+            self._pending[request.call_id] = pending
         return pending
 
     def forget(self, call_id: int) -> None:
@@ -336,21 +351,24 @@ class Transport:
     def _receive_loop(self) -> None:
         try:
             while self._stops < len(self.peers):
-                message, tensors = self._receive_one()
+                others = []
+                for message, tensors in self._receive_one():
+                    if message.kind == STOP:
+                        self._stops += 1
+                    elif message.kind in (REPLY, ERROR):
+                        with self._pending_lock:
+                            pending = self._pending.pop(message.call_id, None)
+                        if pending is not None:
+                            pending.resolve(message, tensors)
+                    else:
+                        others.append((message, tensors))
                 self.last_activity = time.monotonic()
-                if message.kind == STOP:
-                    self._stops += 1
-                elif message.kind in (REPLY, ERROR):
-                    with self._pending_lock:
-                        pending = self._pending.pop(message.call_id, None)
-                    if pending is not None:
-                        pending.resolve(message, tensors)
-                else:
-                    self._on_message(message, tensors)
+                if others:
+                    self._on_messages(others)
         except BaseException as exc:  # the process group broke: fail every waiter
             self._fail(exc)
 
-    def _receive_one(self) -> tuple[Message, list[torch.Tensor]]:
+    def _receive_one(self) -> list[tuple[Message, list[torch.Tensor]]]:
         first = self._received
         src = dist.recv(first, src=None, group=self._control, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
@@ -365,23 +383,26 @@ class Transport:
             stream[: self._first_bytes] = first
             dist.recv(stream[self._first_bytes :], src=src, group=self._control, tag=_TAG_OVERFLOW)
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
-        message: Message = pickle.loads(payload)
+        messages: list[Message] = pickle.loads(payload)
+        metas = tuple(meta for message in messages for meta in message.meta)
         if inline:
             data = stream[start:end]
         else:
             data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
             if data_bytes:
                 dist.recv(data, src=src, group=self._data, tag=_TAG_TENSOR)
-        offsets, _ = _layout(message.meta)
-        # Copies, not views of the buffer: views of one storage as several dtypes cannot be
-        # saved with torch.save, and a kept view would keep the whole message alive.
-        tensors = [
-            data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
-            if _nbytes(meta)
-            else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-            for meta, offset in zip(message.meta, offsets, strict=True)
-        ]
-        return message, tensors
+        offsets, _ = _layout(metas)
+        # Copies, not views of the buffer: it takes the next stream, views of one storage as
+        # several dtypes cannot be saved with torch.save, and a kept view would keep it alive.
+        tensors = iter(
+            [
+                data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
+                if _nbytes(meta)
+                else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                for meta, offset in zip(metas, offsets, strict=True)
+            ]
+        )
+        return [(message, [next(tensors) for _ in message.meta]) for message in messages]
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is not None:
@@ -392,7 +413,7 @@ class Transport:
             pending, self._pending = list(self._pending.values()), {}
         for future in pending:
             future.fail(error)
-        self._on_message(Message(FAILED, 0, self.rank, body=error), [])
+        self._on_messages([(Message(FAILED, 0, self.rank, body=error), [])])
 
     # --- shutdown ----------------------------------------------------------------------------
 
