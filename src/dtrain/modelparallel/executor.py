@@ -57,6 +57,11 @@ class Task:
     step: int = 0
     """The leader's step this work belongs to (sent with the task's requests)."""
     holding: bool = False
+    sticky: bool = False
+    """Holds the token between two computations: gives it up only to a more urgent task, or
+    when it waits for something."""
+    recording: bool = True
+    """The current holding period is computation (a timeline event), not the time between."""
     started: float = 0.0
     granted: threading.Event = field(default_factory=threading.Event, repr=False)
     """Set when the token is handed to this task: only the new holder wakes up."""
@@ -164,6 +169,7 @@ class Executor:
                     )
         with self._cv:
             task.holding = True
+            task.recording = True
             task.started = self._now()
             self._progress = time.monotonic()
 
@@ -171,21 +177,33 @@ class Executor:
         with self._cv:
             if self._holder is not task:
                 raise RuntimeError(f"{task.describe()} releases a compute token it does not hold")
-            if task.role != "main":
-                self._events.append(
-                    TimelineEvent(
-                        self.pp_rank,
-                        task.phase,
-                        task.microbatch,
-                        task.started,
-                        self._now(),
-                        task.name or f"{task.phase}{task.microbatch}",
-                    )
-                )
+            self._record(task)
             task.holding = False
+            task.sticky = False
             self._holder = None
             self._progress = time.monotonic()
             self._grant()
+
+    def _record(self, task: Task) -> None:
+        """The holder's computation up to now, as a timeline event."""
+        if task.role != "main" and task.recording:
+            self._events.append(
+                TimelineEvent(
+                    self.pp_rank,
+                    task.phase,
+                    task.microbatch,
+                    task.started,
+                    self._now(),
+                    task.name or f"{task.phase}{task.microbatch}",
+                )
+            )
+
+    def _yield_if_urgent(self, task: Task) -> None:
+        """A task holding the token between computations gives it to a more urgent waiter."""
+        with self._cv:
+            key = self._key(task)
+            if any(entry[0] < key for entry in self._waiting):
+                self.release(task)
 
     @property
     def last_progress(self) -> float:
@@ -235,30 +253,52 @@ class Executor:
         return task
 
     @contextmanager
-    def computing(self, task: Task) -> Iterator[Task]:
-        """Run the body as ``task`` on this thread, holding the token."""
+    def serving(self, task: Task) -> Iterator[Task]:
+        """Run served requests as ``task`` on this thread; it gives the token back at the end."""
         previous = getattr(self._local, "task", None)
         self._local.task = task
         try:
-            self.acquire(task)
-            try:
-                yield task
-            finally:
-                if task.holding:
-                    self.release(task)
+            yield task
         finally:
+            if task.holding:
+                self.release(task)
             self._local.task = previous
 
     @contextmanager
-    def computing_module(self, name: str) -> Iterator[None]:
-        """Hold the token for a call of an owned module, unless this task already holds it."""
+    def computing(self, name: str) -> Iterator[None]:
+        """Compute ``name`` (a module, or a served request) as the current task, with the token.
+
+        The task keeps the token afterwards (*sticky*) unless a more urgent task waits: its
+        next computation (the next module of the same forward, the next request of the same
+        stream) follows at once instead of queueing behind a less urgent microbatch, which
+        would only delay this one on its way through the pipeline. Code that already computes
+        (a module inside a module) runs as it is.
+        """
         task = self.current()
-        if task is None or task.holding:
+        if task is None or (task.holding and not task.sticky):
             yield
             return
-        self.flush(task)
-        with self._holding(task, name):
+        if task.outbox:
+            self.flush(task)
+        if task.holding:
+            self._yield_if_urgent(task)
+        task.name = name
+        if task.holding:
+            with self._cv:
+                task.started = self._now()
+                task.recording = True
+        else:
+            self.acquire(task)
+        task.sticky = False
+        try:
             yield
+        finally:
+            if task.holding:
+                with self._cv:
+                    self._record(task)
+                    task.recording = False
+                    task.sticky = True
+                self._yield_if_urgent(task)
 
     @contextmanager
     def _holding(self, task: Task, name: str) -> Iterator[None]:
@@ -273,16 +313,19 @@ class Executor:
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
-        """Give the token away while the current task waits for another rank."""
+        """Give the token away while the current task waits for another rank (or for another
+        task's result); a sticky holder does not take it back afterwards."""
         task = self.current()
         if task is None or not task.holding:
             yield
             return
+        sticky = task.sticky
         self.release(task)
         try:
             yield
         finally:
-            self.acquire(task)
+            if not sticky:
+                self.acquire(task)
 
     def spawn(self, target: Callable[[], None]) -> None:
         """Run a served task on a pooled thread."""

@@ -38,7 +38,7 @@ from dtrain.modelparallel.errors import (
     RemoteError,
     StepFailedError,
 )
-from dtrain.modelparallel.executor import Executor, Outcome, Task, effective_policy
+from dtrain.modelparallel.executor import Executor, Outcome, Phase, Task, effective_policy
 from dtrain.modelparallel.remote import (
     CallRecord,
     LeafId,
@@ -109,11 +109,6 @@ class _Served:
     inputs: list[torch.Tensor] = field(default_factory=list)
     """The tensors the caller sent, by index (the leaves of the chain's graph)."""
     error: BaseException | None = None
-
-
-def _run_all(jobs: list[Callable[[], None]]) -> None:
-    for job in jobs:
-        job()
 
 
 def _loss_gradient(
@@ -214,7 +209,7 @@ class PipelineRuntime:
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = materialize((args, kwargs))
-            with self.executor.computing_module(name):
+            with self.executor.computing(name):
                 return forward(*args, **kwargs)
 
         return guarded
@@ -425,7 +420,7 @@ class PipelineRuntime:
         Serving them in order cannot deadlock: a request can only depend on earlier ones (the
         caller sent it after them, never waiting in between).
         """
-        jobs: list[Callable[[], None]] = []
+        jobs: list[tuple[Phase, Callable[[], None]]] = []
         for message, tensors in messages:
             self._arrivals += 1
             arrival = self._arrivals
@@ -438,17 +433,27 @@ class PipelineRuntime:
                 )
                 with self._served_lock:
                     self._served[key] = entry
-                jobs.append(functools.partial(self._serve_forward, message, tensors, entry))
+                jobs.append(("F", functools.partial(self._serve_forward, message, tensors, entry)))
             elif message.kind == FETCH:
-                jobs.append(functools.partial(self._reply, message, self._serve_fetch, message))
+                serve = functools.partial(self._reply, message, self._serve_fetch, message)
+                jobs.append(("F", serve))
             elif message.kind == BACKWARD:
-                jobs.append(functools.partial(self._serve_backward, message, tensors))
+                jobs.append(("B", functools.partial(self._serve_backward, message, tensors)))
             else:
                 if not self.is_leader:
                     self.executor.reclaim_main()
                 self._inbox.put((message, tensors, arrival))
         if jobs:
-            self.executor.spawn(lambda: _run_all(jobs))
+            first = messages[0][0]
+            task = Task("serve", first.microbatch, step=first.step)
+            self.executor.spawn(functools.partial(self._serve_stream, task, jobs))
+
+    def _serve_stream(self, task: Task, jobs: list[tuple[Phase, Callable[[], None]]]) -> None:
+        """One stream's requests, in order, as one task (all of one microbatch)."""
+        with self.executor.serving(task):
+            for phase, job in jobs:
+                task.phase = phase
+                job()
 
     def _reply(
         self, request: Message, serve: Callable[..., tuple[Any, list[torch.Tensor]]], *args: Any
@@ -503,8 +508,9 @@ class PipelineRuntime:
         # Referenced outputs may still be computing: wait for them before taking the token.
         structure = map_leaves(message.body, lambda v: self._referenced(message.source, v, entry))
         args, kwargs = unflatten(structure, entry.inputs)
-        task = Task("serve", message.microbatch, "F", message.module, step=message.step)
-        with self.executor.computing(task):
+        task = self.executor.current()
+        assert task is not None
+        with self.executor.computing(message.module):
             with torch.set_grad_enabled(grad):
                 output = materialize(self._modules[message.module](*args, **kwargs))
             self.check_calls(task)
@@ -544,7 +550,10 @@ class PipelineRuntime:
     def _finished_entry(self, key: CallKey) -> _Served:
         """A served call once it has finished; raises if it failed or does not finish in time."""
         entry = self._served_entry(key, f"output of call #{key[1]}")
-        if not entry.done.wait(self.group.timeout):
+        if not entry.done.is_set():
+            with self.executor.waiting():  # it computes with the token
+                entry.done.wait(self.group.timeout)
+        if not entry.done.is_set():
             raise CommunicationTimeoutError(
                 f"rank {self.group.rank}: call #{key[1]} of module {entry.module!r} did not "
                 f"finish within {self.group.timeout:g} s"
@@ -572,12 +581,10 @@ class PipelineRuntime:
         return flatten(resolve_output(entry.output, path, entry.module))
 
     def _serve_backward(self, message: Message, tensors: list[torch.Tensor]) -> None:
-        task = Task("serve", message.microbatch, "B", message.module, step=message.step)
-
         def backward() -> tuple[Any, list[torch.Tensor]]:
-            # Without the token: a value fetched with its backward may still be computing.
+            # Before computing: a value fetched with its backward may still be computing.
             entry = self._finished_entry((message.source, message.body["call"]))
-            with self.executor.computing(task):
+            with self.executor.computing(message.module):
                 return self._compute_backward(message, tensors, entry)
 
         self._reply(message, backward)
