@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import namedtuple
 from typing import Any
 
@@ -302,3 +303,170 @@ def test_dict_outputs_cross_partitions_and_backward_takes_gradients() -> None:
         optimizer.step()
         expected.append(loss.item())
     assert leader == pytest.approx(expected, rel=1e-5)
+
+
+# --- messages per microbatch, failures of deferred calls, the sticky token --------------------
+
+
+class LossNet(nn.Module):
+    """Two stem modules on partition 0, then layers and a loss head on partition 1: the loss
+    the leader gets is deferred, so ``model.backward`` fetches it with its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def build() -> nn.ModuleDict:
+            return nn.ModuleDict(
+                {
+                    "stem_a": nn.Linear(WIDTH, WIDTH),
+                    "stem_b": nn.Linear(WIDTH, WIDTH),
+                    "layers": nn.ModuleList(
+                        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)
+                    ),
+                    "head": _LossHead(),
+                }
+            )
+
+        parts = seeded(0, build)
+        self.stem_a, self.stem_b = parts["stem_a"], parts["stem_b"]
+        self.layers, self.head = parts["layers"], parts["head"]
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = self.stem_b(torch.relu(self.stem_a(x)))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h, y)
+
+
+class _LossHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 2)
+
+    def forward(self, h: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self.proj(h), y)
+
+
+def _train_loss_net(pipeline: str) -> dict[str, Any]:
+    from dtrain.modelparallel import transport
+
+    streams: list[str] = []
+    send_all = transport.Transport.send_all
+
+    def counting(self: Any, dst: int, items: list[Any]) -> None:
+        streams.append("+".join(message.kind for message, _ in items))
+        send_all(self, dst, items)
+
+    transport.Transport.send_all = counting  # type: ignore[method-assign]
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": pipeline,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    module = LossNet()
+    for part in (*module.layers, module.head):
+        smp.set_partition(part, 1)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(STEPS):
+        streams.clear()  # keep the last step's: every call deferred by then
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, *_batch(step)).reduce_mean()))
+        optimizer.step()
+    return {"losses": losses, "streams": list(streams), "timeline": model.timeline()}
+
+
+def _reference_loss_net() -> list[float]:
+    model = LossNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(*_batch(step))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_a_remote_loss_costs_one_message_each_way_per_microbatch(pipeline: str) -> None:
+    leader, other = run_ranks(2, _train_loss_net, pipeline, timeout=120)
+    assert leader["losses"] == pytest.approx(_reference_loss_net(), rel=1e-5)
+    # The layers' and the head's calls go with the loss's backward request, in one message
+    # (simple: before the microbatch waits for the others' forwards, the backward after); the
+    # owner answers once (the loss, and the gradient of what the leader sent).
+    forwards = "+".join(["forward"] * (LAYERS + 1))
+    together = pipeline == "interleaved"
+    per_microbatch = [f"{forwards}+backward"] if together else [forwards, "backward"]
+    assert sorted(leader["streams"]) == sorted(["end_step"] + per_microbatch * 4)
+    assert other["streams"] == ["reply"] * 4
+    # The sticky token: a microbatch's two stem modules run back to back on the leader, unless
+    # a more urgent (lower) microbatch takes the token in between.
+    stems = [(e.name, e.microbatch) for e in leader["timeline"] if e.kind == "F"]
+    assert sorted(stems) == [(n, mb) for n in ("stem_a", "stem_b") for mb in range(4)]
+    for (name, mb), (next_name, next_mb) in itertools.pairwise(stems):
+        if name == "stem_a":
+            assert (next_name, next_mb) == ("stem_b", mb) or next_mb < mb, stems
+
+
+class _FailsLater(nn.Module):
+    """Returns its input times a weight on its first call; raises on its second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("the side branch broke on its second call")
+        return x * self.weight
+
+
+class SideNet(nn.Module):
+    """``side`` (partition 1) fails on its second call; ``use_side`` says if the loss uses it."""
+
+    def __init__(self, use_side: bool) -> None:
+        super().__init__()
+        self.use_side = use_side
+        self.main = nn.Linear(2, 1)
+        self.side = _FailsLater()
+
+    def forward(self, x: Tensor) -> Tensor:
+        side = self.side(x)
+        out = self.main(x).sum()
+        return out + side.sum() if self.use_side else out
+
+
+def _side_failure(use_side: bool) -> str:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    module = SideNet(use_side)
+    smp.set_partition(module.side, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        return model(x)
+
+    forward(model, torch.ones(1, 2))
+    try:
+        forward(model, torch.ones(1, 2))
+    except ModelParallelError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("use_side", [True, False])
+def test_a_failing_deferred_call_reports_its_own_error(use_side: bool) -> None:
+    """Used or not, a deferred call's failure comes back as its own error (not as the error of
+    a later request about its outputs); an unused one when its microbatch ends."""
+    leader, _ = run_ranks(2, _side_failure, use_side, timeout=60)
+    assert "ValueError" in leader and "broke on its second call" in leader, leader

@@ -1,15 +1,16 @@
 """Who computes next on a rank: one compute token, handed out by the pipeline schedule's priority.
 
 A pipeline stage is one worker, so a rank computes one task at a time. Tasks are threads: on the
-leader one per microbatch (the step body), on every rank one per served forward or backward
-request. A task holds the token while it computes and gives it back while it waits for a remote
+leader one per microbatch (the step body), on every rank one per stream of requests served
+(see :mod:`.runtime`). A task takes the token to compute (:meth:`Executor.computing`: a module
+this rank owns, a served request, a backward) and gives it back while it waits for a remote
 reply, so another task (another microbatch, or a nested request) can use the stage meanwhile.
 
-A microbatch task on the leader holds the token only inside :meth:`Executor.computing_module`
-(a call of a module this rank owns, entered from code that does not hold it: the root's own
-code, between calls) and for its backward. The root's code between module calls is glue: it
-mostly hands one remote call's outputs to the next, and must not wait behind another
-microbatch's computation, or the other ranks would idle meanwhile.
+Between two computations a task keeps the token (*sticky*) unless a more urgent task is
+waiting: the next module of the same microbatch follows at once. Handing the token to whichever
+task waits at every module boundary interleaved two microbatches module by module, which
+delayed both on their way to the next partition and left it idle. Before a task waits, or
+computes, the requests it queued are sent (``flush``), so nothing queued waits on it.
 
 Which waiting task gets the token is the schedule policy:
 
@@ -278,6 +279,20 @@ class Executor:
         if task is None or (task.holding and not task.sticky):
             yield
             return
+        self._take(task, name)
+        try:
+            yield
+        finally:
+            if task.holding:
+                with self._cv:
+                    self._record(task)
+                    task.recording = False
+                    task.sticky = True
+                self._yield_if_urgent(task)
+
+    def _take(self, task: Task, name: str) -> None:
+        """Hold the token to compute ``name``: kept from the task's last computation unless a
+        more urgent task waits, else queued for; what the task queued is sent first."""
         if task.outbox:
             self.flush(task)
         if task.holding:
@@ -290,26 +305,15 @@ class Executor:
         else:
             self.acquire(task)
         task.sticky = False
-        try:
-            yield
-        finally:
-            if task.holding:
-                with self._cv:
-                    self._record(task)
-                    task.recording = False
-                    task.sticky = True
-                self._yield_if_urgent(task)
 
-    @contextmanager
-    def _holding(self, task: Task, name: str) -> Iterator[None]:
-        """Compute as ``task`` (timeline name ``name``) from here to the end of the block."""
-        task.name = name
-        self.acquire(task)
-        try:
-            yield
-        finally:
-            if task.holding:
-                self.release(task)
+    def step_aside(self) -> None:
+        """The current task, holding the token between computations, is about to do other work
+        (send a reply): any waiting task may compute meanwhile."""
+        task = self.current()
+        if task is not None and task.holding and task.sticky:
+            with self._cv:
+                if self._waiting:
+                    self.release(task)
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -382,16 +386,18 @@ class Executor:
                 self._cv.notify_all()
 
     def start_backward(self) -> Task | None:
-        """A microbatch task turns to its backward: the policy's hold, without the token.
+        """A microbatch task turns to its backward: the policy's hold.
 
-        ``simple`` holds the task until every microbatch has finished its forward. Returns the
-        task (``None`` outside a microbatch task).
+        ``simple`` holds the task, without the token, until every microbatch has finished its
+        forward. ``interleaved`` lets a task keep a token it holds from its forward, so the
+        backward request goes out before the next microbatch computes. Returns the task
+        (``None`` outside a microbatch task).
         """
         task = self.current()
         step = self._leader_step
         if task is None or task.role != "leader" or step is None:
             return None
-        if task.holding:
+        if task.holding and not task.sticky:  # called inside a computation
             self.release(task)
         if task.phase == "F":
             with self._cv:
@@ -399,6 +405,8 @@ class Executor:
                 self._cv.notify_all()
             task.phase = "B"
             if self.policy == "simple":
+                if task.holding:
+                    self.release(task)
                 self.flush(task)
                 self._wait(
                     lambda: len(step.forward_done) == step.count,
@@ -414,9 +422,12 @@ class Executor:
         if task is None:
             yield
             return
-        self.flush(task)
-        with self._holding(task, ""):
+        self._take(task, "")
+        try:
             yield
+        finally:
+            if task.holding:
+                self.release(task)
 
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""

@@ -472,6 +472,7 @@ class PipelineRuntime:
 
     def _send_reply(self, request: Message, reply: Message, tensors: list[torch.Tensor]) -> None:
         assert self.transport is not None
+        self.executor.step_aside()
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the caller's wait says so
             self.transport.send(request.source, reply, tensors)
 
