@@ -2,17 +2,20 @@
 
 The leader (pp rank 0) runs the step body once per microbatch, each in its own task; calls to
 modules owned elsewhere become requests to their owners (:mod:`dtrain.modelparallel.remote`).
-Every rank serves the requests it receives in tasks of its own, so a module can call back into the
-caller's rank, and several microbatches are in flight on all partitions at once. The executor's
-compute token decides which task computes next (the pipeline schedule's policy). When the
-leader's microbatches are done it sends their results to the other ranks of the pipeline, which
-return them from the step too.
+A request nobody waits for yet (a deferred call) waits in its task's outbox and travels with the
+task's next request to the same owner, in one message. Every rank serves the requests it
+receives in tasks of its own (one per message, its requests in order), so a module can call
+back into the caller's rank, and several microbatches are in flight on all partitions at once.
+The executor's compute token decides which task computes next (the pipeline schedule's
+policy). When the leader's microbatches are done it sends their results to the other ranks of
+the pipeline, which return them from the step too.
 
 What an owner computed for a call stays with it (:class:`_Served`) until the call's microbatch
-ends: later calls may refer to its outputs, callers may fetch them, and backward starts from
-them. Calls linked by such references form a *chain* whose autograd graph lives on the owner;
-one backward runs through the whole chain, keeping the graph only when the chain has several
-fetched outputs (each may bring its own backward).
+ends (the leader's next request says so, or the step's end): later calls may refer to its
+outputs, callers may fetch them, and backward starts from them. Calls linked by such
+references form a *chain* whose autograd graph lives on the owner; one backward runs through the
+whole chain, keeping the graph only when the chain has several fetched outputs (each may bring
+its own backward).
 """
 
 from __future__ import annotations
