@@ -56,12 +56,17 @@ def _echo() -> list[Any]:
     if rank == 0:
         for count in (0, 1, len(_tensors())):
             sent = _tensors()[:count]
-            pending = transport.request(1, Message(FORWARD, count, body={"n": count}), sent)
+            request = Message(FORWARD, count, body={"n": count})
+            pending = transport.expect(1, request)
+            transport.send(1, request, sent)
             reply, tensors = pending.wait(30.0, rank)
             received.append((reply.body[0], tensors))
         grad = torch.randn(3, requires_grad=True)
         sent = [grad * 2, torch.ones(2), torch.arange(2)]
-        reply, _ = transport.request(1, Message(FORWARD, 99), sent).wait(30.0, rank)
+        request = Message(FORWARD, 99)
+        pending = transport.expect(1, request)
+        transport.send(1, request, sent)
+        reply, _ = pending.wait(30.0, rank)
         received.append(reply.body[1])
     dist.barrier()
     assert transport.close()

@@ -114,6 +114,13 @@ class _Served:
     error: BaseException | None = None
 
 
+def _dequeue(task: Task, dst: int) -> list[tuple[Message, list[torch.Tensor]]]:
+    """Take the requests ``task`` queued for global rank ``dst`` out of its outbox, in order."""
+    items = [(message, tensors) for peer, message, tensors in task.outbox if peer == dst]
+    task.outbox = [item for item in task.outbox if item[0] != dst]
+    return items
+
+
 def _loss_gradient(
     output: torch.Tensor, grad: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
@@ -272,8 +279,7 @@ class PipelineRuntime:
         task = self.executor.current()
         queued = []
         if task is not None and task.outbox:
-            queued = [(m, t) for d, m, t in task.outbox if d == dst]
-            task.outbox = [item for item in task.outbox if item[0] != dst]
+            queued = _dequeue(task, dst)
             self._flush(task)
         self._send_all(dst, [*queued, (message, tensors)])
         return pending
@@ -282,9 +288,7 @@ class PipelineRuntime:
         """Send the requests ``task`` queued, one stream per peer."""
         while task.outbox:
             dst = task.outbox[0][0]
-            items = [(m, t) for d, m, t in task.outbox if d == dst]
-            task.outbox = [item for item in task.outbox if item[0] != dst]
-            self._send_all(dst, items)
+            self._send_all(dst, _dequeue(task, dst))
 
     def _send_all(self, dst: int, items: list[tuple[Message, list[torch.Tensor]]]) -> None:
         """Send requests in one stream; the microbatches released since the last request to

@@ -324,18 +324,9 @@ class Transport:
                 self._fail(error)
                 return
 
-    def request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
-        """Send a request; its reply (matched by ``message.call_id``) resolves the future."""
-        pending = self.expect(dst, message)
-        try:
-            self.send(dst, message, tensors)
-        except BaseException:
-            self.forget(message.call_id)
-            raise
-        return pending
-
     def expect(self, dst: int, request: Message) -> Pending:
-        """The future reply to ``request`` (sent to ``dst`` now or later)."""
+        """The future reply to ``request`` (sent to ``dst`` now or later): its reply, matched by
+        ``request.call_id``, resolves it."""
         pending = Pending(dst, request)
         with self._pending_lock:
             self._pending[request.call_id] = pending
