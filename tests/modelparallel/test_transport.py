@@ -94,3 +94,42 @@ def test_structures_map_and_resolve() -> None:
         "b": None,
     }
     assert resolve(nested, ("a", 1, 0)) == 2
+
+
+def _repeated() -> list[Any]:
+    """Rank 0 sends two messages in one stream, both with the same mask and the same tensor
+    that needs a gradient; rank 1 says which of the tensors it got are one object."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
+    transport: Transport | None = None
+
+    def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
+        assert transport is not None
+        (first, (mask_a, hidden_a)), (second, (mask_b, hidden_b)) = messages
+        body = (mask_a is mask_b, hidden_a is hidden_b, torch.equal(mask_b, hidden_b.detach()))
+        transport.send(first.source, Message(REPLY, second.call_id, body=body), [])
+
+    transport = Transport(
+        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
+    )
+    body = None
+    if rank == 0:
+        mask = torch.randn(FIRST_SEND)  # larger than the first send: twice would overflow more
+        hidden = mask.clone().requires_grad_()
+        first, second = Message(FORWARD, 1), Message(FORWARD, 2)
+        pending = transport.expect(1, second)
+        transport.send_all(1, [(first, [mask, hidden]), (second, [mask, hidden])])
+        body, _ = pending.wait(30.0, rank)
+        body = body.body
+    dist.barrier()
+    assert transport.close()
+    dist.destroy_process_group()
+    return [body]
+
+
+def test_a_tensor_passed_twice_in_a_stream_travels_once() -> None:
+    """A tensor without gradient arrives as one object for both uses; one that needs a
+    gradient arrives once per use (each use is its own leaf on the receiver)."""
+    results, _ = run_ranks(2, _repeated, timeout=60)
+    assert results == [(True, False, True)]

@@ -4,7 +4,9 @@ What travels is one byte stream: two lengths, the pickled headers of one or more
 call id, module name, a Python structure whose tensors are replaced by :class:`TensorRef`
 placeholders, the tensors' shapes and dtypes), then every tensor's bytes, each 64-byte aligned.
 Several messages to one peer can go as one stream (:meth:`Transport.send_all`); the receiver
-handles them in order. One receiver thread per
+handles them in order. A tensor that needs no gradient and is passed more than once in a stream
+(a mask or a buffer given to several remote modules) travels once, and the receiver gets one
+tensor for all its uses, as the sender had. One receiver thread per
 rank keeps a receive from any source posted over a gloo group, into a buffer of
 ``FIRST_SEND_BYTES``; gloo accepts a send shorter than the receive, so a message up to that size
 is one send whatever its length. A longer one sends the rest in one more, from the now-known
@@ -13,7 +15,9 @@ backend (NCCL, where receiving from any source is not possible). Few sends matte
 start a send before the receiver has posted its receive, so a second part costs a round trip
 through the receiver thread, which has to wait for the GIL first. A send lock keeps one
 message's parts together; the receiver reads a whole message before the next, so parts never
-interleave.
+interleave. A stream's sends are waited for (and its buffers kept) until the next stream to the
+same peer is sent, or the transport closes: the receiver reposts its receive as soon as it has
+read a stream, so that wait rarely blocks, and no extra thread has to wake up for every send.
 
 Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
 timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
@@ -25,7 +29,6 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
-import queue
 import threading
 import time
 import traceback
@@ -81,22 +84,24 @@ class OutputRef:
 
 @dataclass(frozen=True)
 class _Sent:
-    """Messages on their way: their sends, and the buffers they read until they complete."""
+    """A stream on its way: its sends, and the buffers they read until they complete."""
 
     dst: int
     message: Message
-    """The first of them (named in errors)."""
+    """The stream's first message (named in errors)."""
     works: list[dist.Work]
     buffers: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What the receiver needs to allocate a tensor before receiving its data."""
+    """What the receiver needs to rebuild a tensor from its stream's bytes."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    slot: int = 0
+    """Which of the stream's distinct tensors this is: a tensor passed twice has one slot."""
 
 
 @dataclass
@@ -236,16 +241,13 @@ class Transport:
         self._received = torch.empty(first_send_bytes, dtype=torch.uint8)
         """Where every message's first part lands (its tensors are copied out before the next)."""
         self._send_lock = threading.Lock()
+        self._unfinished: dict[int, _Sent] = {}
+        """The last stream sent to each peer, until its sends are known to be complete."""
         self._pending: dict[int, Pending] = {}
         self._pending_lock = threading.Lock()
         self._ids: Iterator[int] = itertools.count(1)
         self._failure: BaseException | None = None
         self._stops = 0
-        self._sending: queue.SimpleQueue[_Sent | None] = queue.SimpleQueue()
-        self._completer = threading.Thread(
-            target=self._complete_sends, name=f"dtrain-mp-sender-{rank}", daemon=True
-        )
-        self._completer.start()
         self._thread = threading.Thread(
             target=self._receive_loop, name=f"dtrain-mp-receiver-{rank}", daemon=True
         )
@@ -265,17 +267,25 @@ class Transport:
         if self._failure is not None:
             raise ModelParallelError(f"rank {self.rank}: transport failed: {self._failure}")
         messages = [message for message, _ in items]
-        tensors = [tensor for _, sent in items for tensor in sent]
+        distinct: list[torch.Tensor] = []
+        metas: list[TensorMeta] = []
+        slots: dict[int, int] = {}  # id of a tensor without gradient → its slot
         for message, sent in items:
             message.source = self.rank
-            message.meta = tuple(
-                TensorMeta(tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point())
-                for t in sent
-            )
-        metas = tuple(meta for message in messages for meta in message.meta)
+            first = len(metas)
+            for tensor in sent:
+                grad = tensor.requires_grad and tensor.is_floating_point()
+                slot = -1 if grad else slots.get(id(tensor), -1)
+                if slot < 0:
+                    slot = len(distinct)
+                    distinct.append(tensor)
+                    if not grad:
+                        slots[id(tensor)] = slot
+                metas.append(TensorMeta(tuple(tensor.shape), tensor.dtype, grad, slot))
+            message.meta = tuple(metas[first:])
         payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
-        offsets, data_bytes = _layout(metas)
+        offsets, data_bytes = _layout(_distinct(metas))
         inline = self._device.type == "cpu"
         end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
         stream = torch.empty(end if inline else start, dtype=torch.uint8)
@@ -291,38 +301,38 @@ class Transport:
             data = stream[start:]
         else:
             data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
-        for tensor, meta, offset in zip(tensors, metas, offsets, strict=True):
+        for tensor, offset in zip(distinct, offsets, strict=True):
             if tensor.numel():
-                data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
+                size = tensor.numel() * tensor.element_size()
+                data[offset : offset + size].copy_(_as_bytes(tensor))
         parts = [(stream[: min(end, self._first_bytes)], self._control, _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], self._control, _TAG_OVERFLOW))
         if not inline and data_bytes:
             parts.append((data, self._data, _TAG_TENSOR))
         with self._send_lock:
+            previous = self._unfinished.pop(dst, None)
+            if previous is not None:
+                self._finish(previous)
             works = [dist.isend(part, dst=dst, group=group, tag=tag) for part, group, tag in parts]
-            self._sending.put(_Sent(dst, messages[0], works, [part for part, _, _ in parts]))
+            self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _, _ in parts])
 
-    def _complete_sends(self) -> None:
-        """Sender side's thread: wait for each send in order; a failed one fails the transport."""
-        while True:
-            sent = self._sending.get()
-            if sent is None:
-                return
-            for work in sent.works:
-                what = f"{sent.message.describe()} to rank {sent.dst}"
-                try:
-                    finished = work.wait(timedelta(seconds=self.timeout))
-                except RuntimeError as exc:
-                    error: BaseException = ModelParallelError(f"sending {what} failed: {exc}")
-                else:
-                    if finished is not False:
-                        continue
-                    error = CommunicationTimeoutError(
-                        f"sending {what}: not taken within {self.timeout:g} s"
-                    )
-                self._fail(error)
-                return
+    def _finish(self, sent: _Sent) -> None:
+        """Wait for a stream's sends; a failed or overdue one fails the transport (and raises)."""
+        what = f"{sent.message.describe()} to rank {sent.dst}"
+        for work in sent.works:
+            try:
+                finished = work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                error: BaseException = ModelParallelError(f"sending {what} failed: {exc}")
+            else:
+                if finished is not False:
+                    continue
+                error = CommunicationTimeoutError(
+                    f"sending {what}: not taken within {self.timeout:g} s"
+                )
+            self._fail(error)
+            raise error
 
     def expect(self, dst: int, request: Message) -> Pending:
         """The future reply to ``request`` (sent to ``dst`` now or later): its reply, matched by
@@ -375,7 +385,7 @@ class Transport:
             dist.recv(stream[self._first_bytes :], src=src, group=self._control, tag=_TAG_OVERFLOW)
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
         messages: list[Message] = pickle.loads(payload)
-        metas = tuple(meta for message in messages for meta in message.meta)
+        metas = _distinct([meta for message in messages for meta in message.meta])
         if inline:
             data = stream[start:end]
         else:
@@ -385,15 +395,13 @@ class Transport:
         offsets, _ = _layout(metas)
         # Copies, not views of the buffer: it takes the next stream, views of one storage as
         # several dtypes cannot be saved with torch.save, and a kept view would keep it alive.
-        tensors = iter(
-            [
-                data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
-                if _nbytes(meta)
-                else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-                for meta, offset in zip(metas, offsets, strict=True)
-            ]
-        )
-        return [(message, [next(tensors) for _ in message.meta]) for message in messages]
+        distinct = [
+            data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
+            if _nbytes(meta)
+            else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            for meta, offset in zip(metas, offsets, strict=True)
+        ]
+        return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is not None:
@@ -415,13 +423,15 @@ class Transport:
         """
         timeout = self.timeout if timeout is None else timeout
         if self._failure is None:
-            for peer in self.peers:
-                try:
+            try:
+                for peer in self.peers:
                     self.send(peer, Message(STOP, 0))
-                except ModelParallelError:
-                    break  # the peer is gone; its stop will not come either
-        self._sending.put(None)
-        self._completer.join(timeout)
+                with self._send_lock:
+                    unfinished, self._unfinished = list(self._unfinished.values()), {}
+                for sent in unfinished:
+                    self._finish(sent)
+            except ModelParallelError:
+                pass  # a peer is gone; its stop will not come either
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -439,7 +449,16 @@ def _nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * meta.dtype.itemsize
 
 
-def _layout(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
+def _distinct(metas: list[TensorMeta]) -> list[TensorMeta]:
+    """The metas of a stream's distinct tensors, in slot order (each slot's first use)."""
+    distinct: list[TensorMeta] = []
+    for meta in metas:
+        if meta.slot == len(distinct):
+            distinct.append(meta)
+    return distinct
+
+
+def _layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     """Each tensor's byte offset in a message's data, and the data's length."""
     offsets, end = [], 0
     for meta in metas:
