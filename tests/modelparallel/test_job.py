@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,49 @@ def test_smp_script_trains_as_a_two_host_hybrid_job(dtrain_home: Path, tmp_path:
         tar.extract("model.pt", tmp_path, filter="data")
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert any(name.startswith("blocks.3.") for name in state)  # gathered from partition 1
+
+
+FAILING_SCRIPT = """
+import torch
+import smdistributed.modelparallel.torch as smp
+
+smp.init({"partitions": 2, "microbatches": 2})
+first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+smp.set_partition(second, 1)
+model = smp.DistributedModel(torch.nn.Sequential(first, second))
+
+@smp.step
+def train_step(model, x):
+    loss = model(x).sum()
+    model.backward(loss)
+    return loss
+
+train_step(model, torch.ones(4, 4))
+if smp.rank() == 0:
+    raise RuntimeError("the leader gives up after its first step")
+train_step(model, torch.ones(4, 4))  # the other rank waits in its second step
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dying_of_an_exception_ends_the_job_without_waiting_for_its_peers(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    """A script that ends normally stops with its peers at exit (train_smp.py above never calls
+    smp.shutdown()); one that dies of an exception must not wait for them: they may be inside a
+    step, waiting for it."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "fail.py").write_text(FAILING_SCRIPT)
+    start = time.monotonic()
+    result = dtrain(
+        "run", "fail.py", "--source-dir", str(source), "--job-name", "smp-dies",
+        "--processes-per-host", "2", "--instance-type", "local_cpu",
+        "--output-path", str(tmp_path / "out"), home=dtrain_home, timeout=110,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "the leader gives up after its first step" in result.stdout + result.stderr
+    assert "rank 0" in result.stdout + result.stderr
+    assert elapsed < 40, elapsed  # the exit wait for peers is 60 s
+    assert processes_of_job("smp-dies") == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import namedtuple
 from typing import Any
 
@@ -470,3 +471,65 @@ def test_a_failing_deferred_call_reports_its_own_error(use_side: bool) -> None:
     a later request about its outputs); an unused one when its microbatch ends."""
     leader, _ = run_ranks(2, _side_failure, use_side, timeout=60)
     assert "ValueError" in leader and "broke on its second call" in leader, leader
+
+
+class _Middle(nn.Module):
+    """On partition 2; calls ``inner``, which is on partition 1 (a nested remote call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.inner(x)))
+
+
+class NestedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = seeded(0, lambda: nn.Linear(WIDTH, WIDTH))
+        self.middle = seeded(1, _Middle)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.middle(torch.relu(self.first(x)))
+
+
+def _train_nested_with_a_late_step_end() -> list[float]:
+    """Partition 1 handles the leader's step ends late: partition 2's requests of the next step
+    reach it first (messages from different peers are not ordered)."""
+    from dtrain.modelparallel.runtime import PipelineRuntime
+
+    smp.init({"pipeline_parallel_degree": 3, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    if smp.pp_rank() == 1:
+        end_of_step = PipelineRuntime._end_of_step
+
+        def late(runtime: PipelineRuntime, step: int) -> Any:
+            time.sleep(0.5)
+            return end_of_step(runtime, step)
+
+        PipelineRuntime._end_of_step = late  # type: ignore[method-assign]
+    module = NestedNet()
+    smp.set_partition(module.middle, 2)
+    smp.set_partition(module.middle.inner, 1)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    return train_steps(model, optimizer, (_batch(step) for step in range(3)), F.cross_entropy)
+
+
+def test_a_request_of_the_next_step_waits_for_the_end_of_the_current_one() -> None:
+    """Served before partition 1 had run its optimizer step, the nested call would use stale
+    weights and the losses would drift from single-process training."""
+    leader, _, _ = run_ranks(3, _train_nested_with_a_late_step_end, timeout=120)
+    model = NestedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for step in range(3):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert leader == pytest.approx(expected, rel=1e-5)

@@ -20,6 +20,7 @@ its own backward).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import queue
@@ -75,6 +76,8 @@ from dtrain.modelparallel.transport import (
 )
 
 _POLL_S = 0.5
+_EXIT_WAIT_S = 60.0
+"""Longest a rank that reaches the end of its script waits for its peers to reach theirs."""
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 """Python hands the GIL to a waiting thread after this long (default 5 ms). A rank's receiver
@@ -104,8 +107,6 @@ class _Served:
     module: str
     step: int
     microbatch: int
-    arrival: int
-    """Receive order of the request: tells which step it belongs to (see ``_forget_served``)."""
     chain: _Chain
     done: threading.Event = field(default_factory=threading.Event)
     output: Any = None
@@ -172,8 +173,12 @@ class PipelineRuntime:
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
         self._defer = defer_enabled()
-        self._inbox: queue.Queue[tuple[Message, list[torch.Tensor], int]] = queue.Queue()
-        self._arrivals = 0
+        self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
+        self._order_lock = threading.Lock()
+        self._ended = 0
+        """The last of the leader's steps whose end this rank has received."""
+        self._early: list[list[tuple[Message, list[torch.Tensor]]]] = []
+        """Request streams of a step that began here before the previous one ended."""
         self._steps = 0
         self.transport: Transport | None = None
         if len(group.ranks) > 1:
@@ -188,6 +193,7 @@ class PipelineRuntime:
                 group.timeout,
                 self._on_messages,
             )
+            atexit.register(self._close_at_exit)
         for name, module in modules.items():
             if owners[name] != group.pp_rank:
                 install_stub(module, self._stub(name))
@@ -421,23 +427,28 @@ class PipelineRuntime:
     # --- serving calls from other ranks ------------------------------------------------------
 
     def _on_messages(self, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
-        """Receiver thread: the requests of one stream (one caller's, in its order) are served
-        one after the other by one task; step ends and failures go to the inbox.
+        """A receiver thread (one per peer): the requests of one stream (one caller's, in its
+        order) are served one after the other by one task; step ends and failures go to the inbox.
 
         Serving them in order cannot deadlock: a request can only depend on earlier ones (the
-        caller sent it after them, never waiting in between).
+        caller sent it after them, never waiting in between). Messages from different peers are
+        not ordered with each other: a request of the leader's next step that another rank sent
+        before this rank got the end of the current step waits for that end, so that this rank
+        finishes its own work of the step (e.g. ``optimizer.step()``) first.
         """
+        first = messages[0][0]
+        if not self.is_leader and first.kind in (FORWARD, FETCH, BACKWARD):
+            with self._order_lock:
+                if first.step > self._ended + 1:
+                    self._early.append(messages)
+                    return
         jobs: list[tuple[Phase, Callable[[], None]]] = []
         for message, tensors in messages:
-            self._arrivals += 1
-            arrival = self._arrivals
             for step, microbatch in message.extra.get("released", ()):
                 self._forget_microbatch(step, microbatch)
             if message.kind == FORWARD:
                 key = (message.source, message.call_id)
-                entry = _Served(
-                    message.module, message.step, message.microbatch, arrival, _Chain([key])
-                )
+                entry = _Served(message.module, message.step, message.microbatch, _Chain([key]))
                 with self._served_lock:
                     self._served[key] = entry
                 jobs.append(("F", functools.partial(self._serve_forward, message, tensors, entry)))
@@ -446,14 +457,28 @@ class PipelineRuntime:
                 jobs.append(("F", serve))
             elif message.kind == BACKWARD:
                 jobs.append(("B", functools.partial(self._serve_backward, message, tensors)))
+            elif message.kind == END_STEP and not self.is_leader:
+                due = self._end_of_step(message.call_id)
+                self._inbox.put((message, tensors))
+                for stream in due:
+                    self._on_messages(stream)
             else:
                 if not self.is_leader:
                     self.executor.reclaim_main()
-                self._inbox.put((message, tensors, arrival))
+                self._inbox.put((message, tensors))
         if jobs:
-            first = messages[0][0]
             task = Task("serve", first.microbatch, step=first.step)
             self.executor.spawn(functools.partial(self._serve_stream, task, jobs))
+
+    def _end_of_step(self, step: int) -> list[list[tuple[Message, list[torch.Tensor]]]]:
+        """The leader ended ``step``: the main task gets the token before any request of the
+        next step; returns the next step's requests that came early, to be served now."""
+        with self._order_lock:
+            self.executor.reclaim_main()
+            self._ended = step
+            due = [stream for stream in self._early if stream[0][0].step <= step + 1]
+            self._early = [stream for stream in self._early if stream[0][0].step > step + 1]
+        return due
 
     def _serve_stream(self, task: Task, jobs: list[tuple[Phase, Callable[[], None]]]) -> None:
         """One stream's requests, in order, as one task (all of one microbatch)."""
@@ -674,8 +699,8 @@ class PipelineRuntime:
                 self._forget_served(None)
             self._announce(outcomes)
             return outcomes
-        outcomes, arrival = self._await_step_end()
-        self._forget_served(arrival)
+        outcomes, ended = self._await_step_end()
+        self._forget_served(ended)
         return outcomes
 
     def _run_microbatch(self, body: Callable[[int], Any], microbatch: int) -> Any:
@@ -701,18 +726,16 @@ class PipelineRuntime:
             for peer in self.transport.peers:
                 self._releases.setdefault(peer, []).append((step, microbatch))
 
-    def _forget_served(self, before: int | None) -> None:
-        """Drop kept forwards whose backward never came (evaluation, unused outputs).
-
-        On the leader nothing else is running once its microbatches are done. Another rank may
-        already serve the leader's next step when it gets the end of this one, so it drops only
-        the requests that arrived before that end (the leader sends them in order).
-        """
+    def _forget_served(self, step: int | None) -> None:
+        """Drop kept forwards whose backward never came (evaluation, unused outputs): all of them
+        on the leader, where nothing else runs once its microbatches are done; on another rank
+        those of the leader's steps up to ``step``, which has just ended (the rank may already
+        serve the next one)."""
         with self._served_lock:
-            if before is None:
+            if step is None:
                 self._served.clear()
             else:
-                for key in [k for k, v in self._served.items() if v.arrival < before]:
+                for key in [k for k, v in self._served.items() if v.step <= step]:
                     del self._served[key]
 
     def abort_step(self, error: BaseException) -> None:
@@ -734,6 +757,7 @@ class PipelineRuntime:
             self.transport.send(peer, Message(END_STEP, self._steps, body=structure), tensors)
 
     def _await_step_end(self) -> tuple[list[Outcome], int]:
+        """The outcomes the leader announces at the end of its step, and that step's number."""
         assert self.transport is not None
         leader = self.group.ranks[0]
         executor = self.executor
@@ -741,7 +765,7 @@ class PipelineRuntime:
         try:
             while True:
                 try:
-                    message, tensors, arrival = self._inbox.get(timeout=_POLL_S)
+                    message, tensors = self._inbox.get(timeout=_POLL_S)
                     break
                 except queue.Empty:
                     idle = time.monotonic() - max(
@@ -765,13 +789,27 @@ class PipelineRuntime:
                     value.rank, value.exc_type, value.message, value.remote_traceback
                 )
             outcomes.append((ok, value))
-        return outcomes, arrival
+        return outcomes, message.call_id
 
     # --- teardown ----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop serving (every rank of the pipeline calls this) and restore the modules."""
+    def _close_at_exit(self) -> None:
+        """A script that ends without ``smp.shutdown()``: stop together with the peers.
+
+        Otherwise a receiver still waiting on its peer gets the peer's exit as an error while
+        the interpreter finalizes, and its thread aborts the process on its way back into
+        Python. Not after an uncaught exception: the peers may be waiting inside a step, and the
+        launcher ends the job on this rank's exit, which must not wait for them.
+        """
+        if hasattr(sys, "last_value") or hasattr(sys, "last_exc"):
+            return
+        self.close(min(self.group.timeout, _EXIT_WAIT_S))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop serving (every rank of the pipeline calls this, or exits) and restore the
+        modules."""
         if self.transport is not None:
-            self.transport.close()
+            atexit.unregister(self._close_at_exit)
+            self.transport.close(timeout)
         for module in self._modules.values():
             remove_stub(module)

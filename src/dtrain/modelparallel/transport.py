@@ -6,22 +6,29 @@ placeholders, the tensors' shapes and dtypes), then every tensor's bytes, each 6
 Several messages to one peer can go as one stream (:meth:`Transport.send_all`); the receiver
 handles them in order. A tensor that needs no gradient and is passed more than once in a stream
 (a mask or a buffer given to several remote modules) travels once, and the receiver gets one
-tensor for all its uses, as the sender had. One receiver thread per
-rank keeps a receive from any source posted over a gloo group, into a buffer of
-``FIRST_SEND_BYTES``; gloo accepts a send shorter than the receive, so a message up to that size
-is one send whatever its length. A longer one sends the rest in one more, from the now-known
-source. On a GPU the tensors' bytes travel instead as one buffer over a group of the job's
-backend (NCCL, where receiving from any source is not possible). Few sends matter: gloo does not
-start a send before the receiver has posted its receive, so a second part costs a round trip
-through the receiver thread, which has to wait for the GIL first. A send lock keeps one
-message's parts together; the receiver reads a whole message before the next, so parts never
-interleave. A stream's sends are waited for (and its buffers kept) until the next stream to the
-same peer is sent, or the transport closes: the receiver reposts its receive as soon as it has
-read a stream, so that wait rarely blocks, and no extra thread has to wake up for every send.
+tensor for all its uses, as the sender had.
+
+One receiver thread per peer keeps a receive from that peer posted over a gloo group, into a
+buffer of ``FIRST_SEND_BYTES``; gloo accepts a send shorter than the receive, so a message up to
+that size is one send whatever its length. A longer one sends the rest in one more. A receive
+that names its source lets gloo tell the sender in advance, whose send then writes the bytes at
+once; a receive from any source made every message wait for a round trip between the two
+ranks' gloo threads first (measured: the first message of a step reached the last stage
+0.3–4.5 ms after it was sent, then 0.02–0.2 ms). Messages from one peer are handled in order;
+messages from different peers are not ordered with each other. On a GPU the tensors' bytes
+travel instead as one buffer over a group of the job's backend (NCCL). Few sends matter: gloo
+does not start a send before the receiver has posted its receive, so a second part costs a
+round trip through the receiver thread, which has to wait for the GIL first.
+
+A send lock keeps one message's parts together; the receiver reads a whole message before the
+next, so parts never interleave. A stream's sends are waited for (and its buffers kept) until
+the next stream to the same peer is sent, or the transport closes: the receiver reposts its
+receive as soon as it has read a stream, so that wait rarely blocks, and no extra thread has to
+wake up for every send.
 
 Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
 timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
-and joins the receiver once it has a stop from each of them.
+and joins each receiver once it has its peer's stop.
 """
 
 from __future__ import annotations
@@ -238,8 +245,6 @@ class Transport:
         self._on_messages = on_messages
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
-        self._received = torch.empty(first_send_bytes, dtype=torch.uint8)
-        """Where every message's first part lands (its tensors are copied out before the next)."""
         self._send_lock = threading.Lock()
         self._unfinished: dict[int, _Sent] = {}
         """The last stream sent to each peer, until its sends are known to be complete."""
@@ -247,11 +252,17 @@ class Transport:
         self._pending_lock = threading.Lock()
         self._ids: Iterator[int] = itertools.count(1)
         self._failure: BaseException | None = None
-        self._stops = 0
-        self._thread = threading.Thread(
-            target=self._receive_loop, name=f"dtrain-mp-receiver-{rank}", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._receive_loop,
+                args=(peer,),
+                name=f"dtrain-mp-receiver-{rank}-from-{peer}",
+                daemon=True,
+            )
+            for peer in self.peers
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # --- sending -----------------------------------------------------------------------------
 
@@ -349,13 +360,17 @@ class Transport:
 
     # --- receiving ---------------------------------------------------------------------------
 
-    def _receive_loop(self) -> None:
+    def _receive_loop(self, peer: int) -> None:
+        """One peer's messages, until its stop. Every message's first part lands in one buffer
+        (its tensors are copied out before the next)."""
+        buffer = torch.empty(self._first_bytes, dtype=torch.uint8)
         try:
-            while self._stops < len(self.peers):
+            stopped = False
+            while not stopped:
                 others = []
-                for message, tensors in self._receive_one():
+                for message, tensors in self._receive_one(peer, buffer):
                     if message.kind == STOP:
-                        self._stops += 1
+                        stopped = True
                     elif message.kind in (REPLY, ERROR):
                         with self._pending_lock:
                             pending = self._pending.pop(message.call_id, None)
@@ -369,9 +384,10 @@ class Transport:
         except BaseException as exc:  # the process group broke: fail every waiter
             self._fail(exc)
 
-    def _receive_one(self) -> list[tuple[Message, list[torch.Tensor]]]:
-        first = self._received
-        src = dist.recv(first, src=None, group=self._control, tag=_TAG_HEADER)
+    def _receive_one(
+        self, src: int, first: torch.Tensor
+    ) -> list[tuple[Message, list[torch.Tensor]]]:
+        dist.recv(first, src=src, group=self._control, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
         length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
         data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
@@ -404,12 +420,12 @@ class Transport:
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
 
     def _fail(self, exc: BaseException) -> None:
-        if self._failure is not None:
-            return
-        self._failure = exc
-        error = ModelParallelError(f"rank {self.rank}: the pipeline's messaging failed: {exc}")
         with self._pending_lock:
+            if self._failure is not None:
+                return
+            self._failure = exc
             pending, self._pending = list(self._pending.values()), {}
+        error = ModelParallelError(f"rank {self.rank}: the pipeline's messaging failed: {exc}")
         for future in pending:
             future.fail(error)
         self._on_messages([(Message(FAILED, 0, self.rank, body=error), [])])
@@ -417,9 +433,9 @@ class Transport:
     # --- shutdown ----------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> bool:
-        """Tell every peer we stop, wait for theirs; False if the receiver did not end in time.
+        """Tell every peer we stop, wait for theirs; False if a receiver did not end in time.
 
-        Every rank of the pipeline group must call this (the receiver ends on its peers' stops).
+        Every rank of the pipeline group must call this (a receiver ends on its peer's stop).
         """
         timeout = self.timeout if timeout is None else timeout
         if self._failure is None:
@@ -432,8 +448,10 @@ class Transport:
                     self._finish(sent)
             except ModelParallelError:
                 pass  # a peer is gone; its stop will not come either
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
