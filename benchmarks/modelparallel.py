@@ -4,8 +4,9 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 
 * ``pipeline``: the 4-layer transformer LM of the data-parallel benchmark, 2 partitions
   (embeddings + 2 blocks | 2 blocks + head), global batch 16 in 8 microbatches, AdamW, gloo,
-  one thread per rank. In one 2-process world, rounds alternate dtrain (``interleaved``) and
-  ``Schedule1F1B`` on the same split. Each rank also times its stage alone (the same
+  one thread per rank. In one 2-process world, dtrain (``interleaved``) and ``Schedule1F1B`` on
+  the same split take turns step by step; the ratio is of the median steps, and the median of
+  each step pair's ratio is shown too. Each rank also times its stage alone (the same
   microbatches, forward + backward, then its optimizer step), which gives the ideal pipelined
   step ``max over stages of compute × (m + p − 1) / m + optimizer``.
 * ``unbalanced``: an 8-layer LM with a large vocabulary (a heavy head), auto-partition against
@@ -65,15 +66,33 @@ def slowest(seconds: float) -> float:
     return float(value)
 
 
-def timed_steps(step: Callable[[int], None], count: int, warmup: int) -> list[float]:
+def timed_steps(
+    step: Callable[[int], None], count: int, warmup: int, start: int = 0
+) -> list[float]:
+    """Each step's time on the slowest rank (``step`` gets the step's index from ``start``)."""
     times = []
-    for index in range(warmup + count):
+    for index in range(start, start + warmup + count):
         dist.barrier()
-        start = time.perf_counter()
+        began = time.perf_counter()
         step(index)
-        elapsed = slowest(time.perf_counter() - start)
-        if index >= warmup:
+        elapsed = slowest(time.perf_counter() - began)
+        if index >= start + warmup:
             times.append(elapsed)
+    return times
+
+
+def alternated_steps(
+    first: Callable[[int], None], second: Callable[[int], None], count: int, warmup: int
+) -> tuple[list[float], list[float]]:
+    """Step times of two variants taking turns step by step (which goes first alternates too),
+    so that the machine's drift, often 20% within a minute here, hits both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for index in range(warmup + count):
+        order = (0, 1) if index % 2 == 0 else (1, 0)
+        for which in order:
+            elapsed = timed_steps((first, second)[which], 1, 0, start=index)[0]
+            if index >= warmup:
+                times[which].append(elapsed)
     return times
 
 
@@ -189,8 +208,11 @@ def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any
     theirs: list[float] = []
     alone: list[tuple[float, float]] = []
     for _ in range(args.repeats):
-        ours += timed_steps(lambda i: ours_step(i, data), args.steps, args.warmup)
-        theirs += timed_steps(theirs_step, args.steps, args.warmup)
+        mine, other = alternated_steps(
+            lambda i: ours_step(i, data), theirs_step, args.steps, args.warmup
+        )
+        ours += mine
+        theirs += other
         dist.barrier()
         alone.append(stage_alone())
     compute = statistics.median(c for c, _ in alone)
@@ -207,12 +229,14 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     raw = spawn(pipeline_worker, STAGES, args)
     m = args.microbatches
     ours, theirs = statistics.median(raw["ours"]), statistics.median(raw["theirs"])
+    pairs = [a / b for a, b in zip(raw["ours"], raw["theirs"], strict=True)]
     ideal = max(c * (m + STAGES - 1) / m + o for c, o in raw["stages"])
     return {
         "microbatches": m,
         "dtrain_interleaved_ms": ours * 1e3,
         "torch_1f1b_ms": theirs * 1e3,
         "ratio_dtrain_over_torch": ours / theirs,
+        "median_step_pair_ratio": statistics.median(pairs),
         "stage_compute_ms": [c * 1e3 for c, _ in raw["stages"]],
         "stage_optimizer_ms": [o * 1e3 for _, o in raw["stages"]],
         "ideal_ms": ideal * 1e3,
@@ -319,6 +343,7 @@ def pipeline_table(r: dict[str, Any]) -> str:
             f"  dtrain interleaved   {r['dtrain_interleaved_ms']:8.1f} ms",
             f"  torch Schedule1F1B   {r['torch_1f1b_ms']:8.1f} ms",
             f"  ratio dtrain/torch   {r['ratio_dtrain_over_torch']:8.3f}   (target <= 1.0)",
+            f"  per step pair, median{r['median_step_pair_ratio']:8.3f}",
             f"  ideal (stages alone) {r['ideal_ms']:8.1f} ms",
             f"  dtrain/ideal         {r['dtrain_over_ideal']:8.3f}   (target <= 1.10)",
             f"  torch/ideal          {r['torch_over_ideal']:8.3f}",
