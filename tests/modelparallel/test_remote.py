@@ -191,11 +191,12 @@ def _train_chain() -> dict[str, Any]:
     return {"losses": losses, "params": model.state_dict(), "timeline": model.timeline()}
 
 
-def _reference() -> list[float]:
-    model = ChainNet()
+def _reference(model: nn.Module | None = None, steps: int = STEPS) -> list[float]:
+    """Single-process losses of ``model`` (a ChainNet by default) on the same batches."""
+    model = ChainNet() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -522,14 +523,4 @@ def test_a_request_of_the_next_step_waits_for_the_end_of_the_current_one() -> No
     """Served before partition 1 had run its optimizer step, the nested call would use stale
     weights and the losses would drift from single-process training."""
     leader, _, _ = run_ranks(3, _train_nested_with_a_late_step_end, timeout=120)
-    model = NestedNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = []
-    for step in range(3):
-        x, y = _batch(step)
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
-    assert leader == pytest.approx(expected, rel=1e-5)
+    assert leader == pytest.approx(_reference(NestedNet(), steps=3), rel=1e-5)

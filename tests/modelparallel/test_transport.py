@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,22 +37,33 @@ def _tensors() -> list[torch.Tensor]:
     ]
 
 
-def _echo() -> list[Any]:
+Handler = Callable[[Transport, list[tuple[Message, list[torch.Tensor]]]], None]
+
+
+def _start(handle: Handler) -> tuple[int, Transport]:
+    """This rank and its transport in a world of two; ``handle`` gets the messages."""
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
     transport: Transport | None = None
 
     def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
         assert transport is not None
+        handle(transport, messages)
+
+    transport = Transport(
+        dist.get_rank(), [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
+    )
+    return dist.get_rank(), transport
+
+
+def _echo() -> list[Any]:
+    def handle(transport: Transport, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
         for message, tensors in messages:
             flags = [meta.requires_grad for meta in message.meta]
             reply = Message(REPLY, message.call_id, body=(message.body, flags))
             transport.send(message.source, reply, tensors)
 
-    transport = Transport(
-        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
-    )
+    rank, transport = _start(handle)
     received: list[Any] = []
     if rank == 0:
         for count in (0, 1, len(_tensors())):
@@ -99,20 +111,13 @@ def test_structures_map_and_resolve() -> None:
 def _repeated() -> list[Any]:
     """Rank 0 sends two messages in one stream, both with the same mask and the same tensor
     that needs a gradient; rank 1 says which of the tensors it got are one object."""
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
-    transport: Transport | None = None
 
-    def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
-        assert transport is not None
+    def handle(transport: Transport, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
         (first, (mask_a, hidden_a)), (second, (mask_b, hidden_b)) = messages
         body = (mask_a is mask_b, hidden_a is hidden_b, torch.equal(mask_b, hidden_b.detach()))
         transport.send(first.source, Message(REPLY, second.call_id, body=body), [])
 
-    transport = Transport(
-        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
-    )
+    rank, transport = _start(handle)
     body = None
     if rank == 0:
         mask = torch.randn(FIRST_SEND)  # larger than the first send: twice would overflow more
