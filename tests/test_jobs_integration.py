@@ -317,3 +317,18 @@ def test_model_parallel_job_gets_mp_parameters(dtrain_home: Path) -> None:
     assert report["argv"] == ["--mp_parameters", "microbatches=4,partitions=2"]
     framework = json.loads(report["env"]["SM_FRAMEWORK_PARAMS"])
     assert framework["sagemaker_mpi_enabled"] is True
+
+
+def test_a_source_dir_holding_dtrains_home_is_copied_without_it(tmp_path: Path) -> None:
+    """A project folder that holds both the code and dtrain's home: the job's code copy leaves
+    the home out (copying it would copy the copy without end)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("import os\nprint(sorted(os.listdir('.')))\n")
+    home = project / "dtrain-home"
+    result = dtrain(
+        "run", "train.py", "--source-dir", str(project), "--job-name", "home-inside",
+        "--instance-type", "local_cpu", home=home,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "['train.py']" in result.stdout

@@ -143,12 +143,29 @@ def _free_loopback_listener() -> socket.socket:
 
 
 def _copy_code(spec: JobSpec, code_dir: Path) -> None:
-    """Like SageMaker's ``sourcedir.tar.gz``: the source dir, or the entry point alone."""
+    """Like SageMaker's ``sourcedir.tar.gz``: the source dir, or the entry point alone.
+
+    dtrain's home may lie inside the source dir (a project folder holding both): the folder
+    that holds the job's own copy is left out, or the copy would copy itself without end.
+    """
     if spec.source_dir is not None:
-        shutil.copytree(spec.source_dir, code_dir, ignore=shutil.ignore_patterns("__pycache__"))
+        copy = code_dir.resolve()
+
+        def ignore(folder: str, names: list[str]) -> set[str]:
+            return {
+                name
+                for name in names
+                if name == "__pycache__" or _holds(Path(folder, name).resolve(), copy)
+            }
+
+        shutil.copytree(spec.source_dir, code_dir, ignore=ignore)
     else:
         code_dir.mkdir(parents=True)
         shutil.copy2(spec.entry_point, code_dir / Path(spec.entry_point).name)
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    return folder == path or folder in path.parents
 
 
 class JobRun:
