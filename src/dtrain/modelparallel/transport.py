@@ -278,25 +278,26 @@ class Transport:
         if self._failure is not None:
             raise ModelParallelError(f"rank {self.rank}: transport failed: {self._failure}")
         messages = [message for message, _ in items]
-        distinct: list[torch.Tensor] = []
-        metas: list[TensorMeta] = []
+        distinct: list[tuple[torch.Tensor, TensorMeta]] = []
         slots: dict[int, int] = {}  # id of a tensor without gradient → its slot
         for message, sent in items:
             message.source = self.rank
-            first = len(metas)
+            metas = []
             for tensor in sent:
                 grad = tensor.requires_grad and tensor.is_floating_point()
                 slot = -1 if grad else slots.get(id(tensor), -1)
+                meta = TensorMeta(tuple(tensor.shape), tensor.dtype, grad, len(distinct))
                 if slot < 0:
-                    slot = len(distinct)
-                    distinct.append(tensor)
+                    distinct.append((tensor, meta))
                     if not grad:
-                        slots[id(tensor)] = slot
-                metas.append(TensorMeta(tuple(tensor.shape), tensor.dtype, grad, slot))
-            message.meta = tuple(metas[first:])
+                        slots[id(tensor)] = meta.slot
+                else:
+                    meta = distinct[slot][1]
+                metas.append(meta)
+            message.meta = tuple(metas)
         payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
-        offsets, data_bytes = _layout(_distinct(metas))
+        offsets, data_bytes = _layout([meta for _, meta in distinct])
         inline = self._device.type == "cpu"
         end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
         stream = torch.empty(end if inline else start, dtype=torch.uint8)
@@ -312,10 +313,9 @@ class Transport:
             data = stream[start:]
         else:
             data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
-        for tensor, offset in zip(distinct, offsets, strict=True):
+        for (tensor, meta), offset in zip(distinct, offsets, strict=True):
             if tensor.numel():
-                size = tensor.numel() * tensor.element_size()
-                data[offset : offset + size].copy_(_as_bytes(tensor))
+                data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
         parts = [(stream[: min(end, self._first_bytes)], self._control, _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], self._control, _TAG_OVERFLOW))
