@@ -23,6 +23,7 @@ from dtrain.modelparallel.remote import (
     predictable,
     same_structure,
 )
+from dtrain.modelparallel.split_backward import SPLIT_ENV
 from dtrain.modelparallel.transport import OutputRef, TensorRef, flatten
 from tests.modelparallel.harness import run_ranks, train_steps
 from tests.modelparallel.models import seeded
@@ -211,12 +212,79 @@ def test_a_chain_of_calls_runs_on_its_owner_with_one_backward(defer: str) -> Non
     leader, other = run_ranks(2, _train_chain, timeout=120, env={DEFER_ENV: defer})
     assert leader["losses"] == pytest.approx(_reference(), rel=1e-5)
     assert other["params"].keys() == leader["params"].keys()
-    backwards = [e for e in other["timeline"] if e.kind == "B"]
+    backwards = [e for e in other["timeline"] if e.kind == "B" and WEIGHTS not in e.name]
     forwards = [e for e in other["timeline"] if e.kind == "F"]
     assert len(forwards) == LAYERS * MICROBATCHES  # every layer ran on its owner
     # Deferred: the chain of layers is one backward per microbatch; eager: one per layer call.
     per_microbatch = 1 if defer == "1" else LAYERS
     assert len(backwards) == per_microbatch * MICROBATCHES, backwards
+    # The last microbatch's backwards send their inputs' gradients before the weights'.
+    weights = [e.microbatch for e in other["timeline"] if WEIGHTS in e.name]
+    assert weights == [MICROBATCHES - 1] * per_microbatch, other["timeline"]
+
+
+WEIGHTS = "(weights)"
+"""In a timeline event's name: the weight half of a split backward."""
+
+
+class _SlowGradient(torch.autograd.Function):
+    """The identity, whose gradient takes 0.3 s: a weight gradient that comes late."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor) -> Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(0.3)
+        return grad
+
+
+class _SlowLinear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, _SlowGradient.apply(self.weight), self.bias)
+
+
+def _slow_chain() -> ChainNet:
+    """ChainNet whose last layer's weight gradient takes 0.3 s."""
+    module = ChainNet()
+    slow = _SlowLinear(WIDTH, WIDTH)
+    slow.load_state_dict(module.layers[-1].state_dict())
+    module.layers[-1] = slow
+    return module
+
+
+def _train_slow_chain() -> dict[str, Any]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+              "auto_partition": False, "default_partition": 0})  # fmt: skip
+    module = _slow_chain()
+    for layer in module.layers:
+        smp.set_partition(layer, 1)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = (_batch(step) for step in range(STEPS))
+    losses = train_steps(model, optimizer, batches, F.cross_entropy)
+    return {"losses": losses, "timeline": model.timeline()}
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_a_split_backward_replies_first_and_ends_the_step_after_its_weights(split: str) -> None:
+    """Split, the last microbatch's backward on partition 1 replies before its weight half,
+    which takes 0.3 s: the leader's own backward runs meanwhile, and partition 1 still does not
+    return from the step (and run its optimizer step) before its weight gradients are in:
+    otherwise the losses would drift from single-process training."""
+    leader, other = run_ranks(2, _train_slow_chain, timeout=120, env={SPLIT_ENV: split})
+    assert leader["losses"] == pytest.approx(_reference(_slow_chain()), rel=1e-5)
+    weights = [e for e in other["timeline"] if WEIGHTS in e.name]
+    if split == "0":
+        assert not weights
+        return
+    (half,) = weights
+    assert half.microbatch == MICROBATCHES - 1 and half.duration >= 0.3
+    stem_backward = [
+        e for e in leader["timeline"] if e.kind == "B" and e.microbatch == MICROBATCHES - 1
+    ]
+    assert stem_backward and min(e.start for e in stem_backward) < half.end
 
 
 def _changing_structure() -> str:
@@ -415,6 +483,8 @@ def test_a_remote_loss_costs_one_message_each_way_per_microbatch(pipeline: str) 
     for (name, mb), (next_name, next_mb) in itertools.pairwise(stems):
         if name == "stem_a":
             assert (next_name, next_mb) == ("stem_b", mb) or next_mb < mb, stems
+    # Microbatches take the token in order when they start (not as their threads happen to).
+    assert [mb for name, mb in stems if name == "stem_a"] == list(range(4)), stems
 
 
 class _FailsLater(nn.Module):

@@ -58,6 +58,7 @@ from dtrain.modelparallel.remote import (
     remove_stub,
     resolve_output,
 )
+from dtrain.modelparallel.split_backward import WeightHalf, backward_inputs_first, split_enabled
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
@@ -173,6 +174,9 @@ class PipelineRuntime:
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
         self._defer = defer_enabled()
+        self._split = split_enabled()
+        self._microbatches = microbatches
+        self._weights_failure: ModelParallelError | None = None
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
         self._order_lock = threading.Lock()
         self._ended = 0
@@ -502,9 +506,18 @@ class PipelineRuntime:
         error = Message(ERROR, request.call_id, body=error_body(self.group.rank, exc))
         self._send_reply(request, error, [])
 
-    def _send_reply(self, request: Message, reply: Message, tensors: list[torch.Tensor]) -> None:
+    def _send_reply(
+        self,
+        request: Message,
+        reply: Message,
+        tensors: list[torch.Tensor],
+        step_aside: bool = True,
+    ) -> None:
+        """Send a reply; a task holding the token between computations lets a waiting task
+        compute meanwhile (``step_aside``)."""
         assert self.transport is not None
-        self.executor.step_aside()
+        if step_aside:
+            self.executor.step_aside()
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the caller's wait says so
             self.transport.send(request.source, reply, tensors)
 
@@ -614,20 +627,54 @@ class PipelineRuntime:
         return flatten(resolve_output(entry.output, path, entry.module))
 
     def _serve_backward(self, message: Message, tensors: list[torch.Tensor]) -> None:
-        def backward() -> tuple[Any, list[torch.Tensor]]:
+        """Backward of a chain; the reply carries its inputs' gradients.
+
+        In the step's last microbatch (where the stages before this one wait for those
+        gradients and then still have their own backward to do) the inputs' gradients are
+        computed first and sent, then the weights' (:mod:`.split_backward`). The task keeps the
+        token from the first half to the end of the second, so the step cannot end on this
+        rank (nor the optimizer step start) before every weight gradient is in.
+        """
+        try:
             # Before computing: a value fetched with its backward may still be computing.
             entry = self._finished_entry((message.source, message.body["call"]))
             with self.executor.computing(message.module):
-                return self._compute_backward(message, tensors, entry)
+                body, grads, weights = self._compute_backward(message, tensors, entry)
+                if weights is not None:
+                    reply = Message(REPLY, message.call_id, body=body)
+                    self._send_reply(message, reply, grads, step_aside=False)
+                    self.executor.next_period(f"{message.module} (weights)")
+                    self._run_weights(message, weights)
+                    return
+        except BaseException as exc:
+            self._send_error(message, exc)
+            return
+        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
 
-        self._reply(message, backward)
+    def _run_weights(self, message: Message, weights: WeightHalf) -> None:
+        """The weight half of a split backward; its failure fails this rank's step."""
+        try:
+            weights.run()
+        except BaseException as exc:
+            self._weights_failure = ModelParallelError(
+                f"rank {self.group.rank}: the weight gradients of module {message.module!r} "
+                f"(microbatch {message.microbatch}) failed: {exc}"
+            )
+
+    def _splits(self, microbatch: int) -> bool:
+        """Whether a backward of ``microbatch`` sends its inputs' gradients before computing
+        its weights': the step's last microbatch, whose backward the earlier stages wait for
+        with nothing else left to do. (Split earlier, the weight half, run at once, would only
+        delay this rank's next work; the split itself costs about a fifth of a backward.)"""
+        return self._split and microbatch == self._microbatches - 1
 
     def _compute_backward(
         self, message: Message, tensors: list[torch.Tensor], entry: _Served
-    ) -> tuple[Any, list[torch.Tensor]]:
+    ) -> tuple[Any, list[torch.Tensor], WeightHalf | None]:
         """Backward from the outputs at ``path`` down to the chain's ``leaves``; with ``fetch``
         (a deferred value's ``model.backward``) the value goes back too, and its gradient is
-        ``scale`` times the one sent, or ones."""
+        ``scale`` times the one sent, or ones. Split (see :meth:`_serve_backward`), the weight
+        half comes back to be run after the reply."""
         source, body = message.source, message.body
         _, outputs = flatten(resolve_output(entry.output, body["path"], entry.module))
         received = iter(tensors)
@@ -650,17 +697,27 @@ class PipelineRuntime:
             if g is not None and out.requires_grad
         ]
         keep_graph = entry.chain.fetched > 1  # another fetched output may bring a backward
-        if pairs:
-            torch.autograd.backward(
-                [out for out, _ in pairs], [g for _, g in pairs], retain_graph=keep_graph
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        weights = None
+        if pairs and wanted and not keep_graph and self._splits(message.microbatch):
+            found, weights = backward_inputs_first(
+                [out for out, _ in pairs], [g for _, g in pairs], wanted
             )
-        input_grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+            by_leaf = dict(zip(map(id, wanted), found, strict=True))
+            input_grads = [by_leaf.get(id(leaf)) for leaf in leaves]
+        else:
+            if pairs:
+                torch.autograd.backward(
+                    [out for out, _ in pairs], [g for _, g in pairs], retain_graph=keep_graph
+                )
+            input_grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
         for leaf in leaves:
             leaf.grad = None
         if not keep_graph:
             self._forget_chain(entry.chain)
         present = [g is not None for g in input_grads]
-        return {"present": present}, fetched + [g for g in input_grads if g is not None]
+        reply = {"present": present}, fetched + [g for g in input_grads if g is not None]
+        return (*reply, weights)
 
     def _forget_chain(self, chain: _Chain) -> None:
         """Drop a chain after its backward; a member still computing (joined the chain, its
@@ -698,10 +755,17 @@ class PipelineRuntime:
             finally:
                 self._forget_served(None)
             self._announce(outcomes)
+            self._raise_weights_failure()
             return outcomes
         outcomes, ended = self._await_step_end()
         self._forget_served(ended)
+        self._raise_weights_failure()
         return outcomes
+
+    def _raise_weights_failure(self) -> None:
+        failure, self._weights_failure = self._weights_failure, None
+        if failure is not None:
+            raise failure
 
     def _run_microbatch(self, body: Callable[[int], Any], microbatch: int) -> Any:
         """One microbatch on the leader: its result fetched, its calls checked, then released

@@ -1,0 +1,233 @@
+"""Backward in two halves: the inputs' gradients first, the weights' gradients later.
+
+A pipeline stage's upstream neighbour waits only for the gradients of the inputs it sent; the
+gradients of the stage's own weights are needed only by the optimizer step. Computing the input
+half first and replying at once lets the upstream stage start its backward earlier, and the
+weight half fills time the stage would otherwise sit idle (the end of the step, where the first
+stages still do their last backwards). Zero-bubble pipeline schedules rest on the same split.
+
+How: the autograd graph from the outputs is walked once. A node is on the *input path* if it
+leads to one of the inputs; a *boundary* node is on the input path and also has an edge into a
+part of the graph that leads only to weights (a linear layer's node: one edge to its input, one
+to its weight). The input half is ``torch.autograd.grad`` to the inputs, which runs only what
+the inputs need; a hook on every boundary node keeps the gradient flowing into it. The weight
+half then starts from those nodes with the kept gradients, one autograd call per group of
+boundary nodes that share weights, so that no call reaches back into the input path (which
+would compute the input half a second time).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
+"""Set to 0 to compute every backward in one piece (for comparison)."""
+
+
+def split_enabled() -> bool:
+    return os.environ.get(SPLIT_ENV, "1") not in ("0", "false", "False")
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """One autograd call of the weight half: where it starts, with which gradients, and the
+    weights it accumulates into."""
+
+    roots: list[GradientEdge | torch.Tensor]
+    grads: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+@dataclass(eq=False)
+class WeightHalf:
+    """The weight half of a split backward, run group by group (:meth:`run_group`).
+
+    It keeps the outputs, and with them the graph, until every group has run.
+    """
+
+    groups: list[WeightGroup]
+    keep_alive: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def run_group(self) -> bool:
+        """Accumulate one group's weight gradients; False once every group has run."""
+        if not self.groups:
+            self.keep_alive.clear()
+            return False
+        group = self.groups.pop(0)
+        torch.autograd.backward(group.roots, group.grads, inputs=group.weights)  # type: ignore[arg-type]
+        if not self.groups:
+            self.keep_alive.clear()
+        return True
+
+    def run(self) -> None:
+        while self.run_group():
+            pass
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _walk(roots: list[Node]) -> list[Node]:
+    """Every node reachable from ``roots``, each after all of its children (post-order)."""
+    order: list[Node] = []
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if child not in seen)
+    return order
+
+
+def _variable(node: Node) -> torch.Tensor | None:
+    """The leaf tensor an ``AccumulateGrad`` node accumulates into, else None."""
+    variable = getattr(node, "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def backward_inputs_first(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightHalf]:
+    """The gradients of the leaf tensors ``inputs`` (None where unused), and the weight half
+    still to run.
+
+    Weights are every other leaf the outputs depend on. Together the two halves accumulate
+    exactly what ``torch.autograd.backward(outputs, grads)`` would into the weights' ``.grad``
+    (the inputs' ``.grad`` is left alone); run the weight half before reading them. Where a
+    weight is reached both from a node and from another node below it on the input path (a
+    layer applied to its own output), no start of the weight half could avoid computing the
+    input path again: the backward then runs whole here and the weight half is empty.
+    """
+    root_edges = [get_gradient_edge(out) for out in outputs]
+    input_nodes = {get_gradient_edge(t).node for t in inputs}
+    order = _walk([edge.node for edge in root_edges])
+    on_input_path: set[Node] = set()
+    weights_below: dict[Node, frozenset[Node]] = {}
+    """For nodes off the input path: the weight (AccumulateGrad) nodes they lead to."""
+    for node in order:  # children first
+        children = _children(node)
+        if node in input_nodes or any(child in on_input_path for child in children):
+            on_input_path.add(node)
+            continue
+        below: set[Node] = set()
+        if _variable(node) is not None:
+            below.add(node)
+        for child in children:
+            below |= weights_below[child]
+        weights_below[node] = frozenset(below)
+
+    boundary: dict[Node, frozenset[Node]] = {}
+    for node in on_input_path:
+        below = frozenset().union(
+            *(weights_below[c] for c in _children(node) if c not in on_input_path)
+        )
+        if below:
+            boundary[node] = below
+    roots = [
+        (out, grad, weights_below[edge.node])
+        for out, edge, grad in zip(outputs, root_edges, grads, strict=True)
+        if edge.node not in on_input_path and weights_below[edge.node]
+    ]
+    groups = _groups(
+        [(below, node) for node, below in boundary.items()]
+        + [(below, (out, grad)) for out, grad, below in roots]
+    )
+    if any(_reaches_another(group, on_input_path) for group in groups):
+        return _whole(outputs, grads, inputs), WeightHalf([])
+
+    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+    def keeper(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            kept[node] = tuple(grad_outputs)
+
+        return keep
+
+    handles = [node.register_prehook(keeper(node)) for node in boundary]
+    try:
+        input_grads = torch.autograd.grad(
+            list(outputs), list(inputs), list(grads), retain_graph=True, allow_unused=True
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    half = WeightHalf([], list(outputs))
+    for weights, members in groups:
+        group = WeightGroup([], [], [v for v in map(_variable, weights) if v is not None])
+        for member in members:
+            if isinstance(member, tuple):  # an output off the input path
+                group.roots.append(member[0])
+                group.grads.append(member[1])
+                continue
+            for index, grad in enumerate(kept.get(member, ())):
+                if grad is not None:
+                    group.roots.append(GradientEdge(member, index))
+                    group.grads.append(grad)
+        if group.roots:
+            half.groups.append(group)
+    return list(input_grads), half
+
+
+_Start = Node | tuple[torch.Tensor, torch.Tensor]
+"""Where a weight group starts: a boundary node, or an output off the input path and its
+gradient."""
+
+
+def _groups(starts: list[tuple[frozenset[Node], _Start]]) -> list[tuple[set[Node], list[_Start]]]:
+    """Merge the starts that reach a common weight (tied weights) into one group each: its
+    weight nodes and its starts."""
+    groups: list[tuple[set[Node], list[_Start]]] = []
+    for below, start in starts:
+        reach, members = set(below), [start]
+        for other in [g for g in groups if g[0] & reach]:
+            groups.remove(other)
+            reach |= other[0]
+            members += other[1]
+        groups.append((reach, members))
+    return groups
+
+
+def _reaches_another(group: tuple[set[Node], list[_Start]], on_input_path: set[Node]) -> bool:
+    """Whether a boundary node of the group reaches another one down the input path."""
+    nodes = {m for m in group[1] if not isinstance(m, tuple)}
+    if len(nodes) < 2:
+        return False
+    for node in nodes:
+        stack = [c for c in _children(node) if c in on_input_path]
+        seen: set[Node] = set()
+        while stack:
+            current = stack.pop()
+            if current in nodes:
+                return True
+            if current not in seen:
+                seen.add(current)
+                stack.extend(c for c in _children(current) if c in on_input_path)
+    return False
+
+
+def _whole(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """One ordinary backward; the inputs' gradients are returned, their ``.grad`` kept."""
+    before = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    torch.autograd.backward(list(outputs), list(grads))
+    found = [t.grad for t in inputs]
+    for t, grad in zip(inputs, before, strict=True):
+        t.grad = grad
+    return found
