@@ -93,7 +93,7 @@ def _run(model: nn.Module, split: bool) -> tuple[list[Tensor | None], dict[str, 
     outputs = model(*leaves)
     grads = [torch.rand(out.shape, generator=torch.Generator().manual_seed(2)) for out in outputs]
     if split:
-        input_grads, weights = backward_inputs_first(outputs, grads, wanted)
+        input_grads, weights = backward_inputs_first(outputs, grads, wanted, model.parameters())
         untouched = all(
             torch.equal(p.grad, torch.full_like(p, 0.5 * i))
             for i, p in enumerate(model.parameters())
@@ -130,7 +130,7 @@ def test_each_group_of_weights_runs_once_and_unused_inputs_get_none() -> None:
     model = _seeded(Tied)
     x = _inputs(model)[0].requires_grad_()
     (loss,) = model(x, torch.zeros(5, 1))
-    (grad,), weights = backward_inputs_first([loss], [torch.ones(())], [x])
+    (grad,), weights = backward_inputs_first([loss], [torch.ones(())], [x], model.parameters())
     assert grad is not None and all(p.grad is None for p in model.parameters())
     reached = [{id(w) for w in group.weights} for group in weights.groups]
     shared = {id(model.shared.weight), id(model.shared.bias)}
@@ -140,15 +140,46 @@ def test_each_group_of_weights_runs_once_and_unused_inputs_get_none() -> None:
     model = _seeded(Recurrent)
     x = _inputs(model)[0].requires_grad_()
     (loss,) = model(x, torch.zeros(5, 1))
-    (grad,), weights = backward_inputs_first([loss], [torch.ones(())], [x])
+    (grad,), weights = backward_inputs_first([loss], [torch.ones(())], [x], model.parameters())
     assert grad is not None and x.grad is None and not weights.groups
     assert all(p.grad is not None for p in model.parameters())
 
     model = _seeded(TwoOutputs)
     x, unused = (t.requires_grad_() for t in _inputs(model))
     outputs = model(x, unused)
-    grads, weights = backward_inputs_first(outputs, [torch.ones(2, 4), torch.ones(4)], [x, unused])
+    grads, weights = backward_inputs_first(
+        outputs, [torch.ones(2, 4), torch.ones(4)], [x, unused], model.parameters()
+    )
     assert grads[0] is not None and grads[1] is None
     assert all(p.grad is None for p in model.parameters())
     weights.run()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _Counted(torch.autograd.Function):
+    """Doubles ``x``; takes a helper leaf (as the runtime's remote fetches do); counts its
+    backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, helper: Tensor, x: Tensor) -> Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, Tensor]:
+        _Counted.calls += 1
+        return torch.zeros(0), grad * 2
+
+
+def test_a_leaf_that_is_not_a_weight_does_not_make_a_node_run_twice() -> None:
+    lin = _seeded(lambda: nn.Linear(3, 3))
+    x = torch.ones(2, 3, requires_grad=True)
+    helper = torch.empty(0, requires_grad=True)
+    loss = lin(_Counted.apply(helper, x)).sum()
+    _Counted.calls = 0
+    (grad,), weights = backward_inputs_first([loss], [torch.ones(())], [x], lin.parameters())
+    weights.run()
+    assert _Counted.calls == 1 and helper.grad is None
+    torch.testing.assert_close(grad, 2 * lin.weight.sum(0).expand(2, 3))
+    assert lin.weight.grad is not None and lin.bias.grad is not None

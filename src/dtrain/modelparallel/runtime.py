@@ -27,7 +27,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -661,6 +661,11 @@ class PipelineRuntime:
                 f"(microbatch {message.microbatch}) failed: {exc}"
             )
 
+    def _own_parameters(self) -> Iterator[nn.Parameter]:
+        for name, module in self._modules.items():
+            if self.owners[name] == self.group.pp_rank:
+                yield from module.parameters(recurse=False)
+
     def _splits(self, microbatch: int) -> bool:
         """Whether a backward of ``microbatch`` sends its inputs' gradients before computing
         its weights': the step's last microbatch, whose backward the earlier stages wait for
@@ -701,7 +706,7 @@ class PipelineRuntime:
         weights = None
         if pairs and wanted and not keep_graph and self._splits(message.microbatch):
             found, weights = backward_inputs_first(
-                [out for out, _ in pairs], [g for _, g in pairs], wanted
+                [out for out, _ in pairs], [g for _, g in pairs], wanted, self._own_parameters()
             )
             by_leaf = dict(zip(map(id, wanted), found, strict=True))
             input_grads = [by_leaf.get(id(leaf)) for leaf in leaves]

@@ -19,7 +19,7 @@ would compute the input half a second time).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,19 +101,28 @@ def backward_inputs_first(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
+    weights: Iterable[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightHalf]:
     """The gradients of the leaf tensors ``inputs`` (None where unused), and the weight half
     still to run.
 
-    Weights are every other leaf the outputs depend on. Together the two halves accumulate
-    exactly what ``torch.autograd.backward(outputs, grads)`` would into the weights' ``.grad``
-    (the inputs' ``.grad`` is left alone); run the weight half before reading them. Where a
+    Together the two halves accumulate exactly what ``torch.autograd.backward(outputs, grads)``
+    would into the ``.grad`` of ``weights`` (the inputs' ``.grad`` is left alone; other leaves
+    get nothing: the runtime's own helper leaves must not make a node run twice); run the
+    weight half before reading them. A custom ``autograd.Function`` on the input path that
+    also takes a weight runs in both halves. Where a
     weight is reached both from a node and from another node below it on the input path (a
     layer applied to its own output), no start of the weight half could avoid computing the
     input path again: the backward then runs whole here and the weight half is empty.
     """
     root_edges = [get_gradient_edge(out) for out in outputs]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
+    wanted = {id(w) for w in weights}
+
+    def is_weight(node: Node) -> bool:
+        variable = _variable(node)
+        return variable is not None and id(variable) in wanted
+
     order = _walk([edge.node for edge in root_edges])
     on_input_path: set[Node] = set()
     weights_below: dict[Node, frozenset[Node]] = {}
@@ -124,7 +133,7 @@ def backward_inputs_first(
             on_input_path.add(node)
             continue
         below: set[Node] = set()
-        if _variable(node) is not None:
+        if is_weight(node):
             below.add(node)
         for child in children:
             below |= weights_below[child]
