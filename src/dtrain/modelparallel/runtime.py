@@ -705,9 +705,10 @@ class PipelineRuntime:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         weights = None
         if pairs and wanted and not keep_graph and self._splits(message.microbatch):
-            found, weights = backward_inputs_first(
+            found, half = backward_inputs_first(
                 [out for out, _ in pairs], [g for _, g in pairs], wanted, self._own_parameters()
             )
+            weights = half if half.groups else None  # ran whole, or no weights to wait for
             by_leaf = dict(zip(map(id, wanted), found, strict=True))
             input_grads = [by_leaf.get(id(leaf)) for leaf in leaves]
         else:
@@ -721,8 +722,7 @@ class PipelineRuntime:
         if not keep_graph:
             self._forget_chain(entry.chain)
         present = [g is not None for g in input_grads]
-        reply = {"present": present}, fetched + [g for g in input_grads if g is not None]
-        return (*reply, weights)
+        return {"present": present}, fetched + [g for g in input_grads if g is not None], weights
 
     def _forget_chain(self, chain: _Chain) -> None:
         """Drop a chain after its backward; a member still computing (joined the chain, its

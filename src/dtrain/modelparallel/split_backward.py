@@ -45,28 +45,18 @@ class WeightGroup:
 
 @dataclass(eq=False)
 class WeightHalf:
-    """The weight half of a split backward, run group by group (:meth:`run_group`).
-
-    It keeps the outputs, and with them the graph, until every group has run.
-    """
+    """The weight half of a split backward. It keeps the outputs, and with them the graph,
+    until it has run."""
 
     groups: list[WeightGroup]
     keep_alive: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def run_group(self) -> bool:
-        """Accumulate one group's weight gradients; False once every group has run."""
-        if not self.groups:
-            self.keep_alive.clear()
-            return False
-        group = self.groups.pop(0)
-        torch.autograd.backward(group.roots, group.grads, inputs=group.weights)  # type: ignore[arg-type]
-        if not self.groups:
-            self.keep_alive.clear()
-        return True
-
     def run(self) -> None:
-        while self.run_group():
-            pass
+        """Accumulate every group's weight gradients, once."""
+        while self.groups:
+            group = self.groups.pop(0)
+            torch.autograd.backward(group.roots, group.grads, inputs=group.weights)  # type: ignore[arg-type]
+        self.keep_alive.clear()
 
 
 def _children(node: Node) -> list[Node]:
@@ -110,10 +100,10 @@ def backward_inputs_first(
     would into the ``.grad`` of ``weights`` (the inputs' ``.grad`` is left alone; other leaves
     get nothing: the runtime's own helper leaves must not make a node run twice); run the
     weight half before reading them. A custom ``autograd.Function`` on the input path that
-    also takes a weight runs in both halves. Where a
-    weight is reached both from a node and from another node below it on the input path (a
-    layer applied to its own output), no start of the weight half could avoid computing the
-    input path again: the backward then runs whole here and the weight half is empty.
+    also takes a weight runs in both halves. Where a weight is reached both from a node and
+    from another node below it on the input path (a layer applied to its own output), no start
+    of the weight half could avoid computing the input path again: the backward then runs whole
+    here and the weight half is empty.
     """
     root_edges = [get_gradient_edge(out) for out in outputs]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
