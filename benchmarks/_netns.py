@@ -1,11 +1,12 @@
 """Two pretend hosts on one machine, and worker processes that cannot outlive the benchmark.
 
 ``veth_pair`` creates two network namespaces joined by a veth pair with a private /30 in
-10.213.0.0/16, brings up ``lo`` in both and caps each end's egress with ``tc ... tbf`` (netem is
-not available on these machines: machine-baselines §4). Traffic between processes in the same
-namespace never touches the veth (it is delivered locally), so it plays the fast intra-host link
-and the veth the slow network. Everything it created is deleted when the block exits, also on an
-exception or Ctrl-C. Needs root and iproute2 (``ip``, ``tc``); ``unavailable_reason`` says why not.
+10.213.0.0/16, brings up ``lo`` in both and, given a ``rate``, caps each end's egress with
+``tc ... tbf`` (netem is not available on these machines: machine-baselines §4). Traffic between
+processes in the same namespace never touches the veth (it is delivered locally), so it plays the
+fast intra-host link and the veth the slow network. Everything it created is deleted when the
+block exits, also on an exception or Ctrl-C. Needs root and iproute2 (``ip``, ``tc``);
+``unavailable_reason`` says why not. The tests use the same namespaces as separate machines.
 
 ``run_workers`` starts processes in their own sessions, waits for all of them under a deadline and
 kills every one still running when it returns or raises (first failure, timeout, interrupt).
@@ -74,11 +75,11 @@ def stale_namespaces(prefix: str) -> list[str]:
 @contextlib.contextmanager
 def veth_pair(
     prefix: str = "dtb",
-    rate: str = "1gbit",
+    rate: str | None = "1gbit",
     burst: str = "256kb",
     latency: str = "100ms",
 ) -> Iterator[tuple[Host, Host]]:
-    """Yield two hosts joined by a veth pair capped at ``rate`` each way; delete them on exit.
+    """Yield two hosts joined by a veth pair, capped at ``rate`` each way if given; delete them.
 
     Raises ``NetnsUnavailable`` (after cleaning up) when any step of the setup fails.
     """
@@ -110,6 +111,8 @@ def veth_pair(
                 _run([*ns, "addr", "add", f"{host.address}/30", "dev", host.interface])
                 _run([*ns, "link", "set", host.interface, "up"])
                 _run([*ns, "link", "set", "lo", "up"])
+                if rate is None:
+                    continue
                 tc = ["tc", "-n", host.namespace, "qdisc", "add", "dev", host.interface, "root"]
                 _run([*tc, "tbf", "rate", rate, "burst", burst, "latency", latency])
                 if "tbf" not in qdisc(host):
@@ -122,7 +125,7 @@ def veth_pair(
         a_host, b_host = hosts
         print(
             f"netns: {a_host.namespace} {a_host.address} <-> {b_host.namespace} "
-            f"{b_host.address} (network {network}/30), tbf {rate} each way",
+            f"{b_host.address} (network {network}/30), tbf {rate or 'off'} each way",
             flush=True,
         )
         yield hosts  # type: ignore[misc]
@@ -133,6 +136,12 @@ def veth_pair(
                 print(f"netns: could not delete {namespace}: {result.stderr.strip()}", flush=True)
         if link_in_root:
             _run(["ip", "link", "del", hosts[0].interface], check=False)
+
+
+def set_link(host: Host, up: bool) -> None:
+    """Take the host's end of the pair down (a cut cable) or bring it back up."""
+    state = "up" if up else "down"
+    _run(["ip", "-n", host.namespace, "link", "set", host.interface, state])
 
 
 def qdisc(host: Host) -> str:

@@ -116,7 +116,7 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     training_env = json.loads(env3["SM_TRAINING_ENV"])
     assert training_env["current_host"] == "algo-2" and training_env["job_name"] == "good"
     assert env3["SM_NUM_GPUS"] == "0" and int(env3["SM_NUM_CPUS"]) >= 1
-    assert Path(reports[3]["cwd"]) == job_dir / "code"
+    assert Path(reports[3]["cwd"]) == job_dir / "hosts" / "algo-2" / "code"
     host2 = job_dir / "hosts" / "algo-2"
     assert env3["SM_OUTPUT_DIR"] == str(host2 / "output")
     assert env3["SM_INPUT_DIR"] == str(host2 / "input")

@@ -42,14 +42,15 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtrain",
         description=(
-            "Run distributed PyTorch scripts as SageMaker-style training jobs on this machine."
+            "Run distributed PyTorch scripts as SageMaker-style training jobs, on this machine "
+            "or across machines."
         ),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run a script as a training job and wait for it")
     run.add_argument("entry_point", help="the training script (relative to --source-dir if given)")
-    run.add_argument("--instance-count", type=int, default=1, help="simulated hosts algo-1..N")
+    run.add_argument("--instance-count", type=int, default=1, help="hosts algo-1..N")
     run.add_argument("--processes-per-host", type=int, help="default: GPUs per host, else 1")
     run.add_argument("--instance-type", default="local", help="local, local_cpu or local_gpu")
     run.add_argument(
@@ -76,7 +77,35 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--environment", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
     )
+    run.add_argument(
+        "--cluster",
+        default="local",
+        help="where the hosts are: local (this machine, default), join://ADDR:PORT (agents "
+        "started with `dtrain agent --join` join here) or ray://ADDR:PORT (a Ray cluster)",
+    )
+    run.add_argument(
+        "--secret-file", help="the job's secret for join:// (created, mode 0600, if missing)"
+    )
+    run.add_argument(
+        "--join-timeout", type=float, default=600.0, help="seconds to wait for every host to join"
+    )
     run.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+
+    agent = commands.add_parser("agent", help="run one machine's share of a job")
+    agent.add_argument(
+        "--join", required=True, metavar="ADDR:PORT", help="the controller's join:// address"
+    )
+    agent.add_argument(
+        "--secret-file", required=True, help="the job's secret (- reads it from standard input)"
+    )
+    agent.add_argument(
+        "--address",
+        help="this machine's address for the job (default: the one that reaches the controller)",
+    )
+    agent.add_argument("--host", help="ask for this host name (algo-1 hosts the rendezvous)")
+    agent.add_argument(
+        "--connect-timeout", type=float, default=600.0, help="seconds to wait for the controller"
+    )
 
     run_spec = commands.add_parser("run-spec", help=argparse.SUPPRESS)
     run_spec.add_argument("spec_file")
@@ -91,6 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     logs = commands.add_parser("logs", help="print a job's logs")
     logs.add_argument("name")
     logs.add_argument("--rank", type=int, help="only this rank")
+    logs.add_argument("--attempt", type=int, help="only this attempt (default: every attempt)")
     logs.add_argument(
         "--follow", "-f", action="store_true", help="keep printing until the job ends"
     )
@@ -147,6 +177,9 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         metric_definitions=tuple(_json_arg("--metric-definitions", args.metric_definitions, list)),
         environment=dict(_key_value("--environment", text) for text in args.environment),
         max_retry_attempts=args.max_retry_attempts,
+        cluster=args.cluster,
+        secret_file=args.secret_file,
+        join_timeout=args.join_timeout,
     )
 
 
@@ -183,9 +216,9 @@ def _jobs() -> int:
     return EXIT_OK
 
 
-def _logs(name: str, rank: int | None, follow: bool) -> int:
+def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int:
     from dtrain.jobs.folder import JobFolder
-    from dtrain.jobs.logs import print_logs, rank_logs
+    from dtrain.jobs.logs import labelled_logs, print_logs, rank_logs
     from dtrain.jobs.store import JobStore
 
     store = JobStore()
@@ -193,16 +226,25 @@ def _logs(name: str, rank: int | None, follow: bool) -> int:
     folder = JobFolder(Path(record.folder))
 
     def files() -> list[tuple[str, Path]]:
-        found = rank_logs(folder.logs_dir)
-        if rank is not None:
-            return [("", path) for r, path in found if r == rank]
-        return [(f"[rank {r}]: ", path) for r, path in found]
+        return labelled_logs(folder.logs_dir, rank, attempt)
 
-    if rank is not None and not follow and not files():
-        available = ", ".join(str(r) for r, _ in rank_logs(folder.logs_dir)) or "none yet"
-        raise ConfigError("--rank", rank, f"a rank of job {name} (logs: {available})")
+    if (rank is not None or attempt is not None) and not follow and not files():
+        found = rank_logs(folder.logs_dir)
+        key, value = ("--rank", rank) if rank is not None else ("--attempt", attempt)
+        available = ", ".join(f"attempt {a} rank {r}" for a, r, _ in found) or "none yet"
+        raise ConfigError(key, value, f"a rank and attempt of job {name} (logs: {available})")
     print_logs(files, sys.stdout, follow=follow, finished=lambda: store.get(name).is_terminal)
     return EXIT_OK
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from dtrain.launch.agent import run_agent
+    from dtrain.launch.netif import parse_endpoint
+    from dtrain.launch.wire import read_secret
+
+    controller = parse_endpoint("--join", args.join)
+    secret = read_secret(args.secret_file)
+    return run_agent(controller, secret, args.address, args.host, args.connect_timeout)
 
 
 def _metrics(name: str, plot: str | None) -> int:
@@ -326,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(describe(JobStore(), args.name), indent=2))
             return EXIT_OK
         if args.command == "logs":
-            return _logs(args.name, args.rank, args.follow)
+            return _logs(args.name, args.rank, args.attempt, args.follow)
+        if args.command == "agent":
+            return _agent(args)
         if args.command == "stop":
             from dtrain.jobs.store import JobStore
 

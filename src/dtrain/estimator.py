@@ -1,4 +1,6 @@
-"""SageMaker Python SDK look-alike: ``PyTorch(...).fit(...)`` runs a dtrain job on this machine.
+"""SageMaker Python SDK look-alike: ``PyTorch(...).fit(...)`` runs a dtrain job.
+
+On this machine by default, or across machines with ``cluster=`` (see ``dtrain run --cluster``).
 
 Notebooks written for SageMaker keep working: AWS-only arguments are accepted and ignored (with one
 warning), SageMaker's argument names and defaults are kept, and ``ml.*`` instance types get an error
@@ -128,7 +130,7 @@ class TrainingJob:
         import time
 
         from dtrain.jobs.folder import JobFolder
-        from dtrain.jobs.logs import print_logs, rank_logs
+        from dtrain.jobs.logs import labelled_logs, print_logs
         from dtrain.jobs.store import JobStore
 
         store = JobStore()
@@ -136,7 +138,7 @@ class TrainingJob:
         finished = lambda: store.get(self.name).is_terminal  # noqa: E731
         if logs:
             folder = JobFolder.for_job(self.name)
-            files = lambda: [(f"[rank {r}]: ", p) for r, p in rank_logs(folder.logs_dir)]  # noqa: E731
+            files = lambda: labelled_logs(folder.logs_dir)  # noqa: E731
             print_logs(files, sys.stdout, follow=True, finished=finished)
         while not finished():
             time.sleep(0.2)
@@ -164,7 +166,7 @@ class TrainingJob:
 class PyTorch:
     """SageMaker's ``sagemaker.pytorch.PyTorch`` estimator.
 
-    It runs jobs with dtrain on this machine.
+    It runs jobs with dtrain, on this machine or the machines of ``cluster``.
     """
 
     def __init__(
@@ -183,6 +185,9 @@ class PyTorch:
         base_job_name: str | None = None,
         max_retry_attempts: int | None = None,
         processes_per_host: int | None = None,
+        cluster: str = "local",
+        secret_file: str | None = None,
+        join_timeout: float = 600.0,
         **aws_only: Any,
     ) -> None:
         unknown = sorted(set(aws_only) - AWS_ONLY_ARGUMENTS)
@@ -192,7 +197,7 @@ class PyTorch:
             raise TypeError(f"PyTorch() got an unexpected keyword argument {unknown[0]!r}{hint}")
         if aws_only:
             warnings.warn(
-                "dtrain runs jobs on this machine; ignoring AWS-only arguments: "
+                "dtrain runs jobs on your own machines; ignoring AWS-only arguments: "
                 + ", ".join(sorted(aws_only)),
                 stacklevel=2,
             )
@@ -211,6 +216,9 @@ class PyTorch:
         self.base_job_name = base_job_name
         self.max_retry_attempts = max_retry_attempts or 0
         self.processes_per_host = processes_per_host
+        self.cluster = cluster
+        self.secret_file = secret_file
+        self.join_timeout = join_timeout
         self.latest_training_job: TrainingJob | None = None
 
     @staticmethod
@@ -243,6 +251,9 @@ class PyTorch:
             metric_definitions=tuple(self.metric_definitions),
             environment=self.environment,
             max_retry_attempts=self.max_retry_attempts,
+            cluster=self.cluster,
+            secret_file=self.secret_file,
+            join_timeout=self.join_timeout,
         )
 
     def fit(

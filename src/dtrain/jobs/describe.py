@@ -49,6 +49,16 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
             "InstanceCount": spec.instance_count,
             "ProcessesPerHost": spec.processes_per_host,
         },
+        "Cluster": spec.cluster,
+        "Hosts": [
+            {
+                "Name": host["name"],
+                "Address": host["address"],
+                "Interface": host["interface"],
+                "Hostname": host["hostname"],
+            }
+            for host in store.hosts(name)
+        ],
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
         "InputDataConfig": [
             {

@@ -1,4 +1,9 @@
-"""Where a job's files live: one ``/opt/ml``-style tree per simulated host, plus logs and code."""
+"""Where a job's files live.
+
+The controller's job folder holds the request, every rank's log of every attempt and the hosts'
+failure reports; each host's agent lays out an ``/opt/ml``-style tree (code, input, model, output,
+checkpoints) under its own ``DTRAIN_HOME``, which for the hosts of a local job is the same.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ class HostFolder:
     """One host's ``/opt/ml``."""
 
     root: Path
+
+    @property
+    def code_dir(self) -> Path:
+        """The job's code, as SageMaker's ``/opt/ml/code``: every rank's working directory."""
+        return self.root / "code"
 
     @property
     def input_dir(self) -> Path:
@@ -73,11 +83,17 @@ class HostFolder:
             path.mkdir(parents=True, exist_ok=True)
 
 
+def host_folder(home: Path, job_name: str, host: str) -> HostFolder:
+    """Where an agent whose ``DTRAIN_HOME`` is ``home`` lays out ``host`` of the job."""
+    return HostFolder(home / "jobs" / job_name / "hosts" / host)
+
+
 @dataclass(frozen=True)
 class JobFolder:
-    """``$DTRAIN_HOME/jobs/<name>``.
+    """``$DTRAIN_HOME/jobs/<name>`` on the controller's machine.
 
-    Holds ``spec.json``, ``code/``, ``logs/rank<R>.log`` and ``hosts/algo-<i>/``.
+    Holds ``spec.json``, ``logs/attempt-<k>/rank<R>.log``, ``logs/agent-<host>.log`` (agents the
+    controller started) and ``hosts/algo-<i>/`` (there, or on each host's own machine).
     """
 
     root: Path
@@ -91,15 +107,17 @@ class JobFolder:
         return self.root / "spec.json"
 
     @property
-    def code_dir(self) -> Path:
-        return self.root / "code"
-
-    @property
     def logs_dir(self) -> Path:
         return self.root / "logs"
 
-    def log_file(self, rank: int) -> Path:
-        return self.logs_dir / f"rank{rank}.log"
+    def attempt_logs_dir(self, attempt: int) -> Path:
+        return self.logs_dir / f"attempt-{attempt}"
+
+    def log_file(self, rank: int, attempt: int) -> Path:
+        return self.attempt_logs_dir(attempt) / f"rank{rank}.log"
+
+    def agent_log_file(self, host: str) -> Path:
+        return self.logs_dir / f"agent-{host}.log"
 
     def host(self, host_index: int) -> HostFolder:
         return HostFolder(self.root / "hosts" / host_name(host_index))

@@ -43,6 +43,12 @@ class JobSpec:
     metric_definitions: tuple[dict[str, str], ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
     max_retry_attempts: int = 0
+    cluster: str = "local"
+    """Where the hosts are: ``local``, ``join://ADDR:PORT`` or ``ray://ADDR:PORT``."""
+    secret_file: str | None = None
+    """The job's secret, which joining agents must prove (``join://`` clusters)."""
+    join_timeout: float = 600.0
+    """How long the controller waits for every host's agent to join."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

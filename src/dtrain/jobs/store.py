@@ -54,6 +54,11 @@ CREATE TABLE IF NOT EXISTS metrics (
     value REAL NOT NULL,
     timestamp REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS hosts (
+    job TEXT NOT NULL,
+    position INTEGER NOT NULL,
+    facts TEXT NOT NULL
+);
 CREATE INDEX IF NOT EXISTS metrics_by_job ON metrics (job, name, step);
 CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job, start_time);
 """
@@ -231,6 +236,22 @@ class JobStore:
         if rows:
             with self._connect() as db:
                 db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
+
+    def set_hosts(self, name: str, hosts: list[dict[str, Any]]) -> None:
+        """The job's hosts as their agents reported them (name, address, interface, ...)."""
+        with self._connect() as db:
+            db.execute("DELETE FROM hosts WHERE job = ?", (name,))
+            db.executemany(
+                "INSERT INTO hosts VALUES (?, ?, ?)",
+                [(name, i, json.dumps(host, sort_keys=True)) for i, host in enumerate(hosts)],
+            )
+
+    def hosts(self, name: str) -> list[dict[str, Any]]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT facts FROM hosts WHERE job = ? ORDER BY position", (name,)
+            ).fetchall()
+        return [json.loads(row["facts"]) for row in rows]
 
     def metrics(self, name: str) -> list[MetricSample]:
         with self._connect() as db:

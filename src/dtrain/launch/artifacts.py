@@ -1,16 +1,20 @@
 """Model and output artifacts.
 
-Pack ``model/`` and ``output/data`` like SageMaker and put them in the output path.
+Pack every host's ``model/`` and ``output/data`` like SageMaker and put them in the output path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import posixpath
 import tarfile
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from dtrain.errors import ConfigError
 from dtrain.jobs.folder import dtrain_home
@@ -33,32 +37,46 @@ def resolve_output_path(output_path: str | None) -> str:
     return output_path.rstrip("/")
 
 
-def pack(directories: Sequence[Path], archive: Path) -> None:
-    """One ``.tar.gz`` of the union of ``directories`` (the hosts' ``model/``).
+@contextlib.contextmanager
+def _write_whole(url: str) -> Iterator[IO[bytes]]:
+    """A file that appears at ``url`` whole when the block ends, or not at all.
 
-    The first host wins.
+    Locally it is written beside its final name and renamed into place; on S3 the object exists
+    only once its upload completes, and an interrupted one is discarded.
     """
-    seen: set[str] = set()
-    with tarfile.open(archive, "w:gz") as tar:
-        for directory in directories:
-            for path in sorted(directory.rglob("*")):
-                name = path.relative_to(directory).as_posix()
-                if name in seen or path.is_dir():
-                    continue
-                seen.add(name)
-                tar.add(path, arcname=name)
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    if isinstance(fs, LocalFileSystem):
+        partial = Path(f"{path}.partial-{os.getpid()}")
+        try:
+            with partial.open("wb") as handle:
+                yield handle
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return
+    handle = fs.open(path, "wb")
+    try:
+        yield handle
+    except BaseException:
+        handle.discard()
+        raise
+    handle.close()
 
 
 def upload_artifacts(
-    job_name: str, output_url: str, model_dirs: Sequence[Path], output_data_dirs: Sequence[Path]
+    job_name: str, output_url: str, collect: Callable[[str, tarfile.TarFile], None]
 ) -> str:
-    """Write ``<output>/<job>/output/{model,output}.tar.gz``; returns the model artifact URL."""
+    """Write ``<output>/<job>/output/{model,output}.tar.gz``; returns the model artifact URL.
+
+    ``collect(stream, tar)`` adds every host's ``model/`` (stream ``model``) or ``output/data``
+    (stream ``output``) to ``tar`` as they arrive: nothing is staged on disk.
+    """
     prefix = f"{output_url}/{job_name}/output"
-    fs, root = fsspec.core.url_to_fs(prefix)
-    fs.makedirs(root, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, directories in (("model", model_dirs), ("output", output_data_dirs)):
-            local = Path(scratch) / f"{name}.tar.gz"
-            pack(directories, local)
-            fs.put_file(str(local), f"{root}/{name}.tar.gz")
+    for stream in ("model", "output"):
+        with (
+            _write_whole(f"{prefix}/{stream}.tar.gz") as handle,
+            tarfile.open(fileobj=handle, mode="w|gz") as tar,
+        ):
+            collect(stream, tar)
     return f"{prefix}/model.tar.gz"

@@ -1,23 +1,19 @@
 """The contract every worker process gets.
 
-torch.distributed variables, SageMaker's ``SM_*``, MPI's rank.
+torch.distributed variables, SageMaker's ``SM_*``, MPI's rank: computed by the controller from what
+each host's agent reported of its machine, and sent to that agent with the ranks to start.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import shutil
-import subprocess
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.compat import shim_pythonpath_entry
 from dtrain.config.distribution import DistributionPlan
-from dtrain.jobs.folder import HostFolder, JobFolder
+from dtrain.jobs.folder import HostFolder, host_folder
 from dtrain.jobs.hyperparameters import (
     env_value,
     framework_parameters,
@@ -27,54 +23,63 @@ from dtrain.jobs.hyperparameters import (
     user_hyperparameters,
 )
 from dtrain.jobs.spec import JobSpec
-from dtrain.topology import host_name
 
-LOOPBACK = "127.0.0.1"
 INSTANCE_GROUP = "homogeneousCluster"
 
 
-def count_gpus() -> int:
-    """GPUs on this machine.
+@dataclass(frozen=True)
+class Host:
+    """A host of a job (``algo-1``...) and the machine its agent runs on, as the agent reported."""
 
-    Counted like SageMaker's toolkit: lines of ``nvidia-smi --list-gpus``.
+    name: str
+    address: str
+    """The address the job uses on this machine; every listener of the job binds to it."""
+    interface: str
+    machine: str
+    """Hosts with the same value share one machine (its CPUs and GPUs)."""
+    hostname: str
+    cpus: int
+    gpus: int
+    home: str
+    """The agent's ``DTRAIN_HOME``, under which it lays out its host's folder."""
+
+    def folder(self, job_name: str) -> HostFolder:
+        return host_folder(Path(self.home), job_name, self.name)
+
+
+def device_slices(instance_type: str, hosts: Sequence[Host]) -> list[list[int]]:
+    """The GPUs each host's ranks see: hosts on one machine share out its GPUs; all get as many.
+
+    ``local_cpu`` hides every GPU. SageMaker's clusters are homogeneous, so every host gets the
+    smallest share any host can have.
     """
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=20, check=False
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
-
-
-def entry_command(entry_point: str) -> list[str]:
-    """How SageMaker's toolkit starts an entry point.
-
-    Python files with Python, others as programs.
-    """
-    if entry_point.endswith(".py"):
-        return [sys.executable, "-u", entry_point]
-    if entry_point.endswith(".sh"):
-        return ["/bin/sh", entry_point]
-    return [f"./{entry_point}"]
+    if instance_type == "local_cpu" or not hosts:
+        return [[] for _ in hosts]
+    sharing = {host.machine: 0 for host in hosts}
+    for host in hosts:
+        sharing[host.machine] += 1
+    each = min(host.gpus // sharing[host.machine] for host in hosts)
+    seen = {machine: 0 for machine in sharing}
+    slices = []
+    for host in hosts:
+        first = seen[host.machine] * each
+        seen[host.machine] += 1
+        slices.append(list(range(first, first + each)))
+    return slices
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything needed to start a validated job's processes: layout, folders, rendezvous port."""
+    """Everything needed to start a validated job's processes on the hosts that joined it."""
 
     spec: JobSpec
     distribution: DistributionPlan
-    folder: JobFolder
-    gpus_per_host: int
-    master_port: int
+    hosts: tuple[Host, ...]
     hyperparameters: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def hosts(self) -> list[str]:
-        return [host_name(i) for i in range(self.spec.instance_count)]
+    def host_names(self) -> list[str]:
+        return [host.name for host in self.hosts]
 
     @property
     def processes_per_host(self) -> int:
@@ -84,33 +89,42 @@ class LaunchPlan:
     def world_size(self) -> int:
         return self.distribution.world_size
 
+    @property
+    def gpus_per_host(self) -> int:
+        return len(device_slices(self.spec.instance_type, self.hosts)[0])
+
     def host_index(self, rank: int) -> int:
         return rank // self.processes_per_host
 
-    def host_folder(self, rank: int) -> HostFolder:
-        return self.folder.host(self.host_index(rank))
+    def ranks_of(self, host_index: int) -> range:
+        first = host_index * self.processes_per_host
+        return range(first, first + self.processes_per_host)
+
+    def host_folder(self, host_index: int) -> HostFolder:
+        return self.hosts[host_index].folder(self.spec.job_name)
 
     @property
     def entry_point_name(self) -> str:
         return Path(self.spec.entry_point).name
 
-    def command(self) -> list[str]:
-        return [*entry_command(self.entry_point_name), *to_cmd_args(self.hyperparameters)]
+    @property
+    def arguments(self) -> list[str]:
+        return to_cmd_args(self.hyperparameters)
 
-    def resource_config(self, host: str) -> dict[str, Any]:
+    def resource_config(self, host_index: int) -> dict[str, Any]:
         return {
-            "current_host": host,
+            "current_host": self.hosts[host_index].name,
             "current_instance_type": self.spec.instance_type,
             "current_group_name": INSTANCE_GROUP,
-            "hosts": self.hosts,
+            "hosts": self.host_names,
             "instance_groups": [
                 {
                     "instance_group_name": INSTANCE_GROUP,
                     "instance_type": self.spec.instance_type,
-                    "hosts": self.hosts,
+                    "hosts": self.host_names,
                 }
             ],
-            "network_interface_name": "lo",
+            "network_interface_name": self.hosts[host_index].interface,
         }
 
     def input_data_config(self) -> dict[str, Any]:
@@ -118,34 +132,33 @@ class LaunchPlan:
 
         return input_data_config(self.spec.channels)
 
-    def write_host_config(self, host_index: int) -> None:
+    def host_config(self, host_index: int) -> dict[str, str]:
         """``input/config/*.json`` of one host, as SageMaker writes them before training."""
-        config_dir = self.folder.host(host_index).input_config_dir
         files = {
             "hyperparameters.json": to_json_file_content(self.hyperparameters),
-            "resourceconfig.json": self.resource_config(host_name(host_index)),
+            "resourceconfig.json": self.resource_config(host_index),
             "inputdataconfig.json": self.input_data_config(),
         }
-        for file_name, content in files.items():
-            (config_dir / file_name).write_text(json.dumps(content, indent=2, sort_keys=True))
+        return {
+            name: json.dumps(content, indent=2, sort_keys=True) for name, content in files.items()
+        }
 
-    def training_env(self, rank: int) -> dict[str, Any]:
+    def training_env(self, host_index: int) -> dict[str, Any]:
         """``SM_TRAINING_ENV``: the toolkit's whole view of the job, as one JSON document."""
-        host_index = self.host_index(rank)
-        host = host_name(host_index)
-        folder = self.folder.host(host_index)
+        host = self.hosts[host_index]
+        folder = self.host_folder(host_index)
         channels = sorted(c.name for c in self.spec.channels)
         return {
             "additional_framework_parameters": framework_parameters(self.hyperparameters),
             "channel_input_dirs": {c: str(folder.channel_dir(c)) for c in channels},
-            "current_host": host,
+            "current_host": host.name,
             "current_instance_group": INSTANCE_GROUP,
-            "current_instance_group_hosts": self.hosts,
+            "current_instance_group_hosts": self.host_names,
             "current_instance_type": self.spec.instance_type,
-            "distribution_hosts": self.hosts,
+            "distribution_hosts": self.host_names,
             "distribution_instance_groups": [INSTANCE_GROUP],
             "framework_module": "dtrain.launch",
-            "hosts": self.hosts,
+            "hosts": self.host_names,
             "hyperparameters": user_hyperparameters(self.hyperparameters),
             "input_config_dir": str(folder.input_config_dir),
             "input_data_config": self.input_data_config(),
@@ -156,49 +169,47 @@ class LaunchPlan:
             "is_modelparallel_enabled": self.distribution.mp_parameters is not None,
             "job_name": self.spec.job_name,
             "log_level": 20,
-            "master_hostname": self.hosts[0],
+            "master_hostname": self.host_names[0],
             "model_dir": str(folder.model_dir),
-            "module_dir": str(self.folder.code_dir),
+            "module_dir": str(folder.code_dir),
             "module_name": Path(self.entry_point_name).stem,
-            "network_interface_name": "lo",
-            "num_cpus": multiprocessing.cpu_count(),
+            "network_interface_name": host.interface,
+            "num_cpus": host.cpus,
             "num_gpus": self.gpus_per_host,
             "num_neurons": 0,
             "output_data_dir": str(folder.output_data_dir),
             "output_dir": str(folder.output_dir),
             "output_intermediate_dir": str(folder.output_intermediate_dir),
-            "resource_config": self.resource_config(host),
+            "resource_config": self.resource_config(host_index),
             "user_entry_point": self.entry_point_name,
         }
 
-    def checkpoint_dir(self, rank: int) -> Path:
+    def checkpoint_dir(self, host_index: int) -> Path:
         if self.spec.checkpoint_local_path:
             return Path(self.spec.checkpoint_local_path)
-        return self.host_folder(rank).checkpoints_dir
+        return self.host_folder(host_index).checkpoints_dir
 
-    def rank_env(self, rank: int, inherited: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of global ``rank``.
-
-        Inherited, then the user's ``environment``, then ours.
-        """
-        env = dict(os.environ if inherited is None else inherited)
-        env.update(self.spec.environment)
+    def rank_env(self, rank: int, master_port: int, attempt: int) -> dict[str, str]:
+        """What global ``rank`` is told, over its agent's environment: the job's, then ours."""
         host_index = self.host_index(rank)
         local_rank = rank % self.processes_per_host
-        folder = self.folder.host(host_index)
-        training_env = self.training_env(rank)
+        folder = self.host_folder(host_index)
+        training_env = self.training_env(host_index)
         world = str(self.world_size)
-        contract: dict[str, str] = {
+        contract: dict[str, str] = dict(self.spec.environment)
+        contract.update({
             "RANK": str(rank),
             "WORLD_SIZE": world,
             "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(self.processes_per_host),
             "GROUP_RANK": str(host_index),
             "NODE_RANK": str(host_index),
-            "MASTER_ADDR": LOOPBACK,
-            "MASTER_PORT": str(self.master_port),
-            # The launcher hosts the rendezvous store (bound to loopback); ranks are its clients.
+            "MASTER_ADDR": self.hosts[0].address,
+            "MASTER_PORT": str(master_port),
+            # algo-1's agent hosts the rendezvous store (on its job address); ranks are clients.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
+            "DTRAIN_ATTEMPT": str(attempt),
             "OMPI_COMM_WORLD_RANK": str(rank),
             "OMPI_COMM_WORLD_SIZE": world,
             "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
@@ -214,14 +225,14 @@ class LaunchPlan:
             "TRAINING_JOB_NAME": self.spec.job_name,
             "SAGEMAKER_JOB_NAME": self.spec.job_name,
             "DTRAIN_JOB_NAME": self.spec.job_name,
-            "DTRAIN_JOB_DIR": str(self.folder.root),
-            "DTRAIN_CHECKPOINT_DIR": str(self.checkpoint_dir(rank)),
-            "SM_USER_ARGS": env_value(to_cmd_args(self.hyperparameters)),
+            "DTRAIN_JOB_DIR": str(folder.root.parent.parent),
+            "DTRAIN_CHECKPOINT_DIR": str(self.checkpoint_dir(host_index)),
+            "SM_USER_ARGS": env_value(self.arguments),
             "SM_TRAINING_ENV": env_value(training_env),
             "SM_FRAMEWORK_PARAMS": env_value(framework_parameters(self.hyperparameters)),
             "SM_CHANNELS": env_value(sorted(training_env["channel_input_dirs"])),
             "PYTHONUNBUFFERED": "1",
-        }
+        })  # fmt: skip
         contract.update(self._sm_variables_from(training_env))
         for channel, path in training_env["channel_input_dirs"].items():
             contract[f"SM_CHANNEL_{channel.upper()}"] = path
@@ -229,9 +240,7 @@ class LaunchPlan:
         if self.distribution.mp_parameters is not None:
             contract["SM_HP_MP_PARAMETERS"] = env_value(self.hyperparameters["mp_parameters"])
         contract.update(self._device_env(host_index))
-        env.update(contract)
-        self._set_defaults(env)
-        return env
+        return contract
 
     @staticmethod
     def _sm_variables_from(training_env: dict[str, Any]) -> dict[str, str]:
@@ -251,21 +260,23 @@ class LaunchPlan:
         return {named.get(k, f"SM_{k.upper()}"): env_value(training_env[k]) for k in keys}
 
     def _device_env(self, host_index: int) -> dict[str, str]:
-        """Each simulated host sees its own slice of the machine's GPUs, or none on a CPU job."""
-        if self.gpus_per_host == 0:
+        """Each host sees its own share of its machine's GPUs, and a CPU job none."""
+        devices = device_slices(self.spec.instance_type, self.hosts)[host_index]
+        if not devices:
             return {"CUDA_VISIBLE_DEVICES": ""} if self.spec.instance_type == "local_cpu" else {}
-        first = host_index * self.gpus_per_host
-        devices = range(first, first + self.gpus_per_host)
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
-    def _set_defaults(self, env: dict[str, str]) -> None:
-        """Keep traffic on loopback and threads within the cores.
+    def defaults(self, host_index: int) -> dict[str, str]:
+        """Variables a host's ranks get unless its agent's environment already sets them.
 
-        Variables the user already set are left alone.
+        Collective traffic stays on the interface of the job's address, and the machine's cores
+        are shared out between all the ranks it runs.
         """
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        threads = max(1, multiprocessing.cpu_count() // self.world_size)
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
-        env["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
+        host = self.hosts[host_index]
+        on_machine = sum(1 for other in self.hosts if other.machine == host.machine)
+        threads = max(1, host.cpus // (on_machine * self.processes_per_host))
+        return {
+            "GLOO_SOCKET_IFNAME": host.interface,
+            "NCCL_SOCKET_IFNAME": host.interface,
+            "OMP_NUM_THREADS": str(threads),
+        }

@@ -1,4 +1,11 @@
-"""A training job from request to final status: validate, lay out folders, run the ranks, upload."""
+"""A training job from request to final status: validate, gather hosts, lay them out, train, upload.
+
+The process that runs this is the job's controller, its single source of truth: it records every
+status change, writes every rank's output to the job folder as it arrives, extracts metrics,
+decides each attempt's end (:mod:`outcome`) and packs one ``model.tar.gz`` from every host's
+``model/``. The hosts' work is done by their agents (:mod:`agent`), wherever the cluster found
+them (:mod:`clusters`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,9 @@ import dataclasses
 import datetime
 import os
 import re
-import shutil
-import socket
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,18 +23,21 @@ from typing import Any, TextIO
 
 from dtrain.config.distribution import DistributionPlan, resolve_distribution
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.jobs.channels import materialize_channel, validate_channels
-from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder
+from dtrain.jobs.channels import validate_channels
+from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, dtrain_home
 from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
 from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
-from dtrain.launch.env import LaunchPlan, count_gpus
-from dtrain.launch.supervisor import Outcome, RankLaunch, Supervisor
+from dtrain.launch.clusters import Cluster, parse_cluster
+from dtrain.launch.controller import Controller, JobStopped
+from dtrain.launch.env import Host, LaunchPlan
+from dtrain.launch.machine import count_gpus
+from dtrain.launch.outcome import Attempt, Outcome
+from dtrain.launch.transfer import send_folder
 from dtrain.topology import host_name
 
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
-RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def default_job_name(base: str) -> str:
@@ -44,19 +54,19 @@ def validate_instance_type(instance_type: str) -> None:
     if instance_type in LOCAL_INSTANCE_TYPES:
         return
     hint = (
-        "dtrain runs jobs on this machine; use instance_type='local' (GPUs if present), "
-        "'local_gpu' or 'local_cpu', and instance_count for the number of simulated hosts"
+        "dtrain runs jobs on your own machines; use instance_type='local' (GPUs if present), "
+        "'local_gpu' or 'local_cpu', instance_count for the number of hosts and cluster to say "
+        "where they are"
     )
     raise ConfigError(
         "instance_type", instance_type, f"one of {', '.join(LOCAL_INSTANCE_TYPES)}; {hint}"
     )
 
 
-def gpus_per_host(instance_type: str, instance_count: int) -> int:
-    """The machine's GPUs shared out between simulated hosts; none for ``local_cpu``."""
+def gpus_per_host(instance_type: str, instance_count: int, gpus: int) -> int:
+    """A machine's ``gpus`` shared out between ``instance_count`` hosts; none for ``local_cpu``."""
     if instance_type == "local_cpu":
         return 0
-    gpus = count_gpus()
     if instance_type == "local_gpu" and gpus < instance_count:
         raise ConfigError(
             "instance_type",
@@ -74,9 +84,9 @@ class PreparedJob:
 
     spec: JobSpec
     distribution: DistributionPlan
-    gpus_per_host: int
     hyperparameters: dict[str, Any]
     output_url: str
+    cluster: Cluster
 
 
 def _check_entry_point(spec: JobSpec) -> None:
@@ -108,7 +118,28 @@ def prepare(spec: JobSpec) -> PreparedJob:
     if not isinstance(spec.max_retry_attempts, int) or not 0 <= spec.max_retry_attempts <= 30:
         raise ConfigError("max_retry_attempts", spec.max_retry_attempts, "an integer from 0 to 30")
     _check_entry_point(spec)
-    gpus = gpus_per_host(spec.instance_type, spec.instance_count)
+    cluster = parse_cluster(spec.cluster, spec.secret_file, spec.join_timeout)
+    if not isinstance(spec.join_timeout, int | float) or not spec.join_timeout > 0:
+        raise ConfigError("join_timeout", spec.join_timeout, "a number of seconds > 0")
+    # The hosts of a local job share this machine's GPUs; other hosts report theirs on joining.
+    local = spec.cluster == "local"
+    gpus = gpus_per_host(spec.instance_type, spec.instance_count, count_gpus()) if local else 0
+    plan = resolve_distribution_for(spec, gpus)
+    validate_metric_definitions(spec.metric_definitions)
+    validate_channels(spec.channels)
+    for key, value in spec.environment.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ConfigError(f"environment.{key}", value, "string keys and string values")
+    hyperparameters = dict(spec.hyperparameters)
+    for key in hyperparameters:
+        if not isinstance(key, str) or not key:
+            raise ConfigError("hyperparameters", key, "non-empty string keys")
+    hyperparameters.update(plan.framework_hyperparameters)
+    return PreparedJob(spec, plan, hyperparameters, resolve_output_path(spec.output_path), cluster)
+
+
+def resolve_distribution_for(spec: JobSpec, gpus: int) -> DistributionPlan:
+    """The job's distribution with hosts of ``gpus`` GPUs each (one process per GPU by default)."""
     plan = resolve_distribution(
         spec.distribution,
         instance_count=spec.instance_count,
@@ -122,50 +153,25 @@ def prepare(spec: JobSpec) -> PreparedJob:
             plan.processes_per_host,
             f"at most the {gpus} GPU(s) each host has (one process per GPU)",
         )
-    validate_metric_definitions(spec.metric_definitions)
-    validate_channels(spec.channels)
-    for key, value in spec.environment.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ConfigError(f"environment.{key}", value, "string keys and string values")
-    hyperparameters = dict(spec.hyperparameters)
-    for key in hyperparameters:
-        if not isinstance(key, str) or not key:
-            raise ConfigError("hyperparameters", key, "non-empty string keys")
-    hyperparameters.update(plan.framework_hyperparameters)
-    return PreparedJob(spec, plan, gpus, hyperparameters, resolve_output_path(spec.output_path))
+    return plan
 
 
-def _free_loopback_listener() -> socket.socket:
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    return listener
+def _code_filter(spec: JobSpec) -> tuple[Path, Any]:
+    """The folder sent as the job's code (as SageMaker's ``sourcedir.tar.gz``), and what to skip.
 
-
-def _copy_code(spec: JobSpec, code_dir: Path) -> None:
-    """Like SageMaker's ``sourcedir.tar.gz``: the source dir, or the entry point alone.
-
-    dtrain's home may lie inside the source dir (a project folder holding both): the folder
-    that holds the job's own copy is left out, or the copy would copy itself without end.
+    dtrain's home may lie inside the source dir (a project folder holding both): it is left out,
+    or a local job would copy its own copy. ``__pycache__`` folders are left out too.
     """
+    home = dtrain_home().resolve()
+
+    def skip(path: Path) -> bool:
+        resolved = path.resolve()
+        return path.name == "__pycache__" or resolved == home or home in resolved.parents
+
     if spec.source_dir is not None:
-        copy = code_dir.resolve()
-
-        def ignore(folder: str, names: list[str]) -> set[str]:
-            return {
-                name
-                for name in names
-                if name == "__pycache__" or _holds(Path(folder, name).resolve(), copy)
-            }
-
-        shutil.copytree(spec.source_dir, code_dir, ignore=ignore)
-    else:
-        code_dir.mkdir(parents=True)
-        shutil.copy2(spec.entry_point, code_dir / Path(spec.entry_point).name)
-
-
-def _holds(folder: Path, path: Path) -> bool:
-    return folder == path or folder in path.parents
+        return Path(spec.source_dir), skip
+    entry = Path(spec.entry_point)
+    return entry.parent, lambda path: path.name != entry.name
 
 
 class JobRun:
@@ -180,13 +186,20 @@ class JobRun:
         self.name = job.spec.job_name
         self.folder = JobFolder.for_job(self.name)
         self.started = time.monotonic()
+        self.extractor = MetricExtractor(validate_metric_definitions(job.spec.metric_definitions))
+        self._console_lock = threading.Lock()
+        self._logs: dict[tuple[int, int], TextIO] = {}
+        self._signalled: str | None = None
+        self._last_stop_check = 0.0
+        self._stop_requested = False
 
     def say(self, message: str) -> None:
         if self.console is not None:
             elapsed = time.monotonic() - self.started
             stamp = time.strftime("%H:%M:%S", time.gmtime(elapsed))
-            self.console.write(f"[dtrain {self.name} {stamp}] {message}\n")
-            self.console.flush()
+            with self._console_lock:
+                self.console.write(f"[dtrain {self.name} {stamp}] {message}\n")
+                self.console.flush()
 
     def transition(self, secondary: str, message: str, **columns: Any) -> None:
         self.store.update(self.name, secondary_status=secondary, message=message, **columns)
@@ -198,16 +211,32 @@ class JobRun:
             raise DtrainError(
                 f"job folder {self.folder.root} already exists; choose another job name"
             )
+        cluster = self.job.cluster
+        listener = cluster.open(spec.instance_count)  # a bad address or cluster: no record yet
+        secret = cluster.secret()
         # Record the resolved layout, so `dtrain jobs` and `describe` show what actually ran.
         resolved = dataclasses.replace(
             spec, processes_per_host=self.job.distribution.processes_per_host
         )
         self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
+        previous = self._install_signal_handlers()
+        controller = Controller(
+            listener, secret, cluster, self._on_output, self.say, self._should_stop
+        )
         try:
-            self._lay_out()
-            outcome = self._train()
-            self._finish(outcome)
+            self.folder.logs_dir.mkdir(parents=True)
+            self.folder.spec_file.write_text(spec.to_json())
+            names = [host_name(i) for i in range(spec.instance_count)]
+            cluster.start_agents(listener.getsockname()[:2], secret, names, self.folder, self.say)
+            plan = self._plan(controller.gather(names, cluster.join_timeout))
+            self.transition("Downloading", "Downloading input data")
+            source, skip = _code_filter(spec)
+            controller.prepare(plan, lambda link: send_folder(link, "code", source, skip))
+            outcome = self._train(controller, plan)
+            self._finish(outcome, controller, plan)
+        except JobStopped as stop:
+            self._end(STOPPED, stop.secondary_status, str(stop))
         except DtrainError as error:
             # e.g. a channel that cannot be downloaded: the job fails, with the reason recorded.
             self._end(FAILED, "Failed", str(error), failure_reason=str(error))
@@ -218,122 +247,106 @@ class JobRun:
                 reason = f"internal error: {type(error).__name__}: {error}"
                 self._end(FAILED, "Failed", reason, failure_reason=reason)
             raise
+        finally:
+            controller.close()
+            cluster.close()
+            self._restore_signal_handlers(previous)
+            for log in self._logs.values():
+                log.close()
         return self.store.get(self.name)
 
-    def _lay_out(self) -> None:
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def interrupt(signum: int, _frame: object) -> None:
+            self._signalled = f"Interrupted by {signal.Signals(signum).name}"
+
+        return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _should_stop(self) -> tuple[str, str] | None:
+        """Ctrl-C or SIGTERM, ``dtrain stop`` (read from the store twice a second), max run."""
+        if self._signalled:
+            return "Stopped", self._signalled
+        now = time.monotonic()
+        if now - self.started > self.job.spec.max_run:
+            limit = self.job.spec.max_run
+            return "MaxRuntimeExceeded", f"Training job exceeded MaxRuntimeInSeconds ({limit:g} s)"
+        if now - self._last_stop_check >= 0.5:
+            self._last_stop_check = now
+            self._stop_requested = self.store.get(self.name).status == STOPPING
+        if self._stop_requested:
+            return "Stopped", "Stopped by request (dtrain stop)"
+        return None
+
+    def _on_output(self, host: str, attempt: int, rank: int, lines: list[str]) -> None:
+        """Rank output as it arrives (one reader thread per host): log, console, metrics."""
+        log = self._logs.get((attempt, rank))
+        if log is None:
+            path = self.folder.log_file(rank, attempt)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = self._logs[attempt, rank] = path.open("a", encoding="utf-8")
+        text = "".join(line + "\n" for line in lines)
+        log.write(text)
+        log.flush()
+        if self.console is not None:
+            prefix = f"[{host},{rank}]: "
+            with self._console_lock:
+                self.console.write("".join(prefix + line + "\n" for line in lines))
+                self.console.flush()
+        if rank == 0:
+            samples = [sample for line in lines for sample in self.extractor.feed(line)]
+            self.store.add_metrics(self.name, samples)
+
+    def _plan(self, hosts: list[Host]) -> LaunchPlan:
+        """The launch plan for the hosts that joined, and their record in the store."""
         spec = self.job.spec
-        plan = self._launch_plan(port=0)
-        self.folder.logs_dir.mkdir(parents=True)
-        _copy_code(spec, self.folder.code_dir)
-        self.folder.spec_file.write_text(spec.to_json())
-        if spec.checkpoint_local_path:  # shared by the hosts, as a checkpoint volume would be
-            Path(spec.checkpoint_local_path).mkdir(parents=True, exist_ok=True)
-        self.transition("Downloading", "Downloading input data")
-        for host_index in range(spec.instance_count):
-            host = self.folder.host(host_index)
-            host.create()
-            for channel in spec.channels:
-                materialize_channel(
-                    channel, host.channel_dir(channel.name), host_index, spec.instance_count
-                )
-            plan.write_host_config(host_index)
+        self.store.set_hosts(self.name, [dataclasses.asdict(host) for host in hosts])
+        distribution = self.job.distribution
+        plan = LaunchPlan(spec, distribution, tuple(hosts), self.job.hyperparameters)
+        gpus = plan.gpus_per_host
+        if spec.instance_type == "local_gpu" and gpus == 0:
+            raise DtrainError(
+                "instance_type 'local_gpu' needs at least one GPU per host; the hosts have "
+                + ", ".join(f"{h.name}: {h.gpus}" for h in hosts)
+            )
+        if spec.cluster != "local":  # the default processes per host follow the hosts' GPUs
+            distribution = resolve_distribution_for(spec, gpus)
+            plan = dataclasses.replace(plan, distribution=distribution)
+        return plan
 
-    def _launch_plan(self, port: int) -> LaunchPlan:
-        return LaunchPlan(
-            spec=self.job.spec,
-            distribution=self.job.distribution,
-            folder=self.folder,
-            gpus_per_host=self.job.gpus_per_host,
-            master_port=port,
-            hyperparameters=self.job.hyperparameters,
-        )
-
-    def _train(self) -> Outcome:
-        import torch.distributed as dist
-
+    def _train(self, controller: Controller, plan: LaunchPlan) -> Outcome:
         spec = self.job.spec
         attempts = spec.max_retry_attempts + 1
-        for attempt in range(1, attempts + 1):
-            listener = _free_loopback_listener()
-            port = listener.getsockname()[1]
-            store = dist.TCPStore(
-                "127.0.0.1",
-                port,
-                None,
-                True,
-                RENDEZVOUS_TIMEOUT,
-                wait_for_workers=False,
-                master_listen_fd=listener.detach(),
-            )
-            plan = self._launch_plan(port)
-            layout = f"{spec.instance_count} host(s) x {plan.processes_per_host} process(es)"
-            self.transition("Training", f"Training on {layout}, attempt {attempt} of {attempts}")
-            outcome = self._supervise(plan)
-            del store
-            retry = (
-                outcome.status == FAILED
-                and outcome.failure is not None
-                and outcome.failure.signal_name is not None
-                and attempt < attempts
-            )
-            if not retry:
+        for number in range(1, attempts + 1):
+            port = controller.open_store(number, plan.hosts[0].name)
+            layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
+            self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
+            outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
+            if not (outcome.retryable and number < attempts):
                 return outcome
             self.transition("Restarting", f"{outcome.message}; retrying")
         raise AssertionError("unreachable")
 
-    def _supervise(self, plan: LaunchPlan) -> Outcome:
-        extractor = MetricExtractor(validate_metric_definitions(self.job.spec.metric_definitions))
-        argv = plan.command()
-
-        def on_line(rank: int, line: str) -> None:
-            if rank == 0:
-                self.store.add_metrics(self.name, extractor.feed(line))
-
-        last_check = [0.0]
-
-        def should_stop() -> str | None:
-            now = time.monotonic()
-            if now - last_check[0] < 0.5:
-                return None
-            last_check[0] = now
-            record = self.store.get(self.name)
-            return "Stopped by request (dtrain stop)" if record.status == STOPPING else None
-
-        launches = [
-            RankLaunch(
-                rank=rank,
-                host=host_name(plan.host_index(rank)),
-                argv=argv,
-                env=plan.rank_env(rank),
-                cwd=self.folder.code_dir,
-                log_file=self.folder.log_file(rank),
-            )
-            for rank in range(plan.world_size)
-        ]
-        supervisor = Supervisor(
-            launches,
-            console=self.console,
-            on_line=on_line,
-            should_stop=should_stop,
-            max_run=self.job.spec.max_run,
-            on_progress=lambda elapsed: self.say("Training: in progress"),
-        )
-        return supervisor.run()
-
-    def _finish(self, outcome: Outcome) -> None:
+    def _finish(self, outcome: Outcome, controller: Controller, plan: LaunchPlan) -> None:
         if outcome.failure is not None:
             failure = outcome.failure
-            host = self.folder.host(failure.rank // self.job.distribution.processes_per_host)
-            host.failure_file.write_text(f"{failure.reason}\n\n{failure.tail}\n")
+            index = plan.host_names.index(failure.host)
+            failure_file = self.folder.host(index).failure_file
+            failure_file.parent.mkdir(parents=True, exist_ok=True)
+            failure_file.write_text(f"{failure.reason}\n\n{failure.tail}\n")
         artifacts = None
         if outcome.status in (COMPLETED, STOPPED):
             self.transition("Uploading", "Uploading generated training model")
-            hosts = [self.folder.host(i) for i in range(self.job.spec.instance_count)]
             artifacts = upload_artifacts(
                 self.name,
                 self.job.output_url,
-                [h.model_dir for h in hosts],
-                [h.output_data_dir for h in hosts],
+                lambda stream, target: controller.collect(stream, plan.host_names, target),
             )
         self._end(
             outcome.status,
@@ -358,6 +371,6 @@ class JobRun:
 def run_job(
     spec: JobSpec, store: JobStore | None = None, console: TextIO | None = sys.stdout
 ) -> JobRecord:
-    """Validate, then run ``spec`` to its end in this process (which exists to supervise it)."""
+    """Validate, then run ``spec`` to its end in this process (its controller)."""
     prepared = prepare(spec)
     return JobRun(prepared, store or JobStore(), console).run()

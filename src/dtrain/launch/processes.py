@@ -13,18 +13,27 @@ import sys
 import time
 from collections.abc import Iterable
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def become_subreaper() -> None:
     """Adopt orphaned grandchildren (Linux), so a daemon a rank forked still gets cleaned up."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def die_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """In a child before ``exec``: receive ``sig`` when the thread that started it ends (Linux).
+
+    Call it as ``preexec_fn`` from a thread that lives as long as the child should; the setting
+    survives ``exec``. If the parent already died between fork and this call, exit at once.
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _parent_map() -> dict[int, int]:
@@ -82,8 +91,10 @@ def reap_orphans(keep: Iterable[int] = ()) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def kill_tree(pgids: Iterable[int], grace: float, keep: Iterable[int] = ()) -> None:
-    """SIGTERM the groups and every descendant of this process.
+def kill_tree(
+    pgids: Iterable[int], grace: float, keep: Iterable[int] = (), spare: Iterable[int] = ()
+) -> None:
+    """SIGTERM the groups and every descendant of this process but ``spare``.
 
     Then SIGKILL what is left after ``grace``.
 
@@ -91,20 +102,46 @@ def kill_tree(pgids: Iterable[int], grace: float, keep: Iterable[int] = ()) -> N
     """
     pgids = list(pgids)
     keep = list(keep)
+    spare = set(spare)
     me = os.getpid()
+
+    def targets() -> list[int]:
+        return [pid for pid in descendants(me) if pid not in spare]
+
+    first = targets()  # before any dies: an orphan may be adopted by someone else
     for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
-    signal_pids(descendants(me), signal.SIGTERM)
+    signal_pids(first, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         reap_orphans(keep)
-        if not _live(descendants(me)):
+        if not _live(targets()):
             break
         time.sleep(0.05)
     for pgid in pgids:
         signal_group(pgid, signal.SIGKILL)
-    signal_pids(descendants(me), signal.SIGKILL)
+    signal_pids(targets(), signal.SIGKILL)
     reap_orphans(keep)
+
+
+def marked_processes(marker: bytes) -> list[int]:
+    """Live processes whose environment holds ``marker`` (a ``KEY=VALUE`` line), from ``/proc``.
+
+    An environment is inherited by every descendant, through ``setsid`` and double forks, so this
+    finds what a rank started even after its parent is gone.
+    """
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if marker in environ:
+            found.append(int(entry))
+    return _live(found)
 
 
 def _live(pids: Iterable[int]) -> list[int]:

@@ -1,0 +1,352 @@
+"""``dtrain agent``: one machine's share of a job, run on the controller's orders.
+
+An agent joins the job's controller (proving the job's secret), reports what its machine is,
+then lays out its host's ``/opt/ml``-style folder (code, configuration, its shard of each channel),
+starts and watches its P ranks for each attempt, streams their output line by line, reports each
+exit with the rank's last traceback, hosts the rendezvous store if it is ``algo-1``, and sends
+back its ``model/`` and ``output/data`` at the end. It ends its ranks, and exits, when the job
+ends, when told to stop, when it is stopped itself (SIGTERM, Ctrl-C), and when the controller goes
+silent or away; if it is killed outright, its ranks die with it and its keeper ends what they
+started.
+
+Nothing here decides what the job does next: that is the controller's (:mod:`controller`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dtrain.compat import shim_pythonpath_entry
+from dtrain.errors import DtrainError
+from dtrain.jobs.channels import materialize_channel
+from dtrain.jobs.folder import HostFolder
+from dtrain.jobs.spec import ChannelSpec
+from dtrain.launch.machine import host_facts
+from dtrain.launch.netif import format_endpoint, interface_of
+from dtrain.launch.processes import become_subreaper
+from dtrain.launch.ranks import LocalRanks, RankLaunch
+from dtrain.launch.transfer import ChunkReader, send_folder, unpack
+from dtrain.launch.wire import Connection, ConnectionClosed, join_controller
+
+HEARTBEAT_INTERVAL = 1.0
+SILENCE_LIMIT = 15.0
+"""A peer unheard of for this long is gone (a dead machine, a cut link); heartbeats come each
+second."""
+RETRY_INTERVAL = 0.5
+MARKER = "DTRAIN_AGENT"
+"""The environment variable that marks everything this agent's ranks start."""
+OUTBOX_LIMIT = 100_000
+"""Output lines waiting to be sent before a rank's writes block: backpressure, never loss."""
+
+
+def entry_command(entry_point: str) -> list[str]:
+    """How SageMaker's toolkit starts an entry point: Python files with this agent's Python."""
+    if entry_point.endswith(".py"):
+        return [sys.executable, "-u", entry_point]
+    if entry_point.endswith(".sh"):
+        return ["/bin/sh", entry_point]
+    return [f"./{entry_point}"]
+
+
+def connect(
+    controller: tuple[str, int], address: str | None, timeout: float, say: Callable[[str], None]
+) -> socket.socket:
+    """A connection to the controller, retried until ``timeout`` (agents may start first)."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            source = (address, 0) if address else None
+            return socket.create_connection(controller, timeout=5.0, source_address=source)
+        except OSError as error:
+            if time.monotonic() > deadline:
+                where = format_endpoint(*controller)
+                raise DtrainError(
+                    f"no controller answered at {where} within {timeout:g} s ({error})"
+                ) from None
+            if not told:
+                say(f"waiting for the controller at {format_endpoint(*controller)} ({error})")
+                told = True
+            time.sleep(RETRY_INTERVAL)
+
+
+class _Outbox:
+    """Output lines of every rank, waiting for the main loop to send them in batches."""
+
+    def __init__(self) -> None:
+        self._lines: list[tuple[int, str]] = []
+        self._room = threading.Condition()
+
+    def put(self, rank: int, line: str) -> None:
+        with self._room:
+            self._room.wait_for(lambda: len(self._lines) < OUTBOX_LIMIT)
+            self._lines.append((rank, line))
+
+    def take(self) -> dict[int, list[str]]:
+        with self._room:
+            lines, self._lines = self._lines, []
+            self._room.notify_all()
+        batches: dict[int, list[str]] = {}
+        for rank, line in lines:
+            batches.setdefault(rank, []).append(line)
+        return batches
+
+
+@dataclasses.dataclass
+class _Inbox:
+    """Messages from the controller, read by one thread; tar streams are routed to their reader."""
+
+    connection: Connection
+    messages: queue.Queue[Any] = dataclasses.field(default_factory=queue.Queue)
+    streams: dict[str, ChunkReader] = dataclasses.field(default_factory=dict)
+    last_heard: float = dataclasses.field(default_factory=time.monotonic)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def stream(self, name: str) -> ChunkReader:
+        with self.lock:
+            return self.streams.setdefault(name, ChunkReader(check=self.check_silence))
+
+    def check_silence(self) -> None:
+        if time.monotonic() - self.last_heard > SILENCE_LIMIT:
+            raise ConnectionClosed(f"no word from the controller for {SILENCE_LIMIT:g} s")
+
+    def read(self) -> None:
+        try:
+            while True:
+                message = self.connection.receive()
+                self.last_heard = time.monotonic()
+                if message.kind == "chunk":
+                    self.stream(message["stream"]).feed(message.payload)
+                elif message.kind == "end":
+                    self.stream(message["stream"]).feed(b"")
+                elif message.kind != "heartbeat":
+                    self.messages.put(message)
+        except Exception as error:
+            with self.lock:
+                for reader in self.streams.values():
+                    reader.fail(ConnectionClosed(str(error)))
+            self.messages.put(ConnectionClosed(str(error)))
+
+
+class Agent:
+    """Runs one host's share of a job over an admitted connection to the controller."""
+
+    def __init__(
+        self, connection: Connection, say: Callable[[str], None], marker: str, keeper: int
+    ) -> None:
+        self.connection = connection
+        self.say = say
+        self.marker = marker
+        self.keeper = keeper
+        self.inbox = _Inbox(connection)
+        self.outbox = _Outbox()
+        self.ranks: LocalRanks | None = None
+        self.attempt = 0
+        self.folder: HostFolder | None = None
+        self.store: Any = None
+        self.address = connection.sock.getsockname()[0]
+        self._signalled: str | None = None
+        self._alive = True
+
+    def run(self) -> int:
+        """Serve the controller until it dismisses this agent; ``dtrain agent``'s exit status."""
+        become_subreaper()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        threading.Thread(target=self.inbox.read, name="agent-inbox", daemon=True).start()
+        threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
+        try:
+            return self._serve()
+        finally:
+            self._alive = False
+            self._end_ranks()
+            self.connection.close()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signalled = signal.Signals(signum).name
+
+    def _beat(self) -> None:
+        while self._alive:
+            try:
+                self.connection.send("heartbeat")
+            except ConnectionClosed:
+                return
+            time.sleep(HEARTBEAT_INTERVAL)
+
+    def _serve(self) -> int:
+        while True:
+            try:
+                message = self.inbox.messages.get(timeout=0.05)
+            except queue.Empty:
+                message = None
+            self._send_output()
+            self._report_exits()
+            if isinstance(message, ConnectionClosed):
+                self.say(f"the controller is gone ({message}); stopping this host's ranks")
+                return 1
+            if self._signalled:
+                self._end_ranks()
+                self.connection.send("leaving", reason=f"its agent got {self._signalled}")
+                return 1
+            if time.monotonic() - self.inbox.last_heard > SILENCE_LIMIT:
+                self.say(f"no word from the controller for {SILENCE_LIMIT:g} s; stopping")
+                return 1
+            if message is None:
+                continue
+            if message.kind == "bye":
+                return 0
+            try:
+                self._handle(message.kind, message.fields)
+            except DtrainError as error:
+                self.connection.send("error", message=str(error))
+            except ConnectionClosed as error:
+                self.say(f"lost the controller ({error}); stopping this host's ranks")
+                return 1
+
+    def _handle(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "prepare":
+            self._prepare(fields)
+        elif kind == "open_store":
+            self._open_store(fields["attempt"])
+        elif kind == "start":
+            self._start(fields)
+        elif kind == "stop":
+            if self.ranks is not None and fields["attempt"] == self.attempt:
+                self.ranks.stop()
+        elif kind == "send":
+            assert self.folder is not None
+            folder = {"model": self.folder.model_dir, "output": self.folder.output_data_dir}
+            send_folder(self.connection, fields["stream"], folder[fields["stream"]])
+        else:
+            raise DtrainError(f"the agent does not know the order {kind!r}")
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        """Lay out the host's folder: configuration, code, and this host's share of each channel."""
+        root = Path(fields["root"])
+        self.folder = folder = HostFolder(root)
+        if root.exists():
+            raise DtrainError(f"{root} already exists on this machine; choose another job name")
+        folder.create()
+        for name, text in fields["config"].items():
+            (folder.input_config_dir / name).write_text(text)
+        folder.code_dir.mkdir()
+        code = self.inbox.stream("code")
+        unpack(code, folder.code_dir)
+        code.drain()
+        Path(fields["checkpoint_dir"]).mkdir(parents=True, exist_ok=True)
+        os.environ.update(fields["environment"])  # the job's credentials reach its downloads too
+        for channel in fields["channels"]:
+            spec = ChannelSpec(**channel)
+            try:
+                materialize_channel(
+                    spec, folder.channel_dir(spec.name), fields["host_index"], fields["host_count"]
+                )
+            except DtrainError as error:
+                raise DtrainError(f"{error} (on {self.address})") from None
+        self.connection.send("prepared")
+
+    def _open_store(self, attempt: int) -> None:
+        """Host the attempt's rendezvous store on this host's job address, on a fresh port."""
+        import datetime
+
+        import torch.distributed as dist
+
+        listener = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
+        listener.bind((self.address, 0))
+        listener.listen(1024)
+        port = listener.getsockname()[1]
+        self.store = None  # the previous attempt's store closes first
+        self.store = dist.TCPStore(
+            self.address,
+            port,
+            None,
+            True,
+            datetime.timedelta(minutes=30),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        self.connection.send("store", attempt=attempt, port=port)
+
+    def _start(self, fields: dict[str, Any]) -> None:
+        assert self.folder is not None
+        self._end_ranks()
+        self.attempt = fields["attempt"]
+        argv = [*entry_command(fields["entry_point"]), *fields["arguments"]]
+        launches = []
+        for rank, contract in fields["ranks"].items():
+            env = {**os.environ, **contract, MARKER: self.marker}
+            for key, value in fields["defaults"].items():
+                env.setdefault(key, value)
+            entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
+            env["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
+            launches.append(RankLaunch(int(rank), argv, env, self.folder.code_dir))
+        self.ranks = LocalRanks(launches, self.outbox.put, spare=[self.keeper])
+        self.ranks.start()
+
+    def _send_output(self) -> None:
+        for rank, lines in self.outbox.take().items():
+            self.connection.send("output", attempt=self.attempt, rank=rank, lines=lines)
+
+    def _report_exits(self) -> None:
+        if self.ranks is None:
+            return
+        exits = self.ranks.poll()
+        if not exits:
+            return
+        self._send_output()  # a rank's last lines go before its exit
+        for rank_exit in exits:
+            self.connection.send("exited", attempt=self.attempt, **dataclasses.asdict(rank_exit))
+        if not self.ranks.running:
+            self.connection.send("done", attempt=self.attempt)
+            self.ranks = None
+
+    def _end_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.stop()
+            try:
+                self._report_exits()
+            except ConnectionClosed:
+                self.ranks = None
+
+
+def run_agent(
+    controller: tuple[str, int],
+    secret: bytes,
+    address: str | None = None,
+    host: str | None = None,
+    connect_timeout: float = 600.0,
+) -> int:
+    """``dtrain agent``: join the controller, serve it, and leave nothing running behind."""
+
+    def say(message: str) -> None:
+        print(f"[dtrain agent {host or os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+    if address is not None and interface_of(address) is None:
+        raise DtrainError(f"--address {address} is not an address of this machine")
+    sock = connect(controller, address, connect_timeout, say)
+    connection = Connection(sock)
+    own_address = address or sock.getsockname()[0]
+    join_controller(connection, secret, **host_facts(own_address, host))
+    marker = f"{os.getpid()}-{os.urandom(8).hex()}"
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.launch.keeper", f"{MARKER}={marker}"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        return Agent(connection, say, marker, keeper.pid).run()
+    finally:
+        assert keeper.stdin is not None
+        keeper.stdin.close()  # the keeper sweeps once more, then exits
+        keeper.wait(timeout=30)

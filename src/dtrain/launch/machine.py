@@ -1,0 +1,53 @@
+"""What an agent tells the controller about its machine, so the controller can plan its ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import DtrainError
+from dtrain.jobs.folder import dtrain_home
+from dtrain.launch.netif import interface_of
+
+
+def machine_id() -> str:
+    """What tells two hosts apart as machines: the running kernel's boot id.
+
+    Hosts that share it share CPUs and GPUs, as the simulated hosts of a local job do.
+    """
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def count_gpus() -> int:
+    """GPUs on this machine, counted as SageMaker's toolkit does (``nvidia-smi --list-gpus``)."""
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=20, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def host_facts(address: str, requested_host: str | None) -> dict[str, Any]:
+    """This machine as a host of a job: its job address and interface, its size, its home."""
+    interface = interface_of(address)
+    if interface is None:
+        raise DtrainError(f"{address} is not an address of this machine")
+    return {
+        "address": address,
+        "interface": interface,
+        "machine": machine_id(),
+        "hostname": socket.gethostname(),
+        "cpus": os.cpu_count() or 1,
+        "gpus": count_gpus(),
+        "home": str(dtrain_home()),
+        "pid": os.getpid(),
+        "host": requested_host,
+    }

@@ -1,0 +1,45 @@
+"""What each host's ranks are told, from the facts its agent reported."""
+
+from __future__ import annotations
+
+import json
+
+from dtrain.config.distribution import resolve_distribution
+from dtrain.jobs.spec import JobSpec
+from dtrain.launch.env import Host, LaunchPlan, device_slices
+
+
+def host(name: str, machine: str, gpus: int = 0, address: str = "10.0.0.1") -> Host:
+    return Host(name, address, "eth1", machine, "node", 8, gpus, "/home/u/.dtrain")
+
+
+def test_hosts_on_one_machine_share_its_gpus_and_others_get_their_own() -> None:
+    local = [host("algo-1", "m"), host("algo-2", "m")]
+    local = [Host(**{**h.__dict__, "gpus": 8}) for h in local]
+    assert device_slices("local", local) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert device_slices("local_cpu", local) == [[], []]
+    apart = [host("algo-1", "a", gpus=4), host("algo-2", "b", gpus=2)]
+    assert device_slices("local", apart) == [[0, 1], [0, 1]]  # homogeneous: the smallest share
+
+
+def test_rank_environment_follows_each_hosts_address_interface_and_cores() -> None:
+    spec = JobSpec("train.py", "job", instance_count=2, instance_type="local_cpu")
+    distribution = resolve_distribution(
+        None, instance_count=2, processes_per_host=2, default_processes_per_host=1
+    )
+    hosts = (host("algo-1", "a", address="10.0.0.1"), host("algo-2", "b", address="10.0.0.2"))
+    plan = LaunchPlan(spec, distribution, hosts)
+    env = plan.rank_env(3, master_port=29400, attempt=2)
+    assert (env["RANK"], env["LOCAL_RANK"], env["SM_CURRENT_HOST"]) == ("3", "1", "algo-2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29400")
+    assert (env["DTRAIN_ATTEMPT"], env["TORCHELASTIC_RESTART_COUNT"]) == ("2", "1")
+    assert env["SM_NETWORK_INTERFACE_NAME"] == "eth1"
+    assert env["SM_MODEL_DIR"] == "/home/u/.dtrain/jobs/job/hosts/algo-2/model"
+    assert (
+        json.loads(plan.host_config(1)["resourceconfig.json"])["network_interface_name"] == "eth1"
+    )
+    assert plan.defaults(1) == {
+        "GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "4",
+    }  # fmt: skip
+    shared = LaunchPlan(spec, distribution, (host("algo-1", "m"), host("algo-2", "m")))
+    assert shared.defaults(0)["OMP_NUM_THREADS"] == "2"  # 8 cores, 4 ranks on the machine

@@ -1,0 +1,65 @@
+"""How an attempt ends, from reports alone: root cause, collateral errors, stops, lost hosts."""
+
+from __future__ import annotations
+
+from dtrain.launch.outcome import COMPLETED, FAILED, STOPPED, Attempt, Failure, rank_failure
+
+HOSTS = ("algo-1", "algo-2")
+GLOO = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4"
+
+
+def test_every_rank_done_is_completed() -> None:
+    attempt = Attempt(1, HOSTS)
+    assert not attempt.rank_exited(None, stopped=False)
+    attempt.host_done("algo-1")
+    assert not attempt.ended
+    attempt.host_done("algo-2")
+    assert attempt.ended and attempt.outcome().status == COMPLETED
+
+
+def test_first_failure_stops_all_once_and_the_earliest_is_the_cause() -> None:
+    attempt = Attempt(1, HOSTS)
+    late = rank_failure("algo-1", 0, 1, 10.5, "Traceback...\nValueError: late")
+    early = rank_failure("algo-2", 3, 1, 10.0, "Traceback...\nValueError: boom from rank 3")
+    assert attempt.rank_exited(late, stopped=False) is True  # stop every host now
+    assert attempt.rank_exited(early, stopped=False) is False  # already stopping
+    outcome = attempt.outcome()
+    assert outcome.status == FAILED and outcome.failure == early
+    assert outcome.message == "rank 3 (algo-2) exited with code 1: ValueError: boom from rank 3"
+    assert not outcome.retryable  # an exception in the script is not retried
+
+
+def test_a_peers_collateral_error_ranks_after_the_root_cause_even_if_earlier() -> None:
+    attempt = Attempt(1, HOSTS)
+    attempt.rank_exited(rank_failure("algo-1", 0, 1, 5.0, f"Traceback...\n{GLOO}"), False)
+    attempt.rank_exited(rank_failure("algo-2", 3, 1, 5.1, "Traceback...\nKeyError: 'x'"), False)
+    assert attempt.outcome().failure.rank == 3  # type: ignore[union-attr]
+
+
+def test_ranks_that_were_being_stopped_do_not_count() -> None:
+    attempt = Attempt(1, HOSTS)
+    assert attempt.request_stop("Stopped", "Stopped by request (dtrain stop)")
+    killed = rank_failure("algo-1", 0, -15, 3.0, "")
+    assert not attempt.rank_exited(killed, stopped=True)
+    assert attempt.outcome().status == STOPPED
+    assert attempt.outcome().message == "Stopped by request (dtrain stop)"
+
+
+def test_a_failure_before_a_stop_request_keeps_the_job_failed() -> None:
+    attempt = Attempt(1, HOSTS)
+    attempt.rank_exited(rank_failure("algo-1", 1, -9, 2.0, ""), stopped=False)
+    assert not attempt.request_stop("MaxRuntimeExceeded", "too long")
+    outcome = attempt.outcome()
+    assert outcome.status == FAILED and outcome.message == "rank 1 (algo-1) was killed by SIGKILL"
+    assert outcome.retryable  # a killed rank is an infrastructure failure
+
+
+def test_a_lost_host_ends_its_share_and_is_retryable() -> None:
+    attempt = Attempt(1, HOSTS)
+    lost = Failure("algo-2", None, 4.0, "(10.0.0.2) was lost: no heartbeat for 15 s")
+    assert attempt.host_lost(lost)
+    attempt.rank_exited(rank_failure("algo-1", 0, 1, 4.5, f"Traceback...\n{GLOO}"), False)
+    attempt.host_done("algo-1")
+    outcome = attempt.outcome()
+    assert attempt.ended and outcome.failure == lost and outcome.retryable
+    assert outcome.message == "host algo-2 (10.0.0.2) was lost: no heartbeat for 15 s"

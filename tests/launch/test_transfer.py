@@ -1,0 +1,88 @@
+"""Folders as tar streams: code to the hosts, results back, nothing leaving its folder."""
+
+from __future__ import annotations
+
+import io
+import socket
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from dtrain.launch.transfer import ChunkReader, repack, safe_member_name, send_folder, unpack
+from dtrain.launch.wire import Connection, ProtocolError
+
+
+def stream_of(folder: Path, skip=lambda path: False) -> ChunkReader:
+    """``folder`` sent over a socket pair, received into a reader as the controller does."""
+    left, right = socket.socketpair()
+    sender, receiver = Connection(left), Connection(right)
+    reader = ChunkReader()
+
+    def receive() -> None:
+        while True:
+            message = receiver.receive()
+            reader.feed(message.payload if message.kind == "chunk" else b"")
+            if message.kind == "end":
+                return
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    send_folder(sender, "model", folder, skip)
+    thread.join()
+    return reader
+
+
+def test_a_folder_arrives_whole_and_first_host_wins(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    (first / "sub").mkdir(parents=True)
+    (first / "model.pt").write_bytes(b"first" * 500_000)  # several chunks
+    (first / "sub" / "a.txt").write_text("a")
+    second.mkdir()
+    (second / "model.pt").write_text("second")
+    (second / "only-two.txt").write_text("2")
+    buffer = io.BytesIO()
+    seen: set[str] = set()
+    with tarfile.open(fileobj=buffer, mode="w|gz") as tar:
+        for folder in (first, second):
+            reader = stream_of(folder)
+            repack(reader, tar, seen)
+            reader.drain()
+    buffer.seek(0)
+    with tarfile.open(fileobj=buffer) as tar:
+        names = sorted(tar.getnames())
+        model = tar.extractfile("model.pt").read()  # type: ignore[union-attr]
+    assert names == ["model.pt", "only-two.txt", "sub/a.txt"]
+    assert model == b"first" * 500_000
+
+
+def test_code_unpacks_with_skips_and_refuses_links_out(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    (source / "__pycache__").mkdir(parents=True)
+    (source / "__pycache__" / "x.pyc").write_text("")
+    (source / "train.py").write_text("print(1)")
+    (source / "local-link").symlink_to("train.py")
+    target = tmp_path / "code"
+    target.mkdir()
+    unpack(stream_of(source, lambda path: path.name == "__pycache__"), target)
+    assert sorted(p.name for p in target.iterdir()) == ["local-link", "train.py"]
+    assert (target / "local-link").read_text() == "print(1)"
+    (source / "escape").symlink_to("/etc/passwd")
+    with pytest.raises(tarfile.TarError):
+        unpack(stream_of(source), tmp_path / "code2")
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../x", "a/../../x", "..", "a\0b"])
+def test_member_names_that_leave_the_folder_are_refused(name: str) -> None:
+    with pytest.raises(ProtocolError):
+        safe_member_name(name)
+
+
+def test_a_reader_fails_with_its_sender() -> None:
+    reader = ChunkReader()
+    reader.feed(b"abc")
+    reader.fail(ProtocolError("gone"))
+    assert reader.read(10) == b"abc"
+    with pytest.raises(ProtocolError):
+        reader.read(10)
