@@ -198,7 +198,7 @@ def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
         assert env["SM_MODULE_DIR"] == str(folder / "code")
         assert json.loads(env["SM_TRAINING_ENV"])["current_host"] == host
     logs = dtrain("logs", "dp-joined", "--rank", "3", home=cluster.home)
-    assert logs.stdout.strip() == "rank 3 done"
+    assert logs.stdout.strip().endswith("rank 3 done")
     assert processes_of_job("dp-joined") == []
 
 
@@ -208,7 +208,9 @@ def test_a_pipeline_replica_per_machine_trains_as_one_process_would(
     from tests.modelparallel.equivalence import reference
 
     distribution = {
-        "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"partitions": 2}}},
+        "smdistributed": {
+            "modelparallel": {"enabled": True, "parameters": {"partitions": 2, "ddp": True}}
+        },
         "mpi": {"enabled": True, "processes_per_host": 2},
     }
     controller = cluster.controller(

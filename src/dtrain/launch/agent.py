@@ -37,7 +37,7 @@ from dtrain.launch.netif import format_endpoint, interface_of
 from dtrain.launch.processes import become_subreaper
 from dtrain.launch.ranks import LocalRanks, RankLaunch
 from dtrain.launch.transfer import ChunkReader, send_folder, unpack
-from dtrain.launch.wire import Connection, ConnectionClosed, join_controller
+from dtrain.launch.wire import Connection, ConnectionClosed, ProtocolError, join_controller
 
 HEARTBEAT_INTERVAL = 1.0
 SILENCE_LIMIT = 15.0
@@ -337,7 +337,10 @@ def run_agent(
     sock = connect(controller, address, connect_timeout, say)
     connection = Connection(sock)
     own_address = address or sock.getsockname()[0]
-    join_controller(connection, secret, **host_facts(own_address, host))
+    try:
+        join_controller(connection, secret, **host_facts(own_address, host))
+    except (ConnectionClosed, ProtocolError) as error:
+        raise DtrainError(f"could not join the controller: {error}") from None
     marker = f"{os.getpid()}-{os.urandom(8).hex()}"
     keeper = subprocess.Popen(
         [sys.executable, "-m", "dtrain.launch.keeper", f"{MARKER}={marker}"],

@@ -73,7 +73,8 @@ def send_folder(
 class ChunkReader(io.RawIOBase):
     """A read-only file fed with the chunks of one stream (``b""`` marks its end).
 
-    A reader that waits longer than half a second calls ``check``, which may raise to give up.
+    The reader calls ``check`` before each chunk and every half second of waiting; it may raise
+    to give up (a stop request).
     """
 
     def __init__(self, maxsize: int = 16, check: Callable[[], None] = lambda: None) -> None:
@@ -98,10 +99,10 @@ class ChunkReader(io.RawIOBase):
 
     def readinto(self, target: bytearray) -> int:  # type: ignore[override]
         while not self._current and not self._ended:
+            self.check()
             try:
                 item = self.chunks.get(timeout=0.5)
             except queue.Empty:
-                self.check()
                 continue
             if isinstance(item, Exception):
                 raise item

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.launch.netif import format_endpoint
 
 PROTOCOL_VERSION = 1
@@ -45,7 +45,7 @@ class ProtocolError(Exception):
     """The peer sent something that is not a message of this protocol."""
 
 
-class AuthenticationError(Exception):
+class AuthenticationError(DtrainError):
     """The peer could not prove the job's secret."""
 
 

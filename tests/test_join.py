@@ -1,0 +1,170 @@
+"""Finding machines, on loopback: bad cluster input before launch, agents that cannot prove the
+secret, hosts that never join, a controller killed outright, an upload interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def background(home: Path, log: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", *args],
+        env={**os.environ, "DTRAIN_HOME": str(home)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_flags(name: str, *flags: str) -> list[str]:
+    return [
+        "run", "sleeps.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", name,
+        "--instance-type", "local_cpu", *flags,
+    ]  # fmt: skip
+
+
+def describe(home: Path, name: str) -> dict:
+    result = dtrain("describe", name, home=home)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--cluster", "lokal"], "did you mean 'local'"),
+        (["--cluster", "join://head-node:29400", "--secret-file", "s"], "numeric IP address"),
+        (["--cluster", "join://203.0.113.9:29400", "--secret-file", "s"], "not)"),
+        (["--cluster", "join://127.0.0.1:29400"], "secret_file"),
+        (["--secret-file", "s"], "only with a join:// cluster"),
+        (["--cluster", "join://127.0.0.1:29400", "--secret-file", "s", "--join-timeout", "0"],
+         "join_timeout"),
+    ],
+)  # fmt: skip
+def test_bad_cluster_input_is_rejected_before_launch(
+    dtrain_home: Path, flags: list[str], expected: str
+) -> None:
+    result = dtrain(*run_flags("bad-cluster", *flags), home=dtrain_home)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert dtrain("describe", "bad-cluster", home=dtrain_home).returncode == 2  # no record
+
+
+def test_a_busy_join_address_is_rejected_before_launch(dtrain_home: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        secret = str(tmp_path / "secret")
+        flags = ["--cluster", f"join://127.0.0.1:{port}", "--secret-file", secret]
+        result = dtrain(*run_flags("busy", *flags), home=dtrain_home)
+    assert result.returncode == 2 and "free to listen on" in result.stderr, result.stderr
+    assert dtrain("describe", "busy", home=dtrain_home).returncode == 2
+
+
+def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    secret, wrong = tmp_path / "secret", tmp_path / "wrong"
+    wrong.write_text("x" * 64)
+    wrong.chmod(0o600)
+    flags = ["--cluster", f"join://127.0.0.1:{port}", "--secret-file", str(secret)]
+    controller = background(
+        dtrain_home, tmp_path / "controller.log",
+        *run_flags("never-complete", "--instance-count", "2", "--join-timeout", "8", *flags),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not secret.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        join = ["agent", "--join", f"127.0.0.1:{port}"]
+        impostor = dtrain(*join, "--secret-file", str(wrong), "--connect-timeout", "20",
+                          home=dtrain_home)  # fmt: skip
+        assert impostor.returncode != 0 and "wrong secret" in impostor.stderr, impostor.stderr
+        agent = background(dtrain_home, tmp_path / "agent.log", *join, "--secret-file", str(secret))
+        assert controller.wait(timeout=60) == 1
+        assert agent.wait(timeout=20) == 0  # dismissed: the job ended
+    finally:
+        for process in (controller, locals().get("agent")):
+            if process is not None and process.poll() is None:
+                process.kill()
+    output = (tmp_path / "controller.log").read_text()
+    assert "refused a connection from 127.0.0.1" in output and "wrong secret" in output
+    assert "algo-1 joined: 127.0.0.1 (lo)" in output
+    reason = describe(dtrain_home, "never-complete")["FailureReason"]
+    assert reason == "host(s) algo-2 did not join within 8 s"
+
+
+def test_a_controller_killed_outright_leaves_no_rank_running(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    controller = background(
+        dtrain_home, tmp_path / "controller.log", *run_flags("orphaned", "--instance-count", "2")
+    )
+    deadline = time.monotonic() + 60
+    while len(processes_of_job("orphaned")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_of_job("orphaned")) >= 2
+    controller.send_signal(signal.SIGKILL)
+    controller.wait()
+    killed = time.monotonic()
+    while processes_of_job("orphaned") and time.monotonic() - killed < 5:
+        time.sleep(0.05)
+    assert processes_of_job("orphaned") == []
+    info = describe(dtrain_home, "orphaned")
+    assert info["TrainingJobStatus"] == "Failed"
+    assert "exited without finishing" in info["FailureReason"]
+
+
+BIG_MODEL = """
+import os
+from pathlib import Path
+if os.environ["RANK"] == "0":
+    Path(os.environ["SM_MODEL_DIR"], "big.bin").write_bytes(os.urandom(300 * 2**20))
+"""
+
+
+def test_an_interrupted_upload_leaves_no_archive_at_its_final_path(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "big.py").write_text(BIG_MODEL)
+    output = tmp_path / "output"
+    controller = background(
+        dtrain_home, tmp_path / "controller.log",
+        "run", "big.py", "--source-dir", str(source), "--job-name", "interrupted",
+        "--instance-type", "local_cpu", "--output-path", str(output),
+    )  # fmt: skip
+    final = output / "interrupted" / "output" / "model.tar.gz"
+    deadline = time.monotonic() + 60
+    while not list(final.parent.glob("model.tar.gz.partial-*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    controller.send_signal(signal.SIGINT)
+    assert controller.wait(timeout=60) == 3
+    assert not final.exists() and list(final.parent.iterdir()) == []
+    info = describe(dtrain_home, "interrupted")
+    assert info["TrainingJobStatus"] == "Stopped"
+    assert info["ModelArtifacts"]["S3ModelArtifacts"] is None
+    assert processes_of_job("interrupted") == []
