@@ -7,13 +7,16 @@ anywhere end the job everywhere, named, with nothing left running on either mach
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain.launch.processes import marked_processes, signal_pids
 from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,12 +79,16 @@ class Cluster:
     def output(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()
 
-    def controller(self, script: str, job: str, *flags: str) -> subprocess.Popen[str]:
+    def controller(
+        self, script: str, job: str, *flags: str, cluster: str | None = None
+    ) -> subprocess.Popen[str]:
+        where = ["--cluster", cluster] if cluster else [
+            "--cluster", f"join://{self.join}", "--secret-file", str(self.secret),
+        ]  # fmt: skip
         return self.start(
             self.a, "controller", "run", script, "--source-dir", str(JOB_SCRIPTS),
             "--job-name", job, "--instance-type", "local_cpu", "--instance-count", "2",
-            "--cluster", f"join://{self.join}", "--secret-file", str(self.secret),
-            "--environment", f"PYTHONPATH={ROOT}", *flags,
+            "--environment", f"PYTHONPATH={ROOT}", *where, *flags,
         )  # fmt: skip
 
     def agents(self) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
@@ -153,33 +161,18 @@ def on_host(job: str, host: str) -> list[int]:
     return found
 
 
-def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+def check_data_parallel_job(cluster: Cluster, job: str, tmp_path: Path) -> None:
+    """The 2 x 2 data-parallel job trained as one process would, with each host's contract."""
     from tests.dataparallel.scenarios import reference_global
 
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "part-0").write_text("0")
-    controller = cluster.controller(
-        "dp_train.py", "dp-joined", "--processes-per-host", "2",
-        "--channel", f"training={data}",
-    )  # fmt: skip
-    cluster.agents()
-    assert cluster.wait(controller) == 0, cluster.output("controller")[-3000:]
-    assert (cluster.secret.stat().st_mode & 0o777) == 0o600
-
-    info = cluster.describe("dp-joined")
-    assert info["Cluster"] == f"join://{cluster.join}"
+    info = cluster.describe(job)
     assert [(h["Name"], h["Address"], h["Interface"]) for h in info["Hosts"]] == [
         ("algo-1", cluster.a.address, cluster.a.interface),
         ("algo-2", cluster.b.address, cluster.b.interface),
     ]
     params = artifact(info, "params.pt", tmp_path)
-    expected = reference_global(4)
-    for name, value in expected.items():
+    for name, value in reference_global(4).items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5)  # type: ignore[index]
-
     job_dir = Path(info["JobFolder"])
     for rank, machine in enumerate((cluster.a, cluster.a, cluster.b, cluster.b)):
         host = f"algo-{rank // 2 + 1}"
@@ -197,9 +190,102 @@ def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
         assert env["SM_CHANNEL_TRAINING"] == str(folder / "input" / "data" / "training")
         assert env["SM_MODULE_DIR"] == str(folder / "code")
         assert json.loads(env["SM_TRAINING_ENV"])["current_host"] == host
-    logs = dtrain("logs", "dp-joined", "--rank", "3", home=cluster.home)
+    logs = dtrain("logs", job, "--rank", "3", home=cluster.home)
     assert logs.stdout.strip().endswith("rank 3 done")
-    assert processes_of_job("dp-joined") == []
+    assert processes_of_job(job) == []
+
+
+def data_channel(tmp_path: Path) -> str:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part-0").write_text("0")
+    return f"training={data}"
+
+
+def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    controller = cluster.controller(
+        "dp_train.py", "dp-joined", "--processes-per-host", "2",
+        "--channel", data_channel(tmp_path),
+    )  # fmt: skip
+    cluster.agents()
+    assert cluster.wait(controller) == 0, cluster.output("controller")[-3000:]
+    assert (cluster.secret.stat().st_mode & 0o777) == 0o600
+    assert cluster.describe("dp-joined")["Cluster"] == f"join://{cluster.join}"
+    check_data_parallel_job(cluster, "dp-joined", tmp_path)
+
+
+@pytest.fixture
+def ray_head(cluster: Cluster) -> Iterator[str]:
+    """A lean Ray cluster: the head on the first machine, a worker node on the second."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install 'dtrain[ray]')")
+    marker = f"DTRAIN_TEST_RAY={os.getpid()}-{cluster.port}"
+    scratch = Path(tempfile.mkdtemp(prefix="dtr", dir="/tmp"))  # Ray's socket paths are short
+    env = {
+        **os.environ, "DTRAIN_HOME": str(cluster.home), "RAY_USAGE_STATS_ENABLED": "0",
+        marker.split("=")[0]: marker.split("=")[1],
+    }  # fmt: skip
+    ray = str(Path(sys.executable).parent / "ray")
+    lean = [
+        "--num-cpus", "1", "--object-store-memory", "200000000", "--disable-usage-stats",
+        "--block",
+    ]  # fmt: skip
+    gcs = f"{cluster.a.address}:{next(PORTS)}"
+    nodes = []
+    try:
+        for machine, role in (
+            (cluster.a, ["--head", "--port", gcs.split(":")[1], "--include-dashboard=false"]),
+            (cluster.b, ["--address", gcs]),
+        ):
+            log = scratch / f"{machine.namespace}.log"
+            command = [ray, "start", *role, "--node-ip-address", machine.address,
+                       "--temp-dir", str(scratch / machine.namespace), *lean]  # fmt: skip
+            nodes.append(
+                subprocess.Popen(
+                    machine.command(command),
+                    env=env,
+                    stdout=log.open("w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            deadline = time.monotonic() + 60
+            while "Ray runtime started" not in log.read_text():
+                assert time.monotonic() < deadline and nodes[-1].poll() is None, log.read_text()
+                time.sleep(0.2)
+        yield f"ray://{gcs}"
+    finally:
+        for node in nodes:
+            node.terminate()
+        deadline = time.monotonic() + 10
+        while marked_processes(marker.encode()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for _ in range(3):  # a node that lost its head may not stop on SIGTERM
+            signal_pids(marked_processes(marker.encode()), signal.SIGKILL)
+            time.sleep(0.2)
+        for node in nodes:
+            node.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_ray_cluster_runs_the_same_job_one_agent_per_node(
+    cluster: Cluster, ray_head: str, tmp_path: Path
+) -> None:
+    controller = cluster.controller(
+        "dp_train.py", "dp-ray", "--processes-per-host", "2",
+        "--channel", data_channel(tmp_path), cluster=ray_head,
+    )  # fmt: skip
+    assert cluster.wait(controller) == 0, cluster.output("controller")[-3000:]
+    assert cluster.describe("dp-ray")["Cluster"] == ray_head
+    check_data_parallel_job(cluster, "dp-ray", tmp_path)
+    too_big = cluster.start(
+        cluster.a, "too-big", "run", "dp_train.py", "--source-dir", str(JOB_SCRIPTS),
+        "--instance-count", "3", "--cluster", ray_head, "--job-name", "too-big",
+    )  # fmt: skip
+    assert too_big.wait(timeout=60) == 2
+    assert "3 host(s) asked for, 2 node(s) alive" in cluster.output("too-big")
 
 
 def test_a_pipeline_replica_per_machine_trains_as_one_process_would(

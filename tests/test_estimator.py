@@ -64,6 +64,9 @@ def test_arguments_map_to_the_job_request(tmp_path: Path) -> None:
         environment={"A": "1"},
         base_job_name="base",
         max_retry_attempts=2,
+        cluster="join://10.0.0.1:29400",
+        secret_file="~/job.secret",
+        join_timeout=30,
     )
     estimator.set_hyperparameters(lr=0.5)
     spec = estimator._spec({"training": TrainingInput("s3://bucket/train")}, job_name=None)
@@ -78,6 +81,8 @@ def test_arguments_map_to_the_job_request(tmp_path: Path) -> None:
     assert spec.checkpoint_local_path == str(tmp_path / "ckpt")
     assert spec.output_path == "s3://bucket/out" and spec.environment == {"A": "1"}
     assert [(c.name, c.uri) for c in spec.channels] == [("training", "s3://bucket/train")]
+    assert (spec.cluster, spec.secret_file) == ("join://10.0.0.1:29400", "~/job.secret")
+    assert spec.join_timeout == 30
     assert estimator._spec(None, job_name="given").job_name == "given"
 
 

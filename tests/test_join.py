@@ -168,3 +168,25 @@ def test_an_interrupted_upload_leaves_no_archive_at_its_final_path(
     assert info["TrainingJobStatus"] == "Stopped"
     assert info["ModelArtifacts"]["S3ModelArtifacts"] is None
     assert processes_of_job("interrupted") == []
+
+
+def test_a_lost_host_is_replaced_for_the_retry(dtrain_home: Path, tmp_path: Path) -> None:
+    controller = background(
+        dtrain_home, tmp_path / "controller.log",
+        "run", "lost_once.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "replaced",
+        "--instance-type", "local_cpu", "--instance-count", "2", "--max-retry-attempts", "1",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(processes_of_job("replaced")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first = describe(dtrain_home, "replaced")["Hosts"]
+    os.kill(first[1]["AgentPid"], signal.SIGKILL)
+    assert controller.wait(timeout=90) == 0, (tmp_path / "controller.log").read_text()[-3000:]
+    info = describe(dtrain_home, "replaced")
+    statuses = [t["Status"] for t in info["SecondaryStatusTransitions"]]
+    assert statuses.count("Training") == 2 and "Restarting" in statuses
+    assert info["Hosts"][0]["AgentPid"] == first[0]["AgentPid"]  # the survivor stayed
+    assert info["Hosts"][1]["AgentPid"] != first[1]["AgentPid"]
+    logs = dtrain("logs", "replaced", "--attempt", "2", home=dtrain_home).stdout
+    assert "[rank 1]: attempt 2 on algo-2" in logs
+    assert processes_of_job("replaced") == []

@@ -10,7 +10,7 @@ from dtrain.launch.env import Host, LaunchPlan, device_slices
 
 
 def host(name: str, machine: str, gpus: int = 0, address: str = "10.0.0.1") -> Host:
-    return Host(name, address, "eth1", machine, "node", 8, gpus, "/home/u/.dtrain")
+    return Host(name, address, "eth1", machine, "node", 8, gpus, "/home/u/.dtrain", 1)
 
 
 def test_hosts_on_one_machine_share_its_gpus_and_others_get_their_own() -> None:

@@ -56,10 +56,18 @@ def test_a_failure_before_a_stop_request_keeps_the_job_failed() -> None:
 
 def test_a_lost_host_ends_its_share_and_is_retryable() -> None:
     attempt = Attempt(1, HOSTS)
-    lost = Failure("algo-2", None, 4.0, "(10.0.0.2) was lost: no heartbeat for 15 s")
+    lost = Failure("algo-2", None, 4.0, "(10.0.0.2) was lost: no heartbeat for 15 s", lost=True)
     assert attempt.host_lost(lost)
     attempt.rank_exited(rank_failure("algo-1", 0, 1, 4.5, f"Traceback...\n{GLOO}"), False)
     attempt.host_done("algo-1")
     outcome = attempt.outcome()
     assert attempt.ended and outcome.failure == lost and outcome.retryable
     assert outcome.message == "host algo-2 (10.0.0.2) was lost: no heartbeat for 15 s"
+
+
+def test_a_host_that_reports_an_error_fails_the_job_without_a_retry() -> None:
+    attempt = Attempt(1, HOSTS)
+    assert attempt.host_lost(Failure("algo-1", None, 1.0, "failed: cannot start rank 0"))
+    attempt.host_done("algo-2")
+    outcome = attempt.outcome()
+    assert outcome.message == "host algo-1 failed: cannot start rank 0" and not outcome.retryable

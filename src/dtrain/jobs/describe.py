@@ -56,6 +56,7 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
                 "Address": host["address"],
                 "Interface": host["interface"],
                 "Hostname": host["hostname"],
+                "AgentPid": host["pid"],
             }
             for host in store.hosts(name)
         ],

@@ -15,8 +15,10 @@ Nothing here decides what the job does next: that is the controller's (:mod:`con
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +45,7 @@ HEARTBEAT_INTERVAL = 1.0
 SILENCE_LIMIT = 15.0
 """A peer unheard of for this long is gone (a dead machine, a cut link); heartbeats come each
 second."""
-RETRY_INTERVAL = 0.5
+RETRY_INTERVAL = 0.1
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""
 OUTBOX_LIMIT = 100_000
@@ -233,10 +235,16 @@ class Agent:
 
     def _prepare(self, fields: dict[str, Any]) -> None:
         """Lay out the host's folder: configuration, code, and this host's share of each channel."""
+        if fields["host_index"] == 0:  # it will host the rendezvous store: load torch meanwhile
+            threading.Thread(
+                target=importlib.import_module, args=("torch.distributed",), daemon=True
+            ).start()
         root = Path(fields["root"])
         self.folder = folder = HostFolder(root)
-        if root.exists():
+        if root.exists() and not fields["again"]:
             raise DtrainError(f"{root} already exists on this machine; choose another job name")
+        for renewed in (folder.code_dir, folder.root / "input" / "data"):
+            shutil.rmtree(renewed, ignore_errors=True)  # a replacement host: fresh code and data
         folder.create()
         for name, text in fields["config"].items():
             (folder.input_config_dir / name).write_text(text)
@@ -291,8 +299,13 @@ class Agent:
             entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
             env["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
             launches.append(RankLaunch(int(rank), argv, env, self.folder.code_dir))
-        self.ranks = LocalRanks(launches, self.outbox.put, spare=[self.keeper])
-        self.ranks.start()
+        ranks = LocalRanks(launches, self.outbox.put, spare=[self.keeper])
+        try:
+            ranks.start()
+        except OSError as error:
+            ranks.stop()
+            raise DtrainError(f"cannot start the ranks of this host: {error}") from None
+        self.ranks = ranks
 
     def _send_output(self) -> None:
         for rank, lines in self.outbox.take().items():
@@ -318,6 +331,29 @@ class Agent:
                 self._report_exits()
             except ConnectionClosed:
                 self.ranks = None
+
+
+def spawn_agent(
+    controller: tuple[str, int], secret: bytes, host: str, connect_timeout: float, **popen: Any
+) -> subprocess.Popen[bytes]:
+    """``dtrain agent`` for ``host`` as a child process, in a session of its own.
+
+    The secret goes through its standard input: a command line is readable by every user.
+    """
+    command = [
+        sys.executable, "-m", "dtrain.cli", "agent", "--join", format_endpoint(*controller),
+        "--secret-file", "-", "--host", host, "--connect-timeout", str(connect_timeout),
+    ]  # fmt: skip
+    agent = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+        **popen,
+    )
+    assert agent.stdin is not None
+    agent.stdin.write(secret + b"\n")
+    agent.stdin.close()
+    return agent
 
 
 def run_agent(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Protocol
 
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.jobs.folder import JobFolder
+from dtrain.jobs.spec import JobSpec
+from dtrain.launch.agent import spawn_agent
 from dtrain.launch.netif import format_endpoint, interface_of, parse_endpoint
 from dtrain.launch.wire import new_secret, read_secret
 
@@ -107,31 +108,11 @@ class LocalCluster:
     ) -> None:
         for host in hosts:
             log = self._logs[host] = folder.agent_log_file(host)
-            with log.open("wb") as sink:
-                agent = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "dtrain.cli",
-                        "agent",
-                        "--join",
-                        format_endpoint(*controller),
-                        "--secret-file",
-                        "-",
-                        "--host",
-                        host,
-                        "--connect-timeout",
-                        str(self.join_timeout),
-                    ],
-                    stdin=subprocess.PIPE,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # Ctrl-C reaches the controller, which stops all
+            self._reported.discard(host)  # a replacement for a lost host
+            with log.open("ab") as sink:  # Ctrl-C reaches the controller, which stops all
+                self._agents[host] = spawn_agent(
+                    controller, secret, host, self.join_timeout, stdout=sink, stderr=sink
                 )
-            assert agent.stdin is not None
-            agent.stdin.write(secret + b"\n")
-            agent.stdin.close()
-            self._agents[host] = agent
 
     def lost(self) -> list[tuple[str, str]]:
         found = []
@@ -193,8 +174,9 @@ class JoinCluster:
         return None
 
 
-def parse_cluster(text: str, secret_file: str | None, join_timeout: float) -> Cluster:
-    """The ``cluster`` value as a :class:`Cluster`; checks only what needs no machine but this."""
+def parse_cluster(spec: JobSpec) -> Cluster:
+    """The job's ``cluster`` as a :class:`Cluster`; checks what needs no machine but this one."""
+    text, secret_file = spec.cluster, spec.secret_file
     if not isinstance(text, str):
         raise ConfigError("cluster", text, ", ".join(SCHEMES))
     scheme, separator, rest = text.partition("://")
@@ -214,12 +196,12 @@ def parse_cluster(text: str, secret_file: str | None, join_timeout: float) -> Cl
                 None,
                 "a file holding the job's secret (created, mode 0600, if missing)",
             )
-        return JoinCluster(address, port, secret_file, join_timeout)
+        return JoinCluster(address, port, secret_file, spec.join_timeout)
     if separator and scheme == "ray":
         from dtrain.launch.ray_cluster import RayCluster
 
         if secret_file is not None:
             raise ConfigError("secret_file", secret_file, "only with a join:// cluster")
-        return RayCluster(*parse_endpoint("cluster", rest))
+        return RayCluster(*parse_endpoint("cluster", rest), spec.environment)
     candidates = ["local", "join", "ray"]
     raise ConfigError("cluster", text, ", ".join(SCHEMES), did_you_mean(scheme or text, candidates))

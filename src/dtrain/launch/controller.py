@@ -208,7 +208,8 @@ class Controller:
         event.link.gone = True
         event.link.connection.close()
         name = event.link.name or "?"
-        return Failure(name, None, event.time, f"({event.link.address}) was lost: {event.reason}")
+        how = f"({event.link.address}) was lost: {event.reason}"
+        return Failure(name, None, event.time, how, lost=True)
 
     def _check_stop(self) -> None:
         stop = self.should_stop()
@@ -218,12 +219,15 @@ class Controller:
     # --- phases ------------------------------------------------------------------------------
 
     def gather(self, names: Sequence[str], timeout: float) -> list[Host]:
-        """Wait until an agent holds each of ``names``; an agent may ask for its name."""
+        """Wait until an agent holds each of ``names``; an agent may ask for its name.
+
+        Hosts that hold their name already keep it: after :meth:`forget`, only the forgotten
+        ones are waited for.
+        """
         deadline = time.monotonic() + timeout
         notice = time.monotonic() + WAITING_NOTICE_INTERVAL
-        while len(self.links) < len(names):
+        while missing := [name for name in names if name not in self.links]:
             self._check_stop()
-            missing = [name for name in names if name not in self.links]
             now = time.monotonic()
             if now > deadline:
                 raise DtrainError(f"host(s) {', '.join(missing)} did not join within {timeout:g} s")
@@ -240,6 +244,14 @@ class Controller:
                 if event.link.name is not None:
                     raise DtrainError(f"host {failure.host} {failure.how} before the job started")
         return [self._host(name) for name in names]
+
+    def lost_hosts(self) -> list[str]:
+        return [name for name, link in self.links.items() if link.gone]
+
+    def forget(self, names: Sequence[str]) -> None:
+        """Free the names of lost hosts, for new agents to take."""
+        for name in names:
+            del self.links[name]
 
     def _name(self, link: _Link, missing: list[str]) -> None:
         wanted = link.hello.get("host")
@@ -275,6 +287,7 @@ class Controller:
             cpus=int(hello["cpus"]),
             gpus=int(hello["gpus"]),
             home=hello["home"],
+            pid=int(hello["pid"]),
         )
 
     def _await(self, kind: str, hosts: Sequence[str], phase: str) -> dict[str, Message]:
@@ -296,9 +309,21 @@ class Controller:
                     replies[name] = event.message
         return replies
 
-    def prepare(self, plan: LaunchPlan, code: Callable[[Connection], None]) -> None:
-        """Every host lays out its folder; ``code`` sends the job's code as the ``code`` stream."""
+    def prepare(
+        self,
+        plan: LaunchPlan,
+        code: Callable[[Connection], None],
+        hosts: Sequence[str] | None = None,
+    ) -> None:
+        """``hosts`` (default: all) lay out their folders; ``code`` sends the ``code`` stream.
+
+        A host prepared again (a replacement) keeps what its folder holds (``model/``,
+        ``checkpoints/``, ``output/``) and gets fresh code, configuration and channels.
+        """
+        names = list(hosts) if hosts is not None else plan.host_names
         for index, host in enumerate(plan.hosts):
+            if host.name not in names:
+                continue
             connection = self.links[host.name].connection
             folder = plan.host_folder(index)
             connection.send(
@@ -310,9 +335,10 @@ class Controller:
                 host_count=len(plan.hosts),
                 environment=plan.spec.environment,
                 checkpoint_dir=str(plan.checkpoint_dir(index)),
+                again=hosts is not None,
             )
             code(connection)
-        self._await("prepared", plan.host_names, "laying out the hosts")
+        self._await("prepared", names, "laying out the hosts")
 
     def open_store(self, attempt: int, host: str) -> int:
         """Ask ``host`` (algo-1) to host the attempt's rendezvous store; its port."""
@@ -385,17 +411,24 @@ class Controller:
                     link.connection.send("stop", attempt=attempt.number)
         return time.monotonic() + STOP_CONFIRM_LIMIT
 
-    def collect(self, stream: str, hosts: Sequence[str], target: tarfile.TarFile) -> None:
+    def collect(
+        self,
+        stream: str,
+        hosts: Sequence[str],
+        target: tarfile.TarFile,
+        check: Callable[[], None],
+    ) -> None:
         """Pack each host's ``stream`` folder (``model``, ``output``) into ``target``, in order.
 
-        The first host to have a name wins, as in SageMaker's merged ``model.tar.gz``.
+        The first host to have a name wins, as in SageMaker's merged ``model.tar.gz``. ``check``
+        is called as chunks arrive and may raise to give up (a new stop request).
         """
         seen: set[str] = set()
         for name in hosts:
             link = self.links[name]
             if link.gone:
                 raise DtrainError(f"cannot collect {stream}/ from {name}: it was lost")
-            reader = link.streams[stream] = ChunkReader(check=self._check_stop)
+            reader = link.streams[stream] = ChunkReader(check=check)
             link.connection.send("send", stream=stream)
             try:
                 repack(reader, target, seen)

@@ -42,6 +42,8 @@ class Host:
     gpus: int
     home: str
     """The agent's ``DTRAIN_HOME``, under which it lays out its host's folder."""
+    pid: int
+    """The agent's process id on its machine."""
 
     def folder(self, job_name: str) -> HostFolder:
         return host_folder(Path(self.home), job_name, self.name)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +37,7 @@ from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import count_gpus
 from dtrain.launch.outcome import Attempt, Outcome
 from dtrain.launch.transfer import send_folder
+from dtrain.launch.wire import Connection
 from dtrain.topology import host_name
 
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
@@ -118,7 +121,7 @@ def prepare(spec: JobSpec) -> PreparedJob:
     if not isinstance(spec.max_retry_attempts, int) or not 0 <= spec.max_retry_attempts <= 30:
         raise ConfigError("max_retry_attempts", spec.max_retry_attempts, "an integer from 0 to 30")
     _check_entry_point(spec)
-    cluster = parse_cluster(spec.cluster, spec.secret_file, spec.join_timeout)
+    cluster = parse_cluster(spec)
     if not isinstance(spec.join_timeout, int | float) or not spec.join_timeout > 0:
         raise ConfigError("join_timeout", spec.join_timeout, "a number of seconds > 0")
     # The hosts of a local job share this machine's GPUs; other hosts report theirs on joining.
@@ -190,8 +193,10 @@ class JobRun:
         self._console_lock = threading.Lock()
         self._logs: dict[tuple[int, int], TextIO] = {}
         self._signalled: str | None = None
+        self._signals = 0
         self._last_stop_check = 0.0
         self._stop_requested = False
+        self._training_since: float | None = None  # --max-run counts from the first training
 
     def say(self, message: str) -> None:
         if self.console is not None:
@@ -228,12 +233,18 @@ class JobRun:
             self.folder.logs_dir.mkdir(parents=True)
             self.folder.spec_file.write_text(spec.to_json())
             names = [host_name(i) for i in range(spec.instance_count)]
-            cluster.start_agents(listener.getsockname()[:2], secret, names, self.folder, self.say)
+            endpoint = listener.getsockname()[:2]
+
+            def start(hosts: list[str]) -> None:
+                cluster.start_agents(endpoint, secret, hosts, self.folder, self.say)
+
+            start(names)
             plan = self._plan(controller.gather(names, cluster.join_timeout))
             self.transition("Downloading", "Downloading input data")
             source, skip = _code_filter(spec)
-            controller.prepare(plan, lambda link: send_folder(link, "code", source, skip))
-            outcome = self._train(controller, plan)
+            code = functools.partial(send_folder, stream="code", folder=source, skip=skip)
+            controller.prepare(plan, code)
+            outcome, plan = self._train(controller, plan, start, code)
             self._finish(outcome, controller, plan)
         except JobStopped as stop:
             self._end(STOPPED, stop.secondary_status, str(stop))
@@ -261,6 +272,7 @@ class JobRun:
 
         def interrupt(signum: int, _frame: object) -> None:
             self._signalled = f"Interrupted by {signal.Signals(signum).name}"
+            self._signals += 1
 
         return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -270,11 +282,11 @@ class JobRun:
             signal.signal(sig, handler)
 
     def _should_stop(self) -> tuple[str, str] | None:
-        """Ctrl-C or SIGTERM, ``dtrain stop`` (read from the store twice a second), max run."""
+        """Ctrl-C or SIGTERM, ``dtrain stop`` (read twice a second), ``--max-run`` of training."""
         if self._signalled:
             return "Stopped", self._signalled
         now = time.monotonic()
-        if now - self.started > self.job.spec.max_run:
+        if self._training_since is not None and now - self._training_since > self.job.spec.max_run:
             limit = self.job.spec.max_run
             return "MaxRuntimeExceeded", f"Training job exceeded MaxRuntimeInSeconds ({limit:g} s)"
         if now - self._last_stop_check >= 0.5:
@@ -283,6 +295,23 @@ class JobRun:
         if self._stop_requested:
             return "Stopped", "Stopped by request (dtrain stop)"
         return None
+
+    def _new_stop_check(self) -> Callable[[], None]:
+        """A check that raises JobStopped for a stop request made after this call only.
+
+        An upload runs to its end after the stop that ended training (Stopped jobs keep what
+        ``model/`` holds), but a second Ctrl-C or a ``dtrain stop`` during it gives up.
+        """
+        signals, requested = self._signals, self._stop_requested
+
+        def check() -> None:
+            self._should_stop()  # refreshes the store's stop request
+            if self._signals > signals:
+                raise JobStopped("Stopped", self._signalled or "Interrupted")
+            if self._stop_requested and not requested:
+                raise JobStopped("Stopped", "Stopped by request (dtrain stop)")
+
+        return check
 
     def _on_output(self, host: str, attempt: int, rank: int, lines: list[str]) -> None:
         """Rank output as it arrives (one reader thread per host): log, console, metrics."""
@@ -320,16 +349,32 @@ class JobRun:
             plan = dataclasses.replace(plan, distribution=distribution)
         return plan
 
-    def _train(self, controller: Controller, plan: LaunchPlan) -> Outcome:
+    def _train(
+        self,
+        controller: Controller,
+        plan: LaunchPlan,
+        start: Callable[[list[str]], None],
+        code: Callable[[Connection], None],
+    ) -> tuple[Outcome, LaunchPlan]:
+        """Every attempt, each on a fresh rendezvous; lost hosts are replaced before a retry."""
         spec = self.job.spec
         attempts = spec.max_retry_attempts + 1
         for number in range(1, attempts + 1):
+            lost = controller.lost_hosts()
+            if lost:
+                self.say(f"replacing lost host(s) {', '.join(lost)}")
+                controller.forget(lost)
+                start(lost)
+                plan = self._plan(controller.gather(plan.host_names, self.job.cluster.join_timeout))
+                controller.prepare(plan, code, hosts=lost)
             port = controller.open_store(number, plan.hosts[0].name)
+            if self._training_since is None:
+                self._training_since = time.monotonic()
             layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
             self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
             outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
             if not (outcome.retryable and number < attempts):
-                return outcome
+                return outcome, plan
             self.transition("Restarting", f"{outcome.message}; retrying")
         raise AssertionError("unreachable")
 
@@ -343,10 +388,11 @@ class JobRun:
         artifacts = None
         if outcome.status in (COMPLETED, STOPPED):
             self.transition("Uploading", "Uploading generated training model")
+            check = self._new_stop_check()
             artifacts = upload_artifacts(
                 self.name,
                 self.job.output_url,
-                lambda stream, target: controller.collect(stream, plan.host_names, target),
+                lambda stream, target: controller.collect(stream, plan.host_names, target, check),
             )
         self._end(
             outcome.status,

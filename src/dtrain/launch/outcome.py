@@ -48,6 +48,8 @@ class Failure:
     tail: str = ""
     """The rank's last traceback, or its last lines of output."""
     signal_name: str | None = None
+    lost: bool = False
+    """The host is gone (its agent died, its machine or link went down), not just failed."""
 
     @property
     def error(self) -> str:
@@ -62,7 +64,7 @@ class Failure:
     @property
     def infrastructure(self) -> bool:
         """A failure outside the script's code (killed rank, lost host): worth a retry."""
-        return self.rank is None or self.signal_name is not None
+        return self.lost or self.signal_name is not None
 
     @property
     def reason(self) -> str:
