@@ -19,6 +19,7 @@ of this shared machine falls on both.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ import _netns  # benchmarks/ is the script's directory
 WORKER = Path(__file__).resolve().parent / "_cluster_worker.py"
 PROCESSES = 2
 PORT = 29400
+RUN_NUMBERS = itertools.count()
 
 
 def dtrain_commands(
@@ -131,20 +133,25 @@ def launch(
 
 
 def alternate(
-    hosts: tuple[_netns.Host, _netns.Host], scratch: Path, arguments: dict[str, Any], runs: int
+    hosts: tuple[_netns.Host, _netns.Host],
+    scratch: Path,
+    arguments: dict[str, dict[str, Any]],
+    runs: int,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``runs`` jobs of each launcher, in turns (which goes first alternates)."""
+    """``runs`` jobs of each launcher (with its ``arguments``), in turns; which goes first
+    alternates."""
     reports: dict[str, list[dict[str, Any]]] = {"dtrain": [], "torchrun": []}
     for run in range(runs):
         order = ("dtrain", "torchrun") if run % 2 == 0 else ("torchrun", "dtrain")
         for launcher in order:
-            number = len(reports["dtrain"]) + len(reports["torchrun"])
-            reports[launcher].append(launch(launcher, hosts, scratch, arguments, number))
+            number = next(RUN_NUMBERS)
+            reports[launcher].append(launch(launcher, hosts, scratch, arguments[launcher], number))
     return reports
 
 
 def startup(hosts: tuple[_netns.Host, _netns.Host], scratch: Path, runs: int) -> dict[str, Any]:
-    reports = alternate(hosts, scratch, {"ddp": "torch", "width": 64, "steps": 1}, runs)
+    tiny = {"ddp": "torch", "width": 64, "steps": 1}
+    reports = alternate(hosts, scratch, {"dtrain": tiny, "torchrun": tiny}, runs)
     seconds = {name: [r["startup_s"] for r in found] for name, found in reports.items()}
     ratios = [d / t for d, t in zip(seconds["dtrain"], seconds["torchrun"], strict=True)]
     return {
@@ -161,17 +168,18 @@ def throughput(
     hosts: tuple[_netns.Host, _netns.Host], scratch: Path, runs: int, steps: int, warmup: int
 ) -> dict[str, Any]:
     common = {"steps": steps + warmup, "warmup": warmup, "batch": 64}
-    dtrain = alternate(hosts, scratch, {**common, "ddp": "dtrain"}, runs)["dtrain"]
-    torch = alternate(hosts, scratch, {**common, "ddp": "torch"}, runs)["torchrun"]
+    arguments = {"dtrain": {**common, "ddp": "dtrain"}, "torchrun": {**common, "ddp": "torch"}}
+    reports = alternate(hosts, scratch, arguments, runs)
     rates = {
-        "dtrain (dtrain DDP, hierarchical bf16)": [
-            64 / statistics.median(r["step_s"]) for r in dtrain
-        ],
-        "torchrun (torch DDP)": [64 / statistics.median(r["step_s"]) for r in torch],
+        name: [64 / statistics.median(report["step_s"]) for report in found]
+        for name, found in reports.items()
     }
-    speedups = [d / t for d, t in zip(*rates.values(), strict=True)]
+    speedups = [d / t for d, t in zip(rates["dtrain"], rates["torchrun"], strict=True)]
     return {
-        "samples_per_s": rates,
+        "samples_per_s": {
+            "dtrain job, dtrain DDP (hierarchical, bf16)": rates["dtrain"],
+            "torchrun, torch DDP": rates["torchrun"],
+        },
         "speedup_per_pair": speedups,
         "speedup_median": statistics.median(speedups),
         "target": "dtrain / torchrun >= 1.7",

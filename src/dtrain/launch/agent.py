@@ -39,12 +39,15 @@ from dtrain.launch.netif import format_endpoint, interface_of
 from dtrain.launch.processes import become_subreaper
 from dtrain.launch.ranks import LocalRanks, RankLaunch
 from dtrain.launch.transfer import ChunkReader, send_folder, unpack
-from dtrain.launch.wire import Connection, ConnectionClosed, ProtocolError, join_controller
+from dtrain.launch.wire import (
+    HEARTBEAT_INTERVAL,
+    SILENCE_LIMIT,
+    Connection,
+    ConnectionClosed,
+    ProtocolError,
+    join_controller,
+)
 
-HEARTBEAT_INTERVAL = 1.0
-SILENCE_LIMIT = 15.0
-"""A peer unheard of for this long is gone (a dead machine, a cut link); heartbeats come each
-second."""
 RETRY_INTERVAL = 0.1
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""

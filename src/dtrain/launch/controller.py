@@ -18,14 +18,16 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from dtrain.errors import DtrainError
-from dtrain.launch.agent import HEARTBEAT_INTERVAL, SILENCE_LIMIT
+from dtrain.launch.clusters.base import Cluster
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.outcome import Attempt, Failure, Outcome, rank_failure
 from dtrain.launch.transfer import ChunkReader, repack
 from dtrain.launch.wire import (
+    HEARTBEAT_INTERVAL,
+    SILENCE_LIMIT,
     AuthenticationError,
     Connection,
     ConnectionClosed,
@@ -45,14 +47,6 @@ class JobStopped(DtrainError):
     def __init__(self, secondary_status: str, message: str) -> None:
         self.secondary_status = secondary_status
         super().__init__(message)
-
-
-class Cluster(Protocol):
-    """How the machines of a job are found and their agents started (:mod:`clusters`)."""
-
-    def lost(self) -> list[tuple[str, str]]:
-        """Hosts whose agents the cluster engine saw end, with what it said."""
-        ...
 
 
 @dataclasses.dataclass(eq=False)

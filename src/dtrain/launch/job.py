@@ -31,7 +31,7 @@ from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
 from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
-from dtrain.launch.clusters import Cluster, parse_cluster
+from dtrain.launch.clusters import AgentJob, Cluster, parse_cluster
 from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import count_gpus
@@ -233,10 +233,10 @@ class JobRun:
             self.folder.logs_dir.mkdir(parents=True)
             self.folder.spec_file.write_text(spec.to_json())
             names = [host_name(i) for i in range(spec.instance_count)]
-            endpoint = listener.getsockname()[:2]
+            agents = AgentJob(listener.getsockname()[:2], secret, self.folder, self.say)
 
             def start(hosts: list[str]) -> None:
-                cluster.start_agents(endpoint, secret, hosts, self.folder, self.say)
+                cluster.start_agents(hosts, agents)
 
             start(names)
             plan = self._plan(controller.gather(names, cluster.join_timeout))

@@ -34,6 +34,10 @@ MESSAGE_LIMIT = 64 * 1024 * 1024
 HANDSHAKE_LIMIT = 16 * 1024
 """Largest frame part accepted before the peer proved the secret."""
 HANDSHAKE_TIMEOUT = 10.0
+HEARTBEAT_INTERVAL = 1.0
+SILENCE_LIMIT = 15.0
+"""A peer unheard of for this long is gone (a dead machine, a cut link); heartbeats go both ways
+every second."""
 SECRET_BYTES = 32
 
 

@@ -19,12 +19,12 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.jobs.folder import JobFolder
 from dtrain.launch.agent import spawn_agent
+from dtrain.launch.clusters.base import AgentJob, listener
 from dtrain.launch.netif import format_endpoint, route_source
 from dtrain.launch.processes import die_with_parent
 from dtrain.launch.wire import new_secret
@@ -90,21 +90,12 @@ class RayCluster:
                 f"a Ray cluster with a live node per host: {instance_count} host(s) asked for, "
                 f"{len(alive)} node(s) alive ({', '.join(alive)})",
             )
-        from dtrain.launch.clusters import listener
-
         return listener(route_source(self.address), 0, "cluster", self.uri)
 
     def secret(self) -> bytes:
         return new_secret()
 
-    def start_agents(
-        self,
-        controller: tuple[str, int],
-        secret: bytes,
-        hosts: Sequence[str],
-        folder: JobFolder,
-        say: Callable[[str], None],
-    ) -> None:
+    def start_agents(self, hosts: Sequence[str], job: AgentJob) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -126,8 +117,8 @@ class RayCluster:
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
             actor = remote.options(scheduling_strategy=strategy, **options).remote()
             self._actors[host] = actor
-            self._runs[host] = actor.run.remote(controller, secret, host, PLACEMENT_TIMEOUT)
-        say(f"started {len(hosts)} agent(s) on the Ray cluster at {self.uri}")
+            self._runs[host] = actor.run.remote(job.controller, job.secret, host, PLACEMENT_TIMEOUT)
+        job.say(f"started agents for {', '.join(hosts)} on the Ray cluster at {self.uri}")
 
     @staticmethod
     def _bundle_order(group: Any) -> list[int]:
