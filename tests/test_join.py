@@ -111,6 +111,8 @@ def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
                 process.kill()
     output = (tmp_path / "controller.log").read_text()
     assert "refused a connection from 127.0.0.1" in output and "wrong secret" in output
+    journal = Path(describe(dtrain_home, "never-complete")["JobFolder"]) / "logs/controller.log"
+    assert "refused a connection from 127.0.0.1" in journal.read_text()
     assert "algo-1 joined: 127.0.0.1 (lo)" in output
     reason = describe(dtrain_home, "never-complete")["FailureReason"]
     assert reason == "host(s) algo-2 did not join within 8 s"

@@ -92,8 +92,9 @@ def host_folder(home: Path, job_name: str, host: str) -> HostFolder:
 class JobFolder:
     """``$DTRAIN_HOME/jobs/<name>`` on the controller's machine.
 
-    Holds ``spec.json``, ``logs/attempt-<k>/rank<R>.log``, ``logs/agent-<host>.log`` (agents the
-    controller started) and ``hosts/algo-<i>/`` (there, or on each host's own machine).
+    Holds ``spec.json``, ``logs/attempt-<k>/rank<R>.log``, ``logs/controller.log``,
+    ``logs/agent-<host>.log`` (agents the controller started) and ``hosts/algo-<i>/`` (there, or
+    on each host's own machine).
     """
 
     root: Path
@@ -115,6 +116,11 @@ class JobFolder:
 
     def log_file(self, rank: int, attempt: int) -> Path:
         return self.attempt_logs_dir(attempt) / f"rank{rank}.log"
+
+    @property
+    def controller_log_file(self) -> Path:
+        """What the controller said: statuses, hosts joining, refused connections."""
+        return self.logs_dir / "controller.log"
 
     def agent_log_file(self, host: str) -> Path:
         return self.logs_dir / f"agent-{host}.log"

@@ -54,13 +54,18 @@ class Controller:
         self.links = Links(listener, secret, on_output, say)
         self.hosts = self.links.by_name
 
-    def _next(self, timeout: float = 0.1) -> Event | None:
-        """The next report; hosts the cluster engine saw end come out as lost."""
+    def _next(self, timeout: float = 0.1, joining: bool = False) -> Event | None:
+        """The next report; hosts the cluster engine saw end come out as lost, and an agent
+        joining while the job is not ``joining`` (gathering hosts) is refused."""
         for host, reason in self.cluster.lost():
             link = self.hosts.get(host)
             if link is not None and not link.gone:
                 return Lost(link, reason, time.time())
-        return self.links.next(timeout)
+        event = self.links.next(timeout)
+        if isinstance(event, Joined) and not joining:
+            self._refuse(event.link, "the job has all its hosts already")
+            return None
+        return event
 
     def _check_stop(self) -> None:
         stop = self.should_stop()
@@ -86,7 +91,7 @@ class Controller:
                 joined = f"{len(self.hosts)} of {len(names)} joined"
                 self.say(f"waiting for {', '.join(missing)} ({joined})")
                 notice = now + WAITING_NOTICE_INTERVAL
-            event = self._next()
+            event = self._next(joining=True)
             if isinstance(event, Joined):
                 self._name(event.link, missing)
             elif isinstance(event, Lost):
@@ -108,9 +113,6 @@ class Controller:
         if wanted is not None and wanted not in missing:
             taken = "has joined already" if wanted in self.hosts else "is not a host of this job"
             self._refuse(link, f"host {wanted!r} {taken} (missing: {', '.join(missing) or 'none'})")
-            return
-        if not missing:
-            self._refuse(link, "the job has all its hosts already")
             return
         link.name = wanted or missing[0]
         self.hosts[link.name] = link

@@ -194,15 +194,21 @@ class JobRun:
         self._logs: dict[tuple[int, int], TextIO] = {}
         self._signalled: str | None = None
         self._signals = 0
+        self._journal: TextIO | None = None
         self._last_stop_check = 0.0
         self._stop_requested = False
         self._training_since: float | None = None  # --max-run counts from the first training
 
     def say(self, message: str) -> None:
-        if self.console is not None:
-            elapsed = time.monotonic() - self.started
-            stamp = time.strftime("%H:%M:%S", time.gmtime(elapsed))
-            with self._console_lock:
+        """To the console (unless quiet) and, always, to the job's ``logs/controller.log``."""
+        elapsed = time.monotonic() - self.started
+        stamp = time.strftime("%H:%M:%S", time.gmtime(elapsed))
+        with self._console_lock:
+            if self._journal is not None:
+                now = datetime.datetime.now().isoformat(timespec="milliseconds")
+                self._journal.write(f"{now} {message}\n")
+                self._journal.flush()
+            if self.console is not None:
                 self.console.write(f"[dtrain {self.name} {stamp}] {message}\n")
                 self.console.flush()
 
@@ -225,12 +231,13 @@ class JobRun:
         )
         self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
+        self.folder.logs_dir.mkdir(parents=True)
+        self._journal = self.folder.controller_log_file.open("a", encoding="utf-8")
         previous = self._install_signal_handlers()
         controller = Controller(
             listener, secret, cluster, self._on_output, self.say, self._should_stop
         )
         try:
-            self.folder.logs_dir.mkdir(parents=True)
             self.folder.spec_file.write_text(spec.to_json())
             names = [host_name(i) for i in range(spec.instance_count)]
             agents = AgentJob(listener.getsockname()[:2], secret, self.folder, self.say)
@@ -264,6 +271,9 @@ class JobRun:
             self._restore_signal_handlers(previous)
             for log in self._logs.values():
                 log.close()
+            with self._console_lock:
+                self._journal.close()
+                self._journal = None
         return self.store.get(self.name)
 
     def _install_signal_handlers(self) -> dict[int, Any]:

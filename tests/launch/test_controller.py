@@ -1,0 +1,187 @@
+"""The controller's phases against fake agents that speak the protocol over loopback: hosts named
+as they join, an attempt's end and its root cause, a silent host lost, stale reports ignored."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dtrain.config.distribution import resolve_distribution
+from dtrain.jobs.spec import JobSpec
+from dtrain.launch import links
+from dtrain.launch.controller import Controller
+from dtrain.launch.env import LaunchPlan
+from dtrain.launch.outcome import COMPLETED, FAILED, Attempt
+from dtrain.launch.wire import Connection, ConnectionClosed, Message, join_controller
+
+SECRET = b"k" * 64
+Script = Callable[["FakeAgent", Message], None]
+
+
+class NoEngine:
+    def lost(self) -> list[tuple[str, str]]:
+        return []
+
+
+class FakeAgent:
+    """Joins the controller and answers each order with ``script``; beats until ``silent``."""
+
+    def __init__(self, port: int, host: str | None, script: Script, home: Path) -> None:
+        self.connection = Connection(socket.create_connection(("127.0.0.1", port)))
+        self.orders: list[str] = []
+        self.silent = False
+        join_controller(
+            self.connection, SECRET, address="127.0.0.1", interface="lo", machine="m",
+            hostname="fake", cpus=2, gpus=0, home=str(home), pid=1, host=host,
+        )  # fmt: skip
+        self.script = script
+        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                message = self.connection.receive()
+                if message.kind != "heartbeat":
+                    self.orders.append(message.kind)
+                    self.script(self, message)
+        except ConnectionClosed:
+            return
+
+    def _beat(self) -> None:
+        while not self.silent:
+            try:
+                self.connection.send("heartbeat")
+            except ConnectionClosed:
+                return
+            time.sleep(0.1)
+
+    def exited(self, attempt: int, rank: int, code: int, tail: str = "") -> None:
+        self.connection.send(
+            "exited", attempt=attempt, rank=rank, code=code, time=time.time(), tail=tail,
+            stopped=False,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> tuple[Controller, list[tuple[str, int, list[str]]]]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    output: list[tuple[str, int, list[str]]] = []
+    said: list[str] = []
+    started = Controller(
+        listener, SECRET, NoEngine(), lambda h, a, r, lines: output.append((h, r, lines)),
+        said.append, lambda: None,
+    )  # fmt: skip
+    yield started, output
+    started.close()
+
+
+def plan(hosts: list) -> LaunchPlan:
+    spec = JobSpec("train.py", "job", instance_count=2, instance_type="local_cpu")
+    distribution = resolve_distribution(
+        None, instance_count=2, processes_per_host=1, default_processes_per_host=1
+    )
+    return LaunchPlan(spec, distribution, tuple(hosts))
+
+
+def port_of(controller: Controller) -> int:
+    return controller.links.listener.getsockname()[1]
+
+
+def ignore(agent: FakeAgent, message: Message) -> None:
+    return None
+
+
+def test_hosts_are_named_as_asked_then_in_order_and_extras_refused(
+    controller: tuple, tmp_path: Path
+) -> None:
+    control, _ = controller
+    FakeAgent(port_of(control), "algo-2", ignore, tmp_path)
+    FakeAgent(port_of(control), None, ignore, tmp_path)
+    hosts = control.gather(["algo-1", "algo-2"], timeout=10)
+    assert [host.name for host in hosts] == ["algo-1", "algo-2"]
+    extra = FakeAgent(port_of(control), None, ignore, tmp_path)
+    deadline = time.monotonic() + 5
+    while "refused" not in extra.orders and time.monotonic() < deadline:
+        control._next(timeout=0.05)  # the controller admits, names or refuses as it reads
+        time.sleep(0.02)
+    assert "refused" in extra.orders
+
+
+def test_the_first_failure_stops_the_other_host_and_names_the_root_cause(
+    controller: tuple, tmp_path: Path
+) -> None:
+    control, output = controller
+
+    def failing(agent: FakeAgent, message: Message) -> None:
+        if message.kind == "start":
+            agent.connection.send("output", attempt=1, rank=0, lines=["step 0", "Traceback"])
+            agent.exited(1, 0, 1, "Traceback (most recent call last):\nValueError: boom")
+            agent.connection.send("done", attempt=1)
+
+    def waiting(agent: FakeAgent, message: Message) -> None:
+        if message.kind == "stop":
+            agent.exited(1, 1, -15)
+            agent.connection.send("done", attempt=1)
+
+    FakeAgent(port_of(control), "algo-1", failing, tmp_path)
+    second = FakeAgent(port_of(control), "algo-2", waiting, tmp_path)
+    hosts = control.gather(["algo-1", "algo-2"], timeout=10)
+    outcome = control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234)
+    assert outcome.status == FAILED
+    assert outcome.message == "rank 0 (algo-1) exited with code 1: ValueError: boom"
+    assert second.orders == ["start", "stop"]
+    assert output == [("algo-1", 0, ["step 0", "Traceback"])]
+
+
+def test_a_silent_host_is_lost_and_a_stale_report_ignored(
+    controller: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(links, "SILENCE_LIMIT", 0.5)
+    monkeypatch.setattr(links, "HEARTBEAT_INTERVAL", 0.1)
+    control, _ = controller
+
+    def goes_silent(agent: FakeAgent, message: Message) -> None:
+        if message.kind == "start":
+            agent.exited(0, 0, 1, "a report of an attempt before this one")
+            agent.silent = True
+
+    def obeys(agent: FakeAgent, message: Message) -> None:
+        if message.kind == "stop":
+            agent.exited(1, 1, -15)
+            agent.connection.send("done", attempt=1)
+
+    FakeAgent(port_of(control), "algo-1", obeys, tmp_path)
+    FakeAgent(port_of(control), "algo-2", goes_silent, tmp_path)
+    hosts = control.gather(["algo-1", "algo-2"], timeout=10)
+    started = time.monotonic()
+    outcome = control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234)
+    assert time.monotonic() - started < 5
+    assert outcome.status == FAILED and outcome.retryable
+    assert outcome.message == "host algo-2 (127.0.0.1) was lost: no heartbeat for 0.5 s " + (
+        "(its machine or the network is down)"
+    )
+    assert control.lost_hosts() == ["algo-2"]
+
+
+def test_every_rank_done_completes_the_attempt(controller: tuple, tmp_path: Path) -> None:
+    control, _ = controller
+
+    def succeeds(agent: FakeAgent, message: Message) -> None:
+        if message.kind == "start":
+            rank = int(next(iter(message["ranks"])))
+            agent.exited(1, rank, 0)
+            agent.connection.send("done", attempt=1)
+
+    FakeAgent(port_of(control), None, succeeds, tmp_path)
+    FakeAgent(port_of(control), None, succeeds, tmp_path)
+    hosts = control.gather(["algo-1", "algo-2"], timeout=10)
+    outcome = control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234)
+    assert outcome.status == COMPLETED
