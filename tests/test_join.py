@@ -102,6 +102,9 @@ def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
         impostor = dtrain(*join, "--secret-file", str(wrong), "--connect-timeout", "20",
                           home=dtrain_home)  # fmt: skip
         assert impostor.returncode != 0 and "wrong secret" in impostor.stderr, impostor.stderr
+        stranger = dtrain(*join, "--secret-file", str(secret), "--host", "algo-7", home=dtrain_home)
+        assert stranger.returncode == 1
+        assert "refused this agent: host 'algo-7' is not a host of this job" in stranger.stderr
         agent = background(dtrain_home, tmp_path / "agent.log", *join, "--secret-file", str(secret))
         assert controller.wait(timeout=60) == 1
         assert agent.wait(timeout=20) == 0  # dismissed: the job ended

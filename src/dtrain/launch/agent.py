@@ -211,6 +211,9 @@ class Agent:
                 continue
             if message.kind == "bye":
                 return 0
+            if message.kind == "refused":
+                self.say(f"the controller refused this agent: {message['reason']}")
+                return 1
             try:
                 self._handle(message.kind, message.fields)
             except DtrainError as error:
