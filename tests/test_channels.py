@@ -164,13 +164,17 @@ def test_shard_rejects_bad_host_index() -> None:
 # --- materializing ----------------------------------------------------------------------------
 
 
-def test_materialize_local_symlinks_keep_layout(dataset: Path, tmp_path: Path) -> None:
+def test_materialize_local_copies_keep_layout_and_protect_the_inputs(
+    dataset: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "opt" / "ml" / "input" / "data" / "train"
     written = materialize_channel(ChannelSpec("train", str(dataset)), dest, 0, 2)
     assert written == [dest / key for key in sorted(FILES)]
     for key in FILES:
-        assert (dest / key).is_symlink()
+        assert not (dest / key).is_symlink()
         assert (dest / key).read_text() == f"content of {key}\n"
+        (dest / key).write_text("changed by the job")
+        assert (dataset / key).read_text() == f"content of {key}\n"
 
 
 def test_materialize_local_sharded(dataset: Path, tmp_path: Path) -> None:
@@ -245,3 +249,20 @@ def test_s3_missing_prefix(bucket: str) -> None:
         DtrainError, match=re.escape(f"channel train: s3://{bucket}/missing does not exist")
     ):
         list_channel_files(parse_channel_arg(f"train=s3://{bucket}/missing"))
+
+
+def test_s3_keys_that_would_leave_the_channel_folder_fail_it(
+    s3_endpoint: str, tmp_path: Path
+) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="hostile")
+    for key in ("train/ok.csv", "train/../../planted.py"):
+        client.put_object(Bucket="hostile", Key=key, Body=b"x")
+    dest = tmp_path / "job" / "hosts" / "algo-1" / "input" / "data" / "train"
+    channel = parse_channel_arg("train=s3://hostile/train/")
+    with pytest.raises(DtrainError, match=r"object key '../../planted.py' .* outside"):
+        materialize_channel(channel, dest, 0, 1)
+    assert [p for p in (tmp_path / "job").rglob("*") if p.is_file()] == []
+    assert not (tmp_path / "job" / "hosts" / "planted.py").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -136,12 +137,15 @@ def materialize_channel(
 ) -> list[Path]:
     """Fill ``dest_dir`` (a host's ``input/data/<name>``) with that host's files; return them.
 
-    Relative paths under the URI are kept. Local files are symlinked rather than copied, so large
-    local datasets cost nothing to mount on every host (scripts should treat them as read-only);
-    remote files are downloaded.
+    Relative paths under the URI are kept. Every file is a copy (local files copied, remote ones
+    downloaded), as SageMaker's File mode hands out copies: a job can write into its channel
+    folder without changing its inputs. A key that would land outside ``dest_dir`` (``..``, an
+    absolute key: possible in S3) fails the channel before anything is written.
     """
     fs, sources = _channel_files(channel)
     keys = shard_files(list(sources), host_index, num_hosts, channel.distribution)
+    for key in keys:
+        _check_key(channel, key)
     dest_dir.mkdir(parents=True, exist_ok=True)
     targets = [dest_dir / key for key in keys]
     for target in targets:
@@ -155,8 +159,17 @@ def materialize_channel(
             ) from error
     else:
         for key, target in zip(keys, targets, strict=True):
-            target.symlink_to(sources[key])
+            shutil.copyfile(sources[key], target)
     return targets
+
+
+def _check_key(channel: ChannelSpec, key: str) -> None:
+    parts = PurePosixPath(key).parts
+    if not parts or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise DtrainError(
+            f"channel {channel.name}: object key {key!r} under {channel.uri} would be written "
+            "outside the channel folder; refusing the channel"
+        )
 
 
 def input_data_config(channels: Sequence[ChannelSpec]) -> dict[str, dict[str, str]]:

@@ -36,7 +36,7 @@ from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import count_gpus
 from dtrain.launch.outcome import Attempt, Outcome
-from dtrain.launch.transfer import send_folder
+from dtrain.launch.transfer import files_under, send_folder
 from dtrain.launch.wire import Connection
 from dtrain.topology import host_name
 
@@ -92,17 +92,39 @@ class PreparedJob:
     cluster: Cluster
 
 
-def _check_entry_point(spec: JobSpec) -> None:
+def _check_code(spec: JobSpec) -> None:
+    """The entry point exists (inside ``source_dir`` if given), and no link leaves the code.
+
+    The code travels to every host as it is, links as links: a link to a file outside the source
+    dir would not exist there, or would expose that file to the job.
+    """
     if spec.source_dir is not None:
         source = Path(spec.source_dir)
         if not source.is_dir():
             raise ConfigError("source_dir", spec.source_dir, "an existing directory")
         entry = source / spec.entry_point
+        if Path(spec.entry_point).is_absolute() or not _holds(source.resolve(), entry.resolve()):
+            raise ConfigError(
+                "entry_point", spec.entry_point, "a path relative to source_dir, inside it"
+            )
     else:
         entry = Path(spec.entry_point)
     if not entry.is_file():
         where = f" inside source_dir {spec.source_dir!r}" if spec.source_dir else ""
         raise ConfigError("entry_point", spec.entry_point, f"an existing file{where}")
+    folder, skip = _code_filter(spec)
+    root = Path(os.path.realpath(folder))
+    for path in files_under(folder, skip):
+        if path.is_symlink() and not _holds(root, Path(os.path.realpath(path))):
+            raise ConfigError(
+                "source_dir",
+                str(path),
+                f"links that stay inside the source dir ({path} points to {os.readlink(path)})",
+            )
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    return folder == path or folder in path.parents
 
 
 def prepare(spec: JobSpec) -> PreparedJob:
@@ -120,7 +142,7 @@ def prepare(spec: JobSpec) -> PreparedJob:
         raise ConfigError("max_run", spec.max_run, "a number of seconds > 0")
     if not isinstance(spec.max_retry_attempts, int) or not 0 <= spec.max_retry_attempts <= 30:
         raise ConfigError("max_retry_attempts", spec.max_retry_attempts, "an integer from 0 to 30")
-    _check_entry_point(spec)
+    _check_code(spec)
     cluster = parse_cluster(spec)
     if not isinstance(spec.join_timeout, int | float) or not spec.join_timeout > 0:
         raise ConfigError("join_timeout", spec.join_timeout, "a number of seconds > 0")
@@ -165,11 +187,10 @@ def _code_filter(spec: JobSpec) -> tuple[Path, Any]:
     dtrain's home may lie inside the source dir (a project folder holding both): it is left out,
     or a local job would copy its own copy. ``__pycache__`` folders are left out too.
     """
-    home = dtrain_home().resolve()
+    home = Path(os.path.realpath(dtrain_home()))
 
     def skip(path: Path) -> bool:
-        resolved = path.resolve()
-        return path.name == "__pycache__" or resolved == home or home in resolved.parents
+        return path.name == "__pycache__" or _holds(home, Path(os.path.realpath(path)))
 
     if spec.source_dir is not None:
         return Path(spec.source_dir), skip

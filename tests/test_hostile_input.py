@@ -1,0 +1,58 @@
+"""Hostile input and everyday mistakes: each rejected before anything is created, the key named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dtrain.errors import ConfigError
+from dtrain.jobs.spec import JobSpec
+from dtrain.launch.job import prepare
+from tests.conftest import dtrain
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    folder = tmp_path / "source"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('trained')\n")
+    return folder
+
+
+def spec(source: Path, **fields: object) -> JobSpec:
+    return JobSpec(
+        **{"entry_point": "train.py", "job_name": "j", "source_dir": str(source), **fields}
+    )  # type: ignore[arg-type]
+
+
+def test_a_link_out_of_the_source_dir_is_refused_before_anything_is_copied(
+    dtrain_home: Path, source: Path
+) -> None:
+    (source / "etc").symlink_to("/etc")
+    result = dtrain("run", "train.py", "--source-dir", str(source), "--job-name", "links",
+                    home=dtrain_home)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "source_dir" in result.stderr and "points to /etc" in result.stderr
+    assert not (dtrain_home / "jobs" / "links").exists()
+    assert dtrain("describe", "links", home=dtrain_home).returncode == 2
+
+
+def test_links_inside_the_source_dir_travel_as_links(dtrain_home: Path, source: Path) -> None:
+    (source / "alias.py").symlink_to("train.py")
+    (source / "loop").symlink_to("loop")
+    result = dtrain("run", "alias.py", "--source-dir", str(source), "--job-name", "inside",
+                    "--instance-type", "local_cpu", home=dtrain_home)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    code = dtrain_home / "jobs" / "inside" / "hosts" / "algo-1" / "code"
+    assert os.readlink(code / "alias.py") == "train.py" and os.readlink(code / "loop") == "loop"
+
+
+@pytest.mark.parametrize("entry", ["/etc/hostname", "../outside.py"])
+def test_an_entry_point_outside_the_source_dir_is_refused(
+    source: Path, tmp_path: Path, entry: str
+) -> None:
+    (tmp_path / "outside.py").write_text("")
+    with pytest.raises(ConfigError, match=r"entry_point.*relative to source_dir"):
+        prepare(spec(source, entry_point=entry))
