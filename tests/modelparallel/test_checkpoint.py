@@ -145,3 +145,41 @@ def test_wrong_uses_are_explained(tmp_path: Path) -> None:
         torch.save({}, tmp_path / "m.pt_1_0.pt")  # saved by a 2-stage pipeline
         with pytest.raises(ModelParallelError, match=r"found 2 partial files .* 1 model-parallel"):
             smp.load(tmp_path / "m.pt")
+
+
+class Planted:
+    """What a hostile checkpoint holds: unpickling it runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+class Step:
+    """An object of the script's own class in its user_content."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def test_loading_never_runs_code_from_a_planted_file_unless_trusted(tmp_path: Path) -> None:
+    ran = tmp_path / "code-ran"
+    with single_process():
+        model = FakeModel(0.0)
+        state.register_model(model)
+        smp.save_checkpoint(tmp_path / "ckpt", "t", model=model, user_content={"step": 3})
+        planted = tmp_path / "ckpt" / "t_partial" / "model_0_0_0.pt"
+        torch.save({"a": Planted(ran)}, planted)
+        with pytest.raises(Exception, match="Weights only load failed"):
+            smp.resume_from_checkpoint(tmp_path / "ckpt")
+        torch.save(Planted(ran), tmp_path / "m.pt_0_0.pt")
+        with pytest.raises(Exception, match="Weights only load failed"):
+            smp.load(tmp_path / "m.pt")
+        assert not ran.exists()
+
+        smp.save_checkpoint(tmp_path / "own", "t", model=model, user_content=Step(7))
+        with pytest.raises(Exception, match="Weights only load failed"):
+            smp.resume_from_checkpoint(tmp_path / "own")
+        assert smp.resume_from_checkpoint(tmp_path / "own", weights_only=False).step == 7

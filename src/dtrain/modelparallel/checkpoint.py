@@ -15,6 +15,11 @@ state. Layout under ``path``::
 
 The model and optimizer only need ``local_state_dict()``, ``state_dict()`` (full; every rank
 calls it) and ``load_state_dict(...)``.
+
+Loading never unpickles code: files are read with ``torch.load(weights_only=True)``, which admits
+tensors, containers and plain values, all that dtrain's own checkpoint files hold. A planted file
+cannot run anything. ``user_content`` and ``smp.load`` files holding objects of the script's own
+classes need ``weights_only=False``, the caller's explicit trust in the file.
 """
 
 from __future__ import annotations
@@ -73,12 +78,12 @@ def load(
     f: str | os.PathLike[str],
     partial: bool = True,
     map_location: Any = None,
-    weights_only: bool = False,
+    weights_only: bool = True,
 ) -> Any:
     """``torch.load`` for model-parallel scripts (``smp.load``): ``partial`` reads this rank's part.
 
-    ``weights_only`` defaults to False because, as in SMP, checkpoints hold arbitrary objects the
-    job saved itself.
+    ``weights_only=True`` (the default; SMP's was False) refuses to unpickle anything but
+    tensors, containers and plain values; pass False only for a file you trust.
     """
     st = state.current("smp.load")
     path = os.fspath(f)
@@ -189,11 +194,14 @@ def resume_from_checkpoint(
     partial: bool = True,
     strict: bool = True,
     load_optimizer: bool = True,
+    weights_only: bool = True,
 ) -> Any:
     """Load a checkpoint into the ``DistributedModel`` (and optimizer); returns user_content.
 
     ``tag=None`` loads the newest. Every rank loads its own partition's part (partial) or the
-    whole state (full); the model applies it once it is partitioned.
+    whole state (full); the model applies it once it is partitioned. Model and optimizer state
+    are always read as weights only; ``weights_only=False`` trusts ``user_content`` to hold
+    objects of the script's own classes.
     """
     st = state.current("smp.resume_from_checkpoint")
     model = state.current_model()
@@ -227,8 +235,8 @@ def resume_from_checkpoint(
     else:
         model.load_state_dict(_read(root / tag), strict=strict)
         user_file = root / f"user_content_{tag}"
-    return _read(user_file) if user_file.is_file() else None
+    return _read(user_file, weights_only) if user_file.is_file() else None
 
 
-def _read(file: Path) -> Any:
-    return torch.load(file, map_location="cpu", weights_only=False)
+def _read(file: Path, weights_only: bool = True) -> Any:
+    return torch.load(file, map_location="cpu", weights_only=weights_only)
