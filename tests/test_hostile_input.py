@@ -56,3 +56,19 @@ def test_an_entry_point_outside_the_source_dir_is_refused(
     (tmp_path / "outside.py").write_text("")
     with pytest.raises(ConfigError, match=r"entry_point.*relative to source_dir"):
         prepare(spec(source, entry_point=entry))
+
+
+def test_checkpoint_and_output_folders_outside_the_home_are_private(
+    dtrain_home: Path, source: Path, tmp_path: Path
+) -> None:
+    checkpoints, output = tmp_path / "shared" / "ckpt", tmp_path / "results" / "run"
+    result = dtrain(
+        "run", "train.py", "--source-dir", str(source), "--job-name", "private",
+        "--instance-type", "local_cpu", "--checkpoint-local-path", str(checkpoints),
+        "--output-path", str(output), home=dtrain_home,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    archive = output / "private" / "output" / "model.tar.gz"
+    for folder in (tmp_path / "shared", checkpoints, tmp_path / "results", archive.parent):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    assert archive.stat().st_mode & 0o777 == 0o600

@@ -25,6 +25,21 @@ def dtrain_home() -> Path:
     return home
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents readable by their owner only (mode 0700).
+
+    Checkpoints and model archives may land outside ``DTRAIN_HOME``; what dtrain creates for them
+    must not be readable by every user of the machine, whatever the umask.
+    """
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)
+
+
 @dataclass(frozen=True)
 class HostFolder:
     """One host's ``/opt/ml``."""

@@ -32,7 +32,7 @@ from typing import Any
 from dtrain.compat import shim_pythonpath_entry
 from dtrain.errors import DtrainError
 from dtrain.jobs.channels import materialize_channel
-from dtrain.jobs.folder import HostFolder
+from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.machine import host_facts
 from dtrain.launch.netif import format_endpoint, interface_of
@@ -258,7 +258,7 @@ class Agent:
         code = self.inbox.stream("code")
         unpack(code, folder.code_dir)
         code.drain()
-        Path(fields["checkpoint_dir"]).mkdir(parents=True, exist_ok=True)
+        make_private_dirs(Path(fields["checkpoint_dir"]))
         os.environ.update(fields["environment"])  # the job's credentials reach its downloads too
         for channel in fields["channels"]:
             spec = ChannelSpec(**channel)

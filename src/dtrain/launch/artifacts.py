@@ -17,7 +17,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from dtrain.errors import ConfigError
-from dtrain.jobs.folder import dtrain_home
+from dtrain.jobs.folder import dtrain_home, make_private_dirs
 
 OUTPUT_SCHEMES = ("file", "s3")
 
@@ -45,16 +45,18 @@ def _write_whole(url: str) -> Iterator[IO[bytes]]:
     only once its upload completes, and an interrupted one is discarded.
     """
     fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    if isinstance(fs, LocalFileSystem):
+    if isinstance(fs, LocalFileSystem):  # private to the user, whatever the umask
+        make_private_dirs(Path(path).parent)
         partial = Path(f"{path}.partial-{os.getpid()}")
         try:
-            with partial.open("wb") as handle:
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
                 yield handle
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
         return
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
     handle = fs.open(path, "wb")
     try:
         yield handle
