@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -72,3 +73,39 @@ def test_checkpoint_and_output_folders_outside_the_home_are_private(
     for folder in (tmp_path / "shared", checkpoints, tmp_path / "results", archive.parent):
         assert folder.stat().st_mode & 0o777 == 0o700, folder
     assert archive.stat().st_mode & 0o777 == 0o600
+
+
+CHATTY = """
+import sys
+for i in range(20000):
+    print(f"step={i} loss={1.0 / (i + 1):.6f}")
+print("last line", flush=True)
+if len(sys.argv) > 2:
+    raise RuntimeError("the real error")
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_chatty_job_loses_no_line_and_no_metric(
+    dtrain_home: Path, tmp_path: Path, fails: bool
+) -> None:
+    folder = tmp_path / "chatty"
+    folder.mkdir()
+    (folder / "chatty.py").write_text(CHATTY)
+    result = dtrain(
+        "run", "chatty.py", "--source-dir", str(folder), "--job-name", "chatty",
+        "--instance-type", "local_cpu", "--quiet",
+        "--hyperparameters", '{"fail": 1}' if fails else "{}",
+        "--metric-definitions", '[{"Name": "loss", "Regex": "loss=([0-9.]+)"}]',
+        home=dtrain_home, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == (1 if fails else 0), result.stderr
+    log = (dtrain_home / "jobs/chatty/logs/attempt-1/rank0.log").read_text().splitlines()
+    assert log[:20001] == [f"step={i} loss={1.0 / (i + 1):.6f}" for i in range(20000)] + [
+        "last line"
+    ]
+    metrics = dtrain("metrics", "chatty", home=dtrain_home).stdout.splitlines()
+    assert len(metrics) == 20001 and metrics[-1].split()[:2] == ["loss", "19999"]
+    if fails:
+        reason = json.loads(dtrain("describe", "chatty", home=dtrain_home).stdout)
+        assert reason["FailureReason"].endswith("RuntimeError: the real error")

@@ -26,7 +26,8 @@ TAIL_LINES = 200
 RECENT_TRACEBACK_LINES = 30
 """A traceback this close to the end of the output is the one the rank died of."""
 OUTPUT_DRAIN = 0.5
-"""How long an exited rank's output may still take to arrive (a grandchild can hold the pipe)."""
+"""How long an exited rank's output may pause before its exit is reported anyway (a grandchild
+can hold the pipe open); output still flowing is waited for."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class _Rank:
         self.process = process
         self.lines: collections.deque[tuple[float, str]] = collections.deque(maxlen=TAIL_LINES)
         self.traceback_time: float | None = None
+        self.count = 0  # lines read
         self.reader: threading.Thread | None = None
         self.reported = False
 
@@ -111,6 +113,7 @@ class LocalRanks:
             if line == TRACEBACK_HEAD:
                 rank.traceback_time = now
             rank.lines.append((now, line))
+            rank.count += 1
             self.on_line(rank.launch.rank, line)
 
     @property
@@ -124,11 +127,20 @@ class LocalRanks:
             if rank.reported or rank.process.poll() is None:
                 continue
             exit_time = time.time()
-            assert rank.reader is not None
-            rank.reader.join(timeout=OUTPUT_DRAIN)
+            self._drain(rank)
             rank.reported = True
             exits.append(self._exit(rank, exit_time))
         return exits
+
+    @staticmethod
+    def _drain(rank: _Rank) -> None:
+        """Wait for the rank's output to end, or to pause for :data:`OUTPUT_DRAIN` seconds."""
+        assert rank.reader is not None
+        idle_since, seen = time.monotonic(), rank.count
+        while rank.reader.is_alive() and time.monotonic() - idle_since < OUTPUT_DRAIN:
+            rank.reader.join(timeout=0.05)
+            if rank.count != seen:
+                idle_since, seen = time.monotonic(), rank.count
 
     def _exit(self, rank: _Rank, exit_time: float) -> RankExit:
         code = rank.process.returncode
