@@ -91,7 +91,8 @@ def test_validation_returns_compiled_definitions() -> None:
             [{"Name": "loss", "Regex": "loss=.*"}],
             r"\[loss\]\.Regex: got 'loss=\.\*'.*capture group",
         ),
-        ([{"Name": "loss", "Regex": "loss=([0-9"}], r"\[loss\]\.Regex.*valid regular expression"),
+        ([{"Name": "loss", "Regex": "loss=([0-9"}], r"\[loss\]\.Regex.*RE2 can run"),
+        ([{"Name": "loss", "Regex": r"(a)\1"}], r"backreferences and lookarounds"),
         ([{"Name": "a", "Regex": "(x)"}, {"Name": "a", "Regex": "(y)"}], "at most once"),
     ],
 )
@@ -126,3 +127,13 @@ def test_final_metric_data_list() -> None:
         {"MetricName": "val:acc", "Value": 0.4, "Timestamp": "2023-11-14T22:13:29+00:00"},
     ]
     assert final_metric_data_list([]) == []
+
+
+def test_a_pathological_regex_takes_linear_time() -> None:
+    """``(a+)+b`` takes Python's ``re`` exponential time on a long run of ``a``; RE2 linear."""
+    import time
+
+    (definition,) = validate_metric_definitions([{"Name": "x", "Regex": "(a+)+b"}])
+    started = time.perf_counter()
+    assert MetricExtractor([definition]).feed("a" * 100_000) == []
+    assert time.perf_counter() - started < 0.5

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import datetime
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import re2
+
 from dtrain.errors import ConfigError, DtrainError, UnknownKeyError
 
 _DEFINITION_KEYS = ("Name", "Regex")
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a bad pattern is reported as a ConfigError, not on stderr
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,10 @@ class MetricDefinition:
     """One ``{"Name": ..., "Regex": ...}`` entry, its regex compiled once."""
 
     name: str
-    pattern: re.Pattern[str]
+    pattern: Any
+    """Compiled by RE2, which matches in time linear in the line: no regex can stall the
+    controller that reads every line of output (Python's ``re`` takes exponential time on
+    ``(a+)+b``)."""
 
     @property
     def regex(self) -> str:
@@ -65,9 +71,15 @@ def validate_metric_definitions(definitions: object) -> tuple[MetricDefinition, 
         if not isinstance(regex, str) or not regex:
             raise ConfigError(key, regex, "a non-empty regular expression string")
         try:
-            pattern = re.compile(regex)
-        except re.error as error:
-            raise ConfigError(key, regex, f"a valid regular expression ({error})") from error
+            pattern = re2.compile(regex, _RE2_OPTIONS)
+        except re2.error as error:
+            detail = error.args[0].decode() if isinstance(error.args[0], bytes) else error
+            raise ConfigError(
+                key,
+                regex,
+                f"a regular expression RE2 can run in linear time ({detail}); backreferences "
+                "and lookarounds are not available",
+            ) from None
         if pattern.groups < 1:
             raise ConfigError(
                 key, regex, "a regex with a capture group around the value, e.g. 'loss=([0-9.]+)'"
