@@ -66,7 +66,7 @@ def test_fp16_params_implies_fp16() -> None:
     assert validate_mp_parameters({"fp16_params": True})["fp16"] is True
 
 
-def test_aws_gpt2_example_is_valid() -> None:
+def test_aws_gpt2_example_is_refused_for_its_tensor_parallelism_only() -> None:
     params = {
         "ddp": True,
         "tensor_parallel_degree": 2,
@@ -78,8 +78,9 @@ def test_aws_gpt2_example_is_valid() -> None:
         "auto_partition": False,
         "default_partition": 0,
     }
-    values = validate_mp_parameters(params, world_size=16)
-    assert values["tensor_parallel_degree"] == 2
+    with pytest.raises(ConfigError, match="does not implement tensor parallelism"):
+        validate_mp_parameters(params, world_size=16)
+    values = validate_mp_parameters({**params, "tensor_parallel_degree": 1}, world_size=16)
     assert values["default_partition"] == 0
 
 
@@ -88,9 +89,15 @@ def test_world_size_fits_model_without_ddp() -> None:
     assert values["ddp"] is False
 
 
-def test_sharded_data_parallel_accepted() -> None:
-    params = {"sharded_data_parallel_degree": 4, "ddp": True}
-    assert validate_mp_parameters(params, world_size=8)["sharded_data_parallel_degree"] == 4
+def test_what_dtrain_does_not_implement_is_refused_not_ignored() -> None:
+    for key, what in (
+        ("tensor_parallel_degree", "tensor parallelism"),
+        ("sharded_data_parallel_degree", "sharded data parallelism"),
+    ):
+        with pytest.raises(ConfigError, match=f"{key}: got 2; allowed: exactly 1 .*{what}"):
+            validate_mp_parameters({key: 2, "ddp": True}, world_size=8)
+    with pytest.raises(ConfigError, match=r"microbatches: got 1000000000; allowed: .* to 4096"):
+        validate_mp_parameters({"microbatches": 10**9})
 
 
 BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]] = [
@@ -105,9 +112,9 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         (f"{P}.placement_strategy", "'dpt'", '"spread"', "'DPT'"),
     ),
     ({"optimize": "fast"}, None, ConfigError, (f"{P}.optimize", "'fast'", '"speed", "memory"')),
-    ({"microbatches": 0}, None, ConfigError, (f"{P}.microbatches", "got 0", "integer >= 1")),
+    ({"microbatches": 0}, None, ConfigError, (f"{P}.microbatches", "got 0", "from 1 to 4096")),
     ({"microbatches": True}, None, ConfigError, (f"{P}.microbatches", "True", "integer")),
-    ({"microbatches": "4"}, None, ConfigError, (f"{P}.microbatches", "'4'", "integer >= 1")),
+    ({"microbatches": "4"}, None, ConfigError, (f"{P}.microbatches", "'4'", "from 1 to 4096")),
     ({"partitions": 2.5}, None, ConfigError, (f"{P}.partitions", "2.5", "integer >= 1")),
     ({"ddp": "yes"}, None, ConfigError, (f"{P}.ddp", "'yes'", "true or false")),
     ({"memory_weight": 1.5}, None, ConfigError, (f"{P}.memory_weight", "1.5", "from 0 to 1")),
@@ -149,12 +156,6 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         ConfigError,
         (f"{P}.ddp", "True", "horovod=false", "horovod=true"),
     ),
-    (
-        {"tensor_parallel_degree": 2},
-        None,
-        ConfigError,
-        (f"{P}.tensor_parallel_degree", "got 2", "ddp=true"),
-    ),
     ({"bf16": True, "fp16": True}, None, ConfigError, (f"{P}.bf16", "True", "fp16=false")),
     (
         {"bf16": True, "fp16_params": True},
@@ -169,12 +170,6 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         (f"{P}.prescaled_batch", "True", 'optimize="speed"', 'optimize="memory"'),
     ),
     (
-        {"sharded_data_parallel_degree": 2, "partitions": 2, "ddp": True},
-        None,
-        ConfigError,
-        (f"{P}.sharded_data_parallel_degree", "got 2", "pipeline_parallel_degree=1"),
-    ),
-    (
         {"shard_optimizer_state": True},
         None,
         ConfigError,
@@ -187,22 +182,16 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         (f"{P}.active_microbatches", "got 5", "from 1 to microbatches (4)"),
     ),
     (
-        {"partitions": 2, "tensor_parallel_degree": 2, "ddp": True},
+        {"partitions": 4, "ddp": True},
         6,
         ConfigError,
-        (f"{P}.pipeline_parallel_degree", "2 x 2 = 4", "world size 6"),
+        (f"{P}.pipeline_parallel_degree", "4 x 1 = 4", "world size 6"),
     ),
     (
         {"partitions": 2},
         8,
         ConfigError,
         (f"{P}.ddp", "got False", "= 4 replicas", "set ddp: true"),
-    ),
-    (
-        {"sharded_data_parallel_degree": 3, "ddp": True},
-        8,
-        ConfigError,
-        (f"{P}.sharded_data_parallel_degree", "got 3", "divisor of the data-parallel degree 8"),
     ),
 ]
 

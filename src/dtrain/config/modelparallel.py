@@ -48,6 +48,8 @@ class ParameterSpec:
     maximum: float | None = None
     requires: tuple[tuple[str, Any], ...] = ()
     nullable: bool = False
+    limitation: str | None = None
+    """Why dtrain allows less than SMP does (said wherever the allowed values are)."""
 
 
 PLACEMENT_PERMUTATIONS = ("DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
@@ -56,7 +58,15 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
     ParameterSpec(
         "pipeline_parallel_degree", int, 1, "Pipeline stages the model is split into.", minimum=1
     ),
-    ParameterSpec("microbatches", int, 1, "Microbatches each batch is split into.", minimum=1),
+    ParameterSpec(
+        "microbatches",
+        int,
+        1,
+        "Microbatches each batch is split into.",
+        minimum=1,
+        maximum=4096,
+        limitation="each microbatch is a task on every pipeline rank",
+    ),
     ParameterSpec(
         "pipeline",
         str,
@@ -141,7 +151,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         1,
         "Tensor-parallel degree.",
         minimum=1,
-        requires=(("ddp", True),),
+        maximum=1,
+        limitation="dtrain does not implement tensor parallelism",
     ),
     ParameterSpec("fp16", bool, False, "Train in float16 (FP16_Module / FP16_Optimizer)."),
     ParameterSpec(
@@ -183,11 +194,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         1,
         "Sharded data parallelism (ZeRO-style) degree.",
         minimum=1,
-        requires=(
-            ("tensor_parallel_degree", 1),
-            ("pipeline_parallel_degree", 1),
-            ("shard_optimizer_state", False),
-        ),
+        maximum=1,
+        limitation="dtrain does not implement sharded data parallelism",
     ),
     ParameterSpec(
         "sdp_reduce_bucket_size", int, 500_000_000, "Gradient bucket size (elements).", minimum=1
@@ -231,13 +239,16 @@ def _describe(spec: ParameterSpec) -> str:
     else:
         noun = "an integer" if spec.kind is int else "a number"
         low, high = spec.minimum, spec.maximum
-        if low is not None and high is not None:
+        if low is not None and low == high:
+            text = f"exactly {low:g}"
+        elif low is not None and high is not None:
             text = f"{noun} from {low:g} to {high:g}"
         elif low is not None:
             text = f"{noun} >= {low:g}"
         else:
             text = noun
-    return f"{text} or null" if spec.nullable else text
+    text = f"{text} or null" if spec.nullable else text
+    return f"{text} ({spec.limitation})" if spec.limitation else text
 
 
 def _suggest(value: str, choices: tuple[str, ...]) -> str | None:
@@ -353,14 +364,6 @@ def _check_world_size(values: Mapping[str, Any], world_size: int, where: str) ->
             False,
             f"true when the data-parallel degree is above 1: world size {world_size} / "
             f"(pipeline x tensor degree {model_size}) = {replicas} replicas; set ddp: true",
-        )
-    sharded = values["sharded_data_parallel_degree"]
-    if replicas % sharded:
-        raise ConfigError(
-            f"{where}.sharded_data_parallel_degree",
-            sharded,
-            f"a divisor of the data-parallel degree {replicas} "
-            f"(world size {world_size} / {model_size})",
         )
 
 

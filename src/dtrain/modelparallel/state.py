@@ -41,12 +41,6 @@ WHERE = "mp_parameters"
 
 GROUP_KINDS = ("pp", "dp", "mp", "tp", "rdp")
 
-_UNSUPPORTED = {
-    "tensor_parallel_degree": "tensor parallelism",
-    "sharded_data_parallel_degree": "sharded data parallelism",
-}
-
-
 @dataclass(frozen=True)
 class MPState:
     """Everything ``smp.init`` decided for this process; read-only for the rest of the runtime.
@@ -119,7 +113,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         return
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
-    _check_supported(validate_mp_parameters(parameters, where=WHERE))
+    validate_mp_parameters(parameters, where=WHERE)
     timeout = _env_timeout()
     owns_world = _join_world(timeout)
     try:
@@ -334,14 +328,6 @@ def _merge(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:
             merged.pop(spelling, None)
         merged[key] = value
     return merged
-
-
-def _check_supported(values: Mapping[str, Any]) -> None:
-    for key, feature in _UNSUPPORTED.items():
-        if values[key] != 1:
-            raise ConfigError(
-                f"{WHERE}.{key}", values[key], f"1: {feature} is not supported by dtrain"
-            )
 
 
 def _env_timeout() -> float:
