@@ -109,3 +109,87 @@ def test_a_chatty_job_loses_no_line_and_no_metric(
     if fails:
         reason = json.loads(dtrain("describe", "chatty", home=dtrain_home).stdout)
         assert reason["FailureReason"].endswith("RuntimeError: the real error")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("flags", "key", "allowed"),
+    [
+        (["--hyperparameters", '{"a=b": 1}'], "hyperparameters", "without '=' or NUL"),
+        (["--hyperparameters", '{"a\\u0000": 1}'], "hyperparameters", "without '=' or NUL"),
+        (["--hyperparameters", '{"a": "x\\u0000y"}'], "hyperparameters", "without NUL"),
+        (["--hyperparameters", '{"a": ' + DEEP[:20_000] + DEEP[-20_000:] + "}"],
+         "--hyperparameters", "nested less deeply"),
+        (["--hyperparameters", '{"a": ' + "[" * 40 + "]" * 40 + "}"], "hyperparameters",
+         "at most 32 levels"),
+        (["--max-run", "nan"], "max_run", "finite number of seconds"),
+        (["--max-run", "inf"], "max_run", "finite number of seconds"),
+        (["--environment", "A=x\u0001"], None, None),
+        (["--checkpoint-local-path", "/proc/dtrain-checkpoints"], "checkpoint_local_path",
+         "a folder this user can write (/proc: "),
+        (["--checkpoint-local-path", "/etc/hostname/ckpt"], "checkpoint_local_path",
+         "/etc/hostname is not a folder"),
+    ],
+)  # fmt: skip
+def test_values_no_process_could_take_are_rejected_before_launch(
+    dtrain_home: Path, source: Path, flags: list[str], key: str | None, allowed: str | None
+) -> None:
+    result = dtrain("run", "train.py", "--source-dir", str(source), "--job-name", "bad",
+                    "--instance-type", "local_cpu", *flags, home=dtrain_home)  # fmt: skip
+    if key is None:  # a control character that is not NUL passes
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"dtrain: error: {key}") and allowed in result.stderr
+    assert "Traceback" not in result.stderr
+    assert dtrain("describe", "bad", home=dtrain_home).returncode == 2
+
+
+def test_s3_without_s3fs_or_credentials_is_rejected_before_launch(
+    dtrain_home: Path, source: Path, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_credentials = {
+        "AWS_SHARED_CREDENTIALS_FILE": str(empty / "none"), "AWS_CONFIG_FILE": str(empty / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }  # fmt: skip
+    for flag, key in (("--output-path", "output_path"), ("--channel", "channels.train.uri")):
+        value = "s3://bucket/out" if flag == "--output-path" else "train=s3://bucket/train"
+        result = dtrain("run", "train.py", "--source-dir", str(source), "--job-name", "s3",
+                        flag, value, home=dtrain_home, env=no_credentials)  # fmt: skip
+        assert result.returncode == 2 and result.stderr.startswith(f"dtrain: error: {key}")
+        assert "AWS credentials" in result.stderr, result.stderr
+
+
+def test_s3_without_s3fs_installed_is_rejected_before_launch(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else find_spec(name)
+    )
+    with pytest.raises(ConfigError, match=r"output_path: .*pip install 'dtrain\[s3\]'"):
+        prepare(spec(source, output_path="s3://bucket/out"))
+
+
+def test_too_much_for_a_process_and_deep_json_files_are_rejected_before_launch(
+    source: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=r"hyperparameters: got '2000\d+ bytes in SM_"):
+        prepare(spec(source, hyperparameters={"a": "x" * 200_000}))
+    with pytest.raises(ConfigError, match=r"environment\.BIG: got '2000\d+ bytes in BIG'"):
+        prepare(spec(source, environment={"BIG": "x" * 200_000}))
+    many = {f"VAR{i}": "x" * 60_000 for i in range(40)}  # each fits, not all together
+    with pytest.raises(ConfigError, match=r"and environment: .* bytes a process can be started"):
+        prepare(spec(source, environment=many))
+    deep = tmp_path / "distribution.json"
+    deep.write_text(DEEP)
+    from dtrain.config.distribution import load_distribution
+
+    with pytest.raises(ConfigError, match="nested less deeply"):
+        load_distribution(str(deep))

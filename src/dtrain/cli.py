@@ -26,6 +26,8 @@ def _json_arg(flag: str, text: str, kind: type) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(flag, text, f"JSON ({error.msg} at position {error.pos})") from None
+    except RecursionError:
+        raise ConfigError(flag, text[:40] + "...", "JSON nested less deeply") from None
     if not isinstance(value, kind):
         raise ConfigError(flag, value, f"a JSON {'object' if kind is dict else 'array'}")
     return value

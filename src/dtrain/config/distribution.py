@@ -80,6 +80,8 @@ def _read_json_object(text: str, key: str, what: str) -> dict[str, Any]:
         value = json.loads(source)
     except json.JSONDecodeError as error:
         raise ConfigError(key, text, f"{allowed} (invalid JSON: {error})") from None
+    except RecursionError:
+        raise ConfigError(key, text[:40] + "...", f"{allowed} (nested less deeply)") from None
     if not isinstance(value, dict):
         raise ConfigError(
             key, text, f"{allowed} (got a JSON {type(value).__name__}, not an object)"

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -247,18 +248,24 @@ class Agent:
             ).start()
         root = Path(fields["root"])
         self.folder = folder = HostFolder(root)
-        if root.exists() and not fields["again"]:
-            raise DtrainError(f"{root} already exists on this machine; choose another job name")
-        for renewed in (folder.code_dir, folder.root / "input" / "data"):
-            shutil.rmtree(renewed, ignore_errors=True)  # a replacement host: fresh code and data
-        folder.create()
-        for name, text in fields["config"].items():
-            (folder.input_config_dir / name).write_text(text)
-        folder.code_dir.mkdir()
         code = self.inbox.stream("code")
-        unpack(code, folder.code_dir)
-        code.drain()
-        make_private_dirs(Path(fields["checkpoint_dir"]))
+        try:
+            if root.exists() and not fields["again"]:
+                raise DtrainError(f"{root} already exists here; choose another job name")
+            for renewed in (folder.code_dir, folder.root / "input" / "data"):
+                shutil.rmtree(renewed, ignore_errors=True)  # a replacement host: fresh copies
+            folder.create()
+            for name, text in fields["config"].items():
+                (folder.input_config_dir / name).write_text(text)
+            folder.code_dir.mkdir()
+            unpack(code, folder.code_dir)
+            make_private_dirs(Path(fields["checkpoint_dir"]))
+        except (OSError, tarfile.TarError) as error:
+            raise DtrainError(f"cannot lay out {root} on {self.address}: {error}") from None
+        finally:
+            code.drain()  # the rest of the stream, so the inbox never waits on it
+            with self.inbox.lock:
+                del self.inbox.streams["code"]
         os.environ.update(fields["environment"])  # the job's credentials reach its downloads too
         for channel in fields["channels"]:
             spec = ChannelSpec(**channel)

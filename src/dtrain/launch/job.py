@@ -27,6 +27,15 @@ from dtrain.config.distribution import DistributionPlan, resolve_distribution
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.channels import validate_channels
 from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, dtrain_home
+from dtrain.jobs.limits import (
+    check_names,
+    check_nesting,
+    check_no_nul,
+    check_process_size,
+    check_s3_ready,
+    check_seconds,
+    check_writable_folder,
+)
 from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
@@ -138,29 +147,52 @@ def prepare(spec: JobSpec) -> PreparedJob:
     validate_instance_type(spec.instance_type)
     if not isinstance(spec.instance_count, int) or spec.instance_count < 1:
         raise ConfigError("instance_count", spec.instance_count, "an integer >= 1")
-    if not isinstance(spec.max_run, int | float) or spec.max_run <= 0:
-        raise ConfigError("max_run", spec.max_run, "a number of seconds > 0")
+    check_seconds("max_run", spec.max_run)
     if not isinstance(spec.max_retry_attempts, int) or not 0 <= spec.max_retry_attempts <= 30:
         raise ConfigError("max_retry_attempts", spec.max_retry_attempts, "an integer from 0 to 30")
     _check_code(spec)
     cluster = parse_cluster(spec)
-    if not isinstance(spec.join_timeout, int | float) or not spec.join_timeout > 0:
-        raise ConfigError("join_timeout", spec.join_timeout, "a number of seconds > 0")
+    check_seconds("join_timeout", spec.join_timeout)
     # The hosts of a local job share this machine's GPUs; other hosts report theirs on joining.
     local = spec.cluster == "local"
     gpus = gpus_per_host(spec.instance_type, spec.instance_count, count_gpus()) if local else 0
     plan = resolve_distribution_for(spec, gpus)
     validate_metric_definitions(spec.metric_definitions)
     validate_channels(spec.channels)
+    _check_values(spec, local)
+    hyperparameters = {**spec.hyperparameters, **plan.framework_hyperparameters}
+    job = PreparedJob(spec, plan, hyperparameters, resolve_output_path(spec.output_path), cluster)
+    _check_rank_size(job)
+    return job
+
+
+def _check_values(spec: JobSpec, local: bool) -> None:
+    """Names, text and nesting a process can take; S3 and folders usable from here."""
+    check_names("environment", spec.environment, "variable")
     for key, value in spec.environment.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ConfigError(f"environment.{key}", value, "string keys and string values")
-    hyperparameters = dict(spec.hyperparameters)
-    for key in hyperparameters:
-        if not isinstance(key, str) or not key:
-            raise ConfigError("hyperparameters", key, "non-empty string keys")
-    hyperparameters.update(plan.framework_hyperparameters)
-    return PreparedJob(spec, plan, hyperparameters, resolve_output_path(spec.output_path), cluster)
+        if not isinstance(value, str):
+            raise ConfigError(f"environment.{key}", value, "a string")
+    check_no_nul("environment", spec.environment)
+    check_names("hyperparameters", spec.hyperparameters, "hyperparameter")
+    check_nesting("hyperparameters", spec.hyperparameters)
+    check_no_nul("hyperparameters", spec.hyperparameters)
+    check_nesting("distribution", spec.distribution)
+    if spec.output_path and spec.output_path.startswith("s3://"):
+        check_s3_ready("output_path", spec.output_path)
+    if local:  # hosts elsewhere reach their data and folders with their own rights
+        for channel in spec.channels:
+            if channel.uri.startswith("s3://"):
+                check_s3_ready(f"channels.{channel.name}.uri", channel.uri)
+        if spec.checkpoint_local_path:
+            check_writable_folder("checkpoint_local_path", spec.checkpoint_local_path)
+
+
+def _check_rank_size(job: PreparedJob) -> None:
+    """The ranks' environment and command line fit what Linux lets a process start with."""
+    placeholder = Host("algo-1", "127.0.0.1", "lo", "", "", 1, 0, str(dtrain_home()), 0)
+    hosts = (placeholder,) * job.spec.instance_count
+    plan = LaunchPlan(job.spec, job.distribution, hosts, job.hyperparameters)
+    check_process_size(plan.rank_env(0, 1, 1), plan.arguments, job.spec.environment)
 
 
 def resolve_distribution_for(spec: JobSpec, gpus: int) -> DistributionPlan:

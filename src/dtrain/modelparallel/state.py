@@ -41,6 +41,7 @@ WHERE = "mp_parameters"
 
 GROUP_KINDS = ("pp", "dp", "mp", "tp", "rdp")
 
+
 @dataclass(frozen=True)
 class MPState:
     """Everything ``smp.init`` decided for this process; read-only for the rest of the runtime.
