@@ -48,14 +48,20 @@ def test_shim_is_used_only_without_a_real_installation(
 
 
 SMP_SCRIPT = """
+import smdistributed.modelparallel
 import smdistributed.modelparallel.torch as smp
-import warnings
 
-assert smp.is_initialized(), "importing smp inside a model-parallel job initializes it"
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+assert smdistributed.modelparallel.__version__ >= "1.10"  # what Hugging Face transformers reads
+from dtrain.modelparallel import state
+
+try:
     smp.init({"microbatches": 99})
-assert "already initialized" in str(caught[0].message) and smp.num_microbatches() == 4
+    raise AssertionError("a config that disagrees with the job must fail")
+except Exception as error:
+    assert "got 99; allowed: 4, the value the job sets" in str(error), error
+smp.init({"microbatches": 4, "pipeline": "simple"})  # the script's own config counts
+assert smp.is_initialized() and smp.num_microbatches() == 4
+assert state.current().config["pipeline"] == "simple"
 assert smp.allgather(smp.rank(), smp.WORLD) == list(range(smp.size()))
 if smp.pp_rank() == 0:
     smp.broadcast(f"from {smp.rank()}", smp.PP_GROUP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,24 @@ def test_too_much_for_a_process_and_deep_json_files_are_rejected_before_launch(
 
     with pytest.raises(ConfigError, match="nested less deeply"):
         load_distribution(str(deep))
+
+
+WRAPPER = """#!/bin/sh
+python -c "import sys, torch; print('python', sys.executable)"
+python -c "import sagemaker_training" 2>/dev/null || echo "base dir $SAGEMAKER_BASE_DIR"
+"""
+
+
+def test_a_wrapper_finds_the_jobs_python_and_the_sagemaker_base_dir(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "wrapped"
+    folder.mkdir()
+    (folder / "run.sh").write_text(WRAPPER)
+    result = dtrain("run", "run.sh", "--source-dir", str(folder), "--job-name", "wrapped",
+                    "--instance-type", "local_cpu", home=dtrain_home,
+                    env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"python {sys.executable}" in result.stdout
+    host = dtrain_home / "jobs" / "wrapped" / "hosts" / "algo-1"
+    assert f"base dir {host}" in result.stdout

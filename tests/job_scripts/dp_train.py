@@ -1,14 +1,17 @@
 """Data-parallel training through SageMaker's SMDDP API, as the tests' single-process reference
 trains it (``tests.dataparallel.scenarios``, on ``PYTHONPATH``); rank 0 saves the parameters and
-every rank reports its environment."""
+every rank reports its environment. The ``smddp`` backend is used without importing
+``torch_smddp``: importing any ``smdistributed.dataparallel`` module provides it."""
 
 import json
 import os
 from pathlib import Path
 
-import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 - registers "smddp"
 import torch
 import torch.distributed as dist
+from smdistributed.dataparallel.torch.parallel.distributed import (  # noqa: F401 - as AWS's
+    DistributedDataParallel,  # examples import it; "smddp" is then registered, no torch_smddp
+)
 from tests.dataparallel.scenarios import plain
 
 dist.init_process_group("smddp")

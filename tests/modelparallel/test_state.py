@@ -55,7 +55,7 @@ def _layout() -> dict[str, Any]:
 def _init_from_mpi_environment() -> dict[str, Any]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         del os.environ[name]  # as under mpirun: only OMPI_COMM_WORLD_* and MASTER_ADDR/PORT
-    smp.init({"microbatches": 2, "pipeline_parallel_degree": 4})  # the job's parameters win
+    smp.init({"partitions": 2, "memory_weight": 0.5})  # adds to the job's, agrees with them
     return _layout()
 
 
@@ -85,7 +85,7 @@ def test_init_from_job_parameters_with_cluster_placement() -> None:
         config = result["config"]
         assert config["microbatches"] == 8 and config["pipeline_parallel_degree"] == 2
         assert config["active_microbatches"] == 4  # pp + 2, at most microbatches
-        assert config["pipeline"] == "interleaved" and config["memory_weight"] == 0.2
+        assert config["pipeline"] == "interleaved" and config["memory_weight"] == 0.5
         assert result["timeout"] == 60.0 and result["device"] == "cpu" and result["owns_world"]
 
 
@@ -96,8 +96,12 @@ def _layouts_and_config_errors() -> dict[str, Any]:
     out["spread"] = _layout()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        smp.init({"pipeline_parallel_degree": 4})
+        smp.init({"pipeline_parallel_degree": 2})  # agrees with what runs: a warning only
     out["second_init"] = [str(w.message) for w in caught]
+    try:
+        smp.init({"pipeline_parallel_degree": 4})
+    except ConfigError as error:
+        out["conflicting_init"] = str(error)
     out["pp_after_second_init"] = smp.pp_size()
     smp.shutdown()
     out["world_kept"] = dist.is_initialized() and not smp.is_initialized()
@@ -128,6 +132,9 @@ def test_spread_placement_reuses_the_scripts_world_and_checks_world_size() -> No
         assert result["second_init"] == [
             "smp.init: the model-parallel runtime is already initialized, ignoring this call"
         ]
+        assert result["conflicting_init"].startswith(
+            "mp_parameters.pipeline_parallel_degree: got 4; allowed: 2, the value the runtime"
+        )
         assert result["pp_after_second_init"] == 2
         assert "must divide the world size 4" in result["pp3"]
         assert "ddp" in result["no_ddp"] and "set ddp: true" in result["no_ddp"]
@@ -165,11 +172,11 @@ def test_bad_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
-def test_job_parameters_win_over_the_scripts_even_under_an_alias(
+def test_the_scripts_config_and_the_jobs_parameters_add_up_and_must_agree(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SM_HP_MP_PARAMETERS", json.dumps({"partitions": 1, "microbatches": 3}))
-    with single_process({"pipeline_parallel_degree": 2, "microbatches": 8, "pipeline": "simple"}):
+    with single_process({"pipeline_parallel_degree": 1, "microbatches": 3, "pipeline": "simple"}):
         st = state.current()
         assert st.config["pipeline_parallel_degree"] == 1
         assert smp.num_microbatches() == 3 and st.config["pipeline"] == "simple"
@@ -177,6 +184,35 @@ def test_job_parameters_win_over_the_scripts_even_under_an_alias(
         assert (st.size, st.pp_size, st.dp_size, st.timeout) == (1, 1, 1, 300.0)
         assert st.owns_world
     assert not dist.is_initialized() and not smp.is_initialized()
+    for config, named in (
+        ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree: got 2; allowed: 1"),
+        ({"microbatches": 8}, "microbatches: got 8; allowed: 3, the value the job sets"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            smp.init(config)
+        assert not smp.is_initialized()
+
+
+def test_importing_smp_in_a_job_starts_it_at_first_use_with_the_scripts_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", json.dumps({"microbatches": 2}))
+    names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    state.request_auto_init()
+    try:
+        smp.init({"pipeline": "simple"})
+        assert state.current().config["pipeline"] == "simple"
+        assert smp.num_microbatches() == 2
+    finally:
+        smp.shutdown()
+    state.request_auto_init()
+    try:
+        assert smp.rank() == 0  # the first use starts it, with the job's parameters alone
+        assert state.current().config["pipeline"] == "interleaved"
+    finally:
+        smp.shutdown()
 
 
 def test_one_distributed_model_per_process_until_reset() -> None:

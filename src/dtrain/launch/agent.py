@@ -49,6 +49,7 @@ from dtrain.launch.wire import (
     join_controller,
 )
 
+INTERPRETER_DIR = str(Path(sys.executable).parent)
 RETRY_INTERVAL = 0.1
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""
@@ -311,6 +312,8 @@ class Agent:
                 env.setdefault(key, value)
             entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
             env["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
+            # A wrapper script's `python` must be the job's interpreter, not whichever is first.
+            env["PATH"] = os.pathsep.join(filter(None, (INTERPRETER_DIR, env.get("PATH"))))
             launches.append(RankLaunch(int(rank), argv, env, self.folder.code_dir))
         ranks = LocalRanks(launches, self.outbox.put, spare=[self.keeper])
         try:

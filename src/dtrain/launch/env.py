@@ -224,6 +224,9 @@ class LaunchPlan:
             "SM_OUTPUT_DIR": str(folder.output_dir),
             "SM_OUTPUT_DATA_DIR": str(folder.output_data_dir),
             "SM_INPUT_DIR": str(folder.input_dir),
+            # sagemaker_training (AWS's toolkit, imported by some of their scripts) reads its
+            # /opt/ml tree from here.
+            "SAGEMAKER_BASE_DIR": str(folder.root),
             "TRAINING_JOB_NAME": self.spec.job_name,
             "SAGEMAKER_JOB_NAME": self.spec.job_name,
             "DTRAIN_JOB_NAME": self.spec.job_name,

@@ -92,6 +92,7 @@ class MPState:
 
 
 _state: MPState | None = None
+_auto_init = False
 _model: Any = None
 _optimizer: Any = None
 
@@ -102,16 +103,16 @@ _optimizer: Any = None
 def init(config: Mapping[str, Any] | None = None) -> None:
     """Start the model-parallel runtime (``smp.init``); every rank of the job must call it.
 
-    ``SM_HP_MP_PARAMETERS`` (set by SageMaker and ``dtrain run``) is merged over ``config``:
-    the job's parameters win, as in SMP. A second call warns and changes nothing.
+    ``config`` and the job's parameters (``SM_HP_MP_PARAMETERS``, set by SageMaker and
+    ``dtrain run``) are merged; a parameter both set differently is an error naming both
+    values. A call after the runtime started changes nothing: it warns, or fails if ``config``
+    asks for something else than what runs.
     """
-    global _state
+    global _state, _auto_init
     if _state is not None:
-        warnings.warn(
-            "smp.init: the model-parallel runtime is already initialized, ignoring this call",
-            stacklevel=2,
-        )
+        _check_running(config or {}, _state)
         return
+    _auto_init = False
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
     validate_mp_parameters(parameters, where=WHERE)
@@ -126,12 +127,27 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         raise
 
 
+def request_auto_init() -> None:
+    """Start the runtime at its first use, unless ``smp.init(config)`` comes first.
+
+    SMP starts itself when ``smdistributed.modelparallel.torch`` is imported inside a job, so a
+    script's own ``smp.init(config)`` after the import was ignored; deferring the start to the
+    first call that needs it lets that config count.
+    """
+    global _auto_init
+    _auto_init = True
+
+
 def is_initialized() -> bool:
+    if _state is None and _auto_init:
+        init()
     return _state is not None
 
 
 def current(what: str = "this call") -> MPState:
     """The runtime's state; raises :class:`NotInitializedError` naming ``what`` before init."""
+    if _state is None and _auto_init:
+        init()
     if _state is None:
         raise NotInitializedError(what)
     return _state
@@ -154,7 +170,8 @@ def reset() -> None:
 
 def shutdown() -> None:
     """Reset, then destroy the groups ``init`` created (the world too if it made it)."""
-    global _state
+    global _state, _auto_init
+    _auto_init = False
     if _state is None:
         return
     reset()
@@ -320,15 +337,46 @@ def _env_parameters() -> dict[str, Any]:
     return value
 
 
+def _canonical(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters under their schema names (``partitions`` is ``pipeline_parallel_degree``)."""
+    return {MP_PARAMETER_ALIASES.get(key, key): value for key, value in parameters.items()}
+
+
 def _merge(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with ``env`` on top; an env key also replaces the config's other spelling."""
+    """The script's ``config`` and the job's parameters together; they must not disagree."""
+    mine, jobs = _canonical(config), _canonical(env)
+    for name in mine.keys() & jobs.keys():
+        if mine[name] != jobs[name]:
+            raise ConfigError(
+                f"{WHERE}.{name}",
+                mine[name],
+                f"{jobs[name]!r}, the value the job sets ({ENV_PARAMETERS}): smp.init's config "
+                "and the job's mp_parameters may add to each other, not disagree",
+            )
     merged = dict(config)
-    for key, value in env.items():
+    for key, value in env.items():  # the job's spelling of a parameter replaces the script's
         name = MP_PARAMETER_ALIASES.get(key, key)
         for spelling in (name, *(a for a, n in MP_PARAMETER_ALIASES.items() if n == name)):
             merged.pop(spelling, None)
         merged[key] = value
     return merged
+
+
+def _check_running(config: Mapping[str, Any], running: MPState) -> None:
+    """A late ``smp.init(config)``: it cannot change the running runtime, so it must agree."""
+    validate_mp_parameters(config, where=WHERE)
+    for name, value in _canonical(config).items():
+        if running.config[name] != value:
+            raise ConfigError(
+                f"{WHERE}.{name}",
+                value,
+                f"{running.config[name]!r}, the value the runtime already runs with: call "
+                "smp.init(config) before anything else uses smp",
+            )
+    warnings.warn(
+        "smp.init: the model-parallel runtime is already initialized, ignoring this call",
+        stacklevel=3,
+    )
 
 
 def _env_timeout() -> float:

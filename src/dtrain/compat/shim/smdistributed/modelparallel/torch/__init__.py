@@ -1,8 +1,10 @@
 """``import smdistributed.modelparallel.torch as smp``: see ``dtrain.modelparallel``.
 
 As SMP does, importing this inside a model-parallel job (``SM_HP_MP_PARAMETERS`` and
-``OMPI_COMM_WORLD_RANK`` set, as ``dtrain run`` does) calls ``smp.init()`` at once, unless
-``SMP_MANUAL_INIT`` is set to a non-zero value; a later ``smp.init(config)`` then only warns.
+``OMPI_COMM_WORLD_RANK`` set, as ``dtrain run`` does) initializes the library, unless
+``SMP_MANUAL_INIT`` is set to a non-zero value. Unlike SMP, the start waits for the first call
+that needs it, so that the script's own ``smp.init(config)`` is merged with the job's parameters
+instead of being ignored.
 """
 
 import os
@@ -19,4 +21,4 @@ def _auto_init() -> bool:
 
 
 if _auto_init():
-    modelparallel.init()
+    modelparallel.state.request_auto_init()
