@@ -44,3 +44,22 @@ def test_found_inf_is_agreed_by_every_rank() -> None:
 def test_scaler_needs_init() -> None:
     with pytest.raises(NotInitializedError, match=r"smp\.amp\.GradScaler"):
         smp.amp.GradScaler()
+
+
+def _only_the_loss_rank_scales() -> list[float]:
+    smp.init({"pipeline_parallel_degree": 2})
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = smp.amp.GradScaler(init_scale=4.0)
+    loss = (param * torch.tensor([1.0, 2.0])).sum()
+    if smp.pp_rank() == 0:  # inside @smp.step, only the leader holds the loss
+        scaler.scale(loss).backward()
+    else:  # the later stage gets the scaled gradient through the pipeline
+        (loss * 4.0).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return param.detach().tolist()
+
+
+def test_a_stage_that_never_scales_a_loss_still_steps() -> None:
+    assert run_ranks(2, _only_the_loss_rank_scales) == [[0.5, 0.0], [0.5, 0.0]]

@@ -3,7 +3,8 @@
 Each rank holds only its partition's gradients, so an inf/NaN seen by one rank must make every
 rank skip the step and back off the scale together, or the replicas' parameters and scales drift
 apart. The scaler agrees on the found-inf flag over the whole world (every mp group and every dp
-group) before ``step`` and ``update`` read it.
+group) before ``step`` and ``update`` read it. Only the pipeline rank that computes the loss calls
+``scale(loss)`` (inside ``@smp.step``), so every scaler holds its scale from the start.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class GradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self._world = st.world_process_group
+        if enabled:
+            # Only the rank computing the loss calls scale(); the others must hold the same
+            # scale from the start, or their step() fails ("_scale is None").
+            self._lazy_init_scale_growth_tracker(st.device)
 
     def _unscale_grads_(
         self,
