@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,32 @@ def test_main_prints_one_line_errors(capsys: pytest.CaptureFixture[str], dtrain_
     err = capsys.readouterr().err
     assert err.startswith("dtrain: error: no job named 'nothing-here'")
     assert "Traceback" not in err
+
+
+def test_the_command_line_is_tidy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import JOB_SCRIPTS, dtrain
+
+    home = tmp_path / "home"
+    assert "SUPPRESS" not in dtrain("--help", home=home).stdout
+    missing = dtrain("metrics", "nope", home=home)
+    assert missing.returncode == 2 and "no job named 'nope'" in missing.stderr
+    more = str((os.cpu_count() or 1) + 1)  # than the machine has cores
+    run = dtrain("run", "sleeps.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "tidy",
+                 "--instance-type", "local_cpu", "--processes-per-host", more, "--max-run", "1",
+                 home=home)  # fmt: skip
+    assert "dtrain: job tidy Stopped; model: file://" in run.stdout
+    assert f"{more} processes on the" in run.stdout and "oversubscribed" in run.stdout
+    piped = subprocess.run(
+        f"{sys.executable} -m dtrain.cli describe tidy | head -1",
+        shell=True, capture_output=True, text=True, env={**os.environ, "DTRAIN_HOME": str(home)},
+        check=True,
+    )  # fmt: skip
+    assert piped.stdout == "{\n" and "Traceback" not in piped.stderr
+    listed = dtrain("jobs", "--status", "Stopped", "--name-contains", "ti", home=home).stdout
+    assert "tidy" in listed
+    assert "tidy" not in dtrain("jobs", "--status", "Completed", home=home).stdout
+    wrong = dtrain("jobs", "--status", "Complete", home=home)
+    assert wrong.returncode == 2 and "did you mean 'Completed'" in wrong.stderr

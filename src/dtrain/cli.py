@@ -6,6 +6,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -109,12 +110,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--connect-timeout", type=float, default=600.0, help="seconds to wait for the controller"
     )
 
-    run_spec = commands.add_parser("run-spec", help=argparse.SUPPRESS)
-    run_spec.add_argument("spec_file")
-    run_spec.add_argument("--quiet", action="store_true")
-    run_spec.add_argument("--remove", action="store_true", help="delete the spec file once read")
-
-    commands.add_parser("jobs", help="list jobs")
+    jobs = commands.add_parser("jobs", help="list jobs, newest first")
+    jobs.add_argument("--status", help="only jobs of this status (InProgress, Completed, ...)")
+    jobs.add_argument("--name-contains", metavar="TEXT", help="only jobs whose name has TEXT")
+    jobs.add_argument("--max", type=int, default=20, help="at most this many (0: all)")
 
     describe = commands.add_parser("describe", help="a job as DescribeTrainingJob JSON")
     describe.add_argument("name")
@@ -194,14 +193,26 @@ def _run(spec: Any, quiet: bool) -> int:
         return EXIT_STOPPED
     if record.failure_reason:
         print(f"dtrain: job {record.name} failed: {record.failure_reason}", file=sys.stderr)
+    if record.model_artifacts:
+        print(f"dtrain: job {record.name} {record.status}; model: {record.model_artifacts}")
     return EXIT_CODES[record.status]
 
 
-def _jobs() -> int:
-    from dtrain.jobs.store import JobStore, spec_dict
+def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
+    from dtrain.jobs.store import STATUSES, JobStore, spec_dict
 
+    if status is not None and status not in STATUSES:
+        raise ConfigError("--status", status, ", ".join(STATUSES), did_you_mean(status, STATUSES))
+    if most < 0:
+        raise ConfigError("--max", most, "an integer >= 0 (0: every job)")
+    records = [
+        record
+        for record in JobStore().list()
+        if status in (None, record.status) and (name_contains or "") in record.name
+    ]
+    shown = records[:most] if most else records
     rows = [("NAME", "STATUS", "SECONDARY", "CREATED", "SECONDS", "LAYOUT")]
-    for record in JobStore().list():
+    for record in shown:
         spec = spec_dict(record)
         end = record.end_time
         seconds = f"{end - record.start_time:.0f}" if end and record.start_time else "-"
@@ -215,6 +226,8 @@ def _jobs() -> int:
         print(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
+    if len(shown) < len(records):
+        print(f"({len(records) - len(shown)} older not shown; --max 0 shows all)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -253,7 +266,9 @@ def _metrics(name: str, plot: str | None) -> int:
     from dtrain.jobs.metrics import plot_metrics
     from dtrain.jobs.store import JobStore
 
-    samples = JobStore().metrics(name)
+    store = JobStore()
+    store.get(name)  # an unknown job is an error, not an empty table
+    samples = store.metrics(name)
     print(f"{'METRIC':24} {'STEP':>6} {'VALUE':>14}")
     for sample in samples:
         print(f"{sample.name:24} {sample.step:>6} {sample.value:>14.6g}")
@@ -348,21 +363,41 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_spec(argv: Sequence[str]) -> int:
+    """``dtrain run-spec [--remove] FILE``: a job from a spec file (how ``Estimator.fit`` starts
+    one); not listed in ``--help``, being for dtrain's own use."""
+    from dtrain.jobs.spec import JobSpec
+
+    parser = argparse.ArgumentParser(prog="dtrain run-spec")
+    parser.add_argument("spec_file")
+    parser.add_argument("--remove", action="store_true", help="delete the spec file once read")
+    args = parser.parse_args(argv)
+    spec_file = Path(args.spec_file)
+    spec = JobSpec.from_json(spec_file.read_text())
+    if args.remove:
+        spec_file.unlink()
+    return _run(spec, quiet=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        return _main(argv)
+    except BrokenPipeError:  # `dtrain describe X | head`: the reader left, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
+    args = _build_parser().parse_args(argv) if argv[:1] != ["run-spec"] else None
+    try:
+        if args is None:
+            return _run_spec(argv[1:])
         if args.command == "run":
             return _run(spec_from_args(args), args.quiet)
-        if args.command == "run-spec":
-            from dtrain.jobs.spec import JobSpec
-
-            spec_file = Path(args.spec_file)
-            spec = JobSpec.from_json(spec_file.read_text())
-            if args.remove:
-                spec_file.unlink()
-            return _run(spec, args.quiet)
         if args.command == "jobs":
-            return _jobs()
+            return _jobs(args.status, args.name_contains, args.max)
         if args.command == "describe":
             from dtrain.jobs.describe import describe
             from dtrain.jobs.store import JobStore

@@ -125,6 +125,7 @@ def plot_metrics(samples: Sequence[MetricSample], path: str | Path, title: str) 
     """Write a PNG (any format matplotlib infers from ``path``) with one subplot per metric."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not samples:
         raise DtrainError("no metric samples to plot")
@@ -140,6 +141,7 @@ def plot_metrics(samples: Sequence[MetricSample], path: str | Path, title: str) 
         ax.plot([s.step for s in points], [s.value for s in points], marker=".")
         ax.set_title(name)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
     figure.savefig(path)

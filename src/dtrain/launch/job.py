@@ -410,6 +410,14 @@ class JobRun:
         if spec.cluster != "local":  # the default processes per host follow the hosts' GPUs
             distribution = resolve_distribution_for(spec, gpus)
             plan = dataclasses.replace(plan, distribution=distribution)
+        for machine in {host.machine for host in hosts}:
+            sharing = [host for host in hosts if host.machine == machine]
+            ranks = len(sharing) * plan.processes_per_host
+            if ranks > sharing[0].cpus:
+                self.say(
+                    f"{ranks} processes on the {sharing[0].cpus} cores of {sharing[0].hostname} "
+                    f"({', '.join(h.name for h in sharing)}): oversubscribed, each runs slower"
+                )
         return plan
 
     def _train(

@@ -205,6 +205,18 @@ class PartitionPlan:
         return cls(modules=modules, stages=stages, **data)
 
 
+def _ranges(numbers: list[int]) -> str:
+    """``partition 3`` or ``partitions 2, 5-9``: sorted numbers, consecutive ones as a range."""
+    spans: list[list[int]] = []
+    for number in numbers:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"partition {text} is" if len(numbers) == 1 else f"partitions {text} are"
+
+
 def auto_plan(
     profile: ModelProfile,
     partitions: int,
@@ -229,12 +241,15 @@ def auto_plan(
     for k, segment in enumerate(_best_segments(free, atoms, model, partitions)):
         for unit in segment:
             owners.update(dict.fromkeys(unit.members, k))
-    warnings = [
-        f"partition {k} is empty: the model splits into only {len(free)} placeable parts "
-        f"besides the root's own code, fewer than the {partitions} partitions"
-        for k in range(partitions)
-        if k not in owners.values()
-    ]
+    empty = [k for k in range(partitions) if k not in owners.values()]
+    warnings = (
+        [
+            f"{_ranges(empty)} empty: the model splits into only {len(free)} placeable parts "
+            f"besides the root's own code, fewer than the {partitions} partitions"
+        ]
+        if empty
+        else []
+    )
     return costed_plan(
         profile,
         partitions,
