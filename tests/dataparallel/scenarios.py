@@ -335,6 +335,8 @@ def smddp_backend(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(backend="smddp")
     tensor = torch.tensor([rank + 1.0])
     dist.all_reduce(tensor, group=group)
+    objects: list[Any] = [None] * world
+    dist.all_gather_object(objects, {"rank": rank}, group=group)
     ours = _train(rank, process_group=group)["params"]
     model = nn.parallel.DistributedDataParallel(mlp(ROOT_SEED + rank), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -346,6 +348,7 @@ def smddp_backend(rank: int, world: int) -> dict[str, Any]:
     return {
         "backend": dist.get_backend(group),
         "sum": tensor,
+        "objects": objects,
         "ours": ours,
         "torch": params_of(model.module),
     }

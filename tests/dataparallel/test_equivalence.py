@@ -97,6 +97,7 @@ def test_smddp_backend_runs_ours_and_torch_ddp(two_ranks: Results) -> None:
     for result in two_ranks:
         smddp = result["smddp_backend"]
         assert smddp["backend"] == "smddp"
+        assert smddp["objects"] == [{"rank": r} for r in range(2)]  # object collectives work
         assert smddp["sum"].item() == 3.0
         assert max_diff(smddp["ours"], reference) <= TOLERANCE
         assert max_diff(smddp["torch"], reference) <= TOLERANCE

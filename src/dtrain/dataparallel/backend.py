@@ -26,9 +26,11 @@ def register_smddp_backend() -> None:
     """Make ``backend="smddp"`` valid for ``init_process_group`` and ``new_group``; idempotent."""
     if SMDDP in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(
-        SMDDP, _create_backend, extended_api=True, devices=["cpu", "cuda"]
-    )
+    # One device type: registered for CPU too, the NCCL group would be handed the CPU tensors of
+    # object collectives (all_gather_object, broadcast_object_list). For CUDA only, torch moves
+    # those objects to the GPU first, as it does for a NCCL group.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.Backend.register_backend(SMDDP, _create_backend, extended_api=True, devices=[device])
 
 
 def _create_backend(options: _DistributedBackendOptions, backend_options: Any) -> dist.Backend:

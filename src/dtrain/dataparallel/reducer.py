@@ -28,6 +28,7 @@ from torch import nn
 
 from dtrain.dataparallel.buckets import BucketPlan, plan_buckets
 from dtrain.dataparallel.compression import Codec
+from dtrain.dataparallel.issue_order import IssueOrder
 from dtrain.dataparallel.transport import BufferSpec, StagedAllReduce, Transfer
 
 
@@ -100,19 +101,15 @@ class Reducer:
         """Issue every stage that can start; ``block`` waits until no more can be issued.
 
         Stage 0 of a chunk needs all of its bucket's gradients; stage s > 0 needs the chunk's
-        stage s-1 done. A stage is never issued for chunk c before it was issued for chunk c-1.
-        Blocking waits for the lowest chunk with a stage in flight, issues its next stage, then
-        whatever else became possible: chunk 0's last stage does not queue behind chunk 5's
-        first. (It also never relies on ``is_completed`` after ``wait``: gloo's reduce-scatter
-        work never reports completion.)
+        stage s-1 issued (and, as ready, done): :class:`IssueOrder` decides. Blocking waits for
+        the lowest chunk with a stage in flight, issues its next stage, then whatever else
+        became possible: chunk 0's last stage does not queue behind chunk 5's first. (It also
+        never relies on ``is_completed`` after ``wait``: gloo's reduce-scatter work never
+        reports completion.)
         """
         while True:
             self._issue()
-            waiting = [
-                (self._issued[stage], stage)
-                for stage in range(1, self._strategy.num_stages)
-                if self._issued[stage] < self._issued[stage - 1]
-            ]
+            waiting = self._issue_order.in_flight()
             if not (block and waiting):
                 return
             c, stage = min(waiting)
@@ -120,29 +117,29 @@ class Reducer:
             self._launch(stage, c)
 
     def _issue(self) -> None:
-        """Issue, in chunk order, every stage whose inputs are ready now."""
-        chunks = len(self._chunks)
-        for stage in range(self._strategy.num_stages):
-            while self._issued[stage] < chunks:
-                c = self._issued[stage]
-                if stage == 0:
-                    bucket, chunk = self._chunks[c]
-                    if self._pending[bucket]:
-                        break
-                    self._transfers.append(Transfer(self._codec.encode(chunk, self._world)))
-                else:
-                    if self._issued[stage - 1] <= c:
-                        break
-                    work = self._transfers[c].work
-                    assert work is not None
-                    if not work.is_completed():
-                        break
-                    self._wait(c)  # surfaces the collective's error, if any
-                self._launch(stage, c)
+        """Issue, in the reducer's order, every stage whose inputs are ready now."""
+
+        def ready(c: int) -> bool:
+            return not self._pending[self._chunks[c][0]]
+
+        def completed(c: int) -> bool:
+            work = self._transfers[c].work
+            assert work is not None
+            return work.is_completed()
+
+        while (next_stage := self._issue_order.next(ready, completed)) is not None:
+            c, stage = next_stage
+            if stage == 0:
+                self._transfers.append(
+                    Transfer(self._codec.encode(self._chunks[c][1], self._world))
+                )
+            else:
+                self._wait(c)  # surfaces the collective's error; on CUDA it holds the stream only
+            self._launch(stage, c)
 
     def _launch(self, stage: int, c: int) -> None:
         self._transfers[c].work = self._strategy.launch(stage, self._transfers[c])
-        self._issued[stage] += 1
+        self._issue_order.mark(c, stage)
 
     def _wait(self, c: int) -> None:
         work = self._transfers[c].work
@@ -255,5 +252,6 @@ class Reducer:
         self._order: list[int] = []
         self._pending = [len(bucket.params) for bucket in self._plan.buckets]
         self._transfers: list[Transfer] = []
-        self._issued = [0] * self._strategy.num_stages
+        cuda = self._kinds[0][1].type == "cuda"  # NCCL: every rank issues in one order
+        self._issue_order = IssueOrder(len(self._chunks), self._strategy.num_stages, cuda)
         self._in_backward = False
