@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -190,7 +191,7 @@ def _start_in_background(home: Path, name: str, *flags: str) -> subprocess.Popen
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain.cli", "run", "sleeps.py", "--source-dir", str(JOB_SCRIPTS),
          "--job-name", name, "--instance-type", "local_cpu", *flags],
-        env={**__import__("os").environ, "DTRAIN_HOME": str(home)},
+        env={**os.environ, "DTRAIN_HOME": str(home)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -332,3 +333,38 @@ def test_a_source_dir_holding_dtrains_home_is_copied_without_it(tmp_path: Path) 
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "['train.py']" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("gpus", "inherited", "seen"),
+    [
+        (3, None, ["0", "1"]),  # one GPU per host, the third unused (homogeneous hosts)
+        (4, "3,1,2,0", ["3,1", "2,0"]),  # an inherited CUDA_VISIBLE_DEVICES is shared out
+        (1, None, ["", ""]),  # fewer GPUs than hosts: hidden, not all on GPU 0
+    ],
+)
+def test_gpus_are_shared_out_between_hosts_and_hidden_when_too_few(
+    dtrain_home: Path, tmp_path: Path, gpus: int, inherited: str | None, seen: list[str]
+) -> None:
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = tools / "nvidia-smi"  # what `nvidia-smi --list-gpus` prints on a GPU machine
+    lines = "".join(f"echo 'GPU {i}: Fake GPU (UUID: GPU-{i})'\n" for i in range(gpus))
+    fake.write_text(f"#!/bin/sh\n{lines}")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tools}:{os.environ['PATH']}"}
+    if inherited is not None:
+        env["CUDA_VISIBLE_DEVICES"] = inherited
+    result = dtrain(
+        "run", "collective.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "gpus",
+        "--instance-type", "local", "--instance-count", "2", home=dtrain_home, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_dir = Path(describe(dtrain_home, "gpus")["JobFolder"])
+    per_host = len(seen[0].split(",")) if seen[0] else 0
+    for host, devices in enumerate(seen):  # one process per GPU, or one per host without
+        rank = host * max(per_host, 1)
+        report = job_dir / "hosts" / f"algo-{host + 1}" / "output/data" / f"report-rank{rank}.json"
+        env_seen = json.loads(report.read_text())["env"]
+        assert env_seen["CUDA_VISIBLE_DEVICES"] == devices
+        assert env_seen["SM_NUM_GPUS"] == str(per_host)

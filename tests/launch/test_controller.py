@@ -37,7 +37,7 @@ class FakeAgent:
         self.silent = False
         join_controller(
             self.connection, SECRET, address="127.0.0.1", interface="lo", machine="m",
-            hostname="fake", cpus=2, gpus=0, home=str(home), pid=1, host=host,
+            hostname="fake", cpus=2, gpus=[], home=str(home), pid=1, host=host,
         )  # fmt: skip
         self.script = script
         threading.Thread(target=self._serve, daemon=True).start()

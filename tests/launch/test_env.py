@@ -10,16 +10,16 @@ from dtrain.launch.env import Host, LaunchPlan, device_slices
 
 
 def host(name: str, machine: str, gpus: int = 0, address: str = "10.0.0.1") -> Host:
-    return Host(name, address, "eth1", machine, "node", 8, gpus, "/home/u/.dtrain", 1)
+    devices = [str(d) for d in range(gpus)]
+    return Host(name, address, "eth1", machine, "node", 8, devices, "/home/u/.dtrain", 1)
 
 
 def test_hosts_on_one_machine_share_its_gpus_and_others_get_their_own() -> None:
-    local = [host("algo-1", "m"), host("algo-2", "m")]
-    local = [Host(**{**h.__dict__, "gpus": 8}) for h in local]
-    assert device_slices("local", local) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    local = [host("algo-1", "m", gpus=8), host("algo-2", "m", gpus=8)]
+    assert device_slices("local", local) == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
     assert device_slices("local_cpu", local) == [[], []]
     apart = [host("algo-1", "a", gpus=4), host("algo-2", "b", gpus=2)]
-    assert device_slices("local", apart) == [[0, 1], [0, 1]]  # homogeneous: the smallest share
+    assert device_slices("local", apart) == [["0", "1"], ["0", "1"]]  # homogeneous: the least
 
 
 def test_rank_environment_follows_each_hosts_address_interface_and_cores() -> None:

@@ -137,7 +137,7 @@ class Controller:
             machine=hello["machine"],
             hostname=hello["hostname"],
             cpus=int(hello["cpus"]),
-            gpus=int(hello["gpus"]),
+            gpus=[str(device) for device in hello["gpus"]],
             home=hello["home"],
             pid=int(hello["pid"]),
         )

@@ -39,7 +39,8 @@ class Host:
     """Hosts with the same value share one machine (its CPUs and GPUs)."""
     hostname: str
     cpus: int
-    gpus: int
+    gpus: list[str]
+    """The GPUs its machine lets processes use (``CUDA_VISIBLE_DEVICES`` names)."""
     home: str
     """The agent's ``DTRAIN_HOME``, under which it lays out its host's folder."""
     pid: int
@@ -49,24 +50,25 @@ class Host:
         return host_folder(Path(self.home), job_name, self.name)
 
 
-def device_slices(instance_type: str, hosts: Sequence[Host]) -> list[list[int]]:
-    """The GPUs each host's ranks see: hosts on one machine share out its GPUs; all get as many.
+def device_slices(instance_type: str, hosts: Sequence[Host]) -> list[list[str]]:
+    """The GPUs each host's ranks see: hosts on one machine share out its visible GPUs; all get
+    as many.
 
     ``local_cpu`` hides every GPU. SageMaker's clusters are homogeneous, so every host gets the
-    smallest share any host can have.
+    smallest share any host can have, which may be none.
     """
     if instance_type == "local_cpu" or not hosts:
         return [[] for _ in hosts]
     sharing = {host.machine: 0 for host in hosts}
     for host in hosts:
         sharing[host.machine] += 1
-    each = min(host.gpus // sharing[host.machine] for host in hosts)
-    seen = {machine: 0 for machine in sharing}
+    each = min(len(host.gpus) // sharing[host.machine] for host in hosts)
+    seen = dict.fromkeys(sharing, 0)
     slices = []
     for host in hosts:
         first = seen[host.machine] * each
         seen[host.machine] += 1
-        slices.append(list(range(first, first + each)))
+        slices.append(host.gpus[first : first + each])
     return slices
 
 
@@ -265,11 +267,13 @@ class LaunchPlan:
         return {named.get(k, f"SM_{k.upper()}"): env_value(training_env[k]) for k in keys}
 
     def _device_env(self, host_index: int) -> dict[str, str]:
-        """Each host sees its own share of its machine's GPUs, and a CPU job none."""
+        """Each host sees its own share of its machine's GPUs; a host that gets none (a CPU
+        job, fewer GPUs than hosts) sees none, rather than ranks all picking GPU 0."""
         devices = device_slices(self.spec.instance_type, self.hosts)[host_index]
-        if not devices:
-            return {"CUDA_VISIBLE_DEVICES": ""} if self.spec.instance_type == "local_cpu" else {}
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
+        if devices:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+        hide = self.spec.instance_type == "local_cpu" or self.hosts[host_index].gpus
+        return {"CUDA_VISIBLE_DEVICES": ""} if hide else {}
 
     def defaults(self, host_index: int) -> dict[str, str]:
         """Variables a host's ranks get unless its agent's environment already sets them.

@@ -43,7 +43,7 @@ from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
 from dtrain.launch.clusters import AgentJob, Cluster, parse_cluster
 from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import Host, LaunchPlan
-from dtrain.launch.machine import count_gpus
+from dtrain.launch.machine import visible_gpus
 from dtrain.launch.outcome import Attempt, Outcome
 from dtrain.launch.transfer import files_under, send_folder
 from dtrain.launch.wire import Connection
@@ -155,7 +155,8 @@ def prepare(spec: JobSpec) -> PreparedJob:
     check_seconds("join_timeout", spec.join_timeout)
     # The hosts of a local job share this machine's GPUs; other hosts report theirs on joining.
     local = spec.cluster == "local"
-    gpus = gpus_per_host(spec.instance_type, spec.instance_count, count_gpus()) if local else 0
+    visible = len(visible_gpus()) if local else 0
+    gpus = gpus_per_host(spec.instance_type, spec.instance_count, visible)
     plan = resolve_distribution_for(spec, gpus)
     validate_metric_definitions(spec.metric_definitions)
     validate_channels(spec.channels)
@@ -189,7 +190,7 @@ def _check_values(spec: JobSpec, local: bool) -> None:
 
 def _check_rank_size(job: PreparedJob) -> None:
     """The ranks' environment and command line fit what Linux lets a process start with."""
-    placeholder = Host("algo-1", "127.0.0.1", "lo", "", "", 1, 0, str(dtrain_home()), 0)
+    placeholder = Host("algo-1", "127.0.0.1", "lo", "", "", 1, [], str(dtrain_home()), 0)
     hosts = (placeholder,) * job.spec.instance_count
     plan = LaunchPlan(job.spec, job.distribution, hosts, job.hyperparameters)
     check_process_size(plan.rank_env(0, 1, 1), plan.arguments, job.spec.environment)
@@ -405,7 +406,7 @@ class JobRun:
         if spec.instance_type == "local_gpu" and gpus == 0:
             raise DtrainError(
                 "instance_type 'local_gpu' needs at least one GPU per host; the hosts have "
-                + ", ".join(f"{h.name}: {h.gpus}" for h in hosts)
+                + ", ".join(f"{h.name}: {len(h.gpus)}" for h in hosts)
             )
         if spec.cluster != "local":  # the default processes per host follow the hosts' GPUs
             distribution = resolve_distribution_for(spec, gpus)

@@ -35,6 +35,16 @@ def count_gpus() -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this machine lets its processes use: those ``CUDA_VISIBLE_DEVICES`` names, if
+    set (an inherited ``2,3`` stays ``2,3``), else every GPU ``nvidia-smi`` lists."""
+    count = count_gpus()
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return [str(index) for index in range(count)]
+    return [device.strip() for device in inherited.split(",") if device.strip()][:count]
+
+
 def host_facts(address: str, requested_host: str | None) -> dict[str, Any]:
     """This machine as a host of a job: its job address and interface, its size, its home."""
     interface = interface_of(address)
@@ -46,7 +56,7 @@ def host_facts(address: str, requested_host: str | None) -> dict[str, Any]:
         "machine": machine_id(),
         "hostname": socket.gethostname(),
         "cpus": os.cpu_count() or 1,
-        "gpus": count_gpus(),
+        "gpus": visible_gpus(),
         "home": str(dtrain_home()),
         "pid": os.getpid(),
         "host": requested_host,
