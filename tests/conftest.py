@@ -18,6 +18,29 @@ import pytest
 JOB_SCRIPTS = Path(__file__).parent / "job_scripts"
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests run only where CUDA GPUs are."""
+    if any(item.get_closest_marker("gpu") for item in items) and _cuda_devices() == 0:
+        skip = pytest.mark.skip(reason="needs CUDA GPUs; this machine has none")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_only_unless_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every other test is a CPU test: on a GPU machine its processes must not see the GPUs, or
+    libraries would choose NCCL and hand it CPU tensors."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture
 def dtrain_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     home = tmp_path / "dtrain-home"

@@ -344,7 +344,12 @@ def test_a_source_dir_holding_dtrains_home_is_copied_without_it(tmp_path: Path) 
     ],
 )
 def test_gpus_are_shared_out_between_hosts_and_hidden_when_too_few(
-    dtrain_home: Path, tmp_path: Path, gpus: int, inherited: str | None, seen: list[str]
+    dtrain_home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    gpus: int,
+    inherited: str | None,
+    seen: list[str],
 ) -> None:
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -353,7 +358,9 @@ def test_gpus_are_shared_out_between_hosts_and_hidden_when_too_few(
     fake.write_text(f"#!/bin/sh\n{lines}")
     fake.chmod(0o755)
     env = {"PATH": f"{tools}:{os.environ['PATH']}"}
-    if inherited is not None:
+    if inherited is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # the fake GPUs must be seen
+    else:
         env["CUDA_VISIBLE_DEVICES"] = inherited
     result = dtrain(
         "run", "collective.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "gpus",

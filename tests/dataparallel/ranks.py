@@ -65,7 +65,7 @@ def _worker(rank: int, env: dict[str, str], scenarios: list[Scenario], out: str)
     torch.set_num_threads(1)
     from dtrain.dataparallel import init_process_group
 
-    init_process_group(timeout=timedelta(seconds=60))
+    init_process_group("gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     results = {scenario.__name__: scenario(rank, world) for scenario in scenarios}
     torch.save(results, Path(out) / f"rank{rank}.pt")
