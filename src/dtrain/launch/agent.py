@@ -175,6 +175,9 @@ class Agent:
         threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
         try:
             return self._serve()
+        except ConnectionClosed as error:
+            self.say(f"lost the controller ({error}); stopping this host's ranks")
+            return 1
         finally:
             self._alive = False
             self._end_ranks()
@@ -220,9 +223,6 @@ class Agent:
                 self._handle(message.kind, message.fields)
             except DtrainError as error:
                 self.connection.send("error", message=str(error))
-            except ConnectionClosed as error:
-                self.say(f"lost the controller ({error}); stopping this host's ranks")
-                return 1
 
     def _handle(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "prepare":
