@@ -23,7 +23,7 @@ from dtrain.modelparallel import placement, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import Outcome
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
-from dtrain.modelparallel.profile import ModelProfile, profile_module
+from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
@@ -178,11 +178,15 @@ class DistributedModel(nn.Module):
         payload: list[Any] = [None]
         if st.rank == 0:
             try:
+                # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
+                cuda = st.device.type == "cuda"
+                snapshot = Snapshot(self.module, [], cuda)
                 self._tracing.set()
                 try:
                     make_body()(0)
                 finally:
                     self._tracing.clear()
+                    snapshot.restore()
                 if self._profile is None:
                     raise ModelParallelError(
                         "the step function did not call the model, so it cannot be partitioned"

@@ -191,7 +191,7 @@ def profile_module(
     cuda = any(t.is_cuda for t in _module_tensors(module)) or any(t.is_cuda for t in inputs)
     owners = _parameter_owners(list(module.named_modules()))
     recorder = _Recorder(profile, owners, torch.cuda.synchronize if cuda else _no_sync)
-    snapshot = _Snapshot(module, [t for t in inputs if t.is_leaf and t.requires_grad], cuda)
+    snapshot = Snapshot(module, [t for t in inputs if t.is_leaf and t.requires_grad], cuda)
     handles = []
     for name, mod in module.named_modules():
         handles.append(
@@ -341,7 +341,7 @@ def _sequence_number() -> int:
     return torch.autograd._get_sequence_nr()  # type: ignore[attr-defined]
 
 
-class _Snapshot:
+class Snapshot:
     """Gradients, buffers and RNG state, so passes repeat and the model is left as found."""
 
     def __init__(self, module: nn.Module, input_leaves: list[Tensor], cuda: bool) -> None:

@@ -43,6 +43,7 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.executor import Executor, Outcome, Phase, Task, effective_policy
+from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.remote import (
     CallRecord,
     LeafId,
@@ -253,7 +254,7 @@ class PipelineRuntime:
         structure, tensors = flatten(map_leaves((args, kwargs), pass_value))
         signature = call_signature(name, structure)
         predicted = self._predictions.get(signature) if self._defer else None
-        grad = torch.is_grad_enabled()
+        mode = ComputeMode.current()
         call_id = self.transport.next_call_id()
         message = Message(
             FORWARD,
@@ -262,7 +263,7 @@ class PipelineRuntime:
             body=structure,
             microbatch=task.microbatch,
             step=task.step,
-            extra={"grad": grad, "expect": predicted},
+            extra={"mode": mode.to_wire(), "expect": predicted},
         )
         dst = self.group.ranks[owner]
         if predicted is None:
@@ -270,7 +271,9 @@ class PipelineRuntime:
         else:  # nobody waits for it: it goes with the task's next request or before it blocks
             pending = self.transport.expect(dst, message)
             task.outbox.append((dst, message, tensors))
-        record = CallRecord(self, name, owner, call_id, grad, tensors, refs, pending, predicted)
+        record = CallRecord(
+            self, name, owner, call_id, mode.grad, tensors, refs, pending, predicted
+        )
         task.calls.append(record)
         if predicted is not None:
             return deferred_outputs(record, predicted)
@@ -339,6 +342,7 @@ class PipelineRuntime:
             body={"call": record.call_id, **body},
             microbatch=record.pending.request.microbatch,
             step=record.pending.request.step,
+            extra={"mode": ComputeMode.current().to_wire()},
         )
         try:
             reply = self.wait(self._request(self.group.ranks[record.owner], request, tensors))
@@ -546,9 +550,9 @@ class PipelineRuntime:
     def _compute_forward(
         self, message: Message, tensors: list[torch.Tensor], entry: _Served
     ) -> Any:
-        grad = bool(message.extra.get("grad"))
+        mode = ComputeMode.from_wire(message.extra["mode"])
         entry.inputs = [
-            t.requires_grad_() if meta.requires_grad and grad else t
+            t.requires_grad_() if meta.requires_grad and mode.grad else t
             for t, meta in zip(tensors, message.meta, strict=True)
         ]
         # Referenced outputs may still be computing: wait for them before taking the token.
@@ -557,7 +561,7 @@ class PipelineRuntime:
         task = self.executor.current()
         assert task is not None
         with self.executor.computing(message.module):
-            with torch.set_grad_enabled(grad):
+            with mode.applied():
                 output = materialize(self._modules[message.module](*args, **kwargs))
             self.check_calls(task)
         entry.output = output
@@ -639,7 +643,8 @@ class PipelineRuntime:
             # Before computing: a value fetched with its backward may still be computing.
             entry = self._finished_entry((message.source, message.body["call"]))
             with self.executor.computing(message.module):
-                body, grads, weights = self._compute_backward(message, tensors, entry)
+                with ComputeMode.from_wire(message.extra["mode"]).applied():
+                    body, grads, weights = self._compute_backward(message, tensors, entry)
                 if weights is not None:
                     reply = Message(REPLY, message.call_id, body=body)
                     self._send_reply(message, reply, grads, step_aside=False)
@@ -754,8 +759,9 @@ class PipelineRuntime:
         if self.is_leader:
             assert body is not None
             try:
+                mode = ComputeMode.current()  # the step's caller's, for the microbatch threads
                 outcomes = self.executor.run_microbatches(
-                    count, functools.partial(self._run_microbatch, body), self._steps
+                    count, functools.partial(self._run_microbatch, body, mode), self._steps
                 )
             finally:
                 self._forget_served(None)
@@ -772,13 +778,16 @@ class PipelineRuntime:
         if failure is not None:
             raise failure
 
-    def _run_microbatch(self, body: Callable[[int], Any], microbatch: int) -> Any:
-        """One microbatch on the leader: its result fetched, its calls checked, then released
-        everywhere."""
+    def _run_microbatch(
+        self, body: Callable[[int], Any], mode: ComputeMode, microbatch: int
+    ) -> Any:
+        """One microbatch on the leader, under the step caller's modes: its result fetched,
+        its calls checked, then released everywhere."""
         task = self.executor.current()
         assert task is not None
         try:
-            result = materialize(body(microbatch))
+            with mode.applied():
+                result = materialize(body(microbatch))
             self.check_calls(task)
             return result
         finally:
