@@ -36,6 +36,16 @@ def test_a_peers_collateral_error_ranks_after_the_root_cause_even_if_earlier() -
     assert attempt.outcome().failure.rank == 3  # type: ignore[union-attr]
 
 
+def test_a_model_parallel_error_belongs_to_the_rank_that_raised_it() -> None:
+    """Both ranks print ``KeyError ... (raised on rank 1 ...)``: it is rank 1's own error."""
+    remote = "RemoteError: KeyError: 'boom' (raised on rank 1; remote traceback below)"
+    own = "StepFailedError: KeyError: 'boom' (raised on rank 1; remote traceback below)"
+    attempt = Attempt(1, HOSTS)
+    attempt.rank_exited(rank_failure("algo-1", 0, 1, 5.0, f"Traceback...\n{remote}"), False)
+    attempt.rank_exited(rank_failure("algo-1", 1, 1, 5.2, f"Traceback...\n{own}"), False)
+    assert attempt.outcome().failure.rank == 1  # type: ignore[union-attr]
+
+
 def test_ranks_that_were_being_stopped_do_not_count() -> None:
     attempt = Attempt(1, HOSTS)
     assert attempt.request_stop("Stopped", "Stopped by request (dtrain stop)")

@@ -26,13 +26,15 @@ COLLATERAL_ERRORS = re.compile(
             r"Connection reset by peer",
             r"Broken pipe",
             r"remote process exited",  # NCCL
-            r"raised on rank \d+",  # dtrain.modelparallel's RemoteError: the root is elsewhere
             r"transport failed",
             r"failed to recv, got 0 bytes",  # torch's TCPStore client
         )
     )
 )
 """What a rank's error says when it failed because a peer died, not of a fault of its own."""
+
+RAISED_ON_RANK = re.compile(r"raised on rank (\d+)")
+"""dtrain.modelparallel's RemoteError: the error is that rank's (collateral on any other)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ class Failure:
 
     @property
     def collateral(self) -> bool:
-        return self.rank is not None and bool(COLLATERAL_ERRORS.search(self.tail))
+        if self.rank is None:
+            return False
+        if COLLATERAL_ERRORS.search(self.tail):
+            return True
+        return any(int(rank) != self.rank for rank in RAISED_ON_RANK.findall(self.tail))
 
     @property
     def infrastructure(self) -> bool:

@@ -608,10 +608,8 @@ class PipelineRuntime:
                 f"rank {self.group.rank}: call #{key[1]} of module {entry.module!r} did not "
                 f"finish within {self.group.timeout:g} s"
             )
-        if entry.error is not None:
-            raise ModelParallelError(
-                f"module {entry.module!r} (call #{key[1]}) failed: {entry.error}"
-            )
+        if entry.error is not None:  # its own type, rank and traceback, not this request's
+            raise error_body(self.group.rank, entry.error)
         return entry
 
     def _serve_fetch(self, message: Message) -> tuple[Any, list[torch.Tensor]]:
@@ -661,10 +659,7 @@ class PipelineRuntime:
         try:
             weights.run()
         except BaseException as exc:
-            self._weights_failure = ModelParallelError(
-                f"rank {self.group.rank}: the weight gradients of module {message.module!r} "
-                f"(microbatch {message.microbatch}) failed: {exc}"
-            )
+            self._weights_failure = error_body(self.group.rank, exc)
 
     def _own_parameters(self) -> Iterator[nn.Parameter]:
         for name, module in self._modules.items():
