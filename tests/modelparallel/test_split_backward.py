@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dtrain.modelparallel.split_backward import backward_inputs_first
 
@@ -69,6 +70,16 @@ class TwoOutputs(nn.Module):
         return self.lin(x) * self.bias, (self.bias * 3).exp()
 
 
+class Checkpointed(Stage):
+    """Reentrant activation checkpointing around a block, before and after another: its
+    backward refuses ``autograd.grad``."""
+
+    def forward(self, h: Tensor, y: Tensor) -> tuple[Tensor, ...]:
+        h = checkpoint(self.blocks[0], h, use_reentrant=True)
+        h = self.blocks[1](h)
+        return (nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten()),)
+
+
 def _inputs(model: nn.Module) -> list[Tensor]:
     generator = torch.Generator().manual_seed(1)
     if isinstance(model, Stage):
@@ -107,7 +118,9 @@ def _run(model: nn.Module, split: bool) -> tuple[list[Tensor | None], dict[str, 
     return input_grads, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("build", [Stage, Tied, Recurrent, TwoOutputs], ids=lambda b: b.__name__)
+@pytest.mark.parametrize(
+    "build", [Stage, Tied, Recurrent, TwoOutputs, Checkpointed], ids=lambda b: b.__name__
+)
 def test_two_halves_give_what_one_backward_gives(build: Callable[[], nn.Module]) -> None:
     model = _seeded(build)
     whole_inputs, whole_weights = _run(model, split=False)

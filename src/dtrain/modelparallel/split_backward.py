@@ -29,6 +29,12 @@ SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
 """Set to 0 to compute every backward in one piece (for comparison)."""
 
 
+WHOLE_ONLY = frozenset({"CheckpointFunctionBackward"})
+"""Nodes whose backward refuses ``torch.autograd.grad`` and ``inputs=``: reentrant activation
+checkpointing (``checkpoint(..., use_reentrant=True)``) runs its own ``backward`` inside. A graph
+holding one runs whole."""
+
+
 def split_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1") not in ("0", "false", "False")
 
@@ -103,7 +109,7 @@ def backward_inputs_first(
     also takes a weight runs in both halves. Where a weight is reached both from a node and
     from another node below it on the input path (a layer applied to its own output), no start
     of the weight half could avoid computing the input path again: the backward then runs whole
-    here and the weight half is empty.
+    here and the weight half is empty; so does a graph with a :data:`WHOLE_ONLY` node.
     """
     root_edges = [get_gradient_edge(out) for out in outputs]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
@@ -114,6 +120,8 @@ def backward_inputs_first(
         return variable is not None and id(variable) in wanted
 
     order = _walk([edge.node for edge in root_edges])
+    if any(node.name() in WHOLE_ONLY for node in order):
+        return _whole(outputs, grads, inputs), WeightHalf([])
     on_input_path: set[Node] = set()
     weights_below: dict[Node, frozenset[Node]] = {}
     """For nodes off the input path: the weight (AccumulateGrad) nodes they lead to."""
