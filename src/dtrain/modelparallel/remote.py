@@ -82,6 +82,8 @@ class CallRecord:
     structure: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     meta: tuple[TensorMeta, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The reply's extras (an eager call's hook records, see :mod:`.hooks`)."""
     _settled: bool = False
 
     def reply(self) -> Any:
@@ -90,6 +92,7 @@ class CallRecord:
             if self.predicted is None:
                 message, tensors = self.runtime.wait(self.pending)
                 self.structure, self.outputs, self.meta = message.body, tensors, message.meta
+                self.extra = message.extra
                 self._settled = True
             else:
                 self.runtime.confirm(self)

@@ -43,6 +43,7 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.executor import Executor, Outcome, Phase, Task, effective_policy
+from dtrain.modelparallel.hooks import Record, hooked_submodules, owners_hooks, recording, replay
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.remote import (
     CallRecord,
@@ -199,6 +200,18 @@ class PipelineRuntime:
                 self._on_messages,
             )
             atexit.register(self._close_at_exit)
+        self._subtrees = {
+            name: [
+                (inner, submodule)
+                for inner, submodule in modules.items()
+                if inner.startswith(f"{name}." if name else "")
+                and inner != name
+                and owners[inner] != group.pp_rank
+            ]
+            for name in modules
+            if owners[name] != group.pp_rank
+        }
+        """Per module run elsewhere: its submodules not run here (whose hooks are replayed)."""
         for name, module in modules.items():
             if owners[name] != group.pp_rank:
                 install_stub(module, self._stub(name))
@@ -253,7 +266,9 @@ class PipelineRuntime:
 
         structure, tensors = flatten(map_leaves((args, kwargs), pass_value))
         signature = call_signature(name, structure)
-        predicted = self._predictions.get(signature) if self._defer else None
+        observed = hooked_submodules(name, self._subtrees[name])
+        # A call whose hooks are replayed here waits for its records: never deferred.
+        predicted = self._predictions.get(signature) if self._defer and not observed else None
         mode = ComputeMode.current()
         call_id = self.transport.next_call_id()
         message = Message(
@@ -263,7 +278,7 @@ class PipelineRuntime:
             body=structure,
             microbatch=task.microbatch,
             step=task.step,
-            extra={"mode": mode.to_wire(), "expect": predicted},
+            extra={"mode": mode.to_wire(), "expect": predicted, "observe": observed},
         )
         dst = self.group.ranks[owner]
         if predicted is None:
@@ -278,11 +293,23 @@ class PipelineRuntime:
         if predicted is not None:
             return deferred_outputs(record, predicted)
         outputs = record.reply()
+        if observed:
+            self._replay_hooks(record)
         if predictable(outputs):
             if len(self._predictions) >= MAX_PREDICTIONS:  # arguments that never repeat
                 self._predictions.clear()
             self._predictions[signature] = outputs
         return attach(record, (), outputs, record.outputs, record.meta)
+
+    def _replay_hooks(self, record: CallRecord) -> None:
+        """Run this rank's hooks of the submodules the owner recorded (see :mod:`.hooks`); the
+        records' tensors follow the outputs in the reply."""
+        extra = record.extra
+        first = extra["records_from"]
+        tensors, meta = record.outputs[first:], record.meta[first:]
+        record.outputs, record.meta = record.outputs[:first], record.meta[:first]
+        differentiable = [m.requires_grad for m in meta]
+        replay(self._modules, extra["records"], tensors, differentiable, set(extra["native"]))
 
     def _request(self, dst: int, message: Message, tensors: list[torch.Tensor]) -> Pending:
         """Send a request to global rank ``dst``, after the requests the current task queued
@@ -533,7 +560,8 @@ class PipelineRuntime:
         """
         predicted = message.extra.get("expect")
         try:
-            structure, outputs = flatten(self._compute_forward(message, tensors, entry))
+            output, records = self._compute_forward(message, tensors, entry)
+            structure, outputs = flatten(output)
             if predicted is not None:
                 check_prediction(message.module, structure, predicted)
         except BaseException as exc:
@@ -545,11 +573,21 @@ class PipelineRuntime:
         if predicted is None:
             with self._served_lock:
                 entry.chain.fetched += 1
-            self._send_reply(message, Message(REPLY, message.call_id, body=structure), outputs)
+            reply = Message(REPLY, message.call_id, body=structure)
+            if message.extra["observe"]:
+                recorded, recorded_tensors = flatten(records)
+                reply.extra = {
+                    "records": recorded,
+                    "records_from": len(outputs),
+                    "native": owners_hooks(self._modules, message.extra["observe"]),
+                }
+                outputs = [*outputs, *recorded_tensors]
+            self._send_reply(message, reply, outputs)
 
     def _compute_forward(
         self, message: Message, tensors: list[torch.Tensor], entry: _Served
-    ) -> Any:
+    ) -> tuple[Any, list[Record]]:
+        """The call's output, and the calls of the submodules the caller replays hooks of."""
         mode = ComputeMode.from_wire(message.extra["mode"])
         entry.inputs = [
             t.requires_grad_() if meta.requires_grad and mode.grad else t
@@ -561,11 +599,11 @@ class PipelineRuntime:
         task = self.executor.current()
         assert task is not None
         with self.executor.computing(message.module):
-            with mode.applied():
+            with mode.applied(), recording(self._modules, message.extra["observe"]) as records:
                 output = materialize(self._modules[message.module](*args, **kwargs))
             self.check_calls(task)
         entry.output = output
-        return output
+        return output, records
 
     def _referenced(self, source: int, value: Any, entry: _Served) -> Any:
         """An argument as the owner has it: a referenced output joins the caller's chain."""
