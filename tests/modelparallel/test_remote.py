@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.options import DEFER_ENV, SPLIT_ENV
 from dtrain.modelparallel.remote import (
-    DEFER_ENV,
     RemoteValue,
     call_signature,
     deferred_outputs,
@@ -23,7 +23,6 @@ from dtrain.modelparallel.remote import (
     predictable,
     same_structure,
 )
-from dtrain.modelparallel.split_backward import SPLIT_ENV
 from dtrain.modelparallel.transport import OutputRef, TensorRef, flatten
 from tests.modelparallel.harness import run_ranks, train_steps
 from tests.modelparallel.models import seeded

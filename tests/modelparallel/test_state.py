@@ -15,6 +15,7 @@ import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError, UnknownKeyError
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import MultipleDistributedModelError, NotInitializedError
+from dtrain.modelparallel.options import RuntimeOptions
 from tests.modelparallel.harness import run_ranks, single_process
 
 PIPELINE_OF_TWO = {"pipeline_parallel_degree": 2, "ddp": True, "microbatches": 8}
@@ -46,7 +47,7 @@ def _layout() -> dict[str, Any]:
         "objects": {k: dist.get_process_group_ranks(g) for k, g in st.object_groups.items()},
         "pp_sum": total.item(),
         "config": dict(st.config),
-        "timeout": st.timeout,
+        "timeout": st.options.timeout,
         "device": str(st.device),
         "owns_world": st.owns_world,
     }
@@ -169,7 +170,22 @@ def test_bad_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DTRAIN_MP_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match=r"DTRAIN_MP_TIMEOUT.*positive number of seconds"):
         smp.init()
+    monkeypatch.setenv("DTRAIN_MP_TIMEOUT", "60")
+    monkeypatch.setenv("DTRAIN_MP_DEFER", "nope")
+    with pytest.raises(ConfigError, match=r"DTRAIN_MP_DEFER: got 'nope'; allowed: one of 1, tr"):
+        smp.init()
     assert not dist.is_initialized()
+
+
+def test_runtime_options_read_the_environment() -> None:
+    assert RuntimeOptions.from_environment({}) == RuntimeOptions()
+    environ = {"DTRAIN_MP_TIMEOUT": "2.5", "DTRAIN_MP_DEFER": "Off"}
+    environ["DTRAIN_MP_SPLIT_BACKWARD"] = "0"
+    assert RuntimeOptions.from_environment(environ) == RuntimeOptions(2.5, False, False)
+    with pytest.raises(ConfigError, match="DTRAIN_MP_SPLIT_BACKWARD"):
+        RuntimeOptions.from_environment({"DTRAIN_MP_SPLIT_BACKWARD": "2"})
+    with pytest.raises(ConfigError, match="DTRAIN_MP_TIMEOUT"):
+        RuntimeOptions.from_environment({"DTRAIN_MP_TIMEOUT": "inf"})
 
 
 def test_the_scripts_config_and_the_jobs_parameters_add_up_and_must_agree(
@@ -181,7 +197,7 @@ def test_the_scripts_config_and_the_jobs_parameters_add_up_and_must_agree(
         assert st.config["pipeline_parallel_degree"] == 1
         assert smp.num_microbatches() == 3 and st.config["pipeline"] == "simple"
         assert st.config["active_microbatches"] == 3
-        assert (st.size, st.pp_size, st.dp_size, st.timeout) == (1, 1, 1, 300.0)
+        assert (st.size, st.pp_size, st.dp_size, st.options.timeout) == (1, 1, 1, 300.0)
         assert st.owns_world
     assert not dist.is_initialized() and not smp.is_initialized()
     for config, named in (

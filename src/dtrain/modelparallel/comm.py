@@ -4,7 +4,7 @@ Objects are pickled and travel over gloo groups with the members of the model-pa
 (``MPState.object_groups``), so they work whatever backend the world uses. Point-to-point
 messages, and ``broadcast`` (which SMP defines as a send to every other member of the group,
 each receiver calling ``recv_from``), go over the world's gloo group; a send completes when the
-receiver takes it. A wait longer than ``state.timeout`` seconds fails naming the peer rank, or
+receiver takes it. A wait longer than ``options.timeout`` seconds fails naming the peer rank, or
 the group's ranks for collectives.
 """
 
@@ -89,7 +89,7 @@ def _waiting(st: MPState, action: str) -> Iterator[None]:
     except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
         if _TIMEOUT.search(str(exc)):
             raise CommunicationTimeoutError(
-                f"rank {st.rank}: {action}: no answer within {st.timeout:g} s ({exc})"
+                f"rank {st.rank}: {action}: no answer within {st.options.timeout:g} s ({exc})"
             ) from exc
         raise ModelParallelError(f"rank {st.rank}: {action} failed: {exc}") from exc
 
@@ -176,7 +176,7 @@ def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     with _waiting(st, f"barrier of the {kind} group ({numbered})"):
         dist.monitored_barrier(
             group=st.object_groups[kind],
-            timeout=timedelta(seconds=st.timeout),
+            timeout=timedelta(seconds=st.options.timeout),
             wait_all_ranks=True,
         )
 

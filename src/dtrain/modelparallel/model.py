@@ -245,7 +245,7 @@ class DistributedModel(nn.Module):
             control_group=st.pp_control_group,
             data_group=st.pp_data_group,
             device=st.device,
-            timeout=st.timeout,
+            timeout=st.options.timeout,
         )
         self._runtime = PipelineRuntime(
             group,
@@ -254,6 +254,7 @@ class DistributedModel(nn.Module):
             st.config["pipeline"],
             st.config["microbatches"],
             st.config["active_microbatches"],
+            st.options,
         )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_control_group)

@@ -104,6 +104,9 @@ def clear() -> None:
     _assigned.clear()
 
 
+state.on_reset(clear)
+
+
 # --- tensor parallelism: not supported ------------------------------------------------------
 
 

@@ -17,9 +17,10 @@ the owner. The owner keeps what it computed; the caller gets either the outputs 
   an attribute, another rank's module, a module of its own) fetches it first, again through a
   :class:`RemoteFetch`. The owner checks the structure it computed against the prediction sent
   with the call: a module whose output structure changes between calls with the same kinds of
-  arguments fails the step with an error that says so (``DTRAIN_MP_DEFER=0`` waits for every
-  call instead). A call is known to have succeeded once its value (or one computed from it)
-  was fetched; a call nobody fetched from is confirmed with a round trip when its microbatch ends.
+  arguments fails the step with an error that says so (``DTRAIN_MP_DEFER=0``, see
+  :mod:`.options`, waits for every call instead). A call is known to have succeeded once its
+  value (or one computed from it) was fetched; a call nobody fetched from is confirmed with a
+  round trip when its microbatch ends.
 
 A fetched value's backward runs on the owner from that value down to every input the caller sent
 into its chain of calls (the fetched call, the calls it referenced, and so on), and returns their
@@ -32,16 +33,17 @@ owner's parameters must still get their gradients.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.options import DEFER_ENV
 from dtrain.modelparallel.transport import (
+    Message,
     OutputRef,
     Pending,
     TensorMeta,
@@ -51,25 +53,45 @@ from dtrain.modelparallel.transport import (
     unflatten,
 )
 
-if TYPE_CHECKING:
-    from dtrain.modelparallel.runtime import PipelineRuntime
-
-DEFER_ENV = "DTRAIN_MP_DEFER"
-"""``0`` makes every remote call eager (wait for the owner's reply before going on)."""
-
 LeafId = tuple[int, int]
 """An input the caller sent: (call id, index among that call's tensors)."""
 
 
-def defer_enabled() -> bool:
-    return os.environ.get(DEFER_ENV, "1") not in ("0", "false", "False")
+class Caller(Protocol):
+    """What a remote call's caller-side state needs from the rank that made the call."""
+
+    def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
+        """The reply, giving the compute token away meanwhile."""
+        ...
+
+    def confirm(self, record: CallRecord) -> None:
+        """Wait until the owner has finished a deferred call (its error raises)."""
+        ...
+
+    def fetch(self, record: CallRecord, path: tuple[Any, ...]) -> Any:
+        """The value at ``path`` of a deferred call's outputs."""
+        ...
+
+    def backward_call(
+        self,
+        record: CallRecord,
+        path: tuple[Any, ...],
+        leaves: list[LeafId],
+        grads: list[torch.Tensor | None],
+    ) -> list[torch.Tensor | None]:
+        """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
+        ...
+
+    def forget(self, record: CallRecord) -> None:
+        """No reply to the call will be waited for."""
+        ...
 
 
 @dataclass(eq=False)
 class CallRecord:
     """Caller-side state of one remote call, shared by its outputs, fetches and backward."""
 
-    runtime: PipelineRuntime
+    runtime: Caller
     module: str
     owner: int
     call_id: int

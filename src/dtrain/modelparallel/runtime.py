@@ -45,6 +45,7 @@ from dtrain.modelparallel.errors import (
 from dtrain.modelparallel.executor import Executor, Outcome, Phase, Task, effective_policy
 from dtrain.modelparallel.hooks import Record, hooked_submodules, owners_hooks, recording, replay
 from dtrain.modelparallel.modes import ComputeMode
+from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.modelparallel.remote import (
     CallRecord,
     LeafId,
@@ -52,7 +53,6 @@ from dtrain.modelparallel.remote import (
     attach,
     call_signature,
     check_prediction,
-    defer_enabled,
     deferred_outputs,
     install_stub,
     materialize,
@@ -60,7 +60,7 @@ from dtrain.modelparallel.remote import (
     remove_stub,
     resolve_output,
 )
-from dtrain.modelparallel.split_backward import WeightHalf, backward_inputs_first, split_enabled
+from dtrain.modelparallel.split_backward import WeightHalf, backward_inputs_first
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
@@ -162,6 +162,7 @@ class PipelineRuntime:
         pipeline: str,
         microbatches: int,
         active_microbatches: int,
+        options: RuntimeOptions,
     ) -> None:
         self.group = group
         self.owners = owners
@@ -175,8 +176,8 @@ class PipelineRuntime:
         self._predictions: dict[str, Any] = {}
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
-        self._defer = defer_enabled()
-        self._split = split_enabled()
+        self._defer = options.defer
+        self._split = options.split_backward
         self._microbatches = microbatches
         self._weights_failure: ModelParallelError | None = None
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
@@ -187,8 +188,10 @@ class PipelineRuntime:
         """Request streams of a step that began here before the previous one ended."""
         self._steps = 0
         self.transport: Transport | None = None
+        self._switch_interval = sys.getswitchinterval()
+        """The interpreter's, restored at close."""
         if len(group.ranks) > 1:
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+            sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
             assert group.control_group is not None and group.data_group is not None
             self.transport = Transport(
                 group.rank,
@@ -924,3 +927,4 @@ class PipelineRuntime:
             self.transport.close(timeout)
         for module in self._modules.values():
             remove_stub(module)
+        sys.setswitchinterval(self._switch_interval)

@@ -18,25 +18,16 @@ would compute the input half a second time).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
-"""Set to 0 to compute every backward in one piece (for comparison)."""
-
-
 WHOLE_ONLY = frozenset({"CheckpointFunctionBackward"})
 """Nodes whose backward refuses ``torch.autograd.grad`` and ``inputs=``: reentrant activation
 checkpointing (``checkpoint(..., use_reentrant=True)``) runs its own ``backward`` inside. A graph
 holding one runs whole."""
-
-
-def split_enabled() -> bool:
-    return os.environ.get(SPLIT_ENV, "1") not in ("0", "false", "False")
 
 
 @dataclass(eq=False)

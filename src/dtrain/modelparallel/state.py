@@ -8,10 +8,9 @@ so the rest of the runtime asks :func:`current` instead of recomputing ranks.
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,14 +26,11 @@ from dtrain.modelparallel.errors import (
     MultipleDistributedModelError,
     NotInitializedError,
 )
+from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.topology import Topology
 
 ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
 """Where SageMaker (and ``dtrain run``) put the job's model-parallel parameters, as JSON."""
-
-ENV_TIMEOUT = "DTRAIN_MP_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
-"""Seconds any wait for another rank may take before it fails naming that rank."""
 
 WHERE = "mp_parameters"
 """How errors name the merged parameters (``mp_parameters.microbatches: got 0; ...``)."""
@@ -85,7 +81,7 @@ class MPState:
     """A second pipeline group of the world's backend, for the runtime's tensors."""
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
     device: torch.device
-    timeout: float
+    options: RuntimeOptions
     owns_world: bool = field(repr=False)
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
@@ -95,6 +91,7 @@ _state: MPState | None = None
 _auto_init = False
 _model: Any = None
 _optimizer: Any = None
+_on_reset: list[Callable[[], None]] = []
 
 
 # --- lifecycle -------------------------------------------------------------------------------
@@ -116,11 +113,11 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
     validate_mp_parameters(parameters, where=WHERE)
-    timeout = _env_timeout()
-    owns_world = _join_world(timeout)
+    options = RuntimeOptions.from_environment()
+    owns_world = _join_world(options.timeout)
     try:
         values = validate_mp_parameters(parameters, world_size=dist.get_world_size(), where=WHERE)
-        _state = _build(values, timeout, owns_world)
+        _state = _build(values, options, owns_world)
     except BaseException:
         if owns_world:
             dist.destroy_process_group()
@@ -159,13 +156,18 @@ def reset() -> None:
     Closes the model's pipeline runtime, so every rank of the pipeline must call it.
     """
     global _model, _optimizer
-    from dtrain.modelparallel import placement  # here: placement itself imports this module
-
     model, _model, _optimizer = _model, None, None
     close = getattr(model, "close", None)
     if callable(close):
         close()
-    placement.clear()
+    for forget in _on_reset:
+        forget()
+
+
+def on_reset(forget: Callable[[], None]) -> None:
+    """Run ``forget`` at every reset: for modules above this one that keep per-job state
+    (manual placements); they import this module, so it cannot import them."""
+    _on_reset.append(forget)
 
 
 def shutdown() -> None:
@@ -379,19 +381,6 @@ def _check_running(config: Mapping[str, Any], running: MPState) -> None:
     )
 
 
-def _env_timeout() -> float:
-    raw = os.environ.get(ENV_TIMEOUT)
-    if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(ENV_TIMEOUT, raw, "a positive number of seconds")
-    return value
-
-
 def _join_world(timeout: float) -> bool:
     """Join the job's world unless the script already did; True if we created it.
 
@@ -450,7 +439,7 @@ class _GroupMaker:
         return found
 
 
-def _build(values: dict[str, Any], timeout: float, owns_world: bool) -> MPState:
+def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) -> MPState:
     me, world = dist.get_rank(), dist.get_world_size()
     topology = Topology(
         world,
@@ -463,7 +452,7 @@ def _build(values: dict[str, Any], timeout: float, owns_world: bool) -> MPState:
     local = process_group.get_local_rank()
     device = _device(local)
     backend = str(dist.get_backend())
-    maker = _GroupMaker(me, timeout)
+    maker = _GroupMaker(me, options.timeout)
     groups = {kind: maker.mine(topology.all_groups(kind), backend) for kind in GROUP_KINDS}
     objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
     objects["world"] = maker.mine([list(range(world))], "gloo")
@@ -503,7 +492,7 @@ def _build(values: dict[str, Any], timeout: float, owns_world: bool) -> MPState:
         pp_data_group=data,
         object_groups=objects,
         device=device,
-        timeout=timeout,
+        options=options,
         owns_world=owns_world,
         created_groups=tuple(maker.created),
     )

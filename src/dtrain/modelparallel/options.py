@@ -1,0 +1,68 @@
+"""dtrain's own settings of the model-parallel runtime (SMP has no parameter for them).
+
+They come from the environment (so a job sets them with ``--environment``), are read once by
+``smp.init`` and checked there: a value that is not understood fails naming the variable,
+before any rank waits for another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dtrain.errors import ConfigError
+
+TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
+DEFER_ENV = "DTRAIN_MP_DEFER"
+SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    timeout: float = 300.0
+    """Seconds any wait for another rank may take before it fails naming that rank."""
+    defer: bool = True
+    """Remote calls return at once with values their owner computes meanwhile (off: every
+    call waits for its reply; for modules whose output structure changes between calls)."""
+    split_backward: bool = True
+    """The last microbatch's backward sends its inputs' gradients before computing its
+    weights' (off: one piece, for comparison)."""
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> RuntimeOptions:
+        defaults = cls()
+        return cls(
+            timeout=_seconds(environ, TIMEOUT_ENV, defaults.timeout),
+            defer=_switch(environ, DEFER_ENV, defaults.defer),
+            split_backward=_switch(environ, SPLIT_ENV, defaults.split_backward),
+        )
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(name, raw, "a positive number of seconds")
+    return value
+
+
+def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(name, raw, f"one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off)")
