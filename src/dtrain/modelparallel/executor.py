@@ -206,6 +206,19 @@ class Executor:
             if any(entry[0] < key for entry in self._waiting):
                 self.release(task)
 
+    def activity(self) -> str:
+        """What holds the token now, and for how long (for stall reports)."""
+        with self._cv:
+            holder = self._holder
+            if holder is None:
+                return "nothing computes (the compute token is free)"
+            held = self._now() - holder.started
+            waiting = len(self._waiting)
+        what = holder.describe()
+        if holder.role != "main":
+            what += f" computing {holder.name!r}" if holder.recording else " between computations"
+        return f"{what} has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
+
     @property
     def last_progress(self) -> float:
         """Monotonic time of the last token hand-over: work is still moving on this rank."""

@@ -17,6 +17,7 @@ from dtrain.errors import ConfigError
 TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
 DEFER_ENV = "DTRAIN_MP_DEFER"
 SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
+STALL_ENV = "DTRAIN_MP_STALL_REPORT"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -32,6 +33,9 @@ class RuntimeOptions:
     split_backward: bool = True
     """The last microbatch's backward sends its inputs' gradients before computing its
     weights' (off: one piece, for comparison)."""
+    stall_report: float = 60.0
+    """Seconds of silence after which every rank reports what it waits for (see
+    :mod:`.stall`); the wait itself goes on until ``timeout``."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> RuntimeOptions:
@@ -40,6 +44,7 @@ class RuntimeOptions:
             timeout=_seconds(environ, TIMEOUT_ENV, defaults.timeout),
             defer=_switch(environ, DEFER_ENV, defaults.defer),
             split_backward=_switch(environ, SPLIT_ENV, defaults.split_backward),
+            stall_report=_seconds(environ, STALL_ENV, defaults.stall_report),
         )
 
 

@@ -61,6 +61,7 @@ from dtrain.modelparallel.remote import (
     resolve_output,
 )
 from dtrain.modelparallel.split_backward import WeightHalf, backward_inputs_first
+from dtrain.modelparallel.stall import RankState, StallWatch, WaitBoard, default_store
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
@@ -188,6 +189,9 @@ class PipelineRuntime:
         """Request streams of a step that began here before the previous one ended."""
         self._steps = 0
         self.transport: Transport | None = None
+        self.waits = WaitBoard()
+        """This rank's waits on other ranks, for stall reports."""
+        self._stall: StallWatch | None = None
         self._switch_interval = sys.getswitchinterval()
         """The interpreter's, restored at close."""
         if len(group.ranks) > 1:
@@ -203,6 +207,7 @@ class PipelineRuntime:
                 self._on_messages,
             )
             atexit.register(self._close_at_exit)
+            self._stall = self._watch_stalls(options.stall_report)
         self._subtrees = {
             name: [
                 (inner, submodule)
@@ -224,6 +229,33 @@ class PipelineRuntime:
     @property
     def is_leader(self) -> bool:
         return self.group.pp_rank == 0
+
+    def _watch_stalls(self, limit: float) -> StallWatch:
+        transport = self.transport
+        assert transport is not None
+        watch = StallWatch(
+            rank=self.group.rank,
+            ranks=self.group.ranks,
+            limit=limit,
+            last_progress=lambda: max(transport.last_activity, self.executor.last_progress),
+            state=self._rank_state,
+            store=default_store(),
+            publish=lambda text: print(text, file=sys.stderr, flush=True),
+        )
+        watch.start()
+        return watch
+
+    def _rank_state(self) -> RankState:
+        return RankState(self.group.rank, self.executor.activity(), self.waits.snapshot())
+
+    def _explained(self, error: BaseException) -> BaseException:
+        """A timeout, with the stall report of the silence that led to it (if one was made)."""
+        report = self._stall.report if self._stall is not None else None
+        if isinstance(error, CommunicationTimeoutError) and report:
+            explained = CommunicationTimeoutError(f"{error}\n{report}")
+            explained.__cause__ = error
+            return explained
+        return error
 
     # --- calling modules on other ranks ------------------------------------------------------
 
@@ -350,7 +382,7 @@ class PipelineRuntime:
 
     def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile."""
-        with self.executor.waiting():
+        with self.executor.waiting(), self.waits.waiting(pending.peer, pending.request.describe()):
             return pending.wait(self.group.timeout, self.group.rank)
 
     def forget(self, record: CallRecord) -> None:
@@ -799,12 +831,20 @@ class PipelineRuntime:
                 outcomes = self.executor.run_microbatches(
                     count, functools.partial(self._run_microbatch, body, mode), self._steps
                 )
+            except CommunicationTimeoutError as exc:  # the others stop waiting for the end too
+                error = self._explained(exc)
+                self._announce([(False, error)])
+                raise error from exc
             finally:
                 self._forget_served(None)
+            outcomes = [(ok, value if ok else self._explained(value)) for ok, value in outcomes]
             self._announce(outcomes)
             self._raise_weights_failure()
             return outcomes
-        outcomes, ended = self._await_step_end()
+        try:
+            outcomes, ended = self._await_step_end()
+        except CommunicationTimeoutError as exc:
+            raise self._explained(exc) from exc
         self._forget_served(ended)
         self._raise_weights_failure()
         return outcomes
@@ -877,20 +917,8 @@ class PipelineRuntime:
         executor = self.executor
         executor.lend_main()
         try:
-            while True:
-                try:
-                    message, tensors = self._inbox.get(timeout=_POLL_S)
-                    break
-                except queue.Empty:
-                    idle = time.monotonic() - max(
-                        self.transport.last_activity, executor.last_progress
-                    )
-                    if idle > self.group.timeout:
-                        raise CommunicationTimeoutError(
-                            f"rank {self.group.rank}: nothing from the pipeline for "
-                            f"{self.group.timeout:g} s while waiting for the leader (rank "
-                            f"{leader}) to end step {self._steps}"
-                        ) from None
+            with self.waits.waiting(leader, f"the end of step {self._steps}", blocking=False):
+                message, tensors = self._next_from_leader(leader)
         finally:
             executor.reclaim_main()
             executor.resume_main()
@@ -904,6 +932,21 @@ class PipelineRuntime:
                 )
             outcomes.append((ok, value))
         return outcomes, message.call_id
+
+    def _next_from_leader(self, leader: int) -> tuple[Message, list[torch.Tensor]]:
+        """The next message of the inbox; fails after ``timeout`` seconds of silence."""
+        assert self.transport is not None
+        while True:
+            try:
+                return self._inbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                progress = max(self.transport.last_activity, self.executor.last_progress)
+                if time.monotonic() - progress > self.group.timeout:
+                    raise CommunicationTimeoutError(
+                        f"rank {self.group.rank}: nothing from the pipeline for "
+                        f"{self.group.timeout:g} s while waiting for the leader (rank "
+                        f"{leader}) to end step {self._steps}"
+                    ) from None
 
     # --- teardown ----------------------------------------------------------------------------
 
@@ -922,6 +965,8 @@ class PipelineRuntime:
     def close(self, timeout: float | None = None) -> None:
         """Stop serving (every rank of the pipeline calls this, or exits) and restore the
         modules."""
+        if self._stall is not None:
+            self._stall.stop()
         if self.transport is not None:
             atexit.unregister(self._close_at_exit)
             self.transport.close(timeout)

@@ -37,6 +37,12 @@ WHERE = "mp_parameters"
 
 GROUP_KINDS = ("pp", "dp", "mp", "tp", "rdp")
 
+RECEIVE_LIMIT = 7 * 24 * 3600.0
+"""Timeout of the pipeline's messaging groups, where a receiver always waits for its peer's
+next message: a pipeline may rest between steps (a checkpoint upload, an evaluation outside
+steps) for longer than any wait for a reply may last. A dead peer ends the receive at once;
+waits for replies and step ends have their own ``DTRAIN_MP_TIMEOUT``."""
+
 
 @dataclass(frozen=True)
 class MPState:
@@ -422,14 +428,18 @@ class _GroupMaker:
         self.created: list[dist.ProcessGroup] = []
         self._shared: dict[tuple[str, tuple[int, ...]], Any] = {}  # non-members get a marker
 
-    def mine(self, groups: list[list[int]], backend: str, fresh: bool = False) -> dist.ProcessGroup:
-        """This rank's group among ``groups`` (which partition the world)."""
+    def mine(
+        self, groups: list[list[int]], backend: str, fresh: bool = False, idle: bool = False
+    ) -> dist.ProcessGroup:
+        """This rank's group among ``groups`` (which partition the world); an ``idle`` group's
+        receives may wait without limit (:data:`RECEIVE_LIMIT`)."""
+        timeout = timedelta(seconds=RECEIVE_LIMIT) if idle else self.timeout
         found: dist.ProcessGroup | None = None
         for members in groups:
             key = (backend, tuple(members))
             group = None if fresh else self._shared.get(key)
             if group is None:
-                group = dist.new_group(members, timeout=self.timeout, backend=backend)
+                group = dist.new_group(members, timeout=timeout, backend=backend)
                 self._shared.setdefault(key, group)
                 if self.rank in members:
                     self.created.append(group)
@@ -457,8 +467,8 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
-    control = maker.mine(pipelines, "gloo", fresh=True)
-    data = maker.mine(pipelines, backend, fresh=True)
+    control = maker.mine(pipelines, "gloo", fresh=True, idle=True)
+    data = maker.mine(pipelines, backend, fresh=True, idle=True)
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,

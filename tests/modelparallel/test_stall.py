@@ -1,0 +1,186 @@
+"""A stalled pipeline says which rank holds it up: every rank's waits, and who waits for nobody."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import CommunicationTimeoutError, RemoteError
+from dtrain.modelparallel.stall import RankState, StallWatch, Wait, WaitBoard, diagnose
+from tests.modelparallel.harness import run_ranks
+
+WAITING_ON_1 = (Wait(1, "forward request #3 for module 'b' (microbatch 0)", 0.0),)
+
+CASES = {
+    "a rank computing holds up the one waiting on it": (
+        {
+            0: RankState(0, "microbatch task F0 between computations", WAITING_ON_1),
+            1: RankState(1, "served 'b' F0 computing 'b'"),
+        },
+        "rank 1 waits for nobody",
+    ),
+    "a rank that sent nothing is named when everyone else waits": (
+        {0: RankState(0, "nothing computes", WAITING_ON_1)},
+        "rank 1 sent no report",
+    ),
+    "ranks that wait on each other are a cycle": (
+        {
+            0: RankState(0, "nothing computes", WAITING_ON_1),
+            1: RankState(1, "nothing computes", (Wait(0, "the end of step 2", 0.0),)),
+        },
+        "every rank waits for another (a cycle)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_diagnosis_names_who_holds_the_pipeline_up(case: str) -> None:
+    states, verdict = CASES[case]
+    report = diagnose([0, 1], states, silence=61.2)
+    first, *rest = report.splitlines()
+    assert first == f"pipeline stalled: nothing moved for 61 s; {verdict}"
+    assert len([line for line in rest if line.startswith("  rank ")]) == 2
+    if 0 in states:
+        assert "    rank 1: forward request #3 for module 'b' (microbatch 0)" in rest
+
+
+def test_the_board_lists_waits_in_progress_oldest_first() -> None:
+    board = WaitBoard()
+    with board.waiting(1, "first"):
+        with board.waiting(2, "second"):
+            assert [w.what for w in board.snapshot()] == ["first", "second"]
+        assert [w.peer for w in board.snapshot()] == [1]
+    assert board.snapshot() == ()
+
+
+def test_a_rank_state_travels_as_text() -> None:
+    state = RankState(3, "nothing computes", WAITING_ON_1)
+    assert RankState.from_wire(state.to_wire()) == state
+
+
+class _DictStore:
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def test_two_watches_report_one_silence_once_through_a_store() -> None:
+    store, published = _DictStore(), []
+    since = time.monotonic()
+    states = {0: RankState(0, "idle", WAITING_ON_1), 1: RankState(1, "computing 'b'")}
+    watches = [
+        StallWatch(r, [0, 1], 0.2, lambda: since, lambda r=r: states[r], store, published.append)
+        for r in (0, 1)
+    ]
+    for watch in watches:
+        watch.start()
+    deadline = time.monotonic() + 10
+    while any(w.report is None or "rank 1:" not in w.report for w in watches):
+        assert time.monotonic() < deadline, published
+        time.sleep(0.05)
+    time.sleep(0.5)
+    for watch in watches:
+        watch.stop()
+    assert len(published) == 2, "one report per rank and silence"
+    assert all("rank 1 waits for nobody" in w.report for w in watches if w.report)
+
+
+class _Slow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():  # the stalled step runs under no_grad
+            time.sleep(8)
+        return self.linear(x)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.slow = _Slow()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.slow(self.head(x))
+
+
+def _stall_on_partition_one() -> str:
+    dist.init_process_group("gloo")
+    config = {"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False}
+    smp.init({**config, "default_partition": 0})
+    module = _Net()
+    smp.set_partition(module.slow, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        return model(x)
+
+    forward(model, torch.ones(2, 4))
+    error: Any = None
+    try:
+        with torch.no_grad():
+            forward(model, torch.ones(2, 4))
+    except (CommunicationTimeoutError, RemoteError) as exc:
+        error = str(exc)
+    time.sleep(4)  # the slow module has returned everywhere: the ranks stop together
+    smp.shutdown()
+    dist.destroy_process_group()
+    return error
+
+
+def test_a_stalled_step_fails_naming_the_rank_that_waits_for_nobody(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    env = {"DTRAIN_MP_STALL_REPORT": "2", "DTRAIN_MP_TIMEOUT": "5"}
+    leader, _ = run_ranks(2, _stall_on_partition_one, timeout=60, env=env)
+    assert leader is not None and re.search(r"(no progress for|within) 5 s\n", leader), leader
+    assert "pipeline stalled: nothing moved for 2 s; rank 1 waits for nobody" in leader
+    assert "rank 1: waits for nobody; served 'slow' F0 computing 'slow'" in leader
+    assert "request #3 for module 'slow' (microbatch 0)" in leader  # what rank 0 waits for
+    printed = capfd.readouterr().err
+    assert "dtrain: rank 0: pipeline stalled" in printed
+    assert "dtrain: rank 1: pipeline stalled" in printed
+
+
+def _rest_between_steps() -> float:
+    dist.init_process_group("gloo")
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
+    smp.init({**config, "default_partition": 0})
+    module = _Net()
+    smp.set_partition(module.slow, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        return model(x).sum()
+
+    forward(model, torch.ones(2, 4))
+    time.sleep(5)  # longer than DTRAIN_MP_TIMEOUT: a checkpoint upload, say
+    total = float(forward(model, torch.ones(2, 4)).reduce_mean())
+    smp.shutdown()
+    dist.destroy_process_group()
+    return total
+
+
+def test_a_pipeline_may_rest_between_steps_longer_than_the_timeout() -> None:
+    env = {"DTRAIN_MP_STALL_REPORT": "60", "DTRAIN_MP_TIMEOUT": "3"}
+    leader, other = run_ranks(2, _rest_between_steps, timeout=60, env=env)
+    assert leader == other
