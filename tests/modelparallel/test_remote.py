@@ -456,12 +456,13 @@ def test_a_remote_loss_costs_one_message_each_way_per_microbatch(pipeline: str) 
     leader, other = run_ranks(2, _train_loss_net, pipeline, timeout=120)
     assert leader["losses"] == pytest.approx(_reference_loss_net(), rel=1e-5)
     # The layers' and the head's calls go with the loss's backward request, in one message
-    # (simple: before the microbatch waits for the others' forwards, the backward after); the
-    # owner answers once (the loss, and the gradient of what the leader sent).
+    # (simple: before the microbatch waits for the others' forwards, the backward after, except
+    # for the last to finish its forward, which waits for nobody); the owner answers once (the
+    # loss, and the gradient of what the leader sent).
     forwards = "+".join(["forward"] * (LAYERS + 1))
-    together = pipeline == "interleaved"
-    per_microbatch = [f"{forwards}+backward"] if together else [forwards, "backward"]
-    assert sorted(leader["streams"]) == sorted(["end_step"] + per_microbatch * 4)
+    together = [f"{forwards}+backward"]
+    apart = [forwards, "backward"] if pipeline == "simple" else together
+    assert sorted(leader["streams"]) == sorted(["end_step", *apart * 3, *together])
     assert other["streams"] == ["reply"] * 4
     # The sticky token: a microbatch's two stem modules run back to back on the leader, unless
     # a more urgent (lower) microbatch takes the token in between.

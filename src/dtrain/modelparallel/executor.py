@@ -12,12 +12,9 @@ task waits at every module boundary interleaved two microbatches module by modul
 delayed both on their way to the next partition and left it idle. Before a task waits, or
 computes, the requests it queued are sent (``flush``), so nothing queued waits on it.
 
-Which waiting task gets the token is the schedule policy:
-
-* ``interleaved``: backward work first, then the lowest microbatch (1F1B-like); the leader admits
-  at most ``active_microbatches`` microbatches at a time.
-* ``simple``: the lowest microbatch first, and the leader holds every task at ``model.backward``
-  until all microbatches have finished their forward, so every forward runs before any backward.
+Which waiting task gets the token, whether the leader admits another microbatch and whether a
+backward may begin are the schedule policy's answers (:class:`~.policy.SchedulePolicy`): this
+module only asks them.
 
 The thread that runs the user's script is the *main* task: it holds the token outside steps, so a
 request that arrives early (the leader already started the next step) waits until this rank has
@@ -38,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError
+from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.workers import WorkerPool
 
 Role = Literal["main", "leader", "serve"]
-Phase = Literal["F", "B"]
 Outcome = tuple[bool, Any]
 """``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
 
@@ -88,19 +85,13 @@ class _LeaderStep:
     forward_done: set[int] = field(default_factory=set)
 
 
-def effective_policy(pipeline: str, microbatches: int, active: int) -> str:
-    """SMP's rule: a bound on microbatches in flight turns ``simple`` into ``interleaved``."""
-    return "interleaved" if pipeline == "simple" and active < microbatches else pipeline
-
-
 class Executor:
     """The compute token of one rank, its microbatch tasks and its timeline."""
 
     def __init__(
         self,
         pp_rank: int,
-        policy: str,
-        active: int,
+        policy: SchedulePolicy,
         timeout: float,
         flush: Callable[[Task], None] = lambda task: None,
     ) -> None:
@@ -110,7 +101,6 @@ class Executor:
         self.pp_rank = pp_rank
         self.flush = flush
         self.policy = policy
-        self.active = active
         self.timeout = timeout
         self.main = Task("main")
         self._cv = threading.Condition()
@@ -130,11 +120,8 @@ class Executor:
 
     def _key(self, task: Task) -> tuple[int, int]:
         if task.role == "main":
-            return (-1, 0)
-        backward = 0 if task.phase == "B" else 1
-        if self.policy == "simple":
-            return (task.microbatch, backward)
-        return (backward, task.microbatch)
+            return MAIN_PRIORITY
+        return self.policy.priority(task.phase, task.microbatch)
 
     def _grant(self) -> None:
         """Give a free token to the most urgent waiter (call with the lock held)."""
@@ -372,7 +359,9 @@ class Executor:
         self.release(self.main)
         try:
             for mb in range(count):
-                self._wait(lambda: step.running < self.active, f"a free slot for microbatch {mb}")
+                self._wait(
+                    lambda: self.policy.may_admit(step.running), f"a free slot for microbatch {mb}"
+                )
                 task = Task("leader", mb, step=step_number)
                 with self._cv:
                     step.running += 1
@@ -434,13 +423,13 @@ class Executor:
                 step.forward_done.add(task.microbatch)
                 self._cv.notify_all()
             task.phase = "B"
-            if self.policy == "simple":
+            if not self.policy.backward_may_start(len(step.forward_done)):
                 if task.holding:
                     self.release(task)
                 self.flush(task)
                 self._wait(
-                    lambda: len(step.forward_done) == step.count,
-                    f"every forward before backward {task.microbatch} (simple pipeline)",
+                    lambda: self.policy.backward_may_start(len(step.forward_done)),
+                    f"every forward before backward {task.microbatch} ({self.policy.pipeline})",
                 )
         return task
 

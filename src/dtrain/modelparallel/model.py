@@ -23,6 +23,7 @@ from dtrain.modelparallel import placement, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import Outcome
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
+from dtrain.modelparallel.policy import SchedulePolicy
 from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
@@ -251,9 +252,12 @@ class DistributedModel(nn.Module):
             group,
             modules,
             owners,
-            st.config["pipeline"],
-            st.config["microbatches"],
-            st.config["active_microbatches"],
+            SchedulePolicy.for_config(
+                st.config["pipeline"],
+                st.config["microbatches"],
+                st.config["active_microbatches"],
+                st.options.split_backward,
+            ),
             st.options,
         )
         if st.pp_size > 1:

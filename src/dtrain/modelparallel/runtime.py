@@ -42,10 +42,11 @@ from dtrain.modelparallel.errors import (
     RemoteError,
     StepFailedError,
 )
-from dtrain.modelparallel.executor import Executor, Outcome, Phase, Task, effective_policy
+from dtrain.modelparallel.executor import Executor, Outcome, Task
 from dtrain.modelparallel.hooks import Record, hooked_submodules, owners_hooks, recording, replay
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.options import RuntimeOptions
+from dtrain.modelparallel.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.remote import (
     CallRecord,
     LeafId,
@@ -160,26 +161,20 @@ class PipelineRuntime:
         group: PipelineGroup,
         modules: dict[str, nn.Module],
         owners: dict[str, int],
-        pipeline: str,
-        microbatches: int,
-        active_microbatches: int,
+        policy: SchedulePolicy,
         options: RuntimeOptions,
     ) -> None:
         self.group = group
         self.owners = owners
         self._modules = modules
-        policy = effective_policy(pipeline, microbatches, active_microbatches)
-        self.executor = Executor(
-            group.pp_rank, policy, active_microbatches, group.timeout, self._flush
-        )
+        self.policy = policy
+        self.executor = Executor(group.pp_rank, policy, group.timeout, self._flush)
         self._served: dict[CallKey, _Served] = {}
         self._served_lock = threading.Lock()
         self._predictions: dict[str, Any] = {}
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
         self._defer = options.defer
-        self._split = options.split_backward
-        self._microbatches = microbatches
         self._weights_failure: ModelParallelError | None = None
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
         self._order_lock = threading.Lock()
@@ -739,13 +734,6 @@ class PipelineRuntime:
             if self.owners[name] == self.group.pp_rank:
                 yield from module.parameters(recurse=False)
 
-    def _splits(self, microbatch: int) -> bool:
-        """Whether a backward of ``microbatch`` sends its inputs' gradients before computing
-        its weights': the step's last microbatch, whose backward the earlier stages wait for
-        with nothing else left to do. (Split earlier, the weight half, run at once, would only
-        delay this rank's next work; the split itself costs about a fifth of a backward.)"""
-        return self._split and microbatch == self._microbatches - 1
-
     def _compute_backward(
         self, message: Message, tensors: list[torch.Tensor], entry: _Served
     ) -> tuple[Any, list[torch.Tensor], WeightHalf | None]:
@@ -777,7 +765,7 @@ class PipelineRuntime:
         keep_graph = entry.chain.fetched > 1  # another fetched output may bring a backward
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         weights = None
-        if pairs and wanted and not keep_graph and self._splits(message.microbatch):
+        if pairs and wanted and not keep_graph and self.policy.splits_backward(message.microbatch):
             found, half = backward_inputs_first(
                 [out for out, _ in pairs], [g for _, g in pairs], wanted, self._own_parameters()
             )

@@ -39,12 +39,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from dtrain.errors import did_you_mean
+from dtrain.modelparallel.policy import SchedulePolicy, check_pipeline
 from dtrain.modelparallel.timeline import TimelineEvent
 
 ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 KINDS: tuple[str, ...] = get_args(ActionKind)
-PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
 
 _ACTION_TEXT = re.compile(r"^(?:(\d+):)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
@@ -120,7 +119,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self) -> None:
-        _check_pipeline(self.pipeline)
+        check_pipeline(self.pipeline)
         for name in ("stages", "microbatches", "active_microbatches"):
             _check_positive_int(name, getattr(self, name))
         if self.active_microbatches > self.microbatches:
@@ -149,6 +148,11 @@ class Schedule:
                         f"actions[{rank}]: {action!r} is outside {self.stages} stages x "
                         f"{self.microbatches} microbatches"
                     )
+
+    @property
+    def policy(self) -> SchedulePolicy:
+        """The rules this schedule follows."""
+        return SchedulePolicy(self.pipeline, self.microbatches, self.active_microbatches)
 
     def compute_actions(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s ``F``/``B`` actions in order (sends and receives left out)."""
@@ -229,19 +233,17 @@ def build_schedule(
     ``active_microbatches < microbatches`` is built as ``interleaved`` (SMP's rule): check
     ``Schedule.pipeline`` for the pipeline actually used.
     """
-    _check_pipeline(pipeline)
+    check_pipeline(pipeline)
     _check_positive_int("stages", stages)
     _check_positive_int("microbatches", microbatches)
     if active_microbatches is None:
         active_microbatches = stages + 2
     else:
         _check_positive_int("active_microbatches", active_microbatches)
-    active = min(active_microbatches, microbatches)
-    if pipeline == "simple" and active < microbatches:
-        pipeline = "interleaved"
-    build = _simple_rank if pipeline == "simple" else _interleaved_rank
-    actions = tuple(build(stage, stages, microbatches, active) for stage in range(stages))
-    return Schedule(pipeline, stages, microbatches, active, actions)
+    policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches)
+    build = _simple_rank if policy.pipeline == "simple" else _interleaved_rank
+    actions = tuple(build(stage, stages, microbatches, policy.active) for stage in range(stages))
+    return Schedule(policy.pipeline, stages, microbatches, policy.active, actions)
 
 
 def recorded_schedule(
@@ -497,6 +499,7 @@ def check(schedule: Schedule) -> None:
     """
     problems: list[str] = []
     stages = schedule.stages
+    policy = schedule.policy
     for rank, rank_actions in enumerate(schedule.actions):
         where = f"rank {rank}"
         positions: dict[tuple[str, int], list[int]] = {}
@@ -534,13 +537,11 @@ def check(schedule: Schedule) -> None:
                 after = positions.get((second, mb), [])
                 if len(before) == 1 and len(after) == 1 and before[0] > after[0]:
                     problems.append(f"{where}: {first}{mb} must come before {second}{mb}")
-        if schedule.pipeline == "simple":
-            forwards = [i for i, a in enumerate(rank_actions) if a.kind == "F"]
-            backwards = [i for i, a in enumerate(rank_actions) if a.kind == "B"]
-            if forwards and backwards and max(forwards) > min(backwards):
-                problems.append(f"{where}: simple pipeline runs a backward before its last forward")
+        kinds = [a.kind for a in rank_actions]
+        if "B" in kinds and not policy.backward_may_start(kinds[: kinds.index("B")].count("F")):
+            problems.append(f"{where}: simple pipeline runs a backward before its last forward")
         in_flight = _peak_in_flight(rank_actions)
-        if in_flight > schedule.active_microbatches:
+        if in_flight and not policy.may_admit(in_flight - 1):
             problems.append(
                 f"{where}: {in_flight} microbatches in flight, more than "
                 f"active_microbatches={schedule.active_microbatches}"
@@ -590,14 +591,6 @@ def _is_number(value: object) -> bool:
 def _check_positive_int(name: str, value: object) -> None:
     if not _is_int(value) or value < 1:  # type: ignore[operator]
         raise ValueError(f"{name}: got {value!r}; must be a positive integer")
-
-
-def _check_pipeline(pipeline: object) -> None:
-    if pipeline not in PIPELINES:
-        suggestion = did_you_mean(pipeline, PIPELINES) if isinstance(pipeline, str) else None
-        hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
-        allowed = ", ".join(repr(p) for p in PIPELINES)
-        raise ValueError(f"pipeline: got {pipeline!r}; allowed: {allowed}{hint}")
 
 
 def _per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:
