@@ -20,9 +20,9 @@ from dtrain.modelparallel.partition import (
     manual_plan,
 )
 from dtrain.modelparallel.profile import (
-    CallRecord,
     ModelProfile,
     ModuleStats,
+    ProfiledCall,
     parent_name,
     profile_module,
 )
@@ -53,7 +53,7 @@ def hand_profile(
             stats[parent].children.append(name)
     records = []
     for index, (name, caller, sent, returned) in enumerate(calls):
-        records.append(CallRecord(index, name, caller, sent, returned))
+        records.append(ProfiledCall(index, name, caller, sent, returned))
         stats[name].calls += 1
         if stats[name].order is None:
             stats[name].order = index

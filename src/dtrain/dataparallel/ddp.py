@@ -28,7 +28,7 @@ from dtrain.dataparallel.shm import (
     SharedMemoryUnavailable,
     wants_shared_memory,
 )
-from dtrain.dataparallel.transport import FlatAllReduce, StagedAllReduce
+from dtrain.dataparallel.strategies import FlatAllReduce, StagedAllReduce
 from dtrain.topology import Topology
 
 DEFAULT_BUCKET_CAP_MB = 25

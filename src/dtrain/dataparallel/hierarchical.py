@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dtrain.dataparallel.transport import Transfer, own_group, private_buffers
+from dtrain.dataparallel.strategies import Transfer, own_group, private_buffers
 from dtrain.topology import Topology
 
 HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"

@@ -29,7 +29,7 @@ from torch import nn
 from dtrain.dataparallel.buckets import BucketPlan, plan_buckets
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.issue_order import IssueOrder
-from dtrain.dataparallel.transport import BufferSpec, StagedAllReduce, Transfer
+from dtrain.dataparallel.strategies import BufferSpec, StagedAllReduce, Transfer
 
 
 class Reducer:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.dataparallel.compression import Codec
-from dtrain.dataparallel.transport import BufferSpec, Transfer, own_group
+from dtrain.dataparallel.strategies import BufferSpec, Transfer, own_group
 
 SHM_ENV = "DTRAIN_SHM_ALLREDUCE"
 """Set to 1 to reduce through shared memory when the constructor leaves ``shared_memory`` None."""

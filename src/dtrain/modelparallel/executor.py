@@ -40,7 +40,7 @@ from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.workers import WorkerPool
 
 Role = Literal["main", "leader", "serve"]
-Outcome = tuple[bool, Any]
+MicrobatchResult = tuple[bool, Any]
 """``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
 
 
@@ -351,10 +351,10 @@ class Executor:
 
     def run_microbatches(
         self, count: int, body: Callable[[int], Any], step_number: int = 0
-    ) -> list[Outcome]:
+    ) -> list[MicrobatchResult]:
         """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
         step = _LeaderStep(count)
-        outcomes: list[Outcome] = [(False, None)] * count
+        outcomes: list[MicrobatchResult] = [(False, None)] * count
         self._leader_step = step
         self.release(self.main)
         try:
@@ -376,7 +376,11 @@ class Executor:
         return outcomes
 
     def _leader_task(
-        self, task: Task, body: Callable[[int], Any], outcomes: list[Outcome], step: _LeaderStep
+        self,
+        task: Task,
+        body: Callable[[int], Any],
+        outcomes: list[MicrobatchResult],
+        step: _LeaderStep,
     ) -> None:
         """A microbatch's step body. Its task was queued for the token when it was admitted,
         so microbatches start in order: whichever thread the pool started first took the token

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.modelparallel import placement, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.executor import Outcome
+from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
 from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
@@ -135,7 +136,9 @@ class DistributedModel(nn.Module):
     def partitioned(self) -> bool:
         return self._runtime is not None
 
-    def run_step(self, count: int, make_body: Callable[[], Callable[[int], Any]]) -> list[Outcome]:
+    def run_step(
+        self, count: int, make_body: Callable[[], Callable[[int], Any]]
+    ) -> list[MicrobatchResult]:
         """Called by ``@smp.step`` on every rank: partition if needed, run, reduce gradients."""
         if self._runtime is None:
             self._partition(make_body)
@@ -342,7 +345,8 @@ class DistributedModel(nn.Module):
     # --- gradients over the data-parallel group ----------------------------------------------
 
     def _reduce_gradients(self) -> None:
-        """Average this rank's gradients over its data-parallel group, in buckets."""
+        """Average this rank's gradients over its data-parallel group, in the balanced buckets
+        of :mod:`dtrain.dataparallel.buckets`."""
         st = self._state
         if st.dp_size == 1:
             return
@@ -357,29 +361,23 @@ class DistributedModel(nn.Module):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grads.append(param.grad)
-        cap = int(self.bucket_cap_mb * 1024 * 1024)
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for grad in grads:
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-            if size >= cap:
-                self._average(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._average(bucket)
+        plan = plan_buckets(
+            [g.numel() * g.element_size() for g in grads],
+            list(range(len(grads))),
+            int(self.bucket_cap_mb * 1024 * 1024),
+            [(g.dtype, g.device) for g in grads],
+        )
+        for bucket in plan.buckets:
+            self._average([grads[index] for index in bucket.params])
 
     def _average(self, grads: list[torch.Tensor]) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        """One bucket (one dtype and device) averaged in one collective."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, ReduceOp.AVERAGE, group=self._state.dp_process_group)
+        offset = 0
         for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            all_reduce(flat, ReduceOp.AVERAGE, group=self._state.dp_process_group)
-            offset = 0
-            for grad in same:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     # --- state dicts -------------------------------------------------------------------------
 

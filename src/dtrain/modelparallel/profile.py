@@ -80,7 +80,7 @@ class ModuleStats:
 
 
 @dataclass
-class CallRecord:
+class ProfiledCall:
     """One forward call of a module, in execution (start) order."""
 
     index: int
@@ -98,7 +98,7 @@ class ModelProfile:
     """Result of :func:`profile_module`: plain data that round-trips through JSON."""
 
     modules: dict[str, ModuleStats]
-    calls: list[CallRecord] = field(default_factory=list)
+    calls: list[ProfiledCall] = field(default_factory=list)
     tied_groups: list[list[str]] = field(default_factory=list)
     repeats: int = 0
     """Timed passes behind the times; 0 for a :func:`static_profile`."""
@@ -127,7 +127,7 @@ class ModelProfile:
         if version != FORMAT_VERSION:
             raise ValueError(f"profile format {version} is not supported (want {FORMAT_VERSION})")
         modules = {m["name"]: ModuleStats(**m) for m in data.pop("modules")}
-        calls = [CallRecord(**c) for c in data.pop("calls")]
+        calls = [ProfiledCall(**c) for c in data.pop("calls")]
         return cls(modules=modules, calls=calls, **data)
 
     def to_json(self, indent: int | None = None) -> str:
@@ -441,7 +441,7 @@ class _Recorder:
         index = len(calls)
         caller = self._stack[-1] if self._stack else -1
         size = sum(_nbytes(t) for t in _unique_tensors((args, kwargs)))
-        calls.append(CallRecord(index=index, module=name, caller=caller, input_bytes=size))
+        calls.append(ProfiledCall(index=index, module=name, caller=caller, input_bytes=size))
         self._stack.append(index)
         entry = self.profile.modules[name]
         entry.calls += 1

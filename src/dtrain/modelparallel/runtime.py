@@ -42,7 +42,7 @@ from dtrain.modelparallel.errors import (
     RemoteError,
     StepFailedError,
 )
-from dtrain.modelparallel.executor import Executor, Outcome, Task
+from dtrain.modelparallel.executor import Executor, MicrobatchResult, Task
 from dtrain.modelparallel.hooks import Record, hooked_submodules, owners_hooks, recording, replay
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.options import RuntimeOptions
@@ -804,7 +804,7 @@ class PipelineRuntime:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def run_step(self, count: int, body: Callable[[int], Any] | None) -> list[Outcome]:
+    def run_step(self, count: int, body: Callable[[int], Any] | None) -> list[MicrobatchResult]:
         """Every rank of the pipeline: the leader runs ``body`` per microbatch, others serve.
 
         Returns each microbatch's outcome on every rank; a failure on the leader comes back as
@@ -885,7 +885,7 @@ class PipelineRuntime:
         self._steps += 1
         self._announce([(False, error)])
 
-    def _announce(self, outcomes: list[Outcome]) -> None:
+    def _announce(self, outcomes: list[MicrobatchResult]) -> None:
         if self.transport is None:
             return
         payload = [
@@ -898,7 +898,7 @@ class PipelineRuntime:
         for peer in self.transport.peers:
             self.transport.send(peer, Message(END_STEP, self._steps, body=structure), tensors)
 
-    def _await_step_end(self) -> tuple[list[Outcome], int]:
+    def _await_step_end(self) -> tuple[list[MicrobatchResult], int]:
         """The outcomes the leader announces at the end of its step, and that step's number."""
         assert self.transport is not None
         leader = self.group.ranks[0]
@@ -912,7 +912,7 @@ class PipelineRuntime:
             executor.resume_main()
         if message.kind != END_STEP:
             raise ModelParallelError(f"rank {self.group.rank}: pipeline failed: {message.body}")
-        outcomes: list[Outcome] = []
+        outcomes: list[MicrobatchResult] = []
         for ok, value in unflatten(message.body, tensors):
             if not ok and isinstance(value, RemoteError) and not isinstance(value, StepFailedError):
                 value = StepFailedError(
