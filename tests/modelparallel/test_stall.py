@@ -151,7 +151,7 @@ def test_a_stalled_step_fails_naming_the_rank_that_waits_for_nobody(
 ) -> None:
     env = {"DTRAIN_MP_STALL_REPORT": "2", "DTRAIN_MP_TIMEOUT": "5"}
     leader, _ = run_ranks(2, _stall_on_partition_one, timeout=60, env=env)
-    assert leader is not None and re.search(r"(no progress for|within) 5 s\n", leader), leader
+    assert leader is not None and re.search(r"no progress for 5 s|within 5 s", leader), leader
     assert "pipeline stalled: nothing moved for 2 s; rank 1 waits for nobody" in leader
     assert "rank 1: waits for nobody; served 'slow' F0 computing 'slow'" in leader
     assert "request #3 for module 'slow' (microbatch 0)" in leader  # what rank 0 waits for

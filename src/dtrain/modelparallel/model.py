@@ -23,11 +23,12 @@ from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.modelparallel import placement, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import MicrobatchResult
+from dtrain.modelparallel.group import PipelineGroup
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
 from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
 from dtrain.modelparallel.remote import RemoteValue, materialize
-from dtrain.modelparallel.runtime import PipelineGroup, PipelineRuntime
+from dtrain.modelparallel.runtime import PipelineRuntime
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 
@@ -110,7 +111,7 @@ class DistributedModel(nn.Module):
             scale = 1.0 / self._state.config["microbatches"]
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
             runtime.executor.start_backward()  # the request goes out without the token
-            runtime.backward_deferred(outputs[0], grads[0], scale)
+            runtime.caller.backward_deferred(outputs[0], grads[0], scale)
             return
         outputs = materialize(outputs)
         if scale is not None:
