@@ -14,6 +14,7 @@ import torch
 
 from dtrain.modelparallel.errors import PartitionError
 from dtrain.modelparallel.partition import (
+    TIME_TOLERANCE,
     PartitionPlan,
     auto_plan,
     costed_plan,
@@ -85,6 +86,10 @@ def slowest(plan: PartitionPlan) -> float:
     return max(plan.stage_costs)
 
 
+def largest_memory(plan: PartitionPlan) -> int:
+    return max(stage.memory_bytes for stage in plan.stages)
+
+
 def splits(items: list[str], parts: int, allow_empty: bool) -> Iterator[list[list[str]]]:
     """Every way to cut ``items`` into ``parts`` contiguous segments."""
     low = 0 if allow_empty else 1
@@ -100,6 +105,8 @@ def splits(items: list[str], parts: int, allow_empty: bool) -> Iterator[list[lis
 
 @pytest.mark.parametrize("seed", range(40))
 def test_dynamic_program_matches_brute_force(seed: int) -> None:
+    """Of the cuts within the time tolerance of the fastest, the least largest memory, then the
+    least largest cost, exactly."""
     rng = random.Random(seed)
     n = rng.randint(1, 7)
     partitions = rng.randint(1, 4)
@@ -122,7 +129,7 @@ def test_dynamic_program_matches_brute_force(seed: int) -> None:
     )
 
     free = [name for name in names if name not in fixed]
-    best = float("inf")
+    candidates = []
     for segments in splits(free, partitions, allow_empty=len(free) < partitions):
         owners = {"": 0} | fixed
         for k, segment in enumerate(segments):
@@ -130,9 +137,14 @@ def test_dynamic_program_matches_brute_force(seed: int) -> None:
         candidate = costed_plan(
             profile, partitions, owners, memory_weight=memory_weight, bandwidth=bandwidth
         )
-        best = min(best, slowest(candidate))
-    assert best < float("inf")
-    assert slowest(plan) == pytest.approx(best, rel=1e-9, abs=1e-12)
+        candidates.append((slowest(candidate), largest_memory(candidate)))
+    best = min(cost for cost, _ in candidates)
+    in_time = [(cost, memory) for cost, memory in candidates if cost <= best * (1 + TIME_TOLERANCE)]
+    memory = min(memory for _, memory in in_time)
+    cost = min(cost for cost, used in in_time if used == memory)
+    assert largest_memory(plan) == memory
+    assert slowest(plan) == pytest.approx(cost, rel=1e-9, abs=1e-12)
+    assert slowest(plan) <= best * (1 + TIME_TOLERANCE) + 1e-12
     assert plan.owners[""] == 0
     assert all(plan.owners[name] == k for name, k in fixed.items())
 

@@ -8,21 +8,35 @@ one). A partition's predicted time adds the **traffic** of the runtime: a call w
 on another partition sends its tensor arguments to the owner and its outputs back (and the same
 sizes again as gradients in backward), which both ranks spend time on.
 
+Timings are noisy (a busy machine makes one layer's time jump several fold), so a plan must not
+follow them where they cannot tell two plans apart. Modules built and called alike (repeated
+identical layers) get one compute time, the median of theirs; and plans whose largest cost is
+within :data:`TIME_TOLERANCE` of the best are taken as equally fast, the most balanced in memory
+(exact byte counts, free of noise) among them winning.
+
 :func:`auto_plan` places modules from a profile:
 
 1. **Atoms.** Walk the module tree from the root. A module is split into its children when its
    subtree costs more than one partition's share (``1 / partitions``), when a module below it is
-   fixed, or when it never ran itself (a container such as ``nn.ModuleList``); otherwise it and
-   its subtree are one atom. A split module keeps its own code and parameters as an atom of its
-   own (its *glue*), and modules that never ran stay in their parent's atom.
+   fixed, when a module below it shares a parameter with a module outside it (so that the tie
+   holds only the modules sharing the parameter, not their whole ancestry), or when it never ran
+   itself (a container such as ``nn.ModuleList``); otherwise it and its subtree are one atom. A
+   module called more than once (a layer applied repeatedly, as in ALBERT) is never split unless
+   a module below it is fixed: its parts would exchange every call's tensors. A split module
+   keeps its own code and parameters as an atom of its own (its *glue*), and modules that never
+   ran stay in their parent's atom.
 2. **Constraints.** The root's glue is pinned to partition 0 (the leader runs the step body and
    the root's forward); atoms holding ``fixed`` modules are pinned where they are fixed; atoms
-   holding modules that share a parameter are merged into one, placed where the first of them
-   runs (or where one of them is pinned).
+   holding modules that share a parameter are merged into one (the runtime keeps a parameter
+   with the module owning it), placed where the first of them runs (or where one of them is
+   pinned).
 3. **Segments.** The free atoms, in execution order, are cut into ``partitions`` contiguous
-   segments, segment ``k`` on partition ``k``, by an exact dynamic program minimising the largest
-   partition cost. It is exact because a partition's cost depends only on its own segment: the
-   traffic it pays is that of calls with exactly one end on it.
+   segments, segment ``k`` on partition ``k``, by exact dynamic programs over (partition, end of
+   its segment): the first finds the least largest partition cost ``C``; among the cuts whose
+   every partition costs at most ``(1 + TIME_TOLERANCE) × C``, the second finds the least
+   largest partition memory ``M``; the third, among those also within ``M``, the least largest
+   cost. They are exact because a partition's cost depends only on its own segment: the traffic
+   it pays is that of calls with exactly one end on it.
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +61,10 @@ DEFAULT_BANDWIDTH = 1e9
 PARAMETER_COST_MULTIPLIER = 3
 """Weights, their gradients and the optimizer state: SMP's factor for parameter memory."""
 
+TIME_TOLERANCE = 0.3
+"""Plans whose largest partition cost is within this fraction of the best one's are equally good:
+one layer's time measured on a busy machine is easily 30% off."""
+
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#d9d9d9")
 
 
@@ -59,7 +78,8 @@ class PlacedModule:
     or the atom it belongs to) or ``tied`` (follows a module it shares a parameter with)."""
     param_count: int
     compute_time: float = 0.0
-    """Seconds of its own forward and backward code on the profiled batch."""
+    """Seconds of its own forward and backward code on the profiled batch (the median over the
+    modules built and called alike: repeated identical layers show one time)."""
     memory_bytes: int = 0
     cost: float = 0.0
 
@@ -385,9 +405,7 @@ class _CostModel:
 
     def __init__(self, profile: ModelProfile, memory_weight: float, bandwidth: float) -> None:
         self.memory_weight = memory_weight
-        self.time = {
-            name: m.forward_exclusive + m.backward_exclusive for name, m in profile.modules.items()
-        }
+        self.time = _pooled_times(profile)
         self.memory = {
             name: PARAMETER_COST_MULTIPLIER * m.param_bytes + m.buffer_bytes + m.activation_bytes
             for name, m in profile.modules.items()
@@ -410,6 +428,37 @@ class _CostModel:
         memory_share = memory / self.total_memory if self.total_memory else 0.0
         time_share = time / self.total_time if self.total_time else 0.0
         return w * memory_share + (1 - w) * time_share
+
+
+def _pooled_times(profile: ModelProfile) -> dict[str, float]:
+    """Each module's own forward and backward time, as the median over the modules alike: layers
+    doing the same work cost the same, so noise cannot favour one cut between them over another."""
+    kinds = _kinds(profile)
+    alike: dict[Hashable, list[float]] = {}
+    for name, m in profile.modules.items():
+        alike.setdefault(kinds[name], []).append(m.forward_exclusive + m.backward_exclusive)
+    median = {kind: statistics.median(times) for kind, times in alike.items()}
+    return {name: median[kinds[name]] for name in profile.modules}
+
+
+def _kinds(profile: ModelProfile) -> dict[str, Hashable]:
+    """A key per module, equal for modules built and called alike: type, own parameters and
+    buffers, calls with their tensor sizes, activation bytes, and the same of every module below."""
+    sizes: dict[str, list[tuple[int, int]]] = {}
+    for call in profile.calls:
+        sizes.setdefault(call.module, []).append((call.input_bytes, call.output_bytes))
+    kinds: dict[str, Hashable] = {}
+    for name, m in reversed(profile.modules.items()):  # children before their parents
+        below = tuple((child[len(name) :], kinds[child]) for child in m.children)
+        kinds[name] = (
+            m.type,
+            m.param_bytes,
+            m.buffer_bytes,
+            m.activation_bytes,
+            tuple(sizes.get(name, ())),
+            below,
+        )
+    return kinds
 
 
 @dataclass
@@ -440,6 +489,7 @@ class _Atoms:
         self._subtree_cost: dict[str, float] = {}
         self._ran_below: dict[str, bool] = {}
         self._fixed_below: dict[str, bool] = {}
+        self._tied_out = _tied_outwards(profile)
         self._summarise("")
         self._place("", None)
         self._tie()
@@ -470,11 +520,12 @@ class _Atoms:
         unit = _Unit([], position=-1 if stats.order is None else stats.order, pin=pin)
         self.units.append(unit)
         self._join(unit, name, "manual" if name in self.fixed else "auto")
+        big = self._ran_below[name] and self._subtree_cost[name] > self.share
         split = (
             glue is None
             or stats.calls == 0
             or self._fixed_below[name]
-            or (self._ran_below[name] and self._subtree_cost[name] > self.share)
+            or (stats.calls == 1 and (big or name in self._tied_out))
         )
         for child in stats.children:
             if split:
@@ -516,99 +567,164 @@ class _Atoms:
                 self.units.remove(unit)
 
 
+def _tied_outwards(profile: ModelProfile) -> set[str]:
+    """Modules with a module below them that shares a parameter with a module outside them."""
+    found: set[str] = set()
+    for group in profile.tied_groups:
+        for member in group:
+            ancestor = profile.modules[member].parent
+            while ancestor is not None:
+                if not all(_within(other, ancestor) for other in group):
+                    found.add(ancestor)
+                ancestor = profile.modules[ancestor].parent
+    return found
+
+
+def _within(name: str, ancestor: str) -> bool:
+    """``name`` is ``ancestor`` or in its subtree."""
+    return not ancestor or name == ancestor or name.startswith(ancestor + ".")
+
+
 def _best_segments(
     free: list[_Unit], atoms: _Atoms, model: _CostModel, partitions: int
 ) -> list[list[_Unit]]:
     """Step 3 of :func:`auto_plan`: contiguous segments of ``free``, segment ``k`` on partition
-    ``k``, minimising the largest partition cost (pinned units count where they are pinned).
+    ``k`` (pinned units count where they are pinned): within :data:`TIME_TOLERANCE` of the least
+    largest partition cost, the least largest partition memory, then the least largest cost.
 
-    Partition ``k`` holding ``free[l:r]`` costs a function of ``(k, l, r)`` only, from prefix
-    sums, so the dynamic program over (partition, end of its segment) is exact. Every segment is
-    non-empty when there are at least as many free units as partitions.
+    Every segment is non-empty when there are at least as many free units as partitions.
     """
+    stage = _StageCosts(free, atoms, model, partitions)
     n = len(free)
-    index = {id(unit): i for i, unit in enumerate(free)}
-    pinned_time = [0.0] * partitions
-    pinned_memory = [0] * partitions
-    for unit in atoms.units:
-        if unit.pin is not None:
-            pinned_time[unit.pin] += unit.time
-            pinned_memory[unit.pin] += unit.memory
-    # Bytes moved by calls between units: free-free, free-pinned and pinned-pinned.
-    free_degree = [0] * n
-    earlier: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    pinned_degree = [[0] * n for _ in range(partitions)]
-    pinned_total = [0] * partitions
-    pinned_pinned = [0] * partitions
-    for caller, callee, sent, returned in model.calls:
-        a, b = atoms.unit_of[caller], atoms.unit_of[callee]
-        moved = sent + returned
-        if a is b or not moved:
-            continue
-        if a.pin is None and b.pin is None:
-            i, j = sorted((index[id(a)], index[id(b)]))
-            free_degree[i] += moved
-            free_degree[j] += moved
-            earlier[j].append((i, moved))
-        elif a.pin is not None and b.pin is not None:
-            if a.pin != b.pin:
-                pinned_pinned[a.pin] += moved
-                pinned_pinned[b.pin] += moved
-        else:
-            unit, pin = (a, b.pin) if b.pin is not None else (b, a.pin)
-            assert pin is not None
-            pinned_degree[pin][index[id(unit)]] += moved
-            pinned_total[pin] += moved
-    time_sum = _prefix([unit.time for unit in free])
-    memory_sum = _prefix([unit.memory for unit in free])
-    free_sum = _prefix(free_degree)
-    pinned_sum = [_prefix(row) for row in pinned_degree]
-    all_pinned_sum = _prefix([sum(column) for column in zip(*pinned_degree, strict=True)])
-    # internal[l][r]: bytes of calls with both ends in free[l:r].
-    internal = [[0] * (n + 1) for _ in range(n + 1)]
-    for left in range(n):
-        inside = 0
-        for right in range(left + 1, n + 1):
-            inside += sum(moved for i, moved in earlier[right - 1] if i >= left)
-            internal[left][right] = inside
-
-    def stage_cost(k: int, left: int, right: int) -> float:
-        own = pinned_sum[k][right] - pinned_sum[k][left]
-        moved = (
-            free_sum[right]
-            - free_sum[left]
-            - 2 * internal[left][right]
-            + all_pinned_sum[right]
-            - all_pinned_sum[left]
-            - 2 * own
-            + pinned_total[k]
-            + pinned_pinned[k]
-        )
-        time = time_sum[right] - time_sum[left] + pinned_time[k] + model.comm_time(moved)
-        memory = memory_sum[right] - memory_sum[left] + pinned_memory[k]
-        return model.cost(time, memory)
-
     gap = 1 if n >= partitions else 0  # least units per segment
+    best, _ = _min_max_cuts(n, partitions, gap, stage.cost, lambda k, left, right: True)
+    limit = best * (1 + TIME_TOLERANCE)
+
+    def in_time(k: int, left: int, right: int) -> bool:
+        return stage.cost(k, left, right) <= limit
+
+    memory, _ = _min_max_cuts(n, partitions, gap, stage.memory, in_time)
+
+    def balanced(k: int, left: int, right: int) -> bool:
+        return in_time(k, left, right) and stage.memory(k, left, right) <= memory
+
+    _, bounds = _min_max_cuts(n, partitions, gap, stage.cost, balanced)
+    return [free[left:right] for left, right in itertools.pairwise(bounds)]
+
+
+def _min_max_cuts(
+    n: int,
+    partitions: int,
+    gap: int,
+    value: Callable[[int, int, int], float],
+    allowed: Callable[[int, int, int], bool],
+) -> tuple[float, list[int]]:
+    """The cut of ``0..n`` into ``partitions`` segments of at least ``gap`` units, every segment
+    ``allowed``, with the least largest ``value(k, left, right)``: that value and the bounds.
+
+    Exact by dynamic programming over (partition, end of its segment), since a segment's value
+    depends on nothing else; of equal cuts, the one with the earliest last bounds wins.
+    """
     best = [[math.inf] * (n + 1) for _ in range(partitions)]
     start = [[0] * (n + 1) for _ in range(partitions)]
     for right in range(gap, n + 1):
-        best[0][right] = stage_cost(0, 0, right)
+        if allowed(0, 0, right):
+            best[0][right] = value(0, 0, right)
     for k in range(1, partitions):
         for right in range(n + 1):
             for left in range(right - gap + 1):
-                if best[k - 1][left] == math.inf:
+                if best[k - 1][left] == math.inf or not allowed(k, left, right):
                     continue
-                value = max(best[k - 1][left], stage_cost(k, left, right))
-                if value < best[k][right]:
-                    best[k][right] = value
+                candidate = max(best[k - 1][left], value(k, left, right))
+                if candidate < best[k][right]:
+                    best[k][right] = candidate
                     start[k][right] = left
-    segments: list[list[_Unit]] = []
-    right = n
-    for k in range(partitions - 1, -1, -1):
-        left = start[k][right]
-        segments.append(free[left:right])
-        right = left
-    return segments[::-1]
+    bounds = [n]
+    for k in range(partitions - 1, 0, -1):
+        bounds.append(start[k][bounds[-1]])
+    bounds.append(0)
+    return best[-1][n], bounds[::-1]
+
+
+class _StageCosts:
+    """Cost and memory of partition ``k`` holding ``free[left:right]`` with its pinned units, in
+    constant time from prefix sums: what the partition pays for traffic depends only on which
+    units it holds (calls with exactly one end on it)."""
+
+    def __init__(
+        self, free: list[_Unit], atoms: _Atoms, model: _CostModel, partitions: int
+    ) -> None:
+        self.model = model
+        n = len(free)
+        index = {id(unit): i for i, unit in enumerate(free)}
+        self.pinned_time = [0.0] * partitions
+        self.pinned_memory = [0] * partitions
+        for unit in atoms.units:
+            if unit.pin is not None:
+                self.pinned_time[unit.pin] += unit.time
+                self.pinned_memory[unit.pin] += unit.memory
+        # Bytes moved by calls between units: free-free, free-pinned and pinned-pinned.
+        free_degree = [0] * n
+        earlier: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        pinned_degree = [[0] * n for _ in range(partitions)]
+        self.pinned_total = [0] * partitions
+        self.pinned_pinned = [0] * partitions
+        for caller, callee, sent, returned in model.calls:
+            a, b = atoms.unit_of[caller], atoms.unit_of[callee]
+            moved = sent + returned
+            if a is b or not moved:
+                continue
+            if a.pin is None and b.pin is None:
+                i, j = sorted((index[id(a)], index[id(b)]))
+                free_degree[i] += moved
+                free_degree[j] += moved
+                earlier[j].append((i, moved))
+            elif a.pin is not None and b.pin is not None:
+                if a.pin != b.pin:
+                    self.pinned_pinned[a.pin] += moved
+                    self.pinned_pinned[b.pin] += moved
+            else:
+                unit, pin = (a, b.pin) if b.pin is not None else (b, a.pin)
+                assert pin is not None
+                pinned_degree[pin][index[id(unit)]] += moved
+                self.pinned_total[pin] += moved
+        self.time_sum = _prefix([unit.time for unit in free])
+        self.memory_sum = _prefix([unit.memory for unit in free])
+        self.free_sum = _prefix(free_degree)
+        self.pinned_sum = [_prefix(row) for row in pinned_degree]
+        self.all_pinned_sum = _prefix([sum(column) for column in zip(*pinned_degree, strict=True)])
+        # internal[l][r]: bytes of calls with both ends in free[l:r].
+        self.internal = [[0] * (n + 1) for _ in range(n + 1)]
+        for left in range(n):
+            inside = 0
+            for right in range(left + 1, n + 1):
+                inside += sum(moved for i, moved in earlier[right - 1] if i >= left)
+                self.internal[left][right] = inside
+        self._costs: dict[tuple[int, int, int], float] = {}
+
+    def memory(self, k: int, left: int, right: int) -> int:
+        return self.memory_sum[right] - self.memory_sum[left] + self.pinned_memory[k]
+
+    def cost(self, k: int, left: int, right: int) -> float:
+        key = (k, left, right)
+        if key not in self._costs:
+            self._costs[key] = self.model.cost(self._time(k, left, right), self.memory(*key))
+        return self._costs[key]
+
+    def _time(self, k: int, left: int, right: int) -> float:
+        own = self.pinned_sum[k][right] - self.pinned_sum[k][left]
+        moved = (
+            self.free_sum[right]
+            - self.free_sum[left]
+            - 2 * self.internal[left][right]
+            + self.all_pinned_sum[right]
+            - self.all_pinned_sum[left]
+            - 2 * own
+            + self.pinned_total[k]
+            + self.pinned_pinned[k]
+        )
+        compute = self.time_sum[right] - self.time_sum[left] + self.pinned_time[k]
+        return compute + self.model.comm_time(moved)
 
 
 # --------------------------------------------------------------------------------------------
