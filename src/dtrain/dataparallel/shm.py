@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.strategies import BufferSpec, Transfer, own_group
+from dtrain.sealed import broadcast_object
 
 SHM_ENV = "DTRAIN_SHM_ALLREDUCE"
 """Set to 1 to reduce through shared memory when the constructor leaves ``shared_memory`` None."""
@@ -173,19 +174,15 @@ class SharedMemoryAllReduce:
             return f"shared memory between the ranks of a host: {error}"
         if self.host_rank == 0:
             segment[:] = token.encode()
-        shared = [token]
-        dist.broadcast_object_list(shared, src=self._leader(), group=self.signals[0])
-        if bytes(segment[:]).decode(errors="replace") != shared[0]:
+        shared = broadcast_object(token, self._leader(), self.signals[0])
+        if bytes(segment[:]).decode(errors="replace") != shared:
             return f"ranks given as one host do not see the same {SHM_DIR}"
         return None
 
     def _map(self, sizes: list[int]) -> list[mmap.mmap]:
         """Map a new shared file of each size on every host rank (a collective of the host)."""
-        names: list[str | None] = [None]
-        if self.host_rank == 0:
-            names = [_create(sizes)]
-        dist.broadcast_object_list(names, src=self._leader(), group=self.signals[0])
-        listing = names[0]
+        created = _create(sizes) if self.host_rank == 0 else None
+        listing = broadcast_object(created, self._leader(), self.signals[0])
         if listing is None or listing.startswith("error:"):
             raise RuntimeError(listing or "the host leader could not create segments")
         paths = listing.split("\n")

@@ -48,6 +48,7 @@ from dtrain.launch.wire import (
     ProtocolError,
     join_controller,
 )
+from dtrain.sealed import KEY_ENV, derive_key
 
 INTERPRETER_DIR = str(Path(sys.executable).parent)
 RETRY_INTERVAL = 0.1
@@ -150,9 +151,16 @@ class Agent:
     """Runs one host's share of a job over an admitted connection to the controller."""
 
     def __init__(
-        self, connection: Connection, say: Callable[[str], None], marker: str, keeper: int
+        self,
+        connection: Connection,
+        say: Callable[[str], None],
+        marker: str,
+        keeper: int,
+        secret: bytes,
     ) -> None:
         self.connection = connection
+        self.secret = secret
+        """The job's: the ranks' key is derived from it here, so it never travels."""
         self.say = say
         self.marker = marker
         self.keeper = keeper
@@ -308,6 +316,7 @@ class Agent:
         launches = []
         for rank, contract in fields["ranks"].items():
             env = {**os.environ, **contract, MARKER: self.marker}
+            env[KEY_ENV] = derive_key(self.secret, self.attempt)
             for key, value in fields["defaults"].items():
                 env.setdefault(key, value)
             entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]
@@ -400,7 +409,7 @@ def run_agent(
         start_new_session=True,
     )
     try:
-        return Agent(connection, say, marker, keeper.pid).run()
+        return Agent(connection, say, marker, keeper.pid, secret).run()
     finally:
         assert keeper.stdin is not None
         keeper.stdin.close()  # the keeper sweeps once more, then exits

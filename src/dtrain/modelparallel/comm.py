@@ -1,16 +1,15 @@
 """Python objects between ranks: SMP v1's ``broadcast``, ``send``, ``recv_from``, ``allgather``.
 
-Objects are pickled and travel over gloo groups with the members of the model-parallel groups
-(``MPState.object_groups``), so they work whatever backend the world uses. Point-to-point
-messages, and ``broadcast`` (which SMP defines as a send to every other member of the group,
-each receiver calling ``recv_from``), go over the world's gloo group; a send completes when the
-receiver takes it. A wait longer than ``options.timeout`` seconds fails naming the peer rank, or
-the group's ranks for collectives.
+Objects are pickled, sealed with the job's key (:mod:`dtrain.sealed`) and travel over gloo
+groups with the members of the model-parallel groups (``MPState.object_groups``), so they work
+whatever backend the world uses. Point-to-point messages, and ``broadcast`` (which SMP defines
+as a send to every other member of the group, each receiver calling ``recv_from``), go over the
+world's gloo group; a send completes when the receiver takes it. A wait longer than
+``options.timeout`` seconds fails naming the peer rank, or the group's ranks for collectives.
 """
 
 from __future__ import annotations
 
-import pickle
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.state import MPState, current
+from dtrain.sealed import all_gather_objects, job_key, seal, unseal
 
 
 class CommGroup(IntEnum):
@@ -96,7 +96,7 @@ def _waiting(st: MPState, action: str) -> Iterator[None]:
 
 def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
     """Send ``obj`` to every rank of ``peers`` at once; returns when all have taken it."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = seal(obj, job_key())
     size = torch.tensor([len(payload)], dtype=torch.int64)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     group = st.object_groups["world"]
@@ -129,7 +129,7 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
         dist.recv(size, peer, group=group, tag=_TAG)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(data, peer, group=group, tag=_TAG)
-    return pickle.loads(data.numpy().tobytes())
+    return unseal(data.numpy().tobytes(), job_key(), f"rank {peer}")
 
 
 def broadcast(obj: Any, group: CommGroup) -> None:
@@ -151,7 +151,7 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     members = _members(st, kind)
     gathered: list[Any] = [None] * len(members)
     with _waiting(st, f"allgather over the {kind} group (ranks {members})"):
-        dist.all_gather_object(gathered, obj, group=st.object_groups[kind])
+        gathered = all_gather_objects(obj, st.object_groups[kind])
     return gathered
 
 
@@ -161,10 +161,9 @@ def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
     kind = _kind(group)
     members = _members(st, kind)
     dst = _global_rank(st, rank, RankType(CommGroup(group)))
-    gathered: list[Any] | None = [None] * len(members) if st.rank == dst else None
     with _waiting(st, f"gather to rank {dst} over the {kind} group (ranks {members})"):
-        dist.gather_object(obj, gathered, dst=dst, group=st.object_groups[kind])
-    return gathered
+        gathered = all_gather_objects(obj, st.object_groups[kind])
+    return gathered if st.rank == dst else None
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:

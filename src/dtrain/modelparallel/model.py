@@ -31,6 +31,7 @@ from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineRuntime
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
+from dtrain.sealed import all_gather_objects, broadcast_object
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -204,19 +205,16 @@ class DistributedModel(nn.Module):
                 )
                 payload = [("plan", plan.to_dict())]
             except BaseException as exc:
-                payload = [("error", error_body(0, exc))]
-                self._broadcast_objects(payload)
+                self._broadcast_objects([("error", error_body(0, exc))])
                 raise
-        self._broadcast_objects(payload)
-        kind, value = payload[0]
+        kind, value = self._broadcast_objects(payload)[0]
         if kind == "error":
             raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
         return PartitionPlan.from_dict(value)
 
-    def _broadcast_objects(self, payload: list[Any]) -> None:
-        st = self._state
-        device = st.device if st.device.type == "cuda" else None
-        dist.broadcast_object_list(payload, src=0, group=st.world_process_group, device=device)
+    def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
+        """Rank 0's ``payload``, on every rank."""
+        return broadcast_object(payload, 0, self._state.object_groups["world"])
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (models may be seeded apart)."""
@@ -405,8 +403,7 @@ class DistributedModel(nn.Module):
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local
-        parts: list[dict[str, Any] | None] = [None] * st.pp_size
-        dist.all_gather_object(parts, local, group=st.pp_control_group)
+        parts = all_gather_objects(local, st.pp_control_group)
         full: dict[str, Any] = {}
         for part in parts:
             assert part is not None
@@ -456,8 +453,7 @@ class DistributedModel(nn.Module):
         st = self._state
         events = self.timeline()
         if st.pp_size > 1:
-            parts: list[list[TimelineEvent] | None] = [None] * st.pp_size
-            dist.all_gather_object(parts, events, group=st.pp_control_group)
+            parts = all_gather_objects(events, st.pp_control_group)
             events = [event for part in parts for event in (part or [])]
         if st.pp_rank == 0:
             write_chrome_trace(events, path)

@@ -15,11 +15,11 @@ import types
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
+from dtrain.sealed import all_gather_objects
 
 
 def DistributedOptimizer(
@@ -103,9 +103,7 @@ class _Adapter:
         st = state.current()
         parts = [local]
         if self.model.partitioned and st.pp_size > 1:
-            gathered: list[dict[str, Any] | None] = [None] * st.pp_size
-            dist.all_gather_object(gathered, local, group=st.pp_control_group)
-            parts = [p for p in gathered if p is not None]
+            parts = all_gather_objects(local, st.pp_control_group)
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
             merged["state"].update(part["state"])

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import pickle
 import threading
 import time
 import traceback
@@ -52,6 +51,7 @@ from dtrain.modelparallel.errors import (
     ModelParallelError,
     RemoteError,
 )
+from dtrain.sealed import job_key, seal, unseal
 
 FIRST_SEND_BYTES = 8 << 20
 """Most bytes of a message's first send (the receiver's buffer); longer messages send the rest
@@ -236,7 +236,9 @@ class Transport:
         timeout: float,
         on_messages: Callable[[list[tuple[Message, list[torch.Tensor]]]], None],
         first_send_bytes: int = FIRST_SEND_BYTES,
+        key: bytes | None = None,
     ) -> None:
+        """``key`` seals the headers (:mod:`dtrain.sealed`; default: the job's)."""
         self.rank = rank
         self.peers = [p for p in peers if p != rank]
         self.timeout = timeout
@@ -245,6 +247,7 @@ class Transport:
         self._on_messages = on_messages
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
+        self._key = job_key() if key is None else key
         self._send_lock = threading.Lock()
         self._unfinished: dict[int, _Sent] = {}
         """The last stream sent to each peer, until its sends are known to be complete."""
@@ -295,7 +298,7 @@ class Transport:
                     meta = distinct[slot][1]
                 metas.append(meta)
             message.meta = tuple(metas)
-        payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = seal(messages, self._key)
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
         offsets, data_bytes = _layout([meta for _, meta in distinct])
         inline = self._device.type == "cpu"
@@ -400,7 +403,7 @@ class Transport:
             stream[: self._first_bytes] = first
             dist.recv(stream[self._first_bytes :], src=src, group=self._control, tag=_TAG_OVERFLOW)
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
-        messages: list[Message] = pickle.loads(payload)
+        messages: list[Message] = unseal(payload, self._key, f"rank {src}")
         metas = _distinct([meta for message in messages for meta in message.meta])
         if inline:
             data = stream[start:end]
