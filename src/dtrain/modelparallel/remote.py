@@ -49,6 +49,7 @@ from dtrain.modelparallel.transport import (
     TensorMeta,
     TensorRef,
     map_leaves,
+    map_with_path,
     resolve,
     unflatten,
 )
@@ -354,19 +355,10 @@ def materialize(obj: Any) -> Any:
 def deferred_outputs(record: CallRecord, structure: Any) -> Any:
     """The outputs of a deferred call: ``structure`` with a :class:`RemoteValue` per tensor."""
 
-    def build(node: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(node, TensorRef):
-            return RemoteValue(record, path)
-        if isinstance(node, tuple):
-            items = [build(v, (*path, i)) for i, v in enumerate(node)]
-            return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
-        if isinstance(node, list):
-            return [build(v, (*path, i)) for i, v in enumerate(node)]
-        if isinstance(node, dict):
-            return type(node)((k, build(v, (*path, k))) for k, v in node.items())
-        return node
-
-    return build(structure, ())
+    return map_with_path(
+        structure,
+        lambda node, path: RemoteValue(record, path) if isinstance(node, TensorRef) else node,
+    )
 
 
 def predictable(structure: Any) -> bool:

@@ -134,19 +134,28 @@ class Message:
         return f"{what} (microbatch {self.microbatch})"
 
 
-def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """``obj`` with every leaf (anything but a tuple, list or dict) replaced by ``fn(leaf)``.
+def map_with_path(
+    obj: Any, fn: Callable[[Any, tuple[Any, ...]], Any], path: tuple[Any, ...] = ()
+) -> Any:
+    """``obj`` with every leaf (anything but a tuple, list or dict) replaced by
+    ``fn(leaf, path)``, ``path`` being the keys and indices that lead to it (see
+    :func:`resolve`). Containers keep their types (named tuples and dict subclasses included).
 
-    Containers keep their types (named tuples and dict subclasses included).
+    The one walk over nested values: arguments, outputs, messages and records all go through it.
     """
     if isinstance(obj, tuple):
-        items = [map_leaves(v, fn) for v in obj]
+        items = [map_with_path(v, fn, (*path, i)) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
-        return [map_leaves(v, fn) for v in obj]
+        return [map_with_path(v, fn, (*path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
-        return type(obj)((k, map_leaves(v, fn)) for k, v in obj.items())
-    return fn(obj)
+        return type(obj)((k, map_with_path(v, fn, (*path, k))) for k, v in obj.items())
+    return fn(obj, path)
+
+
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every leaf replaced by ``fn(leaf)`` (see :func:`map_with_path`)."""
+    return map_with_path(obj, lambda value, _: fn(value))
 
 
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
