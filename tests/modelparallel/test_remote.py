@@ -212,19 +212,15 @@ def test_a_chain_of_calls_runs_on_its_owner_with_one_backward(defer: str) -> Non
     leader, other = run_ranks(2, _train_chain, timeout=120, env={DEFER_ENV: defer})
     assert leader["losses"] == pytest.approx(_reference(), rel=1e-5)
     assert other["params"].keys() == leader["params"].keys()
-    backwards = [e for e in other["timeline"] if e.kind == "B" and WEIGHTS not in e.name]
+    backwards = [e for e in other["timeline"] if e.kind in ("B", "I")]
     forwards = [e for e in other["timeline"] if e.kind == "F"]
     assert len(forwards) == LAYERS * MICROBATCHES  # every layer ran on its owner
     # Deferred: the chain of layers is one backward per microbatch; eager: one per layer call.
     per_microbatch = 1 if defer == "1" else LAYERS
     assert len(backwards) == per_microbatch * MICROBATCHES, backwards
-    # The last microbatch's backwards send their inputs' gradients before the weights'.
-    weights = [e.microbatch for e in other["timeline"] if WEIGHTS in e.name]
-    assert weights == [MICROBATCHES - 1] * per_microbatch, other["timeline"]
-
-
-WEIGHTS = "(weights)"
-"""In a timeline event's name: the weight half of a split backward."""
+    # The last microbatch's backwards send their inputs' gradients (I) before the weights' (W).
+    halves = [(e.kind, e.microbatch) for e in other["timeline"] if e.kind in ("I", "W")]
+    assert halves == [("I", MICROBATCHES - 1), ("W", MICROBATCHES - 1)] * per_microbatch
 
 
 class _SlowGradient(torch.autograd.Function):
@@ -262,7 +258,7 @@ def test_a_split_backward_replies_first_and_ends_the_step_after_its_weights(spli
     otherwise the losses would drift from single-process training."""
     leader, other = run_ranks(2, _train_chain, True, timeout=120, env={SPLIT_ENV: split})
     assert leader["losses"] == pytest.approx(_reference(_slow_chain()), rel=1e-5)
-    weights = [e for e in other["timeline"] if WEIGHTS in e.name]
+    weights = [e for e in other["timeline"] if e.kind == "W"]
     if split == "0":
         assert not weights
         return

@@ -60,7 +60,7 @@ def test_simple_two_stages_four_microbatches() -> None:
         rank(
             1,
             "RECV_F0 F0 RECV_F1 F1 RECV_F2 F2 RECV_F3 F3 "
-            "B0 SEND_B0 B1 SEND_B1 B2 SEND_B2 B3 SEND_B3",
+            "B0 SEND_B0 B1 SEND_B1 B2 SEND_B2 I3 SEND_B3 W3",
         ),
     )
 
@@ -77,13 +77,13 @@ def test_interleaved_two_stages_four_microbatches() -> None:
         rank(
             1,
             "RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1 "
-            "RECV_F2 F2 B2 SEND_B2 RECV_F3 F3 B3 SEND_B3",
+            "RECV_F2 F2 B2 SEND_B2 RECV_F3 F3 I3 SEND_B3 W3",
         ),
     )
 
 
 def test_interleaved_one_active_alternates_on_every_rank() -> None:
-    built = build_schedule("interleaved", 2, 4, active_microbatches=1)
+    built = build_schedule("interleaved", 2, 4, active_microbatches=1, split_backward=False)
     for stage in range(2):
         assert " ".join(map(str, built.compute_actions(stage))) == "F0 B0 F1 B1 F2 B2 F3 B3"
 
@@ -94,7 +94,7 @@ def test_one_stage_has_no_communication() -> None:
 
 
 def test_fewer_microbatches_than_stages() -> None:
-    built = build_schedule("interleaved", 4, 2)
+    built = build_schedule("interleaved", 4, 2, split_backward=False)
     assert [len(built.compute_actions(s)) for s in range(4)] == [4, 4, 4, 4]
     assert [str(a) for a in built.compute_actions(0)] == ["F0", "F1", "B0", "B1"]
     assert [str(a) for a in built.compute_actions(3)] == ["F0", "B0", "F1", "B1"]
@@ -163,9 +163,9 @@ def test_uniform_makespan_matches_bubble_formula(
 ) -> None:
     ideal = ideal_makespan([forward + backward] * stages, microbatches)
     for active in range(min(stages, microbatches), microbatches + 1):
-        built = build_schedule("interleaved", stages, microbatches, active)
+        built = build_schedule("interleaved", stages, microbatches, active, split_backward=False)
         assert simulate(built, forward, backward).makespan == pytest.approx(ideal)
-    gpipe = build_schedule("simple", stages, microbatches, microbatches)
+    gpipe = build_schedule("simple", stages, microbatches, microbatches, split_backward=False)
     assert simulate(gpipe, forward, backward).makespan == pytest.approx(ideal)
 
 
@@ -175,20 +175,24 @@ def test_fewer_active_than_stages_costs_time() -> None:
 
 
 def test_bubble_fraction() -> None:
-    result = simulate(build_schedule("interleaved", 4, 8), 1.0, 2.0)
+    result = simulate(build_schedule("interleaved", 4, 8, split_backward=False), 1.0, 2.0)
     # Idle share of the bubble formula: (P - 1) / (M + P - 1).
     assert result.bubble_fraction == pytest.approx(3 / 11)
     assert result.busy == (24.0,) * 4
 
 
 def test_comm_latency_on_one_microbatch() -> None:
-    result = simulate(build_schedule("interleaved", 3, 1), 1.0, 2.0, comm_cost=0.5)
+    result = simulate(
+        build_schedule("interleaved", 3, 1, split_backward=False), 1.0, 2.0, comm_cost=0.5
+    )
     # Forward through 3 stages, backward through 3, 2 hops each way.
     assert result.makespan == pytest.approx(3 * 3.0 + 4 * 0.5)
 
 
 def test_slowest_stage_sets_the_pace() -> None:
-    result = simulate(build_schedule("interleaved", 3, 6), [1.0, 2.0, 1.0], [2.0, 4.0, 2.0])
+    result = simulate(
+        build_schedule("interleaved", 3, 6, split_backward=False), [1.0, 2.0, 1.0], [2.0, 4.0, 2.0]
+    )
     # At least the slowest stage's work; at most the formula (every stage as slow as it).
     assert 6 * 6.0 <= result.makespan <= ideal_makespan([3.0, 6.0, 3.0], 6)
     assert result.makespan == pytest.approx(40.0)
@@ -337,12 +341,12 @@ def test_schedule_shape_validated() -> None:
 
 
 def test_str_is_a_time_aligned_grid() -> None:
-    assert str(build_schedule("interleaved", 2, 4)) == (
+    assert str(build_schedule("interleaved", 2, 4, split_backward=False)) == (
         "interleaved pipeline: 2 stages, 4 microbatches, at most 4 in flight\n"
         "rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3\n"
         "rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 ."
     )
-    assert str(build_schedule("simple", 2, 4)).splitlines()[1:] == [
+    assert str(build_schedule("simple", 2, 4, split_backward=False)).splitlines()[1:] == [
         "rank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3",
         "rank 1 | .  F0 F1 F2 F3 B0 B1 B2 B3 .",
     ]
@@ -358,7 +362,7 @@ def test_json_round_trip() -> None:
 
 
 def test_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
-    built = build_schedule("interleaved", 3, 4)
+    built = build_schedule("interleaved", 3, 4, split_backward=False)
     path = tmp_path / "pipeline.json"
     write_chrome_trace(timeline(built, forward_cost=1.0, backward_cost=2.0), path)
     trace = json.loads(path.read_text())
@@ -374,7 +378,7 @@ def test_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
 
 
 def test_timeline_can_include_communication() -> None:
-    built = build_schedule("simple", 2, 2, 2)
+    built = build_schedule("simple", 2, 2, 2, split_backward=False)
     events = timeline(built, include_comm=True)
     assert {e.kind for e in events} == {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
     assert [e.start for e in events] == sorted(e.start for e in events)
@@ -412,3 +416,53 @@ def test_a_recorded_run_that_breaks_a_rule_fails_the_check() -> None:
     backward_early = _events({0: "F0@0 B0@5 F1@6 B1@9", 1: "F0@2 B0@3 F1@7 B1@8"})
     with pytest.raises(ScheduleError, match="backward before its last forward"):
         check(recorded_schedule(backward_early, "simple", 2, 2, 2))
+
+
+# The split backward: I (input gradients, sent at once) and W (weight gradients).
+
+
+def test_the_policy_splits_the_last_backward_on_every_stage_but_the_first() -> None:
+    built = build_schedule("interleaved", 3, 4)
+    assert [str(a) for a in built.compute_actions(0)][-1] == "B3"
+    for stage in (1, 2):
+        actions = [str(a) for a in built.actions[stage]]
+        assert actions[-3:] == ["I3", "SEND_B3", "W3"] and "B3" not in actions
+    unsplit = build_schedule("interleaved", 3, 4, split_backward=False)
+    assert not any(a.kind in ("I", "W") for row in unsplit.actions for a in row)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (3, 4), (4, 8)])
+def test_splitting_the_last_backward_saves_half_a_backward(stages: int, microbatches: int) -> None:
+    split = simulate(build_schedule("interleaved", stages, microbatches), 1.0, 2.0)
+    whole = simulate(
+        build_schedule("interleaved", stages, microbatches, split_backward=False), 1.0, 2.0
+    )
+    assert split.makespan == whole.makespan - 1.0
+    assert split.busy == whole.busy  # the same work, moved
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ("RECV_F0 F0 I0 SEND_B0", "microbatch 0 needs B0, or I0 and W0, once each; got 0 B0, 1 I0"),
+        ("RECV_F0 F0 W0 I0 SEND_B0", "rank 1: I0 must come before W0"),
+        ("RECV_F0 F0 B0 I0 SEND_B0 W0", "got 1 B0, 1 I0, 1 W0"),
+    ],
+)
+def test_check_holds_a_split_backward_to_its_rules(row: str, expected: str) -> None:
+    with pytest.raises(ScheduleError, match="invalid schedule") as caught:
+        check(schedule("interleaved", 1, 1, "F0 SEND_F0 RECV_B0 B0", row))
+    assert expected in str(caught.value)
+
+
+def test_a_recorded_split_backward_is_checked_like_a_planned_one() -> None:
+    events = [
+        TimelineEvent(0, "F", 0, 0.0, 1.0),
+        TimelineEvent(1, "F", 0, 1.0, 2.0),
+        TimelineEvent(1, "I", 0, 2.0, 3.0),
+        TimelineEvent(1, "W", 0, 3.0, 4.0),
+        TimelineEvent(0, "B", 0, 3.0, 5.0),
+    ]
+    recorded = recorded_schedule(events, "interleaved", 2, 1, 1)
+    assert [str(a) for a in recorded.actions[1]] == ["RECV_F0", "F0", "I0", "SEND_B0", "W0"]
+    check(recorded)

@@ -306,15 +306,17 @@ class Executor:
             self.acquire(task)
         task.sticky = False
 
-    def next_period(self, name: str) -> None:
-        """The current task, computing, goes on with other work (``name``): a timeline event
-        of its own, without giving the token up."""
+    def next_period(self, name: str, ended: Phase, phase: Phase) -> None:
+        """The current task, computing, goes on with other work (``name``, of ``phase``): the
+        work so far is recorded as ``ended`` (a backward turns out to have been an input half),
+        the next as an event of its own, without giving the token up."""
         task = self.current()
         if task is None or not task.holding:
             return
         with self._cv:
+            task.phase = ended
             self._record(task)
-            task.name = name
+            task.name, task.phase = name, phase
             task.started = self._now()
             task.recording = True
 

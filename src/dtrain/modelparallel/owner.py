@@ -310,7 +310,7 @@ class Owner:
                 if weights is not None:
                     reply = Message(REPLY, message.call_id, body=body)
                     self._send_reply(message, reply, grads, step_aside=False)
-                    self.executor.next_period(f"{message.module} (weights)")
+                    self.executor.next_period(message.module, ended="I", phase="W")
                     self._run_weights(message, weights)
                     return
         except BaseException as exc:

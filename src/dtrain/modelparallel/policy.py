@@ -21,7 +21,8 @@ from typing import Literal
 
 from dtrain.errors import did_you_mean
 
-Phase = Literal["F", "B"]
+Phase = Literal["F", "B", "I", "W"]
+"""Forward, backward, and a split backward's input (``I``) and weight (``W``) halves."""
 PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 
 MAIN_PRIORITY = (-1, 0)
@@ -60,12 +61,13 @@ class SchedulePolicy:
         """Among tasks waiting for the compute token, the lowest goes first.
 
         ``interleaved``: backward work first, then the lowest microbatch (1F1B-like).
-        ``simple``: the lowest microbatch first, its backward before its forward.
+        ``simple``: the lowest microbatch first, its backward before its forward. A weight half
+        comes last: nothing waits for it but the optimizer step.
         """
-        backward = 0 if phase == "B" else 1
+        urgency = {"B": 0, "I": 0, "F": 1, "W": 2}[phase]
         if self.pipeline == "simple":
-            return (microbatch, backward)
-        return (backward, microbatch)
+            return (microbatch, urgency)
+        return (urgency, microbatch)
 
     def may_admit(self, in_flight: int) -> bool:
         """Whether the leader may start another microbatch with ``in_flight`` unfinished."""

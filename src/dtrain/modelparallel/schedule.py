@@ -12,6 +12,10 @@ before backwards, the in-flight bound, backward priority) but is work-conserving
 idles waiting for the plan's next microbatch while another one is ready, so among ready
 microbatches its order can differ from the plan's. Tests check recorded runs with :func:`check`.
 
+Which rules a schedule follows is its :class:`~.policy.SchedulePolicy`, the object the runtime
+asks too: it builds the plans here (admission, the backward hold, which backwards are split
+into ``I`` and ``W``) and the checker checks against it.
+
 The two pipelines of SMP v1 (``pipeline`` parameter):
 
 * ``simple`` (GPipe): every forward, then every backward. Every microbatch's activations are alive
@@ -42,11 +46,13 @@ from typing import Any, Literal, get_args
 from dtrain.modelparallel.policy import SchedulePolicy, check_pipeline
 from dtrain.modelparallel.timeline import TimelineEvent
 
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 KINDS: tuple[str, ...] = get_args(ActionKind)
-COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
+COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
+BACKWARD_KINDS: tuple[str, ...] = ("B", "I")
+"""The actions that compute the gradients a stage sends to the previous one."""
 
-_ACTION_TEXT = re.compile(r"^(?:(\d+):)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_ACTION_TEXT = re.compile(r"^(?:(\d+):)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 class ScheduleError(ValueError):
@@ -68,6 +74,10 @@ class ScheduleDeadlock(ScheduleError):
 @dataclass(frozen=True)
 class Action:
     """One step of one rank: compute ``F``/``B`` or a send/receive of microbatch ``microbatch``.
+
+    A split backward is two actions: ``I`` computes the gradients of the stage's inputs (what
+    the previous stage waits for, sent right after), ``W`` those of its weights (needed only by
+    the optimizer step).
 
     ``stage`` is the stage the action belongs to (the rank running it, in the chain abstraction);
     it prints as ``F3`` / ``SEND_F3`` because the row of a schedule already says the rank.
@@ -224,14 +234,19 @@ class Schedule:
 
 
 def build_schedule(
-    pipeline: str, stages: int, microbatches: int, active_microbatches: int | None = None
+    pipeline: str,
+    stages: int,
+    microbatches: int,
+    active_microbatches: int | None = None,
+    split_backward: bool = True,
 ) -> Schedule:
     """The action lists SMP's ``pipeline`` runs on ``stages`` ranks for ``microbatches``.
 
     ``active_microbatches`` defaults to ``stages + 2`` (SMP's default) and is clamped to
     ``microbatches``, since no more than that can ever be in flight. ``simple`` with
     ``active_microbatches < microbatches`` is built as ``interleaved`` (SMP's rule): check
-    ``Schedule.pipeline`` for the pipeline actually used.
+    ``Schedule.pipeline`` for the pipeline actually used. A backward the policy splits is
+    ``I``, its send, then ``W`` (on every stage but the first, which sends no gradients).
     """
     check_pipeline(pipeline)
     _check_positive_int("stages", stages)
@@ -240,9 +255,9 @@ def build_schedule(
         active_microbatches = stages + 2
     else:
         _check_positive_int("active_microbatches", active_microbatches)
-    policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches)
+    policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches, split_backward)
     build = _simple_rank if policy.pipeline == "simple" else _interleaved_rank
-    actions = tuple(build(stage, stages, microbatches, policy.active) for stage in range(stages))
+    actions = tuple(build(stage, stages, policy) for stage in range(stages))
     return Schedule(policy.pipeline, stages, microbatches, policy.active, actions)
 
 
@@ -271,7 +286,7 @@ def recorded_schedule(
     for rank, first in starts.items():
         rank_actions: list[Action] = []
         for kind, mb in sorted(first, key=first.__getitem__):
-            rank_actions += (_forward if kind == "F" else _backward)(mb, rank, stages)
+            rank_actions += _RECORDED[kind](mb, rank, stages)
         actions.append(tuple(rank_actions))
     return Schedule(pipeline, stages, microbatches, active_microbatches, tuple(actions))
 
@@ -285,43 +300,67 @@ def _forward(mb: int, stage: int, stages: int) -> list[Action]:
     return actions
 
 
-def _backward(mb: int, stage: int, stages: int) -> list[Action]:
-    """``B`` with its receive from the next stage and send to the previous."""
+def _gradients(kind: str, mb: int, stage: int, stages: int) -> list[Action]:
+    """``B`` (or ``I``) with its receive from the next stage and send to the previous."""
     actions = [Action("RECV_B", mb, stage)] if stage < stages - 1 else []
-    actions.append(Action("B", mb, stage))
+    actions.append(Action(kind, mb, stage))  # type: ignore[arg-type]
     if stage > 0:
         actions.append(Action("SEND_B", mb, stage))
     return actions
 
 
-def _simple_rank(stage: int, stages: int, microbatches: int, active: int) -> tuple[Action, ...]:
+def _backward(mb: int, stage: int, stages: int) -> list[Action]:
+    return _gradients("B", mb, stage, stages)
+
+
+def _input_half(mb: int, stage: int, stages: int) -> list[Action]:
+    return _gradients("I", mb, stage, stages)
+
+
+def _weight_half(mb: int, stage: int, stages: int) -> list[Action]:
+    del stages
+    return [Action("W", mb, stage)]
+
+
+_RECORDED = {"F": _forward, "B": _backward, "I": _input_half, "W": _weight_half}
+"""A recorded compute period of each kind, with the chain's messages around it."""
+
+
+def _planned_backward(mb: int, stage: int, stages: int, policy: SchedulePolicy) -> list[Action]:
+    """``B``, or ``I`` and ``W`` where the policy splits it (the first stage has no input
+    gradients to send: it never splits)."""
+    if stage > 0 and policy.splits_backward(mb):
+        return _input_half(mb, stage, stages) + _weight_half(mb, stage, stages)
+    return _backward(mb, stage, stages)
+
+
+def _simple_rank(stage: int, stages: int, policy: SchedulePolicy) -> tuple[Action, ...]:
     actions: list[Action] = []
-    for mb in range(microbatches):
+    for mb in range(policy.microbatches):
         actions += _forward(mb, stage, stages)
-    for mb in range(microbatches):
-        actions += _backward(mb, stage, stages)
+    for mb in range(policy.microbatches):
+        actions += _planned_backward(mb, stage, stages, policy)
     return tuple(actions)
 
 
-def _interleaved_rank(
-    stage: int, stages: int, microbatches: int, active: int
-) -> tuple[Action, ...]:
+def _interleaved_rank(stage: int, stages: int, policy: SchedulePolicy) -> tuple[Action, ...]:
     # The warm-up shrinks down the pipeline (non-increasing in stage), which is what makes the
     # schedule deadlock-free: rank s's k-th backward never waits for a forward rank s-1 has not
     # been allowed to start.
-    warmup = min(active, stages - stage, microbatches)
+    microbatches = policy.microbatches
+    warmup = min(policy.active, stages - stage, microbatches)
     actions: list[Action] = []
     forwards = backwards = 0
     for _ in range(warmup):
         actions += _forward(forwards, stage, stages)
         forwards += 1
     while forwards < microbatches:
-        actions += _backward(backwards, stage, stages)
+        actions += _planned_backward(backwards, stage, stages, policy)
         backwards += 1
         actions += _forward(forwards, stage, stages)
         forwards += 1
     while backwards < microbatches:
-        actions += _backward(backwards, stage, stages)
+        actions += _planned_backward(backwards, stage, stages, policy)
         backwards += 1
     return tuple(actions)
 
@@ -367,7 +406,8 @@ def simulate(
 ) -> SimulationResult:
     """Run the action lists in order, each rank one worker, and time them.
 
-    Costs are per stage (one number for all stages, or one per stage). ``comm_cost`` is the
+    Costs are per stage (one number for all stages, or one per stage); each half of a split
+    backward (``I``, ``W``) costs half a backward. ``comm_cost`` is the
     latency of a message between neighbouring stages: ``F(mb, s)`` starts at least ``comm_cost``
     after ``F(mb, s-1)`` ends, ``B(mb, s)`` likewise after ``B(mb, s+1)``, and a receive completes
     ``comm_cost`` after its matching send. Sends and receives take no worker time. Raises
@@ -405,12 +445,16 @@ def simulate(
         waits: list[tuple[tuple[str, int, int], float, str]] = []
         if action.kind == "F" and stage > 0:
             waits.append((("F", mb, stage - 1), comm_cost, f"F{mb} on rank {stage - 1}"))
-        if action.kind == "B":
+        if action.kind in BACKWARD_KINDS:
             waits.append((("F", mb, stage), 0.0, f"its own F{mb}"))
             if stage < stages - 1:
-                waits.append((("B", mb, stage + 1), comm_cost, f"B{mb} on rank {stage + 1}"))
-        if action.kind in ("SEND_F", "SEND_B"):
-            waits.append(((action.kind[-1], mb, stage), 0.0, f"its own {action.kind[-1]}{mb}"))
+                waits.append((("G", mb, stage + 1), comm_cost, f"B{mb} on rank {stage + 1}"))
+        if action.kind == "W":
+            waits.append((("I", mb, stage), 0.0, f"its own I{mb}"))
+        if action.kind == "SEND_F":
+            waits.append((("F", mb, stage), 0.0, f"its own F{mb}"))
+        if action.kind == "SEND_B":
+            waits.append((("G", mb, stage), 0.0, f"its own B{mb}"))
         ready = 0.0
         for key, latency, needed in waits:
             if key not in compute_end:
@@ -426,9 +470,12 @@ def simulate(
             end = start + forward[stage]
             live[rank].add(mb)
             peak[rank] = max(peak[rank], len(live[rank]))
-        elif action.kind == "B":
-            end = start + backward[stage]
-            live[rank].discard(mb)
+        elif action.kind in ("B", "I", "W"):
+            end = start + backward[stage] * (1.0 if action.kind == "B" else 0.5)
+            if action.kind != "I":
+                live[rank].discard(mb)
+            if action.kind != "W":  # the gradients for the previous stage are there
+                compute_end.setdefault(("G", mb, stage), end)
         elif action.kind in ("SEND_F", "SEND_B"):
             arrivals.setdefault((action.kind[-1], mb, stage), []).append(start + comm_cost)
         else:
@@ -491,11 +538,12 @@ def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:
 def check(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` listing every rule ``schedule`` breaks.
 
-    Rules: each rank runs ``F`` and ``B`` of each microbatch of its own stage exactly once, ``F``
-    before ``B``; every send has exactly one matching receive on the neighbouring rank (forward
-    results go to the next stage, gradients to the previous), received before use and sent after
-    being computed; ``simple`` runs all forwards before any backward; no rank holds more than
-    ``active_microbatches`` in flight. Then it must run to the end (:class:`ScheduleDeadlock`).
+    Rules: each rank runs ``F`` and ``B`` (or its halves ``I`` then ``W``) of each microbatch of
+    its own stage exactly once, ``F`` before the backward; every send has exactly one matching
+    receive on the neighbouring rank (forward results go to the next stage, gradients to the
+    previous), received before use and sent after being computed; ``simple`` runs all forwards
+    before any backward; no rank holds more than ``active_microbatches`` in flight. Then it must
+    run to the end (:class:`ScheduleDeadlock`).
     """
     problems: list[str] = []
     stages = schedule.stages
@@ -509,13 +557,20 @@ def check(schedule: Schedule) -> None:
             positions.setdefault((action.kind, action.microbatch), []).append(index)
         expected = {
             "F": "",
-            "B": "",
             "RECV_F": "" if rank > 0 else "stage 0 has no previous stage",
             "SEND_B": "" if rank > 0 else "stage 0 has no previous stage",
             "SEND_F": "" if rank < stages - 1 else "the last stage has no next stage",
             "RECV_B": "" if rank < stages - 1 else "the last stage has no next stage",
         }
         for mb in range(schedule.microbatches):
+            halves = [len(positions.get((kind, mb), [])) for kind in ("B", "I", "W")]
+            if halves == [0, 0, 0]:
+                problems.append(f"{where}: B{mb} missing")
+            elif halves not in ([1, 0, 0], [0, 1, 1]):
+                problems.append(
+                    f"{where}: microbatch {mb} needs B{mb}, or I{mb} and W{mb}, once each; got "
+                    + ", ".join(f"{n} {k}{mb}" for k, n in zip("BIW", halves, strict=True))
+                )
             for kind, unexpected_because in expected.items():
                 count = len(positions.get((kind, mb), []))
                 if unexpected_because and count:
@@ -532,13 +587,18 @@ def check(schedule: Schedule) -> None:
                 ("F", "B"),
                 ("RECV_B", "B"),
                 ("B", "SEND_B"),
+                ("F", "I"),
+                ("RECV_B", "I"),
+                ("I", "SEND_B"),
+                ("I", "W"),
             ):
                 before = positions.get((first, mb), [])
                 after = positions.get((second, mb), [])
                 if len(before) == 1 and len(after) == 1 and before[0] > after[0]:
                     problems.append(f"{where}: {first}{mb} must come before {second}{mb}")
         kinds = [a.kind for a in rank_actions]
-        if "B" in kinds and not policy.backward_may_start(kinds[: kinds.index("B")].count("F")):
+        backwards = [i for i, kind in enumerate(kinds) if kind in BACKWARD_KINDS]
+        if backwards and not policy.backward_may_start(kinds[: backwards[0]].count("F")):
             problems.append(f"{where}: simple pipeline runs a backward before its last forward")
         in_flight = _peak_in_flight(rank_actions)
         if in_flight and not policy.may_admit(in_flight - 1):
@@ -575,7 +635,7 @@ def _peak_in_flight(actions: Sequence[Action]) -> int:
         if action.kind == "F":
             live.add(action.microbatch)
             peak = max(peak, len(live))
-        elif action.kind == "B":
+        elif action.kind in ("B", "W"):
             live.discard(action.microbatch)
     return peak
 
