@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from dtrain.modelparallel.errors import CommunicationTimeoutError
 from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
@@ -94,6 +96,7 @@ class Executor:
         policy: SchedulePolicy,
         timeout: float,
         flush: Callable[[Task], None] = lambda task: None,
+        device: torch.device | None = None,
     ) -> None:
         """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
         (for the token or a condition) and before it computes a module, so that nothing
@@ -112,7 +115,7 @@ class Executor:
         self._leader_step: _LeaderStep | None = None
         self._progress = time.monotonic()
         self._clock_offset = time.time() - time.perf_counter()
-        self._workers = WorkerPool(f"dtrain-mp-{pp_rank}")
+        self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
         self.acquire(self.main)
 
