@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from dtrain.modelparallel.errors import NotInStepError, RemoteError
-from dtrain.modelparallel.executor import Executor, Task
-from dtrain.modelparallel.group import PipelineGroup
+from dtrain.modelparallel.executor import Task
+from dtrain.modelparallel.group import RankParts
 from dtrain.modelparallel.hooks import hooked_submodules, replay
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.remote import (
@@ -38,7 +37,6 @@ from dtrain.modelparallel.transport import (
     FORWARD,
     Message,
     Pending,
-    Transport,
     flatten,
     map_leaves,
 )
@@ -59,36 +57,25 @@ class RemoteCaller:
     """This rank's calls to modules other partitions own; the :class:`~.remote.Caller` of the
     :class:`~.remote.CallRecord` of each."""
 
-    def __init__(
-        self,
-        group: PipelineGroup,
-        transport: Transport | None,
-        executor: Executor,
-        modules: dict[str, nn.Module],
-        owners: dict[str, int],
-        defer: bool,
-        waits: WaitBoard,
-    ) -> None:
-        self.group = group
-        self.transport = transport
-        self.executor = executor
-        self.owners = owners
+    def __init__(self, parts: RankParts, defer: bool, waits: WaitBoard) -> None:
+        self.group, self.transport, self.executor = parts.group, parts.transport, parts.executor
+        self.owners, self._modules = parts.owners, parts.modules
         self.waits = waits
-        self._modules = modules
         self._defer = defer
         self._predictions: dict[str, Any] = {}
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
+        here = self.group.pp_rank
         self._subtrees = {
             name: [
                 (inner, submodule)
-                for inner, submodule in modules.items()
+                for inner, submodule in self._modules.items()
                 if inner.startswith(f"{name}." if name else "")
                 and inner != name
-                and owners[inner] != group.pp_rank
+                and self.owners[inner] != here
             ]
-            for name in modules
-            if owners[name] != group.pp_rank
+            for name in self._modules
+            if self.owners[name] != here
         }
         """Per module run elsewhere: its submodules not run here (whose hooks are replayed)."""
 

@@ -1,4 +1,4 @@
-"""Where a rank sits in its pipeline: the ranks, the process groups, the device, the timeout."""
+"""Where a rank sits in its pipeline, and what its caller and owner sides share."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from dtrain.modelparallel.executor import Executor
+from dtrain.modelparallel.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -19,3 +23,15 @@ class PipelineGroup:
     data_group: dist.ProcessGroup | None
     device: torch.device
     timeout: float
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What the caller and owner sides of a rank share: its place, its messaging (None in a
+    pipeline of one), its compute token, the model's modules and who owns each."""
+
+    group: PipelineGroup
+    transport: Transport | None
+    executor: Executor
+    modules: dict[str, nn.Module]
+    owners: dict[str, int]

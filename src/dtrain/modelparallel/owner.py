@@ -27,8 +27,8 @@ from torch import nn
 
 from dtrain.modelparallel.caller import RemoteCaller
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.executor import Executor, Task
-from dtrain.modelparallel.group import PipelineGroup
+from dtrain.modelparallel.executor import Task
+from dtrain.modelparallel.group import RankParts
 from dtrain.modelparallel.hooks import Record, owners_hooks, recording
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.policy import Phase, SchedulePolicy
@@ -42,7 +42,6 @@ from dtrain.modelparallel.transport import (
     REPLY,
     Message,
     OutputRef,
-    Transport,
     error_body,
     flatten,
     map_leaves,
@@ -92,23 +91,11 @@ def _loss_gradient(
 class Owner:
     """The calls this rank serves, from their arrival to the end of their microbatch."""
 
-    def __init__(
-        self,
-        group: PipelineGroup,
-        transport: Transport | None,
-        executor: Executor,
-        modules: dict[str, nn.Module],
-        owners: dict[str, int],
-        policy: SchedulePolicy,
-        caller: RemoteCaller,
-    ) -> None:
-        self.group = group
-        self.transport = transport
-        self.executor = executor
-        self.owners = owners
+    def __init__(self, parts: RankParts, policy: SchedulePolicy, caller: RemoteCaller) -> None:
+        self.group, self.transport, self.executor = parts.group, parts.transport, parts.executor
+        self.owners, self._modules = parts.owners, parts.modules
         self.policy = policy
         self.caller = caller
-        self._modules = modules
         self._served: dict[CallKey, Served] = {}
         self._served_lock = threading.Lock()
         self._weights_failure: BaseException | None = None

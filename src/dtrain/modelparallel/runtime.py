@@ -32,7 +32,7 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.executor import Executor, MicrobatchResult, Task
-from dtrain.modelparallel.group import PipelineGroup
+from dtrain.modelparallel.group import PipelineGroup, RankParts
 from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.modelparallel.owner import Owner
@@ -101,12 +101,9 @@ class PipelineRuntime:
                 group.timeout,
                 self._on_messages,
             )
-        self.caller = RemoteCaller(
-            group, self.transport, self.executor, modules, owners, options.defer, self.waits
-        )
-        self.owner = Owner(
-            group, self.transport, self.executor, modules, owners, policy, self.caller
-        )
+        parts = RankParts(group, self.transport, self.executor, modules, owners)
+        self.caller = RemoteCaller(parts, options.defer, self.waits)
+        self.owner = Owner(parts, policy, self.caller)
         if self.transport is not None:
             atexit.register(self._close_at_exit)
             self._stall = self._watch_stalls(options.stall_report)
