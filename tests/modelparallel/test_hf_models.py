@@ -102,21 +102,7 @@ def test_gpt2_activation_checkpointing_trains_like_one_process(
     assert_equivalent(checkpointed[setting], reference("gpt2", STEPS, layout), str(layout))
 
 
-@pytest.mark.parametrize(
-    "setting",
-    [
-        "reentrant",
-        pytest.param(
-            "non_reentrant",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="partition 1 recomputes each checkpointed layer 4 times per microbatch: "
-                "assert [16, 16, 40, 40] == [16, 16, 16, 16] (attention forwards on the owning "
-                "rank over 4 steps x 2 microbatches)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("setting", ["reentrant", "non_reentrant"])
 def test_gpt2_activation_checkpointing_recomputes_once(
     checkpointed: dict[str, Trained], setting: str
 ) -> None:

@@ -74,10 +74,18 @@ class Checkpointed(Stage):
     """Reentrant activation checkpointing around a block, before and after another: its
     backward refuses ``autograd.grad``."""
 
+    reentrant = True
+
     def forward(self, h: Tensor, y: Tensor) -> tuple[Tensor, ...]:
-        h = checkpoint(self.blocks[0], h, use_reentrant=True)
+        h = checkpoint(self.blocks[0], h, use_reentrant=self.reentrant)
         h = self.blocks[1](h)
         return (nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten()),)
+
+
+class NonReentrant(Checkpointed):
+    """Non-reentrant checkpointing: each autograd call recomputes the region."""
+
+    reentrant = False
 
 
 def _inputs(model: nn.Module) -> list[Tensor]:
@@ -119,7 +127,9 @@ def _run(model: nn.Module, split: bool) -> tuple[list[Tensor | None], dict[str, 
 
 
 @pytest.mark.parametrize(
-    "build", [Stage, Tied, Recurrent, TwoOutputs, Checkpointed], ids=lambda b: b.__name__
+    "build",
+    [Stage, Tied, Recurrent, TwoOutputs, Checkpointed, NonReentrant],
+    ids=lambda b: b.__name__,
 )
 def test_two_halves_give_what_one_backward_gives(build: Callable[[], nn.Module]) -> None:
     model = _seeded(build)
@@ -196,3 +206,12 @@ def test_a_leaf_that_is_not_a_weight_does_not_make_a_node_run_twice() -> None:
     assert _Counted.calls == 1 and helper.grad is None
     torch.testing.assert_close(grad, 2 * lin.weight.sum(0).expand(2, 3))
     assert lin.weight.grad is not None and lin.bias.grad is not None
+
+
+def test_a_checkpointed_region_is_recomputed_once() -> None:
+    """Split into one call per weight group, each call would recompute the region again."""
+    model = _seeded(NonReentrant)
+    calls = []
+    model.blocks[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+    _run(model, split=True)
+    assert len(calls) == 2, "the forward and one recomputation"

@@ -18,6 +18,7 @@ would compute the input half a second time).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,25 @@ WHOLE_ONLY = frozenset({"CheckpointFunctionBackward"})
 """Nodes whose backward refuses ``torch.autograd.grad`` and ``inputs=``: reentrant activation
 checkpointing (``checkpoint(..., use_reentrant=True)``) runs its own ``backward`` inside. A graph
 holding one runs whole."""
+
+
+@functools.cache
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    return tuple(name for name in dir(node_type) if name.startswith("_raw_saved_"))
+
+
+def _recomputes(node: Node) -> bool:
+    """Whether ``node``'s saved tensors are recomputed when unpacked (non-reentrant activation
+    checkpointing): every autograd call through it would recompute its region again, and the
+    weight half makes one call per group, so such a graph runs whole."""
+    for name in _saved_attributes(type(node)):
+        try:
+            hook = getattr(getattr(node, name), "unpack_hook", None)
+        except RuntimeError:  # freed, or not a tensor
+            continue
+        if "_checkpoint_hook" in getattr(hook, "__qualname__", ""):
+            return True
+    return False
 
 
 @dataclass(eq=False)
@@ -100,7 +120,8 @@ def backward_inputs_first(
     also takes a weight runs in both halves. Where a weight is reached both from a node and
     from another node below it on the input path (a layer applied to its own output), no start
     of the weight half could avoid computing the input path again: the backward then runs whole
-    here and the weight half is empty; so does a graph with a :data:`WHOLE_ONLY` node.
+    here and the weight half is empty; so does a graph with a :data:`WHOLE_ONLY` node or a
+    checkpointed region (:func:`_recomputes`).
     """
     root_edges = [get_gradient_edge(out) for out in outputs]
     input_nodes = {get_gradient_edge(t).node for t in inputs}
@@ -111,7 +132,7 @@ def backward_inputs_first(
         return variable is not None and id(variable) in wanted
 
     order = _walk([edge.node for edge in root_edges])
-    if any(node.name() in WHOLE_ONLY for node in order):
+    if any(node.name() in WHOLE_ONLY or _recomputes(node) for node in order):
         return _whole(outputs, grads, inputs), WeightHalf([])
     on_input_path: set[Node] = set()
     weights_below: dict[Node, frozenset[Node]] = {}
