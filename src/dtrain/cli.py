@@ -148,7 +148,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--memory-weight", type=float, default=0.2, help="0..1, memory against compute balance"
     )
-    plan.add_argument("--repeats", type=int, default=3, help="timed passes (times are medians)")
+    plan.add_argument(
+        "--repeats", type=int, help="timed passes (times are medians; default: as many as a job)"
+    )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
     plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
     return parser
@@ -333,14 +335,16 @@ def _plan(args: argparse.Namespace) -> int:
     from torch import nn
 
     from dtrain.modelparallel.partition import auto_plan
-    from dtrain.modelparallel.profile import profile_module
+    from dtrain.modelparallel.placement import manual_placements
+    from dtrain.modelparallel.profile import DEFAULT_REPEATS, profile_module
 
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
         raise ConfigError("--partitions", args.partitions, "an integer >= 1")
     if not 0.0 <= args.memory_weight <= 1.0:
         raise ConfigError("--memory-weight", args.memory_weight, "a number from 0 to 1")
-    if args.repeats < 1:
-        raise ConfigError("--repeats", args.repeats, "an integer >= 1")
+    if repeats < 1:
+        raise ConfigError("--repeats", repeats, "an integer >= 1")
     files: dict[Path, ModuleType] = {}
     model_file, factory = _load_function("FILE:FACTORY", args.model, files)
     _, sample = _load_function("--input", args.input, files, default_file=model_file)
@@ -351,8 +355,10 @@ def _plan(args: argparse.Namespace) -> int:
             "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
         )
     inputs, kwargs = _example_inputs(sample())
-    profile = profile_module(model, inputs, kwargs, repeats=args.repeats)
-    plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight)
+    # As a job plans: the same profile (repeats) and smp.partition placements as constraints.
+    profile = profile_module(model, inputs, kwargs, repeats=repeats)
+    fixed = manual_placements(model)
+    plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
     print(plan.table())
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")

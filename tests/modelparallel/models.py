@@ -7,6 +7,10 @@ Each one exercises something a partitioner or a module-server runtime must survi
   from the embedding output to the last block output, spanning any split of the blocks.
 * :class:`BranchyNet`: a data-dependent branch, a submodule called twice, keyword arguments and
   tuple outputs.
+* :class:`TiedEncoderDecoder`: T5's layout, one embedding weight used by the encoder's and the
+  decoder's own embedding modules and by the LM head.
+* :class:`SharedLayerLM`: ALBERT's layout, one transformer block applied to its own output
+  ``layers`` times, and an LM head tied to the embedding.
 
 Construction is deterministic for a given ``seed`` and leaves the global RNG untouched.
 """
@@ -239,3 +243,155 @@ class BranchyNet(nn.Module):
         h = self.shared(h)
         a, b = self.pair(h, gate=x, scale=0.5)
         return self.head(self.shared(a + b)), b
+
+
+class CrossAttention(nn.Module):
+    """Attention from the decoder's positions to every position of the encoder's output."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        batch, length, dim = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(batch, -1, self.heads, dim // self.heads).transpose(1, 2)
+
+        k, v = self.kv(memory).split(dim, dim=2)
+        scores = heads(self.q(x)) @ heads(k).transpose(-2, -1) / math.sqrt(dim // self.heads)
+        out = scores.softmax(dim=-1) @ heads(v)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class DecoderBlock(nn.Module):
+    """T5's decoder block: causal self-attention, attention to the encoder, MLP (pre-norm)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.cross = CrossAttention(dim, heads)
+        self.ln3 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.cross(self.ln2(x), memory)
+        return x + self.mlp(self.ln3(x))
+
+
+class Stack(nn.Module):
+    """T5's encoder (``decoder=False``) or decoder: its own embedding module, blocks, final norm."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, decoder: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        kind = DecoderBlock if decoder else Block
+        self.blocks = nn.ModuleList(kind(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, input_ids: Tensor, memory: Tensor | None = None) -> Tensor:
+        h = self.embed_tokens(input_ids)
+        for block in self.blocks:
+            h = block(h) if memory is None else block(h, memory)
+        return self.ln_f(h)
+
+
+class TiedEncoderDecoder(nn.Module):
+    """T5-like: ``shared`` holds the token embedding, which the encoder's and the decoder's
+    ``embed_tokens`` and ``lm_head`` all use (one weight); ``shared`` itself never runs.
+
+    The decoder reads the labels shifted right (token 0 first). ``forward`` returns
+    ``{"logits"}`` plus ``"loss"`` when labels are given.
+    """
+
+    def __init__(
+        self, seed: int = 0, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 3
+    ) -> None:
+        super().__init__()
+
+        def build() -> nn.ModuleDict:
+            parts = nn.ModuleDict(
+                {
+                    "shared": nn.Embedding(vocab, dim),
+                    "encoder": Stack(vocab, dim, heads, layers, decoder=False),
+                    "decoder": Stack(vocab, dim, heads, layers, decoder=True),
+                    "lm_head": nn.Linear(dim, vocab, bias=False),
+                }
+            )
+            nn.init.normal_(parts["shared"].weight, std=0.02)
+            return parts
+
+        parts = seeded(seed, build)
+        self.shared = parts["shared"]
+        self.encoder = parts["encoder"]
+        self.decoder = parts["decoder"]
+        self.lm_head = parts["lm_head"]
+        for user in (self.encoder.embed_tokens, self.decoder.embed_tokens, self.lm_head):
+            user.weight = self.shared.weight
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> dict[str, Tensor]:
+        memory = self.encoder(input_ids)
+        targets = input_ids if labels is None else labels
+        decoder_ids = F.pad(targets[:, :-1], (1, 0))
+        logits = self.lm_head(self.decoder(decoder_ids, memory))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out
+
+
+class SharedLayerLM(nn.Module):
+    """ALBERT-like: a small embedding mapped up to ``dim``, one block applied ``layers`` times
+    (every layer shares its weights), and a head whose ``decoder`` is tied to the embedding.
+
+    ``forward`` returns ``{"logits"}`` plus ``"loss"`` when labels are given (per token).
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        vocab: int = 64,
+        embedding: int = 16,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 4,
+    ) -> None:
+        super().__init__()
+        self.layers = layers
+
+        def build() -> nn.ModuleDict:
+            parts = nn.ModuleDict(
+                {
+                    "embed": nn.Embedding(vocab, embedding),
+                    "mapping_in": nn.Linear(embedding, dim),
+                    "layer": Block(dim, heads),
+                    "head": nn.Linear(dim, embedding),
+                    "decoder": nn.Linear(embedding, vocab, bias=False),
+                }
+            )
+            nn.init.normal_(parts["embed"].weight, std=0.02)
+            return parts
+
+        parts = seeded(seed, build)
+        self.embed = parts["embed"]
+        self.mapping_in = parts["mapping_in"]
+        self.layer = parts["layer"]
+        self.head = parts["head"]
+        self.decoder = parts["decoder"]
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> dict[str, Tensor]:
+        h = self.mapping_in(self.embed(input_ids))
+        for _ in range(self.layers):
+            h = self.layer(h)
+        logits = self.decoder(F.gelu(self.head(h)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out

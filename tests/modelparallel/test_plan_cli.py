@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from dtrain.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from dtrain.modelparallel.partition import PartitionPlan
+from dtrain.config.modelparallel import validate_mp_parameters
+from dtrain.modelparallel.partition import PartitionPlan, auto_plan
+from dtrain.modelparallel.placement import manual_placements
+from dtrain.modelparallel.profile import profile_module
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "modelparallel" / "gpt.py"
 
@@ -85,3 +90,28 @@ def test_bad_input_is_a_clear_error(
     assert code == EXIT_BAD_INPUT
     assert err.startswith("dtrain: error: ") and expected in err
     assert "Traceback" not in err
+
+
+def test_the_command_plans_as_a_job_does(tmp_path: Path) -> None:
+    """``dtrain plan`` and a job's first step profile and plan alike, so they agree."""
+    out = tmp_path / "plan.json"
+    command = ["plan", f"{GPT}:build_model", "--partitions", "2", "--json", str(out)]
+    assert main(command) == EXIT_OK  # the default repeats, as a job
+    planned = PartitionPlan.from_dict(json.loads(out.read_text()))
+    # What DistributedModel does at the first step: profile_module with its defaults, then
+    # auto_plan with the configured memory weight and the smp.partition placements.
+    spec = importlib.util.spec_from_file_location("_gpt_example", GPT)
+    assert spec is not None and spec.loader is not None
+    gpt = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpt  # its dataclasses look their module up
+    spec.loader.exec_module(gpt)
+    model = gpt.build_model()
+    args, kwargs = gpt.sample_batch()
+    config = validate_mp_parameters({"partitions": 2})
+    job = auto_plan(
+        profile_module(model, args, kwargs),
+        config["pipeline_parallel_degree"],
+        memory_weight=config["memory_weight"],
+        fixed=manual_placements(model),
+    )
+    assert job.owners == planned.owners

@@ -33,10 +33,11 @@ within :data:`TIME_TOLERANCE` of the best are taken as equally fast, the most ba
 3. **Segments.** The free atoms, in execution order, are cut into ``partitions`` contiguous
    segments, segment ``k`` on partition ``k``, by exact dynamic programs over (partition, end of
    its segment): the first finds the least largest partition cost ``C``; among the cuts whose
-   every partition costs at most ``(1 + TIME_TOLERANCE) × C``, the second finds the least
-   largest partition memory ``M``; the third, among those also within ``M``, the least largest
-   cost. They are exact because a partition's cost depends only on its own segment: the traffic
-   it pays is that of calls with exactly one end on it.
+   every partition costs at most ``(1 + TIME_TOLERANCE) × C``, the next finds the least largest
+   partition memory; among those, the cuts within ``TIE_TOLERANCE`` of their least largest cost
+   are ties, and the one with the least largest traffic (bytes in and out), then cost, wins.
+   The programs are exact because what a partition costs, holds and moves depends only on its
+   own segment: the traffic it pays is that of calls with exactly one end on it.
 """
 
 from __future__ import annotations
@@ -62,8 +63,18 @@ PARAMETER_COST_MULTIPLIER = 3
 """Weights, their gradients and the optimizer state: SMP's factor for parameter memory."""
 
 TIME_TOLERANCE = 0.3
-"""Plans whose largest partition cost is within this fraction of the best one's are equally good:
-one layer's time measured on a busy machine is easily 30% off."""
+"""Plans whose largest partition cost is within this fraction of the best one's are equally good.
+
+A module's time on a busy machine is easily 30% off. At 0.15, a tiny 4-layer GPT-2 whose root
+code weighs as much as a block still had its cut moved by ±30% noise on every module in one
+profile of eight (none at 0.3). The price: memory, not time, decides within the band, and where
+they disagree the plan may be up to this much slower than the fastest (22% on a T5-like model
+whose large tied vocabulary sits on partition 0)."""
+
+TIE_TOLERANCE = 0.03
+"""Among the plans equal in memory, those whose largest partition cost is within this fraction
+of the best one's are ties, the one moving fewer bytes between partitions winning: moving a small
+module's code off the slowest partition changes its cost by less than the noise."""
 
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#d9d9d9")
 
@@ -585,30 +596,39 @@ def _within(name: str, ancestor: str) -> bool:
     return not ancestor or name == ancestor or name.startswith(ancestor + ".")
 
 
+_CUT_CHOICE = (
+    ("cost", TIME_TOLERANCE),
+    ("memory", 0.0),
+    ("cost", TIE_TOLERANCE),
+    ("traffic", 0.0),
+    ("cost", 0.0),
+)
+"""How step 3 chooses a cut: each step finds the least largest partition value of its measure
+among the cuts every earlier step allowed, and allows those within its tolerance of that. Memory
+and traffic are exact byte counts, so timing noise cannot move the choices they make."""
+
+
 def _best_segments(
     free: list[_Unit], atoms: _Atoms, model: _CostModel, partitions: int
 ) -> list[list[_Unit]]:
     """Step 3 of :func:`auto_plan`: contiguous segments of ``free``, segment ``k`` on partition
-    ``k`` (pinned units count where they are pinned): within :data:`TIME_TOLERANCE` of the least
-    largest partition cost, the least largest partition memory, then the least largest cost.
+    ``k`` (pinned units count where they are pinned), chosen by the steps of ``_CUT_CHOICE``.
 
     Every segment is non-empty when there are at least as many free units as partitions.
     """
     stage = _StageCosts(free, atoms, model, partitions)
+    measures = {"cost": stage.cost, "memory": stage.memory, "traffic": stage.traffic}
     n = len(free)
     gap = 1 if n >= partitions else 0  # least units per segment
-    best, _ = _min_max_cuts(n, partitions, gap, stage.cost, lambda k, left, right: True)
-    limit = best * (1 + TIME_TOLERANCE)
+    limits: list[tuple[Callable[[int, int, int], float], float]] = []
 
-    def in_time(k: int, left: int, right: int) -> bool:
-        return stage.cost(k, left, right) <= limit
+    def allowed(k: int, left: int, right: int) -> bool:
+        return all(measure(k, left, right) <= limit for measure, limit in limits)
 
-    memory, _ = _min_max_cuts(n, partitions, gap, stage.memory, in_time)
-
-    def balanced(k: int, left: int, right: int) -> bool:
-        return in_time(k, left, right) and stage.memory(k, left, right) <= memory
-
-    _, bounds = _min_max_cuts(n, partitions, gap, stage.cost, balanced)
+    bounds: list[int] = []
+    for name, tolerance in _CUT_CHOICE:
+        least, bounds = _min_max_cuts(n, partitions, gap, measures[name], allowed)
+        limits.append((measures[name], least * (1 + tolerance)))
     return [free[left:right] for left, right in itertools.pairwise(bounds)]
 
 
@@ -711,9 +731,10 @@ class _StageCosts:
             self._costs[key] = self.model.cost(self._time(k, left, right), self.memory(*key))
         return self._costs[key]
 
-    def _time(self, k: int, left: int, right: int) -> float:
+    def traffic(self, k: int, left: int, right: int) -> int:
+        """Bytes of the calls with exactly one end on the partition, both ways."""
         own = self.pinned_sum[k][right] - self.pinned_sum[k][left]
-        moved = (
+        return (
             self.free_sum[right]
             - self.free_sum[left]
             - 2 * self.internal[left][right]
@@ -723,8 +744,10 @@ class _StageCosts:
             + self.pinned_total[k]
             + self.pinned_pinned[k]
         )
+
+    def _time(self, k: int, left: int, right: int) -> float:
         compute = self.time_sum[right] - self.time_sum[left] + self.pinned_time[k]
-        return compute + self.model.comm_time(moved)
+        return compute + self.model.comm_time(self.traffic(k, left, right))
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,10 @@ from torch import Tensor, nn
 
 FORMAT_VERSION = 1
 
+DEFAULT_REPEATS = 3
+"""Timed passes when not told otherwise: the job's profile and ``dtrain plan``'s both take the
+median of three, so they agree."""
+
 
 @dataclass
 class ModuleStats:
@@ -172,7 +176,7 @@ def profile_module(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any] | None = None,
     *,
-    repeats: int = 1,
+    repeats: int = DEFAULT_REPEATS,
     loss_fn: Callable[[Any], Tensor] | None = None,
     backward: bool = True,
 ) -> ModelProfile:
