@@ -107,7 +107,7 @@ class _Slow(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():  # the stalled step runs under no_grad
-            time.sleep(8)
+            time.sleep(6)
         return self.linear(x)
 
 
@@ -140,7 +140,7 @@ def _stall_on_partition_one() -> str:
             forward(model, torch.ones(2, 4))
     except (CommunicationTimeoutError, RemoteError) as exc:
         error = str(exc)
-    time.sleep(4)  # the slow module has returned everywhere: the ranks stop together
+    time.sleep(3)  # the slow module has returned everywhere: the ranks stop together
     smp.shutdown()
     dist.destroy_process_group()
     return error
@@ -149,10 +149,10 @@ def _stall_on_partition_one() -> str:
 def test_a_stalled_step_fails_naming_the_rank_that_waits_for_nobody(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    env = {"DTRAIN_MP_STALL_REPORT": "2", "DTRAIN_MP_TIMEOUT": "5"}
+    env = {"DTRAIN_MP_STALL_REPORT": "1", "DTRAIN_MP_TIMEOUT": "4"}
     leader, _ = run_ranks(2, _stall_on_partition_one, timeout=60, env=env)
-    assert leader is not None and re.search(r"no progress for 5 s|within 5 s", leader), leader
-    assert "pipeline stalled: nothing moved for 2 s; rank 1 waits for nobody" in leader
+    assert leader is not None and re.search(r"no progress for 4 s|within 4 s", leader), leader
+    assert "pipeline stalled: nothing moved for 1 s; rank 1 waits for nobody" in leader
     assert "rank 1: waits for nobody; served 'slow' F0 computing 'slow'" in leader
     assert "request #3 for module 'slow' (microbatch 0)" in leader  # what rank 0 waits for
     printed = capfd.readouterr().err
@@ -173,7 +173,7 @@ def _rest_between_steps() -> float:
         return model(x).sum()
 
     forward(model, torch.ones(2, 4))
-    time.sleep(5)  # longer than DTRAIN_MP_TIMEOUT: a checkpoint upload, say
+    time.sleep(4)  # longer than DTRAIN_MP_TIMEOUT: a checkpoint upload, say
     total = float(forward(model, torch.ones(2, 4)).reduce_mean())
     smp.shutdown()
     dist.destroy_process_group()
