@@ -121,13 +121,18 @@ class _Net(nn.Module):
         return self.slow(self.head(x))
 
 
-def _stall_on_partition_one() -> str:
+def _slow_on_partition_one(microbatches: int) -> smp.DistributedModel:
+    """A world of two whose pipeline runs ``_Net.slow`` on partition 1."""
     dist.init_process_group("gloo")
-    config = {"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False}
-    smp.init({**config, "default_partition": 0})
+    config = {"pipeline_parallel_degree": 2, "microbatches": microbatches}
+    smp.init({**config, "auto_partition": False, "default_partition": 0})
     module = _Net()
     smp.set_partition(module.slow, 1)
-    model = smp.DistributedModel(module)
+    return smp.DistributedModel(module)
+
+
+def _stall_on_partition_one() -> str:
+    model = _slow_on_partition_one(microbatches=1)
 
     @smp.step
     def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
@@ -161,12 +166,7 @@ def test_a_stalled_step_fails_naming_the_rank_that_waits_for_nobody(
 
 
 def _rest_between_steps() -> float:
-    dist.init_process_group("gloo")
-    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
-    smp.init({**config, "default_partition": 0})
-    module = _Net()
-    smp.set_partition(module.slow, 1)
-    model = smp.DistributedModel(module)
+    model = _slow_on_partition_one(microbatches=2)
 
     @smp.step
     def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
