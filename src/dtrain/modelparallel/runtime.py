@@ -141,7 +141,9 @@ class PipelineRuntime:
 
     def _explained(self, error: BaseException) -> BaseException:
         """A timeout, with the stall report of the silence that led to it (if one was made)."""
-        report = self._stall.report if self._stall is not None else None
+        # A report made during the wait that just timed out (it began at most timeout ago).
+        within = self.group.timeout
+        report = self._stall.recent_report(within) if self._stall is not None else None
         if isinstance(error, CommunicationTimeoutError) and report:
             explained = CommunicationTimeoutError(f"{error}\n{report}")
             explained.__cause__ = error

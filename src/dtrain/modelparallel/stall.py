@@ -137,6 +137,8 @@ class StallWatch:
     """Where the report goes (stderr)."""
     report: str | None = None
     """The last diagnosis, for the timeout error that may follow."""
+    report_time: float = 0.0
+    """Monotonic time of the last diagnosis."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _reported_at: float = -1.0
 
@@ -156,6 +158,13 @@ class StallWatch:
                 with contextlib.suppress(Exception):  # a report must never break the job
                     self._report(silence)
 
+    def recent_report(self, within: float) -> str | None:
+        """The last diagnosis if made in the last ``within`` seconds (an older one describes
+        another silence)."""
+        if self.report is not None and time.monotonic() - self.report_time <= within:
+            return self.report
+        return None
+
     def _key(self, rank: int) -> str:
         return f"dtrain/mp-stall/{rank}"
 
@@ -167,6 +176,7 @@ class StallWatch:
             self.store.set(self._key(self.rank), json.dumps({"at": now, "state": own.to_wire()}))
             states.update(self._gather(now))
         self.report = diagnose(self.ranks, states, silence)
+        self.report_time = time.monotonic()
         self.publish(f"dtrain: rank {self.rank}: {self.report}")
 
     def _gather(self, now: float) -> dict[int, RankState]:
