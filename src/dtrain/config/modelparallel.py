@@ -144,7 +144,13 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "Microbatches in flight at once (at most microbatches).",
         minimum=1,
     ),
-    ParameterSpec("deterministic_server", bool, False, "Same execution order on all DP ranks."),
+    ParameterSpec(
+        "deterministic_server",
+        bool,
+        False,
+        "SMP: the same execution order on all DP ranks. Accepted; dtrain orders work by "
+        "readiness, and results do not depend on the order.",
+    ),
     ParameterSpec(
         "tensor_parallel_degree",
         int,
