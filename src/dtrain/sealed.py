@@ -68,9 +68,8 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
-    """Every member's ``obj``, by rank in ``group`` (a CPU group: gloo)."""
-    key = job_key()
+def all_gather_objects(obj: Any, group: dist.ProcessGroup, key: bytes) -> list[Any]:
+    """Every member's ``obj``, by rank in ``group`` (a CPU group: gloo), sealed with ``key``."""
     data = seal(obj, key)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
@@ -86,9 +85,9 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     ]
 
 
-def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup) -> Any:
-    """Global rank ``src``'s ``obj``, on every member of ``group`` (a CPU group: gloo)."""
-    key = job_key()
+def broadcast_object(obj: Any, src: int, group: dist.ProcessGroup, key: bytes) -> Any:
+    """Global rank ``src``'s ``obj``, on every member of ``group`` (a CPU group: gloo), sealed
+    with ``key``."""
     data = seal(obj, key) if dist.get_rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)

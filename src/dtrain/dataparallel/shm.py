@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.strategies import BufferSpec, Transfer, own_group
-from dtrain.sealed import broadcast_object
+from dtrain.sealed import broadcast_object, job_key
 
 SHM_ENV = "DTRAIN_SHM_ALLREDUCE"
 """Set to 1 to reduce through shared memory when the constructor leaves ``shared_memory`` None."""
@@ -174,7 +174,7 @@ class SharedMemoryAllReduce:
             return f"shared memory between the ranks of a host: {error}"
         if self.host_rank == 0:
             segment[:] = token.encode()
-        shared = broadcast_object(token, self._leader(), self.signals[0])
+        shared = broadcast_object(token, self._leader(), self.signals[0], job_key())
         if bytes(segment[:]).decode(errors="replace") != shared:
             return f"ranks given as one host do not see the same {SHM_DIR}"
         return None
@@ -182,7 +182,7 @@ class SharedMemoryAllReduce:
     def _map(self, sizes: list[int]) -> list[mmap.mmap]:
         """Map a new shared file of each size on every host rank (a collective of the host)."""
         created = _create(sizes) if self.host_rank == 0 else None
-        listing = broadcast_object(created, self._leader(), self.signals[0])
+        listing = broadcast_object(created, self._leader(), self.signals[0], job_key())
         if listing is None or listing.startswith("error:"):
             raise RuntimeError(listing or "the host leader could not create segments")
         paths = listing.split("\n")

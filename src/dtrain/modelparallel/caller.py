@@ -69,12 +69,10 @@ class RemoteCaller:
         self._subtrees = {
             name: [
                 (inner, submodule)
-                for inner, submodule in self._modules.items()
-                if inner.startswith(f"{name}." if name else "")
-                and inner != name
-                and self.owners[inner] != here
+                for inner, submodule in module.named_modules(prefix=name)
+                if inner != name and self.owners.get(inner, here) != here
             ]
-            for name in self._modules
+            for name, module in self._modules.items()
             if self.owners[name] != here
         }
         """Per module run elsewhere: its submodules not run here (whose hooks are replayed)."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.state import MPState, current
-from dtrain.sealed import all_gather_objects, job_key, seal, unseal
+from dtrain.sealed import all_gather_objects, seal, unseal
 
 
 class CommGroup(IntEnum):
@@ -96,7 +96,7 @@ def _waiting(st: MPState, action: str) -> Iterator[None]:
 
 def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
     """Send ``obj`` to every rank of ``peers`` at once; returns when all have taken it."""
-    payload = seal(obj, job_key())
+    payload = seal(obj, st.key)
     size = torch.tensor([len(payload)], dtype=torch.int64)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     group = st.object_groups["world"]
@@ -129,7 +129,7 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
         dist.recv(size, peer, group=group, tag=_TAG)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(data, peer, group=group, tag=_TAG)
-    return unseal(data.numpy().tobytes(), job_key(), f"rank {peer}")
+    return unseal(data.numpy().tobytes(), st.key, f"rank {peer}")
 
 
 def broadcast(obj: Any, group: CommGroup) -> None:
@@ -149,9 +149,8 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     st = current("smp.allgather")
     kind = _kind(group)
     members = _members(st, kind)
-    gathered: list[Any] = [None] * len(members)
     with _waiting(st, f"allgather over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind])
+        gathered = all_gather_objects(obj, st.object_groups[kind], st.key)
     return gathered
 
 
@@ -162,7 +161,7 @@ def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
     members = _members(st, kind)
     dst = _global_rank(st, rank, RankType(CommGroup(group)))
     with _waiting(st, f"gather to rank {dst} over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind])
+        gathered = all_gather_objects(obj, st.object_groups[kind], st.key)
     return gathered if st.rank == dst else None
 
 

@@ -81,7 +81,6 @@ class Task:
 class _LeaderStep:
     """Progress of the microbatch tasks of the step running on the leader."""
 
-    count: int
     running: int = 0
     finished: int = 0
     forward_done: set[int] = field(default_factory=set)
@@ -358,7 +357,7 @@ class Executor:
         self, count: int, body: Callable[[int], Any], step_number: int = 0
     ) -> list[MicrobatchResult]:
         """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
-        step = _LeaderStep(count)
+        step = _LeaderStep()
         outcomes: list[MicrobatchResult] = [(False, None)] * count
         self._leader_step = step
         self.release(self.main)

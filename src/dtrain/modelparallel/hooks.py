@@ -53,8 +53,8 @@ def hooked_submodules(root: str, subtree: list[tuple[str, nn.Module]]) -> list[s
     here; a backward hook among them fails, naming it."""
     hooked = []
     for name, module in subtree:
-        backward = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
-        if backward:
+        if module._backward_hooks or module._backward_pre_hooks:
+            backward = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
             raise ModelParallelError(
                 f"backward hook {_hook_name(backward[0])} on module {name!r} cannot run: the "
                 f"module runs on another partition (inside {root!r}). Register it on a module "

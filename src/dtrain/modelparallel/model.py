@@ -214,7 +214,8 @@ class DistributedModel(nn.Module):
 
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""
-        return broadcast_object(payload, 0, self._state.object_groups["world"])
+        st = self._state
+        return broadcast_object(payload, 0, st.object_groups["world"], st.key)
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (models may be seeded apart)."""
@@ -403,7 +404,7 @@ class DistributedModel(nn.Module):
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local
-        parts = all_gather_objects(local, st.pp_control_group)
+        parts = all_gather_objects(local, st.pp_control_group, st.key)
         full: dict[str, Any] = {}
         for part in parts:
             assert part is not None
@@ -453,7 +454,7 @@ class DistributedModel(nn.Module):
         st = self._state
         events = self.timeline()
         if st.pp_size > 1:
-            parts = all_gather_objects(events, st.pp_control_group)
+            parts = all_gather_objects(events, st.pp_control_group, st.key)
             events = [event for part in parts for event in (part or [])]
         if st.pp_rank == 0:
             write_chrome_trace(events, path)

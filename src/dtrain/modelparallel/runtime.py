@@ -74,7 +74,6 @@ class PipelineRuntime:
     ) -> None:
         self.group = group
         self._modules = modules
-        self.policy = policy
         self.executor = Executor(group.pp_rank, policy, group.timeout, self._flush, group.device)
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
         self._order_lock = threading.Lock()

@@ -27,6 +27,7 @@ from dtrain.modelparallel.errors import (
     NotInitializedError,
 )
 from dtrain.modelparallel.options import RuntimeOptions
+from dtrain.sealed import job_key
 from dtrain.topology import Topology
 
 ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
@@ -88,6 +89,8 @@ class MPState:
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
     device: torch.device
     options: RuntimeOptions
+    key: bytes = field(repr=False)
+    """The job's key, which seals every object between ranks (:mod:`dtrain.sealed`)."""
     owns_world: bool = field(repr=False)
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
@@ -503,6 +506,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         object_groups=objects,
         device=device,
         options=options,
+        key=job_key(),
         owns_world=owns_world,
         created_groups=tuple(maker.created),
     )
