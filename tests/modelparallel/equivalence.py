@@ -117,6 +117,24 @@ def reference(case_name: str, steps: int) -> Trained:
     return Trained(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
+def init_smp(
+    pipeline_degree: int, pipeline: str, microbatches: int, auto: bool, placement: str = "cluster"
+) -> None:
+    """``smp.init`` for a test layout: a manual one starts everything on partition 0 (the case
+    moves its split to partition 1); more ranks than stages are data-parallel replicas."""
+    config: dict[str, Any] = {
+        "pipeline_parallel_degree": pipeline_degree,
+        "microbatches": microbatches,
+        "pipeline": pipeline,
+        "auto_partition": auto,
+        "placement_strategy": placement,
+        "ddp": dist.get_world_size() > pipeline_degree,
+    }
+    if not auto:
+        config["default_partition"] = 0
+    smp.init(config)
+
+
 def train_layouts(layouts: Sequence[Layout], steps: int, pipeline_degree: int = 2) -> list[Any]:
     """On every rank: train each layout in turn; rank 0 of each data-parallel replica returns
     ``Trained`` (losses of its shard, the gathered full parameters), other ranks None."""
@@ -124,17 +142,9 @@ def train_layouts(layouts: Sequence[Layout], steps: int, pipeline_degree: int = 
     results = []
     for layout in layouts:
         case = CASES[layout.case]
-        config: dict[str, Any] = {
-            "pipeline_parallel_degree": pipeline_degree,
-            "microbatches": layout.microbatches,
-            "pipeline": layout.pipeline,
-            "auto_partition": layout.auto,
-            "placement_strategy": layout.placement,
-            "ddp": dist.get_world_size() > pipeline_degree,
-        }
-        if not layout.auto:
-            config["default_partition"] = 0
-        smp.init(config)
+        init_smp(
+            pipeline_degree, layout.pipeline, layout.microbatches, layout.auto, layout.placement
+        )
         module = case.build()
         if not layout.auto:
             for name, partition in case.split.items():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
+from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.models import seeded
 
 GLOBAL_BATCH = 8
@@ -221,16 +222,7 @@ def reference(
 
 
 def _init(layout: Layout, pipeline_degree: int) -> None:
-    config: dict[str, Any] = {
-        "pipeline_parallel_degree": pipeline_degree,
-        "microbatches": layout.microbatches,
-        "pipeline": layout.pipeline,
-        "auto_partition": layout.auto,
-        "ddp": dist.get_world_size() > pipeline_degree,
-    }
-    if not layout.auto:
-        config["default_partition"] = 0
-    smp.init(config)
+    init_smp(pipeline_degree, layout.pipeline, layout.microbatches, layout.auto)
 
 
 def _distributed(layout: Layout) -> tuple[nn.Module, smp.DistributedModel]:

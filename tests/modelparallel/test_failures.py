@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import RemoteError
+from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 
 
@@ -42,8 +43,7 @@ class _Chain(nn.Module):
 
 def _fail_in_partition_one() -> dict[str, Any]:
     dist.init_process_group("gloo")
-    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
-    smp.init({**config, "default_partition": 0})
+    init_smp(2, "interleaved", microbatches=2, auto=False)
     module = _Chain()
     smp.set_partition(module.first, 1)
     smp.set_partition(module.second, 1)

@@ -13,6 +13,7 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.hooks import Unavailable, hooked_submodules, recording, replay
 from dtrain.modelparallel.transport import flatten
+from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 
 
@@ -105,14 +106,7 @@ def test_backward_hooks_on_a_remote_submodule_are_refused_by_name() -> None:
 def _hooks_on_partition_one() -> dict[str, Any]:
     """``second`` runs on partition 1; rank 0 collects its inner layer's outputs with a hook."""
     dist.init_process_group("gloo")
-    smp.init(
-        {
-            "pipeline_parallel_degree": 2,
-            "microbatches": 2,
-            "auto_partition": False,
-            "default_partition": 0,
-        }
-    )
+    init_smp(2, "interleaved", microbatches=2, auto=False)
     module = _Net()
     smp.set_partition(module.second, 1)
     collected: list[Tensor] = []

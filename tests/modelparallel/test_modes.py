@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.modes import Autocast, ComputeMode
+from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 
 BF16 = Autocast("cpu", "bfloat16", True)
@@ -73,14 +74,7 @@ def _inputs() -> Tensor:
 def _modes_across_partitions() -> dict[str, Any]:
     """The second layer runs on partition 1: its outputs under each way of setting a mode."""
     dist.init_process_group("gloo")
-    smp.init(
-        {
-            "pipeline_parallel_degree": 2,
-            "microbatches": 2,
-            "auto_partition": False,
-            "default_partition": 0,
-        }
-    )
+    init_smp(2, "interleaved", microbatches=2, auto=False)
     module = _TwoLayers()
     smp.set_partition(module.second, 1)
     model = smp.DistributedModel(module)

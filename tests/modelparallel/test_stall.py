@@ -14,6 +14,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import CommunicationTimeoutError, RemoteError
 from dtrain.modelparallel.stall import RankState, StallWatch, Wait, WaitBoard, diagnose
+from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 
 WAITING_ON_1 = (Wait(1, "forward request #3 for module 'b' (microbatch 0)", 0.0),)
@@ -127,8 +128,7 @@ class _Net(nn.Module):
 def _slow_on_partition_one(microbatches: int) -> smp.DistributedModel:
     """A world of two whose pipeline runs ``_Net.slow`` on partition 1."""
     dist.init_process_group("gloo")
-    config = {"pipeline_parallel_degree": 2, "microbatches": microbatches}
-    smp.init({**config, "auto_partition": False, "default_partition": 0})
+    init_smp(2, "interleaved", microbatches, auto=False)
     module = _Net()
     smp.set_partition(module.slow, 1)
     return smp.DistributedModel(module)
