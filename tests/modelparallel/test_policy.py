@@ -11,8 +11,10 @@ from dtrain.modelparallel.policy import SchedulePolicy
 HAND_OVER = [
     ("interleaved", ["F2", "B0", "F1", "B1"], ["B0", "B1", "F1", "F2"]),
     ("interleaved", ["F3", "F1", "F2"], ["F1", "F2", "F3"]),
-    ("simple", ["F2", "B0", "F1", "B1"], ["B0", "B1", "F1", "F2"]),
+    ("interleaved", ["W3", "F2", "W1", "I1"], ["I1", "F2", "W1", "W3"]),
+    ("simple", ["F2", "B0", "F1", "B1"], ["F1", "F2", "B0", "B1"]),
     ("simple", ["B1", "F0"], ["F0", "B1"]),
+    ("simple", ["W0", "B1", "F3"], ["F3", "B1", "W0"]),
 ]
 
 
@@ -79,10 +81,32 @@ def test_admission_and_the_backward_hold(
     assert policy.backward_may_start(done) is backward
 
 
-def test_only_the_last_microbatchs_backward_is_split_and_only_if_asked() -> None:
-    policy = SchedulePolicy("interleaved", 4, 4)
-    assert [policy.splits_backward(mb) for mb in range(4)] == [False, False, False, True]
-    assert not SchedulePolicy("interleaved", 4, 4, split_backward=False).splits_backward(3)
+def test_the_step_s_last_backwards_are_split_as_many_per_stage_as_the_policy_says() -> None:
+    policy = SchedulePolicy("interleaved", 4, 4, split=(0, 2))
+    assert [policy.splits_backward(1, mb) for mb in range(4)] == [False, False, True, True]
+    assert not any(policy.splits_backward(stage, mb) for stage in (0, 2) for mb in range(4))
+    assert not any(SchedulePolicy("interleaved", 4, 4).splits_backward(1, mb) for mb in range(4))
+    with pytest.raises(ValueError, match=r"split backwards per stage: got \(0, 5\)"):
+        SchedulePolicy("interleaved", 4, 4, split=(0, 5))
+
+
+def test_the_main_task_waits_for_the_weight_halves_due() -> None:
+    """At a step's end the main task (the optimizer step comes next) is queued first; the weight
+    halves still due run before it, and nothing else does (a request of the next step waits)."""
+    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
+    executor.release(executor.main)
+    weights, next_step = _task("W1"), _task("F0")
+    executor.owe_weights()
+    executor.enqueue(executor.main)
+    executor.enqueue(next_step)
+    assert executor.main.granted.is_set() is False and next_step.granted.is_set() is False
+    executor.enqueue(weights)
+    assert weights.granted.is_set()
+    executor.await_token(weights)
+    executor.release(weights)
+    assert not executor.main.granted.is_set()  # still due until it says it has run
+    executor.weights_paid()
+    assert executor.main.granted.is_set() and not next_step.granted.is_set()
 
 
 def test_smps_rule_turns_a_bounded_simple_pipeline_into_interleaved() -> None:

@@ -20,6 +20,11 @@ The thread that runs the user's script is the *main* task: it holds the token ou
 request that arrives early (the leader already started the next step) waits until this rank has
 finished its own work (e.g. ``optimizer.step()``) and entered the step.
 
+A split backward's weight half is a task of its own (:meth:`Executor.defer_weights`), ranked
+after all other work, so it runs when the rank would otherwise wait. The step ends on a rank
+only once every weight half it deferred has run: while the main task waits for the token, only
+weight halves may take it.
+
 Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank).
 """
 
@@ -116,6 +121,8 @@ class Executor:
         self._clock_offset = time.time() - time.perf_counter()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
+        self._weights_due = 0
+        """Weight halves deferred and not finished: the main task waits for them."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -125,10 +132,18 @@ class Executor:
             return MAIN_PRIORITY
         return self.policy.priority(task.phase, task.microbatch)
 
+    def _eligible(self) -> list[tuple[tuple[int, int], int, Task]]:
+        """The waiters the token may go to: while the main task waits and weight halves are
+        due, only those (call with the lock held)."""
+        if self._weights_due and any(entry[2] is self.main for entry in self._waiting):
+            return [entry for entry in self._waiting if entry[2].phase == "W"]
+        return self._waiting
+
     def _grant(self) -> None:
-        """Give a free token to the most urgent waiter (call with the lock held)."""
-        if self._holder is None and self._waiting:
-            entry = min(self._waiting, key=lambda e: (e[0], e[1]))
+        """Give a free token to the most urgent eligible waiter (call with the lock held)."""
+        eligible = self._eligible() if self._holder is None else []
+        if eligible:
+            entry = min(eligible, key=lambda e: (e[0], e[1]))
             self._waiting.remove(entry)
             self._holder = entry[2]
             entry[2].granted.set()
@@ -192,7 +207,7 @@ class Executor:
         """A task holding the token between computations gives it to a more urgent waiter."""
         with self._cv:
             key = self._key(task)
-            if any(entry[0] < key for entry in self._waiting):
+            if any(entry[0] < key for entry in self._eligible()):
                 self.release(task)
 
     def activity(self) -> str:
@@ -308,19 +323,42 @@ class Executor:
             self.acquire(task)
         task.sticky = False
 
-    def next_period(self, name: str, ended: Phase, phase: Phase) -> None:
-        """The current task, computing, goes on with other work (``name``, of ``phase``): the
-        work so far is recorded as ``ended`` (a backward turns out to have been an input half),
-        the next as an event of its own, without giving the token up."""
+    def give_way(self) -> None:
+        """The current task, computing, lets a more urgent waiting task compute first, then
+        goes on (a weight half between its autograd calls)."""
         task = self.current()
         if task is None or not task.holding:
             return
         with self._cv:
-            task.phase = ended
-            self._record(task)
-            task.name, task.phase = name, phase
-            task.started = self._now()
-            task.recording = True
+            if not any(entry[0] < self._key(task) for entry in self._eligible()):
+                return
+            self.release(task)  # records the work so far
+        self.acquire(task)
+
+    def defer_weights(self, task: Task, run: Callable[[], None]) -> None:
+        """Run ``run`` (a weight half) as ``task`` when nothing more urgent waits; the step
+        does not end on this rank before it has run."""
+        self.owe_weights()
+        self.spawn(functools.partial(self._weights_task, task, run))
+
+    def _weights_task(self, task: Task, run: Callable[[], None]) -> None:
+        try:
+            with self.serving(task), self.computing(task.name):
+                run()
+        finally:
+            self.weights_paid()
+
+    def owe_weights(self) -> None:
+        """A weight half is due: the main task waits for it."""
+        with self._cv:
+            self._weights_due += 1
+
+    def weights_paid(self) -> None:
+        """A due weight half has run (or failed): the main task may be next."""
+        with self._cv:
+            self._weights_due -= 1
+            self._progress = time.monotonic()
+            self._grant()
 
     def step_aside(self) -> None:
         """The current task, holding the token between computations, is about to do other work

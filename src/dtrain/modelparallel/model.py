@@ -29,6 +29,13 @@ from dtrain.modelparallel.policy import SchedulePolicy
 from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineRuntime
+from dtrain.modelparallel.schedule import (
+    SPLIT_OVERHEAD,
+    Costs,
+    Schedule,
+    schedule_of,
+    zero_bubble_policy,
+)
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
@@ -68,6 +75,7 @@ class DistributedModel(nn.Module):
         self.bucket_cap_mb = bucket_cap_mb
         self._runtime: PipelineRuntime | None = None
         self._plan: PartitionPlan | None = None
+        self._schedule: Schedule | None = None
         self._local_modules: set[int] | None = None
         """ids of the modules this rank owns; ``None`` before partitioning (all of them)."""
         self._tracing = threading.Event()
@@ -251,18 +259,8 @@ class DistributedModel(nn.Module):
             device=st.device,
             timeout=st.options.timeout,
         )
-        self._runtime = PipelineRuntime(
-            group,
-            modules,
-            owners,
-            SchedulePolicy.for_config(
-                st.config["pipeline"],
-                st.config["microbatches"],
-                st.config["active_microbatches"],
-                st.options.split_backward,
-            ),
-            st.options,
-        )
+        self._schedule = self._planned_schedule(plan)
+        self._runtime = PipelineRuntime(group, modules, owners, self._schedule.policy, st.options)
         if st.pp_size > 1:
             dist.barrier(group=st.pp_control_group)
         for sd, strict in self._pending_loads:
@@ -270,6 +268,26 @@ class DistributedModel(nn.Module):
         self._pending_loads.clear()
         for hook in list(self._post_partition_hooks.values()):
             hook(self)
+
+    def _planned_schedule(self, plan: PartitionPlan) -> Schedule:
+        """The pipeline's policy (which backwards are split chosen for the plan's stage
+        times) and the action lists it runs with those times."""
+        st = self._state
+        policy = SchedulePolicy.for_config(
+            st.config["pipeline"], st.config["microbatches"], st.config["active_microbatches"]
+        )
+        times = [stage.compute_time for stage in plan.stages] if plan.profiled else []
+        costs = Costs.of_stages(times or [0.0] * st.pp_size, SPLIT_OVERHEAD)
+        if st.options.split_backward:
+            policy = zero_bubble_policy(policy, st.pp_size, costs)
+        return schedule_of(policy, st.pp_size, costs)
+
+    def pipeline_schedule(self) -> Schedule:
+        """The action lists each pipeline rank runs in a step, as planned for the partition
+        plan's stage times (printable: ``print(model.pipeline_schedule())``); known after the
+        first step."""
+        self.partition_plan()  # raises before the first step
+        return self._schedule
 
     def partition_plan(self) -> PartitionPlan:
         """Module → partition with costs; known after the first step."""

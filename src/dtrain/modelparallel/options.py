@@ -31,8 +31,8 @@ class RuntimeOptions:
     """Remote calls return at once with values their owner computes meanwhile (off: every
     call waits for its reply; for modules whose output structure changes between calls)."""
     split_backward: bool = True
-    """The last microbatch's backward sends its inputs' gradients before computing its
-    weights' (off: one piece, for comparison)."""
+    """The backwards the schedule chooses send their inputs' gradients first and leave their
+    weights' for idle time (off: every backward in one piece, for comparison)."""
     stall_report: float = 60.0
     """Seconds of silence after which every rank reports what it waits for (see
     :mod:`.stall`); the wait itself goes on until ``timeout``."""

@@ -9,8 +9,9 @@ ends (the leader's next request says so, or the step's end): later calls may ref
 outputs, callers may fetch them, and backward starts from them. Calls linked by such
 references form a *chain* whose autograd graph lives on the owner; one backward runs through the
 whole chain, keeping the graph only when the chain has several fetched outputs (each may bring
-its own backward). A backward the policy splits sends its inputs' gradients first and computes
-its weights' after (:mod:`.split_backward`).
+its own backward). A backward the policy splits sends its inputs' gradients first; its weights'
+are computed later, when the rank has nothing more urgent to do (:mod:`.split_backward`,
+:meth:`~.executor.Executor.defer_weights`).
 """
 
 from __future__ import annotations
@@ -150,18 +151,11 @@ class Owner:
         error = Message(ERROR, request.call_id, body=error_body(self.group.rank, exc))
         self._send_reply(request, error, [])
 
-    def _send_reply(
-        self,
-        request: Message,
-        reply: Message,
-        tensors: list[torch.Tensor],
-        step_aside: bool = True,
-    ) -> None:
+    def _send_reply(self, request: Message, reply: Message, tensors: list[torch.Tensor]) -> None:
         """Send a reply; a task holding the token between computations lets a waiting task
-        compute meanwhile (``step_aside``)."""
+        compute meanwhile."""
         assert self.transport is not None
-        if step_aside:
-            self.executor.step_aside()
+        self.executor.step_aside()
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the caller's wait says so
             self.transport.send(request.source, reply, tensors)
 
@@ -282,33 +276,35 @@ class Owner:
     def _serve_backward(self, message: Message, tensors: list[torch.Tensor]) -> None:
         """Backward of a chain; the reply carries its inputs' gradients.
 
-        In the step's last microbatch (where the stages before this one wait for those
-        gradients and then still have their own backward to do) the inputs' gradients are
-        computed first and sent, then the weights' (:mod:`.split_backward`). The task keeps the
-        token from the first half to the end of the second, so the step cannot end on this
-        rank (nor the optimizer step start) before every weight gradient is in.
+        Where the policy splits it (the step's last microbatches, whose weight halves fill the
+        drain), only the inputs' gradients are computed before the reply (the task's period
+        is an ``I``); the weights' wait as a ``W`` task of their own for idle time, and the
+        step does not end on this rank before they have run (:mod:`.executor`).
         """
+        task = self.executor.current()
+        assert task is not None
         try:
             # Before computing: a value fetched with its backward may still be computing.
             entry = self._finished_entry((message.source, message.body["call"]))
-            with self.executor.computing(message.module):
-                with ComputeMode.from_wire(message.extra["mode"]).applied():
-                    body, grads, weights = self._compute_backward(message, tensors, entry)
-                if weights is not None:
-                    reply = Message(REPLY, message.call_id, body=body)
-                    self._send_reply(message, reply, grads, step_aside=False)
-                    self.executor.next_period(message.module, ended="I", phase="W")
-                    self._run_weights(message, weights)
-                    return
+            mode = ComputeMode.from_wire(message.extra["mode"])
+            with self.executor.computing(message.module), mode.applied():
+                body, grads, weights = self._compute_backward(message, tensors, entry)
+                task.phase = "B" if weights is None else "I"  # what this period is recorded as
         except BaseException as exc:
             self._send_error(message, exc)
             return
         self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
+        if weights is not None:
+            weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
+            run = functools.partial(self._run_weights, weights, mode)
+            self.executor.defer_weights(weights_task, run)
 
-    def _run_weights(self, message: Message, weights: WeightHalf) -> None:
-        """The weight half of a split backward; its failure fails this rank's step."""
+    def _run_weights(self, weights: WeightHalf, mode: ComputeMode) -> None:
+        """The weight half of a split backward, letting more urgent work go first between its
+        autograd calls; its failure fails this rank's step."""
         try:
-            weights.run()
+            with mode.applied():
+                weights.run(between=self.executor.give_way)
         except BaseException as exc:
             self._weights_failure = error_body(self.group.rank, exc)
 
@@ -348,7 +344,8 @@ class Owner:
         keep_graph = entry.chain.fetched > 1  # another fetched output may bring a backward
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         weights = None
-        if pairs and wanted and not keep_graph and self.policy.splits_backward(message.microbatch):
+        split = self.policy.splits_backward(self.group.pp_rank, message.microbatch)
+        if pairs and wanted and not keep_graph and split:
             found, half = backward_inputs_first(
                 [out for out, _ in pairs], [g for _, g in pairs], wanted, self._own_parameters()
             )

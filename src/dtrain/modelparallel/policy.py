@@ -6,12 +6,13 @@ Every choice of order a rank makes goes through a :class:`SchedulePolicy`:
   :meth:`~SchedulePolicy.priority`;
 * whether the leader may start another microbatch (:meth:`~SchedulePolicy.may_admit`);
 * whether a microbatch's backward may begin (:meth:`~SchedulePolicy.backward_may_start`);
-* whether a backward is split into its input half (sent at once) and its weight half
-  (:meth:`~SchedulePolicy.splits_backward`).
+* whether a backward is split into its input half (sent at once) and its weight half, which
+  waits for idle time (:meth:`~SchedulePolicy.splits_backward`).
 
-The action lists of :mod:`.schedule` (the plan, its checker, its simulated timeline) ask the
-same object, so the plan and the runtime cannot follow different rules. The policy is plain
-data: its rules are tested as tables, without threads or processes.
+The plans of :mod:`.schedule` are made by running the same object over a model of the pipeline
+(each rank starts the ready work the policy ranks first), so the plan and the runtime cannot
+follow different rules. The policy is plain data: its rules are tested as tables, without
+threads or processes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 
 MAIN_PRIORITY = (-1, 0)
 """The script's own thread, outside the step: before any task (see :mod:`.executor`)."""
+_WEIGHTS_LAST = 1 << 30
+"""Ranks a weight half after every forward and backward, in either pipeline."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class SchedulePolicy:
     microbatches: int
     active: int
     """At most this many microbatches in flight (started, backward not finished)."""
-    split_backward: bool = True
+    split: tuple[int, ...] = ()
+    """Per stage, how many of the step's last microbatches have their backward split (none
+    where the tuple ends). :func:`~.schedule.zero_bubble_policy` chooses them."""
 
     def __post_init__(self) -> None:
         check_pipeline(self.pipeline)
@@ -44,30 +49,33 @@ class SchedulePolicy:
             raise ValueError(
                 f"active microbatches: got {self.active}; allowed: 1 to {self.microbatches}"
             )
+        if any(not 0 <= count <= self.microbatches for count in self.split):
+            raise ValueError(
+                f"split backwards per stage: got {self.split}; allowed: 0 to {self.microbatches}"
+            )
 
     @classmethod
-    def for_config(
-        cls, pipeline: str, microbatches: int, active: int, split_backward: bool = True
-    ) -> SchedulePolicy:
+    def for_config(cls, pipeline: str, microbatches: int, active: int) -> SchedulePolicy:
         """SMP's rule: a bound on microbatches in flight turns ``simple`` into
         ``interleaved`` (``simple`` keeps every microbatch in flight). ``active`` is clamped to
-        ``microbatches``, since no more than that can ever be in flight."""
+        ``microbatches``, since no more than that can ever be in flight. No backward is split."""
         active = min(active, microbatches)
         if pipeline == "simple" and active < microbatches:
             pipeline = "interleaved"
-        return cls(pipeline, microbatches, active, split_backward)
+        return cls(pipeline, microbatches, active)
 
     def priority(self, phase: Phase, microbatch: int) -> tuple[int, int]:
         """Among tasks waiting for the compute token, the lowest goes first.
 
         ``interleaved``: backward work first, then the lowest microbatch (1F1B-like).
-        ``simple``: the lowest microbatch first, its backward before its forward. A weight half
-        comes last: nothing waits for it but the optimizer step.
+        ``simple``: forward work first (every forward before any backward, on every rank),
+        then the lowest microbatch. A weight half comes after everything else in both: nothing
+        waits for it but the optimizer step, so it fills time the rank would otherwise sit idle.
         """
-        urgency = {"B": 0, "I": 0, "F": 1, "W": 2}[phase]
-        if self.pipeline == "simple":
-            return (microbatch, urgency)
-        return (urgency, microbatch)
+        if phase == "W":
+            return (_WEIGHTS_LAST, microbatch)
+        backward = phase in ("B", "I")
+        return (int(backward if self.pipeline == "simple" else not backward), microbatch)
 
     def may_admit(self, in_flight: int) -> bool:
         """Whether the leader may start another microbatch with ``in_flight`` unfinished."""
@@ -78,12 +86,14 @@ class SchedulePolicy:
         forward: ``simple`` runs every forward before any backward."""
         return self.pipeline != "simple" or forwards_done == self.microbatches
 
-    def splits_backward(self, microbatch: int) -> bool:
-        """Whether ``microbatch``'s backward sends its inputs' gradients before computing its
-        weights': the step's last microbatch, whose backward the earlier stages wait for with
-        nothing else left to do. (Split earlier, the weight half, run at once, would only
-        delay this rank's next work; the split itself costs about a fifth of a backward.)"""
-        return self.split_backward and microbatch == self.microbatches - 1
+    def splits_backward(self, stage: int, microbatch: int) -> bool:
+        """Whether ``microbatch``'s backward on ``stage`` sends its inputs' gradients first and
+        leaves its weights' for idle time: one of the step's last ``split[stage]``
+        microbatches, whose weight halves fill the drain, where this stage would otherwise
+        wait while the stages before it finish their last backwards. (Not every backward: on
+        a CPU the two halves cost about a fifth more than the whole.)"""
+        count = self.split[stage] if stage < len(self.split) else 0
+        return microbatch >= self.microbatches - count
 
 
 def check_pipeline(pipeline: object) -> None:

@@ -36,11 +36,12 @@ never blocks its rank; a receive waits until the matching send's message has arr
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 from dtrain.modelparallel.policy import SchedulePolicy, check_pipeline
@@ -161,8 +162,10 @@ class Schedule:
 
     @property
     def policy(self) -> SchedulePolicy:
-        """The rules this schedule follows."""
-        return SchedulePolicy(self.pipeline, self.microbatches, self.active_microbatches)
+        """The rules this schedule follows: each stage splits as many backwards as it has
+        ``I`` actions (a plan's are its last microbatches')."""
+        split = tuple(sum(a.kind == "I" for a in rank_actions) for rank_actions in self.actions)
+        return SchedulePolicy(self.pipeline, self.microbatches, self.active_microbatches, split)
 
     def compute_actions(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s ``F``/``B`` actions in order (sends and receives left out)."""
@@ -202,7 +205,8 @@ class Schedule:
         return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
-        """A grid, one row per rank, one column per unit of time (unit costs, no comm latency).
+        """A grid, one row per rank, one column per unit of time: a forward takes one, a
+        backward two (``-`` continues it), each half of a split backward one; no comm latency.
 
         Time-aligned so the pipeline's fill and drain (its bubbles, shown as ``.``) are visible.
         """
@@ -212,7 +216,7 @@ class Schedule:
         )
         label = f"rank {{:>{len(str(self.stages - 1))}}}"
         try:
-            result = simulate(self, forward_cost=1.0, backward_cost=1.0)
+            result = simulate(self)
         except ScheduleDeadlock as error:
             rows = [
                 f"{label.format(rank)} | " + " ".join(map(str, rank_actions))
@@ -220,7 +224,12 @@ class Schedule:
             ]
             return "\n".join([f"{header} (deadlocks; actions in list order)", *rows, str(error)])
         cells: list[dict[int, str]] = [
-            {round(e.start): e.name for e in rank_events if e.kind in COMPUTE_KINDS}
+            {
+                round(e.start) + column: e.name if column == 0 else "-"
+                for e in rank_events
+                if e.kind in COMPUTE_KINDS
+                for column in range(round(e.duration))
+            }
             for rank_events in result.events
         ]
         width = max((len(name) for row in cells for name in row.values()), default=1)
@@ -233,20 +242,86 @@ class Schedule:
         return "\n".join([header, *rows])
 
 
+@dataclass(frozen=True)
+class Costs:
+    """What a stage's work on one microbatch costs, in plans and simulations.
+
+    ``forward[s]`` and ``backward[s]`` per stage; ``comm`` the latency of a message between
+    neighbouring stages; a split backward's halves (``I``, ``W``) cost
+    ``backward[s] × (1 + split_overhead) / 2`` each: on a CPU the two took 1.19× the whole
+    (the benchmark LM's last stage: 30.6 against 25.7 ms), which is why not every backward
+    is split.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    comm: float = 0.0
+    split_overhead: float = 0.0
+
+    @classmethod
+    def per_stage(
+        cls,
+        stages: int,
+        forward_cost: Sequence[float] | float = 1.0,
+        backward_cost: Sequence[float] | float = 2.0,
+        comm_cost: float = 0.0,
+        split_overhead: float = 0.0,
+    ) -> Costs:
+        """Costs from one number for every stage, or one per stage (checked)."""
+        for name, value in (("comm_cost", comm_cost), ("split_overhead", split_overhead)):
+            if not _is_number(value) or value < 0 or not math.isfinite(value):
+                raise ValueError(f"{name}: got {value!r}; must be a finite number >= 0")
+        return cls(
+            _per_stage("forward_cost", forward_cost, stages),
+            _per_stage("backward_cost", backward_cost, stages),
+            float(comm_cost),
+            float(split_overhead),
+        )
+
+    @classmethod
+    def of_stages(cls, times: Sequence[float], split_overhead: float = 0.0) -> Costs:
+        """Costs from each stage's forward-and-backward time (a partition plan's), the
+        backward taken as twice the forward; unknown (zero) times count as equal stages."""
+        if not all(_is_number(t) and t > 0 for t in times):
+            times = [1.0] * len(times)
+        return cls.per_stage(
+            len(times),
+            [t / 3 for t in times],
+            [2 * t / 3 for t in times],
+            split_overhead=split_overhead,
+        )
+
+    def of(self, kind: str, stage: int) -> float:
+        """The time of one compute action of ``kind`` on ``stage``."""
+        if kind == "F":
+            return self.forward[stage]
+        if kind == "B":
+            return self.backward[stage]
+        return self.backward[stage] * (1.0 + self.split_overhead) / 2
+
+
+SPLIT_OVERHEAD = 0.2
+"""What plans assume a split backward costs beyond the whole (see :class:`Costs`)."""
+
+
 def build_schedule(
     pipeline: str,
     stages: int,
     microbatches: int,
     active_microbatches: int | None = None,
     split_backward: bool = True,
+    costs: Costs | None = None,
 ) -> Schedule:
-    """The action lists SMP's ``pipeline`` runs on ``stages`` ranks for ``microbatches``.
+    """The action lists SMP's ``pipeline`` runs on ``stages`` ranks for ``microbatches``: what
+    the runtime's :class:`~.policy.SchedulePolicy` does when the work costs ``costs``
+    (default: forward 1, backward 2 on every stage, halves a fifth dearer, no latency).
 
     ``active_microbatches`` defaults to ``stages + 2`` (SMP's default) and is clamped to
     ``microbatches``, since no more than that can ever be in flight. ``simple`` with
     ``active_microbatches < microbatches`` is built as ``interleaved`` (SMP's rule): check
-    ``Schedule.pipeline`` for the pipeline actually used. A backward the policy splits is
-    ``I``, its send, then ``W`` (on every stage but the first, which sends no gradients).
+    ``Schedule.pipeline`` for the pipeline actually used. With ``split_backward`` the
+    backwards :func:`zero_bubble_policy` chooses are ``I``, its send, and a ``W`` placed where
+    the stage would otherwise wait.
     """
     check_pipeline(pipeline)
     _check_positive_int("stages", stages)
@@ -255,10 +330,139 @@ def build_schedule(
         active_microbatches = stages + 2
     else:
         _check_positive_int("active_microbatches", active_microbatches)
-    policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches, split_backward)
-    build = _simple_rank if policy.pipeline == "simple" else _interleaved_rank
-    actions = tuple(build(stage, stages, policy) for stage in range(stages))
-    return Schedule(policy.pipeline, stages, microbatches, policy.active, actions)
+    if costs is None:
+        costs = Costs.per_stage(stages, split_overhead=SPLIT_OVERHEAD)
+    policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches)
+    if split_backward:
+        policy = zero_bubble_policy(policy, stages, costs)
+    return schedule_of(policy, stages, costs)
+
+
+def zero_bubble_policy(policy: SchedulePolicy, stages: int, costs: Costs) -> SchedulePolicy:
+    """``policy`` with the backwards split whose weight halves shorten the step most.
+
+    A stage's weight halves, run when nothing else is ready, fill the drain, where the stage
+    would wait while the stages before it do their last backwards; the sooner input halves
+    also start those backwards sooner. Each split costs ``costs.split_overhead``. From the
+    last stage to the second, each stage's count of split backwards (among the step's last
+    microbatches) is the one whose plan ends soonest, the fewest among equals; the first
+    stage sends no gradients and never splits.
+    """
+    best = policy
+    best_time = _run_policy(best, stages, costs)[1]
+    for stage in range(stages - 1, 0, -1):
+        for count in range(1, min(policy.microbatches, 2 * stage + 2) + 1):
+            split = [*best.split, *[0] * (stages - len(best.split))]
+            split[stage] = count
+            candidate = replace(best, split=tuple(split))
+            makespan = _run_policy(candidate, stages, costs)[1]
+            if makespan < best_time * (1 - 1e-9):
+                best, best_time = candidate, makespan
+    return best
+
+
+def schedule_of(policy: SchedulePolicy, stages: int, costs: Costs) -> Schedule:
+    """The action lists ``policy`` runs on ``stages`` ranks when the work costs ``costs``."""
+    order, _ = _run_policy(policy, stages, costs)
+    actions = tuple(
+        tuple(action for kind, mb in rank_order for action in _RECORDED[kind](mb, stage, stages))
+        for stage, rank_order in enumerate(order)
+    )
+    return Schedule(policy.pipeline, stages, policy.microbatches, policy.active, actions)
+
+
+def _run_policy(
+    policy: SchedulePolicy, stages: int, costs: Costs
+) -> tuple[list[list[tuple[str, int]]], float]:
+    """Each rank's compute actions in the order the runtime runs them under ``policy``, and
+    when the last one ends.
+
+    As the compute token does: a free rank starts the ready action the policy ranks first, or
+    waits until one is ready. The leader (stage 0) admits microbatches in order, at most
+    ``policy.active`` unfinished (a microbatch finishes with its backward on stage 0); the
+    last stage's backward request travels with the forward, or, in ``simple``, after every
+    forward (the leader sends it once each microbatch's forward has reached the last stage);
+    a gradient reaches the previous stage ``costs.comm`` after its (input) backward ends, an
+    activation the next stage ``costs.comm`` after its forward.
+    """
+    microbatches = policy.microbatches
+    last = stages - 1
+    # What each stage may run, and from when: (kind, microbatch) -> time.
+    ready: list[dict[tuple[str, int], float]] = [{} for _ in range(stages)]
+    # A backward needs its own forward (slot 0) and its gradient or, last stage, the leader's
+    # request (slot 1): when each is there.
+    needs: dict[tuple[int, int], list[float]] = {}
+    free_at = [0.0] * stages
+    order: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
+    leader_forwards: list[float] = []
+    arrived: list[float] = []  # when each microbatch's forward reached the last stage
+    finished: list[float] = []  # when each microbatch's backward on the leader ends
+    events: list[float] = [0.0]
+
+    def backward_kind(mb: int, stage: int) -> str:
+        return "I" if stage > 0 and policy.splits_backward(stage, mb) else "B"
+
+    def at(stage: int, action: tuple[str, int], time: float) -> None:
+        ready[stage][action] = time
+        heapq.heappush(events, time)
+
+    def provide(mb: int, stage: int, time: float, slot: int) -> None:
+        got = needs.setdefault((mb, stage), [math.inf, math.inf])
+        got[slot] = time
+        if max(got) < math.inf:
+            at(stage, (backward_kind(mb, stage), mb), max(got))
+
+    def started(kind: str, mb: int, stage: int, end: float) -> None:
+        heapq.heappush(events, end)
+        if kind == "F":
+            provide(mb, stage, end, 0)
+            if stage < last:
+                at(stage + 1, ("F", mb), end + costs.comm)
+            if stage == 0:
+                leader_forwards.append(end)
+            if policy.backward_may_start(0):  # the last stage's request came with it
+                if stage == last:
+                    provide(mb, stage, end, 1)
+            elif stage == max(last - 1, 0):  # simple: every request after every forward
+                arrived.append(end + (costs.comm if stage < last else 0.0))
+                if len(arrived) == microbatches:
+                    for m in range(microbatches):
+                        provide(m, last, max(arrived), 1)
+            return
+        if kind == "I":
+            at(stage, ("W", mb), end)
+        if stage > 0 and kind != "W":
+            provide(mb, stage - 1, end + costs.comm, 1)
+        if stage == 0:
+            finished.append(end)
+
+    remaining = stages * microbatches + sum(
+        1 + (backward_kind(mb, s) == "I") for s in range(stages) for mb in range(microbatches)
+    )
+    now = 0.0
+    while remaining:
+        admitted = len(leader_forwards)
+        unfinished = admitted - sum(1 for end in finished if end <= now)
+        if admitted < microbatches and policy.may_admit(unfinished):
+            ready[0].setdefault(("F", admitted), now)
+        for stage in range(stages):
+            if free_at[stage] > now:
+                continue
+            candidates = [action for action, time in ready[stage].items() if time <= now]
+            if not candidates:
+                continue
+            kind, mb = min(candidates, key=lambda c: policy.priority(c[0], c[1]))  # type: ignore[arg-type]
+            del ready[stage][(kind, mb)]
+            free_at[stage] = now + costs.of(kind, stage)
+            order[stage].append((kind, mb))
+            remaining -= 1
+            started(kind, mb, stage, free_at[stage])
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        if remaining and not events:
+            raise ScheduleError(f"the {policy.pipeline} policy stalls: no rank can go on")
+        now = events[0] if events else now
+    return order, max(free_at, default=0.0)
 
 
 def recorded_schedule(
@@ -326,45 +530,6 @@ _RECORDED = {"F": _forward, "B": _backward, "I": _input_half, "W": _weight_half}
 """A recorded compute period of each kind, with the chain's messages around it."""
 
 
-def _planned_backward(mb: int, stage: int, stages: int, policy: SchedulePolicy) -> list[Action]:
-    """``B``, or ``I`` and ``W`` where the policy splits it (the first stage has no input
-    gradients to send: it never splits)."""
-    if stage > 0 and policy.splits_backward(mb):
-        return _input_half(mb, stage, stages) + _weight_half(mb, stage, stages)
-    return _backward(mb, stage, stages)
-
-
-def _simple_rank(stage: int, stages: int, policy: SchedulePolicy) -> tuple[Action, ...]:
-    actions: list[Action] = []
-    for mb in range(policy.microbatches):
-        actions += _forward(mb, stage, stages)
-    for mb in range(policy.microbatches):
-        actions += _planned_backward(mb, stage, stages, policy)
-    return tuple(actions)
-
-
-def _interleaved_rank(stage: int, stages: int, policy: SchedulePolicy) -> tuple[Action, ...]:
-    # The warm-up shrinks down the pipeline (non-increasing in stage), which is what makes the
-    # schedule deadlock-free: rank s's k-th backward never waits for a forward rank s-1 has not
-    # been allowed to start.
-    microbatches = policy.microbatches
-    warmup = min(policy.active, stages - stage, microbatches)
-    actions: list[Action] = []
-    forwards = backwards = 0
-    for _ in range(warmup):
-        actions += _forward(forwards, stage, stages)
-        forwards += 1
-    while forwards < microbatches:
-        actions += _planned_backward(backwards, stage, stages, policy)
-        backwards += 1
-        actions += _forward(forwards, stage, stages)
-        forwards += 1
-    while backwards < microbatches:
-        actions += _planned_backward(backwards, stage, stages, policy)
-        backwards += 1
-    return tuple(actions)
-
-
 @dataclass(frozen=True)
 class SimulationResult:
     """What running a schedule with given costs gives.
@@ -398,26 +563,21 @@ class SimulationResult:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def simulate(
-    schedule: Schedule,
-    forward_cost: Sequence[float] | float = 1.0,
-    backward_cost: Sequence[float] | float = 2.0,
-    comm_cost: float = 0.0,
-) -> SimulationResult:
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
     """Run the action lists in order, each rank one worker, and time them.
 
-    Costs are per stage (one number for all stages, or one per stage); each half of a split
-    backward (``I``, ``W``) costs half a backward. ``comm_cost`` is the
-    latency of a message between neighbouring stages: ``F(mb, s)`` starts at least ``comm_cost``
-    after ``F(mb, s-1)`` ends, ``B(mb, s)`` likewise after ``B(mb, s+1)``, and a receive completes
-    ``comm_cost`` after its matching send. Sends and receives take no worker time. Raises
+    ``costs`` default to forward 1 and backward 2 on every stage, no latency (see
+    :class:`Costs`): ``F(mb, s)`` starts at least ``costs.comm`` after ``F(mb, s-1)`` ends,
+    ``B(mb, s)`` likewise after ``B(mb, s+1)``, and a receive completes ``costs.comm`` after
+    its matching send. Sends and receives take no worker time. Raises
     :class:`ScheduleDeadlock` when every unfinished rank waits on something that never happens.
     """
     stages = schedule.stages
-    forward = _per_stage("forward_cost", forward_cost, stages)
-    backward = _per_stage("backward_cost", backward_cost, stages)
-    if not _is_number(comm_cost) or comm_cost < 0 or not math.isfinite(comm_cost):
-        raise ValueError(f"comm_cost: got {comm_cost!r}; must be a finite number >= 0")
+    if costs is None:
+        costs = Costs.per_stage(stages)
+    elif len(costs.forward) != stages or len(costs.backward) != stages:
+        raise ValueError(f"costs: got {len(costs.forward)} stages; the schedule has {stages}")
+    comm_cost = costs.comm
 
     compute_end: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end
     arrivals: dict[tuple[str, int, int], list[float]] = {}  # (F|B, mb, sending stage) -> times
@@ -467,11 +627,11 @@ def simulate(
         mb, stage = action.microbatch, action.stage
         end = start
         if action.kind == "F":
-            end = start + forward[stage]
+            end = start + costs.of("F", stage)
             live[rank].add(mb)
             peak[rank] = max(peak[rank], len(live[rank]))
         elif action.kind in ("B", "I", "W"):
-            end = start + backward[stage] * (1.0 if action.kind == "B" else 0.5)
+            end = start + costs.of(action.kind, stage)
             if action.kind != "I":
                 live[rank].discard(mb)
             if action.kind != "W":  # the gradients for the previous stage are there
@@ -614,18 +774,13 @@ def check(schedule: Schedule) -> None:
 
 
 def timeline(
-    schedule: Schedule,
-    forward_cost: Sequence[float] | float = 1.0,
-    backward_cost: Sequence[float] | float = 2.0,
-    comm_cost: float = 0.0,
-    include_comm: bool = False,
+    schedule: Schedule, costs: Costs | None = None, include_comm: bool = False
 ) -> list[TimelineEvent]:
     """The simulated timeline, ready for :func:`~dtrain.modelparallel.timeline.write_chrome_trace`.
 
     Compute only by default: receive spans cover idle time and would hide the bubbles.
     """
-    result = simulate(schedule, forward_cost, backward_cost, comm_cost)
-    return result.all_events(include_comm=include_comm)
+    return simulate(schedule, costs).all_events(include_comm=include_comm)
 
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:

@@ -68,11 +68,14 @@ class WeightHalf:
     groups: list[WeightGroup]
     keep_alive: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def run(self) -> None:
-        """Accumulate every group's weight gradients, once."""
+    def run(self, between: Callable[[], None] = lambda: None) -> None:
+        """Accumulate every group's weight gradients, once; ``between`` runs between two
+        groups' autograd calls."""
         while self.groups:
             group = self.groups.pop(0)
             torch.autograd.backward(group.roots, group.grads, inputs=group.weights)  # type: ignore[arg-type]
+            if self.groups:
+                between()
         self.keep_alive.clear()
 
 
