@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import namedtuple
 from typing import Any
@@ -558,20 +559,23 @@ class NestedNet(nn.Module):
 
 
 def _train_nested_with_a_late_step_end() -> list[float]:
-    """Partition 1 handles the leader's step ends late: partition 2's requests of the next step
+    """Partition 1 gets the leader's step ends late: partition 2's requests of the next step
     reach it first (messages from different peers are not ordered)."""
-    from dtrain.modelparallel.runtime import PipelineRuntime
+    from dtrain.modelparallel.dispatch import Dispatcher
+    from dtrain.modelparallel.transport import END_STEP
 
     smp.init({"pipeline_parallel_degree": 3, "microbatches": 2,
               "auto_partition": False, "default_partition": 0})  # fmt: skip
     if smp.pp_rank() == 1:
-        end_of_step = PipelineRuntime._end_of_step
+        put = Dispatcher.put
 
-        def late(runtime: PipelineRuntime, step: int) -> Any:
-            time.sleep(0.5)
-            return end_of_step(runtime, step)
+        def late(dispatcher: Dispatcher[Any], stream: Any) -> None:
+            if stream[0][0].kind == END_STEP:
+                threading.Timer(0.5, put, (dispatcher, stream)).start()
+            else:
+                put(dispatcher, stream)
 
-        PipelineRuntime._end_of_step = late  # type: ignore[method-assign]
+        Dispatcher.put = late  # type: ignore[method-assign]
     module = NestedNet()
     smp.set_partition(module.middle, 2)
     smp.set_partition(module.middle.inner, 1)

@@ -4,10 +4,10 @@ The leader (pp rank 0) runs the step body once per microbatch, each in its own t
 modules owned elsewhere become requests to their owners (:mod:`.caller`, :mod:`.remote`), and
 every rank serves the requests it receives (:mod:`.owner`). The executor's compute token
 decides which task computes next, as the schedule policy says (:mod:`.executor`,
-:mod:`.policy`). Here: the messages a receiver hands over are dispatched (requests to the
-owner, step ends to the main thread); the leader's step runs its microbatches and announces
-their results, which the other ranks of the pipeline return from the step too; a silence is
-reported (:mod:`.stall`).
+:mod:`.policy`). Here: the messages the receivers queue are dispatched, on one thread in
+arrival order (:mod:`.dispatch`: requests to the owner, step ends to the main thread); the
+leader's step runs its microbatches and announces their results, which the other ranks of the
+pipeline return from the step too; a silence is reported (:mod:`.stall`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import atexit
 import functools
 import queue
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.caller import RemoteCaller
+from dtrain.modelparallel.dispatch import Dispatcher, StepGate
 from dtrain.modelparallel.errors import (
     CommunicationTimeoutError,
     ModelParallelError,
@@ -42,6 +42,7 @@ from dtrain.modelparallel.stall import RankState, StallWatch, WaitBoard, default
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
+    FAILED,
     FETCH,
     FORWARD,
     Message,
@@ -51,6 +52,8 @@ from dtrain.modelparallel.transport import (
     unflatten,
 )
 
+Stream = list[tuple[Message, list[torch.Tensor]]]
+"""Messages one receive brought, in order (see :mod:`.transport`)."""
 _POLL_S = 0.5
 _EXIT_WAIT_S = 60.0
 """Longest a rank that reaches the end of its script waits for its peers to reach theirs."""
@@ -76,11 +79,9 @@ class PipelineRuntime:
         self._modules = modules
         self.executor = Executor(group.pp_rank, policy, group.timeout, self._flush, group.device)
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
-        self._order_lock = threading.Lock()
-        self._ended = 0
-        """The last of the leader's steps whose end this rank has received."""
-        self._early: list[list[tuple[Message, list[torch.Tensor]]]] = []
-        """Request streams of a step that began here before the previous one ended."""
+        """Step ends and failures, for the main thread."""
+        self._gate: StepGate[Stream] = StepGate()
+        self._dispatcher: Dispatcher[Stream] | None = None
         self._steps = 0
         self.transport: Transport | None = None
         self.waits = WaitBoard()
@@ -91,6 +92,9 @@ class PipelineRuntime:
         if len(group.ranks) > 1:
             sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
             assert group.control_group is not None and group.data_group is not None
+            self._dispatcher = Dispatcher(
+                f"dtrain-mp-dispatch-{group.rank}", self._dispatch, self._dispatch_failed
+            )
             self.transport = Transport(
                 group.rank,
                 group.ranks,
@@ -98,7 +102,7 @@ class PipelineRuntime:
                 group.data_group,
                 group.device,
                 group.timeout,
-                self._on_messages,
+                self._dispatcher.put,
             )
         parts = RankParts(group, self.transport, self.executor, modules, owners)
         self.caller = RemoteCaller(parts, options.defer, self.waits)
@@ -149,22 +153,18 @@ class PipelineRuntime:
             return explained
         return error
 
-    def _on_messages(self, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
-        """A receiver thread (one per peer): the requests of one stream (one caller's, in its
-        order) are served one after the other by one task; step ends and failures go to the inbox.
+    def _dispatch(self, messages: Stream) -> None:
+        """The dispatcher thread: the requests of one stream (one caller's, in its order) are
+        served one after the other by one task; step ends and failures go to the inbox.
 
         Serving them in order cannot deadlock: a request can only depend on earlier ones (the
-        caller sent it after them, never waiting in between). Messages from different peers are
-        not ordered with each other: a request of the leader's next step that another rank sent
-        before this rank got the end of the current step waits for that end, so that this rank
-        finishes its own work of the step (e.g. ``optimizer.step()``) first.
+        caller sent it after them, never waiting in between). A request of the leader's next
+        step waits for this rank's end of the current one (:class:`~.dispatch.StepGate`).
         """
         first = messages[0][0]
-        if not self.is_leader and first.kind in (FORWARD, FETCH, BACKWARD):
-            with self._order_lock:
-                if first.step > self._ended + 1:
-                    self._early.append(messages)
-                    return
+        request = not self.is_leader and first.kind in (FORWARD, FETCH, BACKWARD)
+        if request and not self._gate.admit(first.step, messages):
+            return
         jobs: list[tuple[Phase, Callable[[], None]]] = []
         for message, tensors in messages:
             for step, microbatch in message.extra.get("released", ()):
@@ -172,10 +172,11 @@ class PipelineRuntime:
             if message.kind in (FORWARD, FETCH, BACKWARD):
                 jobs.append(self.owner.accept(message, tensors))
             elif message.kind == END_STEP and not self.is_leader:
-                due = self._end_of_step(message.call_id)
+                self.executor.reclaim_main()  # before any request of the next step
+                due = self._gate.end(message.call_id)
                 self._inbox.put((message, tensors))
                 for stream in due:
-                    self._on_messages(stream)
+                    self._dispatch(stream)
             else:
                 if not self.is_leader:
                     self.executor.reclaim_main()
@@ -184,15 +185,13 @@ class PipelineRuntime:
             task = Task("serve", first.microbatch, step=first.step)
             self.executor.spawn(functools.partial(self.owner.serve_stream, task, jobs))
 
-    def _end_of_step(self, step: int) -> list[list[tuple[Message, list[torch.Tensor]]]]:
-        """The leader ended ``step``: the main task gets the token before any request of the
-        next step; returns the next step's requests that came early, to be served now."""
-        with self._order_lock:
+    def _dispatch_failed(self, error: BaseException) -> None:
+        """A message could not be dispatched: the pipeline is broken on this rank."""
+        failure = ModelParallelError(f"rank {self.group.rank}: dispatching a message failed")
+        failure.__cause__ = error
+        if not self.is_leader:
             self.executor.reclaim_main()
-            self._ended = step
-            due = [stream for stream in self._early if stream[0][0].step <= step + 1]
-            self._early = [stream for stream in self._early if stream[0][0].step > step + 1]
-        return due
+        self._inbox.put((Message(FAILED, 0, self.group.rank, body=failure), []))
 
     def run_step(self, count: int, body: Callable[[int], Any] | None) -> list[MicrobatchResult]:
         """Every rank of the pipeline: the leader runs ``body`` per microbatch, others serve.
@@ -323,6 +322,8 @@ class PipelineRuntime:
         if self.transport is not None:
             atexit.unregister(self._close_at_exit)
             self.transport.close(timeout)
+        if self._dispatcher is not None:  # after the receivers: nothing more comes
+            self._dispatcher.close(self.group.timeout if timeout is None else timeout)
         for module in self._modules.values():
             remove_stub(module)
         sys.setswitchinterval(self._switch_interval)
