@@ -176,6 +176,12 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         (f"{P}.shard_optimizer_state", "True", "ddp=true"),
     ),
     (
+        {"deterministic_server": True, "partitions": 3},
+        None,
+        ConfigError,
+        (f"{P}.deterministic_server", "pipeline_parallel_degree 1 or 2 (here 3)"),
+    ),
+    (
         {"active_microbatches": 5, "microbatches": 4},
         None,
         ConfigError,

@@ -96,7 +96,7 @@ def test_the_main_task_waits_for_the_weight_halves_due() -> None:
     executor = Executor(0, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
     executor.release(executor.main)
     weights, next_step = _task("W1"), _task("F0")
-    executor.owe_weights()
+    executor.owe_weights(weights)
     executor.enqueue(executor.main)
     executor.enqueue(next_step)
     assert executor.main.granted.is_set() is False and next_step.granted.is_set() is False
@@ -105,7 +105,7 @@ def test_the_main_task_waits_for_the_weight_halves_due() -> None:
     executor.await_token(weights)
     executor.release(weights)
     assert not executor.main.granted.is_set()  # still due until it says it has run
-    executor.weights_paid()
+    executor.weights_paid(weights)
     assert executor.main.granted.is_set() and not next_step.granted.is_set()
 
 

@@ -148,8 +148,9 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "deterministic_server",
         bool,
         False,
-        "SMP: the same execution order on all DP ranks. Accepted; dtrain orders work by "
-        "readiness, and results do not depend on the order.",
+        "The same execution order on all DP ranks: each rank computes in the order of the "
+        "pipeline's plan (model.pipeline_schedule()) instead of as work becomes ready; with "
+        "pipeline_parallel_degree 1 or 2.",
     ),
     ParameterSpec(
         "tensor_parallel_degree",
@@ -343,6 +344,13 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
         )
     if partition is not None and partition >= degree:
         raise ConfigError(f"{where}.default_partition", partition, in_range)
+    if values["deterministic_server"] and degree > 2:
+        raise ConfigError(
+            f"{where}.deterministic_server",
+            True,
+            f"only with pipeline_parallel_degree 1 or 2 (here {degree}): with more partitions "
+            "dtrain cannot yet run a fixed order without the risk of a deadlock",
+        )
     active = values["active_microbatches"]
     if active > values["microbatches"]:
         raise ConfigError(

@@ -37,6 +37,7 @@ from dtrain.modelparallel.transport import (
     FORWARD,
     Message,
     Pending,
+    TensorMeta,
     flatten,
     map_leaves,
 )
@@ -140,6 +141,7 @@ class RemoteCaller:
             if len(self._predictions) >= MAX_PREDICTIONS:  # arguments that never repeat
                 self._predictions.clear()
             self._predictions[signature] = outputs
+        self._note_graph(record, record.meta)
         return attach(record, (), outputs, record.outputs, record.meta)
 
     def _replay_hooks(self, record: CallRecord) -> None:
@@ -228,7 +230,15 @@ class RemoteCaller:
     def fetch(self, record: CallRecord, path: tuple[Any, ...]) -> Any:
         """The value at ``path`` of a deferred call's outputs, from its owner."""
         reply, tensors = self._ask(FETCH, record, {"path": path}, [])
+        self._note_graph(record, reply.meta)
         return attach(record, path, reply.body, tensors, reply.meta)
+
+    def _note_graph(self, record: CallRecord, meta: tuple[TensorMeta, ...]) -> None:
+        """Outputs of ``record`` join the current task's autograd graph (:func:`.attach`): its
+        backward may send the owner a backward request of the microbatch."""
+        task = self.executor.current()
+        if task is not None and record.grad and any(m.requires_grad for m in meta):
+            task.fetched_from.add(record.owner)
 
     def confirm(self, record: CallRecord) -> None:
         """Wait until the owner has finished a deferred call nobody fetched from (its error
@@ -255,8 +265,11 @@ class RemoteCaller:
         the backward here."""
         record = value.record
         leaves, inputs = record.closure()
+        task = self.executor.current()
+        # The owner's last backward of the microbatch unless the graph here may send more.
+        last = task is not None and record.owner not in task.fetched_from
         fetched, input_grads = self._backward_request(
-            record, value.path, leaves, [grad], {"fetch": True, "scale": scale}
+            record, value.path, leaves, [grad], {"fetch": True, "scale": scale, "last": last}
         )
         assert fetched is not None
         value.resolve(fetched)

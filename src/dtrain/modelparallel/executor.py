@@ -20,10 +20,15 @@ The thread that runs the user's script is the *main* task: it holds the token ou
 request that arrives early (the leader already started the next step) waits until this rank has
 finished its own work (e.g. ``optimizer.step()``) and entered the step.
 
-A split backward's weight half is a task of its own (:meth:`Executor.defer_weights`), ranked
+A split backward's weight half is a task of its own (:meth:`Executor.owe_weights`), ranked
 after all other work, so it runs when the rank would otherwise wait. The step ends on a rank
 only once every weight half it deferred has run: while the main task waits for the token, only
 weight halves may take it.
+
+With a plan order (``deterministic_server``, :mod:`.order`) a task may take the token only while
+its action is the rank's current one in the plan. The leader's forward of a microbatch ends when
+its task first waits for another rank or turns to its backward, its backward when the task ends;
+the runtime ends the other ranks' actions (:meth:`Executor.end_action`).
 
 Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank).
 """
@@ -41,7 +46,8 @@ from typing import Any, Literal
 
 import torch
 
-from dtrain.modelparallel.errors import CommunicationTimeoutError
+from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
+from dtrain.modelparallel.order import PlanOrder
 from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.workers import WorkerPool
@@ -74,6 +80,9 @@ class Task:
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
+    fetched_from: set[int] = field(default_factory=set, repr=False)
+    """Owners (pp ranks) whose outputs this task fetched onto its autograd graph: each may
+    receive a backward request of the microbatch from the graph's backward."""
 
     def describe(self) -> str:
         if self.role == "main":
@@ -101,12 +110,21 @@ class Executor:
         timeout: float,
         flush: Callable[[Task], None] = lambda task: None,
         device: torch.device | None = None,
+        plan: tuple[tuple[str, int], ...] | None = None,
+        forward_done: Callable[[Task], None] = lambda task: None,
     ) -> None:
         """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
         (for the token or a condition) and before it computes a module, so that nothing
-        queued waits on the task's own progress."""
+        queued waits on the task's own progress. ``plan`` (this rank's compute actions, in
+        order) makes the token follow it; ``forward_done`` is called when a leader task turns to
+        its backward (the runtime tells the other ranks, whose forward of the microbatch is
+        then over too)."""
         self.pp_rank = pp_rank
         self.flush = flush
+        self.forward_done = forward_done
+        self._plan = plan
+        self._orders: dict[int, PlanOrder] = {}
+        """The plan's order for each step under way (by the leader's step number)."""
         self.policy = policy
         self.timeout = timeout
         self.main = Task("main")
@@ -123,6 +141,8 @@ class Executor:
         self._main_reclaimed = False
         self._weights_due = 0
         """Weight halves deferred and not finished: the main task waits for them."""
+        self._weights_owed: list[tuple[int, int]] = []
+        """(step, microbatch) of each of them."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -134,10 +154,42 @@ class Executor:
 
     def _eligible(self) -> list[tuple[tuple[int, int], int, Task]]:
         """The waiters the token may go to: while the main task waits and weight halves are
-        due, only those (call with the lock held)."""
-        if self._weights_due and any(entry[2] is self.main for entry in self._waiting):
-            return [entry for entry in self._waiting if entry[2].phase == "W"]
-        return self._waiting
+        due, only those; with a plan order, only the current action's (call with the lock
+        held)."""
+        waiting = self._waiting
+        if self._weights_due and any(entry[2] is self.main for entry in waiting):
+            waiting = [entry for entry in waiting if entry[2].phase == "W"]
+        return [entry for entry in waiting if self._in_turn(entry[2])]
+
+    def _in_turn(self, task: Task) -> bool:
+        """Whether the plan order (if any) lets ``task`` compute now (call with the lock held)."""
+        if self._plan is None or task.role == "main":
+            return True
+        return self._order(task.step).admits(task.phase, task.microbatch)
+
+    def _order(self, step: int) -> PlanOrder:
+        """The plan's order for ``step``; the orders of steps two or more before are dropped."""
+        assert self._plan is not None
+        order = self._orders.get(step)
+        if order is None:
+            order = self._orders[step] = PlanOrder.of(self._plan)
+            for old in [s for s in self._orders if s < step - 1]:
+                del self._orders[old]
+        return order
+
+    def end_action(self, step: int, phase: str, microbatch: int) -> None:
+        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
+        order, the next one's tasks may compute."""
+        if self._plan is None:
+            return
+        with self._cv:
+            self._order(step).end(phase, microbatch)
+            self._progress = time.monotonic()
+            self._grant()
+
+    def action_ended(self, step: int, phase: str, microbatch: int) -> bool:
+        with self._cv:
+            return self._plan is not None and self._order(step).has_ended(phase, microbatch)
 
     def _grant(self) -> None:
         """Give a free token to the most urgent eligible waiter (call with the lock held)."""
@@ -204,11 +256,16 @@ class Executor:
             )
 
     def _yield_if_urgent(self, task: Task) -> None:
-        """A task holding the token between computations gives it to a more urgent waiter."""
+        """A task holding the token between computations gives it to a more urgent waiter
+        (or gives it up: a plan order has moved on from the task's action)."""
         with self._cv:
-            key = self._key(task)
-            if any(entry[0] < key for entry in self._eligible()):
+            if self._outranked(task):
                 self.release(task)
+
+    def _outranked(self, task: Task) -> bool:
+        """Whether the holder ``task`` should give the token up (call with the lock held)."""
+        key = self._key(task)
+        return not self._in_turn(task) or any(entry[0] < key for entry in self._eligible())
 
     def activity(self) -> str:
         """What holds the token now, and for how long (for stall reports)."""
@@ -221,7 +278,14 @@ class Executor:
         what = holder.describe()
         if holder.role != "main":
             what += f" computing {holder.name!r}" if holder.recording else " between computations"
-        return f"{what} has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
+        held_for = f"has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
+        turn = ""
+        if self._plan is not None and holder.role != "main":
+            with self._cv:
+                turn = (
+                    f"; in the plan's order it is the turn of {self._order(holder.step).describe()}"
+                )
+        return f"{what} {held_for}{turn}"
 
     @property
     def last_progress(self) -> float:
@@ -310,6 +374,8 @@ class Executor:
     def _take(self, task: Task, name: str) -> None:
         """Hold the token to compute ``name``: kept from the task's last computation unless a
         more urgent task waits, else queued for; what the task queued is sent first."""
+        if self._plan is not None:
+            self._check_plan_shape(task, name)
         if task.outbox:
             self.flush(task)
         if task.holding:
@@ -323,6 +389,27 @@ class Executor:
             self.acquire(task)
         task.sticky = False
 
+    def _check_plan_shape(self, task: Task, name: str) -> None:
+        """A plan order runs each microbatch through the partitions in order; work that comes
+        back to partition 0 cannot be ordered so, and fails naming the module."""
+        mb = task.microbatch
+        over = task.role != "main" and self.action_ended(task.step, task.phase, mb)
+        if task.role == "leader" and task.phase == "F" and over:
+            where = f"on partition 0 after microbatch {mb} waited for another partition"
+        elif task.role == "serve" and self.pp_rank == 0:
+            where = "on partition 0, called from another partition"
+        elif task.role == "serve" and over:
+            what = "backward" if task.phase in ("B", "I") else "forward"
+            where = f"on partition {self.pp_rank} after microbatch {mb}'s {what} here was over"
+        else:
+            return
+        raise ModelParallelError(
+            f"deterministic_server: module {name!r} would compute {where}: the plan's order "
+            "needs every microbatch to go through the partitions in order (0, 1, ...) once "
+            "forward and once back; place the model's last modules on the last partition, or "
+            "set deterministic_server to false"
+        )
+
     def give_way(self) -> None:
         """The current task, computing, lets a more urgent waiting task compute first, then
         goes on (a weight half between its autograd calls)."""
@@ -330,15 +417,21 @@ class Executor:
         if task is None or not task.holding:
             return
         with self._cv:
-            if not any(entry[0] < self._key(task) for entry in self._eligible()):
+            if not self._outranked(task):
                 return
             self.release(task)  # records the work so far
         self.acquire(task)
 
-    def defer_weights(self, task: Task, run: Callable[[], None]) -> None:
-        """Run ``run`` (a weight half) as ``task`` when nothing more urgent waits; the step
-        does not end on this rank before it has run."""
-        self.owe_weights()
+    def owe_weights(self, task: Task) -> None:
+        """The weight half ``task`` (of a split backward, not spawned yet) is due: the main
+        task waits for it. Owed before the backward replies, so that no end of the microbatch
+        can be taken for the end of its weights."""
+        with self._cv:
+            self._weights_due += 1
+            self._weights_owed.append((task.step, task.microbatch))
+
+    def run_weights(self, task: Task, run: Callable[[], None]) -> None:
+        """Run the owed weight half ``task`` (``run``) when nothing more urgent waits."""
         self.spawn(functools.partial(self._weights_task, task, run))
 
     def _weights_task(self, task: Task, run: Callable[[], None]) -> None:
@@ -346,19 +439,27 @@ class Executor:
             with self.serving(task), self.computing(task.name):
                 run()
         finally:
-            self.weights_paid()
+            self.weights_paid(task)
 
-    def owe_weights(self) -> None:
-        """A weight half is due: the main task waits for it."""
-        with self._cv:
-            self._weights_due += 1
-
-    def weights_paid(self) -> None:
-        """A due weight half has run (or failed): the main task may be next."""
+    def weights_paid(self, task: Task) -> None:
+        """The owed weight half ``task`` has run (or failed): its action is over, and the main
+        task may be next."""
         with self._cv:
             self._weights_due -= 1
+            self._weights_owed.remove((task.step, task.microbatch))
             self._progress = time.monotonic()
             self._grant()
+        self.end_action(task.step, "W", task.microbatch)
+
+    def end_microbatch(self, step: int, microbatch: int) -> None:
+        """The leader's task of ``microbatch`` is over: so are this rank's forward and
+        backward of it, and its weight half unless one is still owed."""
+        for phase in ("F", "B"):
+            self.end_action(step, phase, microbatch)
+        with self._cv:
+            owed = (step, microbatch) in self._weights_owed
+        if not owed:
+            self.end_action(step, "W", microbatch)
 
     def step_aside(self) -> None:
         """The current task, holding the token between computations, is about to do other work
@@ -374,6 +475,8 @@ class Executor:
         """Give the token away while the current task waits for another rank (or for another
         task's result); a sticky holder does not take it back afterwards."""
         task = self.current()
+        if task is not None and task.role == "leader" and task.phase == "F":
+            self.end_action(task.step, "F", task.microbatch)  # the forward left partition 0
         if task is None or not task.holding:
             yield
             return
@@ -443,6 +546,8 @@ class Executor:
             if task.holding:
                 self.release(task)
             self._local.task = previous
+            for phase in ("F", "B"):
+                self.end_action(task.step, phase, mb)
             with self._cv:
                 step.forward_done.add(mb)
                 step.running -= 1
@@ -468,6 +573,8 @@ class Executor:
             with self._cv:
                 step.forward_done.add(task.microbatch)
                 self._cv.notify_all()
+            self.end_action(task.step, "F", task.microbatch)
+            self.forward_done(task)
             task.phase = "B"
             if not self.policy.backward_may_start(len(step.forward_done)):
                 if task.holding:

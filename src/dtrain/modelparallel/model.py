@@ -260,7 +260,13 @@ class DistributedModel(nn.Module):
             timeout=st.options.timeout,
         )
         self._schedule = self._planned_schedule(plan)
-        self._runtime = PipelineRuntime(group, modules, owners, self._schedule.policy, st.options)
+        plan = None
+        if st.config["deterministic_server"]:
+            actions = self._schedule.compute_actions(st.pp_rank)
+            plan = tuple((action.kind, action.microbatch) for action in actions)
+        self._runtime = PipelineRuntime(
+            group, modules, owners, self._schedule.policy, st.options, plan
+        )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_control_group)
         for sd, strict in self._pending_loads:

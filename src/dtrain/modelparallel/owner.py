@@ -11,7 +11,7 @@ references form a *chain* whose autograd graph lives on the owner; one backward 
 whole chain, keeping the graph only when the chain has several fetched outputs (each may bring
 its own backward). A backward the policy splits sends its inputs' gradients first; its weights'
 are computed later, when the rank has nothing more urgent to do (:mod:`.split_backward`,
-:meth:`~.executor.Executor.defer_weights`).
+:meth:`~.executor.Executor.owe_weights`).
 """
 
 from __future__ import annotations
@@ -279,7 +279,9 @@ class Owner:
         Where the policy splits it (the step's last microbatches, whose weight halves fill the
         drain), only the inputs' gradients are computed before the reply (the task's period
         is an ``I``); the weights' wait as a ``W`` task of their own for idle time, and the
-        step does not end on this rank before they have run (:mod:`.executor`).
+        step does not end on this rank before they have run (:mod:`.executor`). A request
+        marked ``last`` is the microbatch's last backward here: the rank's backward action of
+        it is over once it has run (in a plan's order, the next action may begin).
         """
         task = self.executor.current()
         assert task is not None
@@ -293,11 +295,17 @@ class Owner:
         except BaseException as exc:
             self._send_error(message, exc)
             return
-        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
+        weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
         if weights is not None:
-            weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
+            self.executor.owe_weights(weights_task)
+        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
+        if message.body.get("last"):
+            self.executor.end_action(message.step, "B", message.microbatch)
+            if weights is None:
+                self.executor.end_action(message.step, "W", message.microbatch)
+        if weights is not None:
             run = functools.partial(self._run_weights, weights, mode)
-            self.executor.defer_weights(weights_task, run)
+            self.executor.run_weights(weights_task, run)
 
     def _run_weights(self, weights: WeightHalf, mode: ComputeMode) -> None:
         """The weight half of a split backward, letting more urgent work go first between its

@@ -13,6 +13,7 @@ pipeline return from the step too; a silence is reported (:mod:`.stall`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import queue
 import sys
@@ -45,6 +46,7 @@ from dtrain.modelparallel.transport import (
     FAILED,
     FETCH,
     FORWARD,
+    NOTICE,
     Message,
     Transport,
     error_body,
@@ -74,10 +76,22 @@ class PipelineRuntime:
         owners: dict[str, int],
         policy: SchedulePolicy,
         options: RuntimeOptions,
+        plan: tuple[tuple[str, int], ...] | None = None,
     ) -> None:
+        """``plan``: this rank's compute actions, in the order every step runs them
+        (``deterministic_server``); None: work runs as it becomes ready."""
         self.group = group
         self._modules = modules
-        self.executor = Executor(group.pp_rank, policy, group.timeout, self._flush, group.device)
+        self._plan = plan
+        self.executor = Executor(
+            group.pp_rank,
+            policy,
+            group.timeout,
+            self._flush,
+            group.device,
+            plan,
+            self._forward_done if plan is not None else lambda task: None,
+        )
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
         """Step ends and failures, for the main thread."""
         self._gate: StepGate[Stream] = StepGate()
@@ -171,6 +185,8 @@ class PipelineRuntime:
                 self.owner.forget_microbatch(step, microbatch)
             if message.kind in (FORWARD, FETCH, BACKWARD):
                 jobs.append(self.owner.accept(message, tensors))
+            elif message.kind == NOTICE:
+                self._on_notice(message)
             elif message.kind == END_STEP and not self.is_leader:
                 self.executor.reclaim_main()  # before any request of the next step
                 due = self._gate.end(message.call_id)
@@ -184,6 +200,29 @@ class PipelineRuntime:
         if jobs:
             task = Task("serve", first.microbatch, step=first.step)
             self.executor.spawn(functools.partial(self.owner.serve_stream, task, jobs))
+
+    def _forward_done(self, task: Task) -> None:
+        """A leader task turned to its backward: its forward requests go out first, then every
+        other rank learns that its forward of the microbatch is over (a plan's order)."""
+        self.caller.flush(task)
+        self._notify(task.step, task.microbatch, "forward")
+
+    def _notify(self, step: int, microbatch: int, what: str) -> None:
+        """Tell every other rank of the pipeline that ``what`` of a microbatch is over."""
+        if self.transport is None:
+            return
+        with contextlib.suppress(ModelParallelError):  # broken pipeline: the waits say so
+            for peer in self.transport.peers:
+                notice = Message(NOTICE, 0, body=what, microbatch=microbatch, step=step)
+                self.transport.send(peer, notice)
+
+    def _on_notice(self, message: Message) -> None:
+        """The leader's word that this rank's forward (``"forward"``) or whole work
+        (``"done"``) of a microbatch is over."""
+        if message.body == "forward":
+            self.executor.end_action(message.step, "F", message.microbatch)
+        else:
+            self.executor.end_microbatch(message.step, message.microbatch)
 
     def _dispatch_failed(self, error: BaseException) -> None:
         """A message could not be dispatched: the pipeline is broken on this rank."""
@@ -241,6 +280,8 @@ class PipelineRuntime:
         finally:
             self.caller.drop_calls(task)
             self._release(task.step, microbatch)
+            if self._plan is not None:
+                self._notify(task.step, microbatch, "done")
 
     def _release(self, step: int, microbatch: int) -> None:
         """Nothing of this microbatch is needed any more, here or on the other ranks."""

@@ -62,7 +62,7 @@ _ALIGN = 64
 _TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
 
 # Message kinds.
-FORWARD, FETCH, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED = (
+FORWARD, FETCH, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED, NOTICE = (
     "forward",
     "fetch",
     "backward",
@@ -71,6 +71,7 @@ FORWARD, FETCH, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED = (
     "end_step",
     "stop",
     "failed",
+    "notice",
 )
 
 

@@ -1,0 +1,60 @@
+"""A rank's compute in the plan's order, the same on every data-parallel replica (SMP's
+``deterministic_server``).
+
+Normally the compute token goes to whichever waiting task the policy ranks first, so the order
+among ready microbatches depends on timing and differs between replicas. With a
+:class:`PlanOrder` a task computes only while its action (its phase and microbatch) is the
+rank's current one in the plan (:func:`~.schedule.schedule_of`); the runtime says when an action
+has ended, and the next one becomes current. A split backward's input half is the plan's
+backward of that microbatch (``I`` counts as ``B``), its weight half the plan's ``W``.
+
+Plain data: the rules are tested as tables, without threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Key = tuple[str, int]
+"""An action: ``("F" | "B" | "W", microbatch)``."""
+
+
+def action_key(phase: str, microbatch: int) -> Key:
+    return ("B" if phase == "I" else phase, microbatch)
+
+
+@dataclass
+class PlanOrder:
+    """The plan's compute actions for one rank and one step, and how far the rank has come."""
+
+    actions: tuple[Key, ...]
+    ended: set[Key] = field(default_factory=set)
+    cursor: int = 0
+
+    @classmethod
+    def of(cls, actions: Iterable[tuple[str, int]]) -> PlanOrder:
+        """From a plan's ``(kind, microbatch)`` compute actions, in order."""
+        return cls(tuple(action_key(kind, mb) for kind, mb in actions))
+
+    @property
+    def current(self) -> Key | None:
+        """The action whose work may run now (None once every action has ended)."""
+        return self.actions[self.cursor] if self.cursor < len(self.actions) else None
+
+    def admits(self, phase: str, microbatch: int) -> bool:
+        return self.current == action_key(phase, microbatch)
+
+    def has_ended(self, phase: str, microbatch: int) -> bool:
+        return action_key(phase, microbatch) in self.ended
+
+    def end(self, phase: str, microbatch: int) -> None:
+        """An action's work is over (it may be ahead of the current one: its turn will pass
+        at once)."""
+        self.ended.add(action_key(phase, microbatch))
+        while self.current is not None and self.current in self.ended:
+            self.cursor += 1
+
+    def describe(self) -> str:
+        current = self.current
+        return "every action of the plan ended" if current is None else f"{current[0]}{current[1]}"

@@ -1,0 +1,118 @@
+"""``deterministic_server``: every rank computes in the plan's order, the same on every
+data-parallel replica, and trains like one process; a model the order cannot serve fails
+naming the module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.executor import Executor, Task
+from dtrain.modelparallel.policy import SchedulePolicy
+from tests.modelparallel.equivalence import CASES, GLOBAL_BATCH, LR, reference
+from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.test_equivalence import assert_equivalent
+
+STEPS = 4
+MICROBATCHES = 4
+
+
+def _collapsed(kinds: list[tuple[str, int]]) -> list[str]:
+    """Actions in order, a run of periods of one action counted once."""
+    shown: list[str] = []
+    for kind, mb in kinds:
+        if not shown or shown[-1] != f"{kind}{mb}":
+            shown.append(f"{kind}{mb}")
+    return shown
+
+
+def _train_in_plan_order(case_name: str) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+              "auto_partition": False, "default_partition": 0, "deterministic_server": True,
+              "ddp": dist.get_world_size() > 2})  # fmt: skip
+    case = CASES[case_name]
+    module = case.build()
+    for name, partition in case.split.items():
+        smp.set_partition(module.get_submodule(name), partition)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = case.loss(model, x, y)
+        model.backward(loss)
+        return loss
+
+    losses, orders = [], []
+    for index in range(STEPS):
+        x, y = case.batch(index)
+        shard = GLOBAL_BATCH // smp.dp_size()
+        rows = slice(smp.dp_rank() * shard, (smp.dp_rank() + 1) * shard)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, x[rows], y[rows]).reduce_mean()))
+        optimizer.step()
+        events = sorted(model.timeline(), key=lambda e: e.start)
+        orders.append(_collapsed([(e.kind, e.microbatch) for e in events]))
+    plan = [str(a) for a in model.pipeline_schedule().compute_actions(smp.pp_rank())]
+    params = model.state_dict()
+    smp.shutdown()
+    dist.destroy_process_group()
+    return {"losses": losses, "orders": orders, "plan": plan, "params": params}
+
+
+def test_every_rank_computes_in_the_plans_order_on_every_replica() -> None:
+    ranks = run_ranks(4, _train_in_plan_order, "grouped", timeout=240)
+    for rank in ranks:
+        for order in rank["orders"]:  # the first step too (its calls wait for their replies)
+            assert order == rank["plan"]
+    assert ranks[0]["plan"] == ranks[2]["plan"] and ranks[1]["plan"] == ranks[3]["plan"]
+    assert any(action.startswith("W") for action in ranks[1]["plan"])  # split backwards too
+    expected = reference("grouped", STEPS)
+    losses = [sum(pair) / 2 for pair in zip(ranks[0]["losses"], ranks[2]["losses"], strict=True)]
+    for replica in (ranks[0], ranks[2]):
+        got = type(expected)(losses, replica["params"])
+        assert_equivalent(got, expected, "deterministic_server, pp=2 x dp=2")
+
+
+def test_a_forward_that_comes_back_to_partition_0_fails_naming_the_module() -> None:
+    """The LM's head shares its weight with the embedding, so it stays on partition 0 while
+    the last blocks are on partition 1: its forward comes back, which no fixed order serves."""
+    with pytest.raises(Exception, match="deterministic_server") as caught:
+        run_ranks(2, _train_in_plan_order, "lm", timeout=120)
+    message = str(caught.value)
+    assert "module 'lm_head' would compute on partition 0 after microbatch 0 waited" in message
+
+
+def _task(text: str, step: int = 1) -> Task:
+    return Task("serve", int(text[1:]), phase=text[0], step=step)  # type: ignore[arg-type]
+
+
+def test_the_token_follows_the_plan_not_the_policy() -> None:
+    """Without threads: waiting tasks get the token only in their action's turn."""
+    plan = (("F", 0), ("F", 1), ("B", 0), ("W", 0))
+    executor = Executor(1, SchedulePolicy("interleaved", 2, 2), 1.0, plan=plan)
+    executor.release(executor.main)
+    backward, second, first = _task("B0"), _task("F1"), _task("F0")
+    for task in (backward, second, first):
+        executor.enqueue(task)
+    assert [t.granted.is_set() for t in (backward, second, first)] == [False, False, True]
+    executor.await_token(first)
+    executor.release(first)
+    assert not second.granted.is_set()  # F0's turn lasts until its end is known
+    executor.end_action(1, "F", 0)
+    assert second.granted.is_set() and not backward.granted.is_set()
+    executor.await_token(second)
+    executor.end_action(1, "F", 1)
+    executor.release(second)
+    assert backward.granted.is_set()
+    executor.await_token(backward)
+    executor.release(backward)
+    other_step = _task("F0", step=2)  # each step has its own turns
+    executor.enqueue(other_step)
+    assert other_step.granted.is_set()
