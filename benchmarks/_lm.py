@@ -92,3 +92,16 @@ class LastStage(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(run_blocks(self.blocks, hidden, self.mask))
+
+
+class MiddleStage(nn.Module):
+    """Blocks ``start`` to ``stop`` of ``model`` (shares its parameters): a stage of a split in
+    more than two."""
+
+    def __init__(self, model: TransformerLM, start: int, stop: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(model.blocks[start:stop])
+        self.mask = model.mask
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return run_blocks(self.blocks, hidden, self.mask)

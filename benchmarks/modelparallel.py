@@ -4,16 +4,28 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 
 * ``pipeline``: the 4-layer transformer LM of the data-parallel benchmark, 2 partitions
   (embeddings + 2 blocks | 2 blocks + head), global batch 16 in 8 microbatches, AdamW, gloo,
-  one thread per rank. In one 2-process world, dtrain (``interleaved``) and ``Schedule1F1B`` on
-  the same split take turns step by step; the ratio is of the median steps, and the median of
-  each step pair's ratio is shown too. Each rank also times its stage alone (the same
-  microbatches, forward + backward, then its optimizer step), which gives the ideal pipelined
-  step ``max over stages of compute × (m + p − 1) / m + optimizer``.
+  one thread per rank. In one 2-process world, dtrain (``interleaved``, its zero-bubble drain
+  as planned) and torch's ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` (one stage per
+  rank) on the same split, and torch's ``ScheduleZBVZeroBubble`` (its zero-bubble schedule for
+  2 ranks, which needs two stages per rank: embeddings + block 0 and block 3 + head on rank 0,
+  blocks 1 and 2 on rank 1), take turns step by step; ratios are of the median steps against
+  ``Schedule1F1B``, and the median of each step pair's ratio is shown too. Each rank also
+  times its stage alone (the same microbatches, forward + backward, then its optimizer step),
+  which gives the ideal 1F1B step ``max over stages of compute × (m + p − 1) / m + optimizer``
+  and what dtrain's planner predicts for its plan against a 1F1B plan with those stage times.
+  ``--pin-cores`` puts rank r on CPU r (both libraries alike).
 * ``unbalanced``: an 8-layer LM with a large vocabulary (a heavy head), auto-partition against
   the equal-layer split (4 blocks each side, embeddings first, head last), each in fresh
   2-process worlds, alternating.
 * ``memory``: per-rank parameter, gradient and optimizer bytes and peak RSS of the pipeline
   against one process training the whole model.
+* ``busy``: a 30M-parameter GPT-2 (``examples/modelparallel/gpt.py``: 8 layers, width 512,
+  8 heads, sequence 128, vocabulary 8192, its head tied to the embedding), global batch 16 in
+  8 microbatches, auto-partitioned on 2 ranks: the share of each step each rank computes
+  (its timeline's periods over the step), with the zero-bubble drain and with every backward
+  whole (``DTRAIN_MP_SPLIT_BACKWARD=0``), in fresh worlds taking turns; beside it, what the
+  plan predicts and the most a rank can be busy given the partitions' work (its own over the
+  slowest's).
 
 A step's time is the slowest rank's; variants report the median step.
 
@@ -28,6 +40,7 @@ import os
 import resource
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,10 +49,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _lm import FirstStage, LastStage, TransformerLM, lm_loss  # benchmarks/ is the script's dir
+from _lm import (  # benchmarks/ is the script's dir
+    FirstStage,
+    LastStage,
+    MiddleStage,
+    TransformerLM,
+    lm_loss,
+)
 from torch import nn
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.options import SPLIT_ENV
+from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
 GLOBAL_BATCH, SEQ = 16, 128
 STAGES = 2
@@ -82,15 +103,15 @@ def timed_steps(
 
 
 def alternated_steps(
-    first: Callable[[int], None], second: Callable[[int], None], count: int, warmup: int
-) -> tuple[list[float], list[float]]:
-    """Step times of two variants taking turns step by step (which goes first alternates too),
-    so that the machine's drift, often 20% within a minute here, hits both alike."""
-    times: tuple[list[float], list[float]] = ([], [])
+    variants: list[Callable[[int], None]], count: int, warmup: int
+) -> list[list[float]]:
+    """Step times of the variants taking turns step by step (which goes first rotates too),
+    so that the machine's drift, often 20% within a minute here, hits all alike."""
+    times: list[list[float]] = [[] for _ in variants]
     for index in range(warmup + count):
-        order = (0, 1) if index % 2 == 0 else (1, 0)
-        for which in order:
-            elapsed = timed_steps((first, second)[which], 1, 0, start=index)[0]
+        shift = index % len(variants)
+        for which in [*range(shift, len(variants)), *range(shift)]:
+            elapsed = timed_steps(variants[which], 1, 0, start=index)[0]
             if index >= warmup:
                 times[which].append(elapsed)
     return times
@@ -107,7 +128,9 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def init_world(rank: int, world: int, port: int) -> None:
+def init_world(rank: int, world: int, port: int, pin: bool = False) -> None:
+    if pin:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -158,34 +181,80 @@ def dtrain_pipeline(
 # --- scenario: pipeline ------------------------------------------------------------------------
 
 
-def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+TORCH_SCHEDULES = ("torch 1F1B", "torch ZB1P", "torch ZBV")
 
-    init_world(rank, STAGES, port)
+
+def torch_pipeline(
+    name: str, rank: int, m: int
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], list[nn.Module]]:
+    """One of torch's schedules on a fresh copy of the LM: its step, and this rank's stages."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    model = TransformerLM(seed=0)
+    cpu = torch.device("cpu")
+    if name == "torch ZBV":  # a V over 4 stages: rank 0 runs 0 and 3, rank 1 runs 1 and 2
+        placed: list[tuple[int, nn.Module]] = (
+            [(0, FirstStage(model, 1)), (3, LastStage(model, 3))]
+            if rank == 0
+            else [(1, MiddleStage(model, 1, 2)), (2, MiddleStage(model, 2, 3))]
+        )
+        stages = [PipelineStage(module, index, 4, cpu) for index, module in placed]
+        schedule: Any = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=lm_loss)
+        modules = [module for _, module in placed]
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+            if rank == 0:
+                schedule.step(tokens, target=targets, losses=[])
+            else:
+                schedule.step()
+
+        return step, modules
+    split = len(model.blocks) // 2
+    module: nn.Module = FirstStage(model, split) if rank == 0 else LastStage(model, split)
+    stage = PipelineStage(module, rank, STAGES, cpu)
+    if name == "torch 1F1B":
+        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lm_loss)
+    else:
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=lm_loss)
+
+    def single(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets, losses=[])
+
+    return single, [module]
+
+
+def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    init_world(rank, STAGES, port, args.pin_cores)
     m = args.microbatches
     data = batches(4, 1024)
     smp.init(smp_config(m, auto=False))
     ours_model = TransformerLM(seed=0)
     equal_split(ours_model)
-    ours_step, _, _ = dtrain_pipeline(ours_model, m)
+    ours_step, ours_dist, _ = dtrain_pipeline(ours_model, m)
+    variants: list[Callable[[int], None]] = [lambda i: ours_step(i, data)]
+    stage_module: nn.Module | None = None
+    for name in TORCH_SCHEDULES:
+        step_fn, modules = torch_pipeline(name, rank, m)
+        optimizer = torch.optim.AdamW([p for mod in modules for p in mod.parameters()], lr=1e-4)
+        if name == "torch 1F1B":
+            stage_module = modules[0]  # the split's stage, timed alone below
 
-    theirs_model = TransformerLM(seed=0)
-    split = len(theirs_model.blocks) // 2
-    stage_module: nn.Module = (
-        FirstStage(theirs_model, split) if rank == 0 else LastStage(theirs_model, split)
-    )
-    stage = PipelineStage(stage_module, rank, STAGES, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lm_loss)
-    theirs_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
+        def theirs_step(index: int, step_fn: Any = step_fn, optimizer: Any = optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            step_fn(*data[index % len(data)])
+            optimizer.step()
 
-    def theirs_step(index: int) -> None:
-        tokens, targets = data[index % len(data)]
-        theirs_opt.zero_grad(set_to_none=True)
-        if rank == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=[])
-        theirs_opt.step()
+        variants.append(theirs_step)
+    assert stage_module is not None
+    stage_opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-4)
 
     def stage_alone() -> tuple[float, float]:
         """This rank's stage over the step's microbatches, alone: compute, optimizer seconds."""
@@ -200,19 +269,16 @@ def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any
                 lm_loss(stage_module(hidden), target).backward()
         compute = time.perf_counter() - start
         start = time.perf_counter()
-        theirs_opt.step()
-        theirs_opt.zero_grad(set_to_none=True)
+        stage_opt.step()
+        stage_opt.zero_grad(set_to_none=True)
         return compute, time.perf_counter() - start
 
-    ours: list[float] = []
-    theirs: list[float] = []
+    times: list[list[float]] = [[] for _ in variants]
     alone: list[tuple[float, float]] = []
     for _ in range(args.repeats):
-        mine, other = alternated_steps(
-            lambda i: ours_step(i, data), theirs_step, args.steps, args.warmup
-        )
-        ours += mine
-        theirs += other
+        measured = alternated_steps(variants, args.steps, args.warmup)
+        for kept, new in zip(times, measured, strict=True):
+            kept += new
         dist.barrier()
         alone.append(stage_alone())
     compute = statistics.median(c for c, _ in alone)
@@ -220,29 +286,54 @@ def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any
     stage_times: list[Any] = [None] * STAGES
     dist.all_gather_object(stage_times, (compute, opt_time))
     if rank == 0:
-        results.put({"ours": ours, "theirs": theirs, "stages": stage_times})
+        split = ours_dist.pipeline_schedule().policy.split
+        results.put({"times": times, "stages": stage_times, "split": split})
     smp.shutdown()
     dist.destroy_process_group()
+
+
+def planned_ratio(stage_compute: list[float], optimizer: float, m: int) -> dict[str, Any]:
+    """What dtrain's planner predicts for its plan against a 1F1B plan (no split) with the
+    measured stage times (a stage's forward a third of its compute) and the split cost."""
+    costs = Costs.of_stages([c / m for c in stage_compute], SPLIT_OVERHEAD)
+    ours = build_schedule("interleaved", STAGES, m, costs=costs)
+    whole = build_schedule("interleaved", STAGES, m, split_backward=False, costs=costs)
+    free = Costs.of_stages([c / m for c in stage_compute])
+    free_plan = build_schedule("interleaved", STAGES, m, costs=free)
+    return {
+        "split": list(ours.policy.split),
+        "planned_over_1f1b": (simulate(ours, costs).makespan + optimizer)
+        / (simulate(whole, costs).makespan + optimizer),
+        "free_split_over_1f1b": (simulate(free_plan, free).makespan + optimizer)
+        / (simulate(whole, free).makespan + optimizer),
+    }
 
 
 def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     raw = spawn(pipeline_worker, STAGES, args)
     m = args.microbatches
-    ours, theirs = statistics.median(raw["ours"]), statistics.median(raw["theirs"])
-    pairs = [a / b for a, b in zip(raw["ours"], raw["theirs"], strict=True)]
+    names = ["dtrain", *TORCH_SCHEDULES]
+    times = dict(zip(names, raw["times"], strict=True))
+    base = times["torch 1F1B"]
+    medians = {name: statistics.median(t) for name, t in times.items()}
     ideal = max(c * (m + STAGES - 1) / m + o for c, o in raw["stages"])
     return {
         "microbatches": m,
-        "dtrain_interleaved_ms": ours * 1e3,
-        "torch_1f1b_ms": theirs * 1e3,
-        "ratio_dtrain_over_torch": ours / theirs,
-        "median_step_pair_ratio": statistics.median(pairs),
+        "pinned": args.pin_cores,
+        "median_ms": {name: value * 1e3 for name, value in medians.items()},
+        "over_torch_1f1b": {name: value / medians["torch 1F1B"] for name, value in medians.items()},
+        "pair_median_over_torch_1f1b": {
+            name: statistics.median(a / b for a, b in zip(t, base, strict=True))
+            for name, t in times.items()
+        },
+        "dtrain_split": list(raw["split"]),
         "stage_compute_ms": [c * 1e3 for c, _ in raw["stages"]],
         "stage_optimizer_ms": [o * 1e3 for _, o in raw["stages"]],
-        "ideal_ms": ideal * 1e3,
-        "dtrain_over_ideal": ours / ideal,
-        "torch_over_ideal": theirs / ideal,
-        "steps_per_variant": len(raw["ours"]),
+        "ideal_1f1b_ms": ideal * 1e3,
+        "dtrain_over_ideal": medians["dtrain"] / ideal,
+        "torch_1f1b_over_ideal": medians["torch 1F1B"] / ideal,
+        "plan": planned_ratio([c for c, _ in raw["stages"]], max(o for _, o in raw["stages"]), m),
+        "steps_per_variant": len(base),
     }
 
 
@@ -332,23 +423,131 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     return {"single_process": single, "pipeline_ranks": pipeline}
 
 
+# --- scenario: busy ----------------------------------------------------------------------------
+
+GPT_30M = {"layers": 8, "dim": 512, "heads": 8, "max_length": 128, "vocab_size": 8192}
+
+
+def busy_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "modelparallel"))
+    from gpt import build_model
+
+    if args.variant == "whole":
+        os.environ[SPLIT_ENV] = "0"
+    init_world(rank, STAGES, port, args.pin_cores)
+    smp.init(smp_config(args.microbatches, auto=True))
+    model = smp.DistributedModel(build_model(dropout=0.0, **GPT_30M))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, ids: torch.Tensor) -> Any:
+        loss = model(ids, labels=ids)
+        model.backward(loss)
+        return loss
+
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        torch.randint(GPT_30M["vocab_size"], (GLOBAL_BATCH, SEQ), generator=generator)
+        for _ in range(4)
+    ]
+    steps, busy = [], []
+    for index in range(args.warmup + args.steps):
+        dist.barrier()
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        train_step(model, data[index % len(data)])
+        optimizer.step()
+        elapsed = slowest(time.perf_counter() - began)
+        if index >= args.warmup:
+            steps.append(elapsed)
+            busy.append(sum(event.duration for event in model.timeline()))
+    shares: list[Any] = [None] * STAGES
+    dist.all_gather_object(shares, [b / s for b, s in zip(busy, steps, strict=True)])
+    if rank == 0:
+        plan = model.partition_plan()
+        schedule = model.pipeline_schedule()
+        costs = Costs.of_stages([stage.compute_time for stage in plan.stages], SPLIT_OVERHEAD)
+        planned = simulate(schedule, costs)
+        results.put(
+            {
+                "steps": steps,
+                "busy": shares,
+                "params": sum(p.numel() for p in build_model(**GPT_30M).parameters()),
+                "split": list(schedule.policy.split),
+                "planned_busy": [b / planned.makespan for b in planned.busy],
+                "stage_compute_ms": [stage.compute_time * 1e3 for stage in plan.stages],
+            }
+        )
+    smp.shutdown()
+    dist.destroy_process_group()
+
+
+def run_busy(args: argparse.Namespace) -> dict[str, Any]:
+    raw: dict[str, list[Any]] = {"split": [], "whole": []}
+    for _ in range(args.repeats):
+        for variant in raw:
+            raw[variant].append(
+                spawn(busy_worker, STAGES, argparse.Namespace(**vars(args), variant=variant))
+            )
+    report: dict[str, Any] = {"model": GPT_30M, "params": raw["split"][0]["params"]}
+    for variant, runs in raw.items():
+        report[variant] = {
+            "step_ms": statistics.median(s for run in runs for s in run["steps"]) * 1e3,
+            "busy": [
+                statistics.median(share for run in runs for share in run["busy"][rank])
+                for rank in range(STAGES)
+            ],
+            "split": runs[0]["split"],
+            "planned_busy": runs[0]["planned_busy"],
+        }
+    compute = raw["split"][0]["stage_compute_ms"]
+    report["stage_compute_ms"] = compute
+    report["work_bound"] = [c / max(compute) for c in compute]
+    return report
+
+
 # --- tables ------------------------------------------------------------------------------------
 
 
 def pipeline_table(r: dict[str, Any]) -> str:
-    return "\n".join(
-        [
-            f"pipeline: 2 partitions, {r['microbatches']} microbatches, median step "
-            f"({r['steps_per_variant']} steps each)",
-            f"  dtrain interleaved   {r['dtrain_interleaved_ms']:8.1f} ms",
-            f"  torch Schedule1F1B   {r['torch_1f1b_ms']:8.1f} ms",
-            f"  ratio dtrain/torch   {r['ratio_dtrain_over_torch']:8.3f}   (target <= 1.0)",
-            f"  per step pair, median{r['median_step_pair_ratio']:8.3f}",
-            f"  ideal (stages alone) {r['ideal_ms']:8.1f} ms",
-            f"  dtrain/ideal         {r['dtrain_over_ideal']:8.3f}   (target <= 1.10)",
-            f"  torch/ideal          {r['torch_over_ideal']:8.3f}",
-        ]
-    )
+    pinned = ", one CPU per rank" if r["pinned"] else ""
+    lines = [
+        f"pipeline: 2 partitions, {r['microbatches']} microbatches{pinned}, median step "
+        f"({r['steps_per_variant']} steps each); ratios against torch Schedule1F1B",
+        f"  {'':22} {'ms':>8} {'ratio':>7} {'pairs':>7}",
+    ]
+    for name, ms in r["median_ms"].items():
+        ratio = r["over_torch_1f1b"][name]
+        pair = r["pair_median_over_torch_1f1b"][name]
+        lines.append(f"  {name:22} {ms:8.1f} {ratio:7.3f} {pair:7.3f}")
+    plan = r["plan"]
+    lines += [
+        f"  dtrain splits per stage {r['dtrain_split']} (plan for the measured stages: "
+        f"{plan['split']})",
+        f"  planned: dtrain / 1F1B {plan['planned_over_1f1b']:.3f} "
+        f"(with free splits: {plan['free_split_over_1f1b']:.3f})",
+        f"  ideal 1F1B (stages alone) {r['ideal_1f1b_ms']:.1f} ms; dtrain/ideal "
+        f"{r['dtrain_over_ideal']:.3f}, torch 1F1B/ideal {r['torch_1f1b_over_ideal']:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def busy_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"busy: GPT-2 {r['params'] / 1e6:.1f}M parameters {r['model']}, share of the step each "
+        "rank computes (median)",
+        f"  {'':20} {'step ms':>8} {'rank 0':>7} {'rank 1':>7}   planned      split",
+    ]
+    for variant, label in (("split", "zero-bubble drain"), ("whole", "whole backwards")):
+        row = r[variant]
+        planned = " ".join(f"{b:.2f}" for b in row["planned_busy"])
+        lines.append(
+            f"  {label:20} {row['step_ms']:8.1f} {row['busy'][0]:7.3f} {row['busy'][1]:7.3f}"
+            f"   {planned}   {row['split']}"
+        )
+    bound = " ".join(f"{b:.3f}" for b in r["work_bound"])
+    lines.append(f"  most a rank can be busy (its work over the slowest's): {bound}")
+    return "\n".join(lines)
 
 
 def unbalanced_table(r: dict[str, Any]) -> str:
@@ -378,6 +577,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "pipeline": pipeline_table,
     "unbalanced": unbalanced_table,
     "memory": memory_table,
+    "busy": busy_table,
 }
 
 
@@ -410,17 +610,23 @@ def spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--scenario", choices=("pipeline", "unbalanced", "memory", "all"), default="all"
+        "--scenario", choices=("pipeline", "unbalanced", "memory", "busy", "all"), default="all"
     )
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    chosen = ("pipeline", "unbalanced", "memory") if args.scenario == "all" else (args.scenario,)
-    runners = {"pipeline": run_pipeline, "unbalanced": run_unbalanced, "memory": run_memory}
+    chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
+    runners = {
+        "pipeline": run_pipeline,
+        "unbalanced": run_unbalanced,
+        "memory": run_memory,
+        "busy": run_busy,
+    }
     report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
     for name in chosen:
         report[name] = runners[name](args)
