@@ -255,7 +255,6 @@ class DistributedModel(nn.Module):
             pp_rank=st.pp_rank,
             ranks=list(st.pp_group),
             control_group=st.pp_control_group,
-            data_group=st.pp_data_group,
             device=st.device,
             timeout=st.options.timeout,
         )

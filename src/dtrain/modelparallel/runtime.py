@@ -90,12 +90,11 @@ class PipelineRuntime:
         """The interpreter's, restored at close."""
         if len(group.ranks) > 1:
             sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
-            assert group.control_group is not None and group.data_group is not None
+            assert group.control_group is not None
             self.transport = Transport(
                 group.rank,
                 group.ranks,
                 group.control_group,
-                group.data_group,
                 group.device,
                 group.timeout,
                 self._on_messages,
