@@ -136,7 +136,8 @@ def rebuilt_device(meta: TensorMeta, device: torch.device) -> torch.device:
 
 @dataclass
 class Message:
-    """A control message; its tensors travel separately and are passed alongside it."""
+    """A message's header; its tensors travel as bytes after the stream's headers and are
+    passed alongside it."""
 
     kind: str
     call_id: int
