@@ -52,7 +52,7 @@ def test_each_attempt_of_a_job_gets_its_own_key() -> None:
 def _forged_header() -> str | None:
     """Rank 0 sends under a key rank 1 does not hold; rank 1's transport must refuse it."""
     dist.init_process_group("gloo")
-    control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
+    control = dist.new_group([0, 1])
     failures: list[Any] = []
 
     def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
@@ -60,9 +60,7 @@ def _forged_header() -> str | None:
 
     rank = dist.get_rank()
     key = bytes([rank]) * 32
-    transport = Transport(
-        rank, [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, key=key
-    )
+    transport = Transport(rank, [0, 1], control, torch.device("cpu"), 30.0, on_messages, key=key)
     if rank == 0:
         transport.send(1, Message(FORWARD, 1, body="hello"))
     dist.barrier()

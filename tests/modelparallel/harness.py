@@ -39,6 +39,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def first_visible_gpu() -> str:
+    """A ``CUDA_VISIBLE_DEVICES`` that shows only the first GPU this process may use: ranks
+    spawned with it share one GPU however many the machine has."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[0] if visible else "0"
+
+
 def launcher_env(rank: int, world_size: int, local_size: int, port: int) -> dict[str, str]:
     """The rendezvous variables ``dtrain run`` sets for ``rank``."""
     local = rank % local_size

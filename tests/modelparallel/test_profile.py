@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.modelparallel.profile import ModelProfile, profile_module, static_profile
+from dtrain.modelparallel.profile import (
+    ModelProfile,
+    Snapshot,
+    moved_to,
+    profile_module,
+    static_profile,
+)
 from tests.modelparallel.models import BranchyNet, GroupedNet, ResidualTransformerLM
 
 BATCH, LENGTH, DIM, VOCAB = 2, 16, 32, 64
@@ -160,6 +166,31 @@ def test_model_is_left_as_it_was() -> None:
         assert p.grad is grads[name] and torch.equal(p.grad, torch.full_like(p, 7.0))
     assert x.grad is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.gpu
+def test_a_module_moved_to_the_gpu_for_a_block_is_left_as_found() -> None:
+    """Inside the block every parameter and buffer is on the GPU, without gradients (a gradient
+    must be on its tensor's device); afterwards the same tensor objects hold their own CPU
+    storage again, with their gradients, and a snapshot taken before restores the buffers."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model[0].weight.grad = torch.full((3, 3), 7.0)
+    tensors = [*model.parameters(), *model.buffers()]
+    storage = [t.data_ptr() for t in tensors]
+    values = [t.detach().clone() for t in tensors]
+    grads = [t.grad for t in tensors]
+    snapshot = Snapshot(model, [], cuda=True)
+    gpu = torch.device("cuda", 0)
+    with moved_to(model, gpu):
+        assert all(t.device == gpu and t.grad is None for t in tensors)
+        model(torch.randn(4, 3, device=gpu)).sum().backward()  # updates the BatchNorm statistics
+    model[1].running_mean.add_(1.0)  # as a trace that needed no move would leave them
+    snapshot.restore()
+    assert [id(t) for t in [*model.parameters(), *model.buffers()]] == [id(t) for t in tensors]
+    assert [t.data_ptr() for t in tensors] == storage
+    for tensor, value, grad in zip(tensors, values, grads, strict=True):
+        assert tensor.device.type == "cpu" and torch.equal(tensor, value)
+        assert tensor.grad is grad
 
 
 def test_every_pass_takes_the_same_random_path() -> None:

@@ -22,6 +22,7 @@ from dtrain.modelparallel.errors import (
     PartitionError,
     StepFailedError,
 )
+from dtrain.modelparallel.model import trace_device_of
 from dtrain.modelparallel.schedule import Schedule, build_schedule, check, recorded_schedule
 from tests.modelparallel.harness import run_ranks, single_process, train_steps
 from tests.modelparallel.models import GroupedNet
@@ -123,6 +124,21 @@ def test_misuse_is_explained_and_outputs_are_assembled() -> None:
     assert all(name.startswith("group1.") for name in leader["local"])
     assert all(name.startswith("group2.") for name in other["local"])
     assert leader["others_freed"] and other["others_freed"]
+
+
+def test_trace_device_is_cpu_or_gpu() -> None:
+    with single_process():
+        for value, named in (
+            ("cuda", r"DistributedModel\.trace_device: got 'cuda'; allowed: \"cpu\" or \"gpu\"$"),
+            ("cpus", r"got 'cpus'; allowed: \"cpu\" or \"gpu\" \(did you mean 'cpu'\?\)"),
+        ):
+            with pytest.raises(ConfigError, match=named):
+                smp.DistributedModel(nn.Linear(2, 2), trace_device=value)
+        smp.DistributedModel(nn.Linear(2, 2), trace_device="cpu")  # the refused ones were not kept
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert trace_device_of("gpu", gpu) == gpu
+    assert trace_device_of("cpu", gpu) == cpu
+    assert trace_device_of("gpu", cpu) == cpu  # a rank without a GPU profiles on the CPU
 
 
 def test_pipeline_degree_must_divide_the_world() -> None:

@@ -14,7 +14,11 @@ import torch.distributed as dist
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError, UnknownKeyError
 from dtrain.modelparallel import state
-from dtrain.modelparallel.errors import MultipleDistributedModelError, NotInitializedError
+from dtrain.modelparallel.errors import (
+    ModelParallelError,
+    MultipleDistributedModelError,
+    NotInitializedError,
+)
 from dtrain.modelparallel.options import RuntimeOptions
 from tests.modelparallel.harness import run_ranks, single_process
 
@@ -39,7 +43,7 @@ def _layout() -> dict[str, Any]:
     }
     control = st.pp_control_group
     total = torch.tensor([float(st.rank)])
-    dist.all_reduce(total, group=st.pp_data_group)
+    dist.all_reduce(total, group=st.pp_process_group)
     return {
         "names": {name: getattr(smp, name)() for name in RANK_FUNCTIONS},
         "process_group_ranks": ranks,
@@ -245,3 +249,46 @@ def test_one_distributed_model_per_process_until_reset() -> None:
         state.register_model(second)
         assert state.current_model() is second
     assert state.current_model() is None
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "local_size", "backend", "expected"),
+    [
+        (0, 1, 2, None, ("gloo", "cpu")),  # no GPU: smp.init makes a gloo world on the CPU
+        (0, 0, 2, "gloo", ("gloo", "cpu")),
+        (2, 1, 2, None, ("nccl", "cuda:1")),  # a GPU per process: NCCL, as SMP
+        (8, 3, 4, "nccl", ("nccl", "cuda:3")),
+        (1, 1, 2, None, ("gloo", "cuda:0")),  # pp=2 on one GPU: both ranks share it
+        (2, 3, 4, None, ("gloo", "cuda:1")),
+        (2, 1, 2, "gloo", ("gloo", "cuda:1")),  # the script's gloo world computes on the GPUs
+        (1, 1, 2, "gloo", ("gloo", "cuda:0")),
+    ],
+)
+def test_where_a_rank_computes_and_which_world_smp_init_makes(
+    gpus: int, local_rank: int, local_size: int, backend: str | None, expected: tuple[str, str]
+) -> None:
+    chosen, device = state.rank_device(gpus, local_rank, local_size, backend)
+    assert (chosen, str(device)) == expected
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_an_nccl_world_cannot_put_two_ranks_on_one_gpu(backend: str) -> None:
+    with pytest.raises(ModelParallelError, match="runs 2 processes on 1 GPU") as info:
+        state.rank_device(1, 0, 2, backend)
+    assert repr(backend) in str(info.value) and "let smp.init create the world" in str(info.value)
+
+
+def _init_with_one_gpu() -> dict[str, Any]:
+    """smp.init on a host of two processes that sees one GPU (as far as it knows: this machine
+    has none; ``torch.cuda.set_device`` records instead of selecting)."""
+    selected: list[str] = []
+    state.visible_gpus = lambda: 1
+    torch.cuda.set_device = lambda device: selected.append(str(device))
+    smp.init(PIPELINE_OF_TWO)
+    st = state.current()
+    return {"backend": dist.get_backend(), "device": str(st.device), "selected": selected}
+
+
+def test_ranks_that_share_a_gpu_get_a_gloo_world_and_compute_on_it() -> None:
+    results = run_ranks(2, _init_with_one_gpu)
+    assert results == [{"backend": "gloo", "device": "cuda:0", "selected": ["cuda:0"]}] * 2

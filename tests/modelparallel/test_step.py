@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import namedtuple
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import MicrobatchSplitError, ModelParallelError
-from dtrain.modelparallel.step import StepOutput, split_value
+from dtrain.modelparallel.step import StepOutput, split_arguments, split_value
 from tests.modelparallel.harness import single_process
 
 Batch = namedtuple("Batch", "x y")
@@ -42,6 +43,22 @@ def test_scalars_and_plain_values_go_whole_and_objects_slice_themselves() -> Non
     assert split_value(torch.tensor(1.5), 2, 0, "s") == [torch.tensor(1.5)] * 2
     assert split_value("tag", 3, 0, "t") == ["tag"] * 3
     assert [r.rows for r in split_value(Rows([1, 2, 3, 4]), 2, 0, "r")] == [[1, 2], [3, 4]]
+
+
+def test_split_tensors_go_to_the_leader_device_and_unsplit_inputs_stay() -> None:
+    """The meta device stands for the leader's GPU."""
+    meta = torch.device("meta")
+    pieces = split_value({"x": torch.ones(4, 2), "s": torch.tensor(2.0), "n": 3}, 2, 0, "b", meta)
+    assert [(p["x"].device, p["x"].shape, p["s"].device, p["n"]) for p in pieces] == [
+        (meta, (2, 2), meta, 3)
+    ] * 2
+
+    def body(x: Tensor, lengths: Tensor) -> None: ...
+
+    lengths = torch.tensor([3, 1, 2, 2])  # pack_padded_sequence wants them on the CPU
+    bound = inspect.signature(body).bind(torch.ones(4, 2), lengths)
+    calls = split_arguments(bound, 2, ["lengths"], {}, meta)
+    assert [(args[0].device, args[1]) for args, _ in calls] == [(meta, lengths)] * 2
 
 
 def test_split_errors_name_the_argument() -> None:

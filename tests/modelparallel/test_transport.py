@@ -1,10 +1,13 @@
-"""Messages between two ranks: any tensors (dtypes, shapes, layouts, sizes) arrive intact."""
+"""Messages between two ranks: any tensors (dtypes, shapes, layouts, sizes, devices) arrive
+intact, on the device the receiving rank keeps them on."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -12,11 +15,13 @@ from dtrain.modelparallel.transport import (
     FORWARD,
     REPLY,
     Message,
+    TensorMeta,
     Transport,
     map_leaves,
+    rebuilt_device,
     resolve,
 )
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import first_visible_gpu, run_ranks
 
 FIRST_SEND = 4096
 """A small first send, so that a message of the test overflows it."""
@@ -40,10 +45,11 @@ def _tensors() -> list[torch.Tensor]:
 Handler = Callable[[Transport, list[tuple[Message, list[torch.Tensor]]]], None]
 
 
-def _start(handle: Handler) -> tuple[int, Transport]:
-    """This rank and its transport in a world of two; ``handle`` gets the messages."""
+def _start(handle: Handler, device: torch.device | None = None) -> tuple[int, Transport]:
+    """This rank and its transport (computing on ``device``, default the CPU) in a world of
+    two; ``handle`` gets the messages."""
     dist.init_process_group("gloo")
-    control, data = dist.new_group([0, 1]), dist.new_group([0, 1])
+    control = dist.new_group([0, 1])
     transport: Transport | None = None
 
     def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
@@ -51,19 +57,28 @@ def _start(handle: Handler) -> tuple[int, Transport]:
         handle(transport, messages)
 
     transport = Transport(
-        dist.get_rank(), [0, 1], control, data, torch.device("cpu"), 30.0, on_messages, FIRST_SEND
+        dist.get_rank(),
+        [0, 1],
+        control,
+        device or torch.device("cpu"),
+        30.0,
+        on_messages,
+        FIRST_SEND,
     )
     return dist.get_rank(), transport
 
 
-def _echo() -> list[Any]:
-    def handle(transport: Transport, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
-        for message, tensors in messages:
-            flags = [meta.requires_grad for meta in message.meta]
-            reply = Message(REPLY, message.call_id, body=(message.body, flags))
-            transport.send(message.source, reply, tensors)
+def _echo_back(transport: Transport, messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
+    """Reply with the tensors received, which need gradients and where they were rebuilt."""
+    for message, tensors in messages:
+        flags = [meta.requires_grad for meta in message.meta]
+        devices = [str(t.device) for t in tensors]
+        reply = Message(REPLY, message.call_id, body=(message.body, flags, devices))
+        transport.send(message.source, reply, tensors)
 
-    rank, transport = _start(handle)
+
+def _echo() -> list[Any]:
+    rank, transport = _start(_echo_back)
     received: list[Any] = []
     if rank == 0:
         for count in (0, 1, len(_tensors())):
@@ -138,3 +153,73 @@ def test_a_tensor_passed_twice_in_a_stream_travels_once() -> None:
     gradient arrives once per use (each use is its own leaf on the receiver)."""
     results, _ = run_ranks(2, _repeated, timeout=60)
     assert results == [(True, False, True)]
+
+
+def test_a_tensor_is_rebuilt_on_the_rank_device_only_if_it_was_on_a_gpu() -> None:
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    from_gpu = TensorMeta((2, 3), torch.float32, True, cuda=True)
+    from_cpu = TensorMeta((2, 3), torch.float32, True, cuda=False)
+    assert rebuilt_device(from_gpu, gpu) == gpu
+    assert rebuilt_device(from_cpu, gpu) == cpu
+    assert rebuilt_device(from_gpu, cpu) == cpu  # a rank without a GPU keeps all on the CPU
+    assert rebuilt_device(from_cpu, cpu) == cpu
+
+
+def _cpu_tensors_between_gpu_ranks() -> dict[str, Any]:
+    """Both transports think they compute on cuda:1 (this machine has no GPU:
+    ``torch.cuda.set_device`` records the threads that call it instead); rank 0 sends CPU
+    tensors to rank 1 and gets them back."""
+    selected: list[tuple[str, str]] = []
+
+    def record(device: torch.device) -> None:
+        selected.append((threading.current_thread().name, str(device)))
+
+    torch.cuda.set_device = record
+    rank, transport = _start(_echo_back, torch.device("cuda", 1))
+    returned: list[torch.Tensor] = []
+    if rank == 0:
+        request = Message(FORWARD, 1)
+        pending = transport.expect(1, request)
+        transport.send(1, request, _tensors())
+        _, returned = pending.wait(30.0, rank)
+    dist.barrier()
+    assert transport.close()
+    dist.destroy_process_group()
+    return {"selected": selected, "returned": returned}
+
+
+def test_receivers_start_on_the_rank_gpu_and_cpu_tensors_stay_on_the_cpu() -> None:
+    first, second = run_ranks(2, _cpu_tensors_between_gpu_ranks, timeout=60)
+    for rank, seen in enumerate((first, second)):
+        peer = 1 - rank
+        assert (f"dtrain-mp-receiver-{rank}-from-{peer}", "cuda:1") in seen["selected"]
+    for got, want in zip(first["returned"], _tensors(), strict=True):
+        assert got.device == torch.device("cpu") and torch.equal(got, want)
+
+
+def _cpu_and_gpu_tensors_on_one_gpu() -> list[Any]:
+    """Two ranks computing on one GPU (a gloo world) echo a CPU and a GPU tensor."""
+    rank, transport = _start(_echo_back, torch.device("cuda", 0))
+    result: list[Any] = []
+    if rank == 0:
+        sent = [torch.arange(6.0).view(2, 3), torch.arange(4.0, device="cuda")]
+        request = Message(FORWARD, 1)
+        pending = transport.expect(1, request)
+        transport.send(1, request, sent)
+        reply, returned = pending.wait(30.0, rank)
+        _, _, rebuilt_on = reply.body
+        result = [rebuilt_on, [str(t.device) for t in returned]]
+        result.append(all(torch.equal(a, b) for a, b in zip(returned, sent, strict=True)))
+    dist.barrier()
+    assert transport.close()
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_rank_a_received_cpu_tensor_stays_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    result, _ = run_ranks(2, _cpu_and_gpu_tensors_on_one_gpu, timeout=120)
+    assert result == [["cpu", "cuda:0"], ["cpu", "cuda:0"], True]

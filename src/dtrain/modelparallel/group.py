@@ -20,7 +20,7 @@ class PipelineGroup:
     pp_rank: int
     ranks: list[int]
     control_group: dist.ProcessGroup | None
-    data_group: dist.ProcessGroup | None
+    """gloo group of the pipeline: every message between its ranks, tensors included."""
     device: torch.device
     timeout: float
 

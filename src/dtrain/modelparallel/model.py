@@ -20,13 +20,14 @@ from torch.utils.hooks import RemovableHandle
 
 from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
+from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel import placement, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.profile import ModelProfile, Snapshot, profile_module
+from dtrain.modelparallel.profile import ModelProfile, Snapshot, moved_to, profile_module
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineRuntime
 from dtrain.modelparallel.schedule import (
@@ -42,6 +43,15 @@ from dtrain.sealed import all_gather_objects, broadcast_object
 
 PARTIAL_KEY = "_smp_is_partial"
 
+TRACE_DEVICES = ("cpu", "gpu")
+"""``DistributedModel(trace_device=...)``: where rank 0 profiles the whole model."""
+
+
+def trace_device_of(trace_device: str, device: torch.device) -> torch.device:
+    """Where a rank that computes on ``device`` profiles: ``"gpu"`` is its GPU (the CPU on a
+    rank without one), ``"cpu"`` the CPU (for a model that does not fit on one GPU)."""
+    return device if trace_device == "gpu" else torch.device("cpu")
+
 
 class DistributedModel(nn.Module):
     """Wraps the model to train with pipeline (and data) parallelism; one per process.
@@ -49,6 +59,9 @@ class DistributedModel(nn.Module):
     The arguments SMP v1 takes for its internal DDP are accepted; ``bucket_cap_mb`` sizes the
     gradient reduction over the data-parallel group and ``average_grads_across_microbatches``
     chooses between the mean (default) and the sum of the microbatches' gradients.
+    ``trace_device`` (``"gpu"``, SMP's default, or ``"cpu"``) is where rank 0 runs the
+    profiling step, the module and the step's tensor arguments together, wherever the script
+    left them; the module is back where it was afterwards.
     """
 
     def __init__(
@@ -68,11 +81,19 @@ class DistributedModel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedModel wraps an nn.Module, got {type(module).__name__}")
+        if trace_device not in TRACE_DEVICES:
+            raise ConfigError(
+                "DistributedModel.trace_device",
+                trace_device,
+                '"cpu" or "gpu"',
+                did_you_mean(str(trace_device), TRACE_DEVICES),
+            )
         self._state = state.current()
         state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.bucket_cap_mb = bucket_cap_mb
+        self._trace_device = trace_device
         self._runtime: PipelineRuntime | None = None
         self._plan: PartitionPlan | None = None
         self._schedule: Schedule | None = None
@@ -147,16 +168,19 @@ class DistributedModel(nn.Module):
         return self._runtime is not None
 
     def run_step(
-        self, count: int, make_body: Callable[[], Callable[[int], Any]]
+        self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
     ) -> list[MicrobatchResult]:
-        """Called by ``@smp.step`` on every rank: partition if needed, run, reduce gradients."""
+        """Called by ``@smp.step`` on every rank: partition if needed, run, reduce gradients.
+
+        ``make_body(device)`` splits the step's arguments, their tensors moved to ``device``,
+        and returns the step body of one microbatch (called on the leader only)."""
         if self._runtime is None:
             self._partition(make_body)
         runtime = self._runtime
         assert runtime is not None
         if runtime.is_leader:
             try:
-                body = make_body()
+                body = make_body(self._state.device)
             except BaseException as exc:
                 runtime.abort_step(exc)
                 raise
@@ -169,7 +193,7 @@ class DistributedModel(nn.Module):
 
     # --- partitioning ------------------------------------------------------------------------
 
-    def _partition(self, make_body: Callable[[], Callable[[int], Any]]) -> None:
+    def _partition(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
         st = self._state
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
@@ -185,19 +209,25 @@ class DistributedModel(nn.Module):
         self._apply_plan(plan)
 
     def _auto_plan(
-        self, make_body: Callable[[], Callable[[int], Any]], fixed: dict[str, int]
+        self, make_body: Callable[[torch.device], Callable[[int], Any]], fixed: dict[str, int]
     ) -> PartitionPlan:
-        """Rank 0 profiles its first microbatch and plans; every rank gets rank 0's plan."""
+        """Rank 0 profiles its first microbatch and plans; every rank gets rank 0's plan.
+
+        The profiling step runs the module and its tensor arguments on the trace device: SMP's
+        scripts leave the model on the CPU and move their batches to the GPU, which would not
+        run together.
+        """
         st = self._state
         payload: list[Any] = [None]
         if st.rank == 0:
             try:
                 # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
-                cuda = st.device.type == "cuda"
-                snapshot = Snapshot(self.module, [], cuda)
+                snapshot = Snapshot(self.module, [], st.device.type == "cuda")
+                device = trace_device_of(self._trace_device, st.device)
                 self._tracing.set()
                 try:
-                    make_body()(0)
+                    with moved_to(self.module, device):
+                        make_body(device)(0)
                 finally:
                     self._tracing.clear()
                     snapshot.restore()
@@ -255,7 +285,6 @@ class DistributedModel(nn.Module):
             pp_rank=st.pp_rank,
             ranks=list(st.pp_group),
             control_group=st.pp_control_group,
-            data_group=st.pp_data_group,
             device=st.device,
             timeout=st.options.timeout,
         )

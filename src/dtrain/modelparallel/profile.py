@@ -45,6 +45,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -343,6 +344,30 @@ def _no_sync() -> None:
 def _sequence_number() -> int:
     """Sequence number the next autograd node will get (nodes are numbered per thread)."""
     return torch.autograd._get_sequence_nr()  # type: ignore[attr-defined]
+
+
+@contextmanager
+def moved_to(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """``module``'s parameters and buffers on ``device`` inside the block, and afterwards as
+    found: the same tensor objects (an optimizer made before keeps its parameters), on their
+    devices, with their values and gradients.
+
+    The tensors' ``.data`` move instead of ``module.to(device)``, which makes new buffer objects
+    and would leave a :class:`Snapshot` restoring the old ones. Gradients are set aside while
+    the data is elsewhere: a gradient must be on its tensor's device.
+    """
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+    saved = [(t, t.data, t.grad) for t in tensors if t.device != device]
+    try:
+        for tensor, data, _ in saved:
+            tensor.grad = None
+            tensor.data = data.to(device)
+        yield
+    finally:
+        for tensor, data, grad in saved:
+            tensor.grad = None
+            tensor.data = data
+            tensor.grad = grad
 
 
 class Snapshot:

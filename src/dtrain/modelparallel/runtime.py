@@ -105,7 +105,7 @@ class PipelineRuntime:
         """The interpreter's, restored at close."""
         if len(group.ranks) > 1:
             sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
-            assert group.control_group is not None and group.data_group is not None
+            assert group.control_group is not None
             self._dispatcher = Dispatcher(
                 f"dtrain-mp-dispatch-{group.rank}", self._dispatch, self._dispatch_failed
             )
@@ -113,7 +113,6 @@ class PipelineRuntime:
                 group.rank,
                 group.ranks,
                 group.control_group,
-                group.data_group,
                 group.device,
                 group.timeout,
                 self._dispatcher.put,

@@ -83,9 +83,8 @@ class MPState:
     tp_process_group: dist.ProcessGroup
     rdp_process_group: dist.ProcessGroup
     pp_control_group: dist.ProcessGroup
-    """gloo group of the pipeline for the runtime's control messages (even on an NCCL world)."""
-    pp_data_group: dist.ProcessGroup
-    """A second pipeline group of the world's backend, for the runtime's tensors."""
+    """gloo group of the pipeline for every message of the runtime, tensors included (even on
+    an NCCL world: see :mod:`.transport`)."""
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
     device: torch.device
     options: RuntimeOptions
@@ -123,7 +122,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     # Checked before joining the world, so a typo fails at once on every rank.
     validate_mp_parameters(parameters, where=WHERE)
     options = RuntimeOptions.from_environment()
-    owns_world = _join_world(options.timeout)
+    owns_world = _join_world(options.timeout, visible_gpus())
     try:
         values = validate_mp_parameters(parameters, world_size=dist.get_world_size(), where=WHERE)
         _state = _build(values, options, owns_world)
@@ -390,33 +389,78 @@ def _check_running(config: Mapping[str, Any], running: MPState) -> None:
     )
 
 
-def _join_world(timeout: float) -> bool:
+def _join_world(timeout: float, gpus: int) -> bool:
     """Join the job's world unless the script already did; True if we created it.
 
     Launched by ``dtrain run``, torchrun or mpirun, the environment names the rendezvous; a
-    script started on its own becomes a world of one process.
+    script started on its own becomes a world of one process. The backend is the one
+    :func:`rank_device` chooses for ``gpus`` GPUs and this host's processes.
     """
     if dist.is_initialized():
         return False
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout)}
-    if not any(os.environ.get(name) for name in ("RANK", "OMPI_COMM_WORLD_RANK")):
+    host = 1
+    if any(os.environ.get(name) for name in ("RANK", "OMPI_COMM_WORLD_RANK")):
+        host = _launched_local_size()
+    else:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    process_group.init_process_group(**kwargs)
+    backend, _ = rank_device(gpus, 0, host, None)
+    process_group.init_process_group(backend, **kwargs)
     return True
 
 
-def _device(local: int) -> torch.device:
-    """This rank's GPU when the world runs on NCCL (SMP: ``cuda.set_device(local_rank)``)."""
-    if not torch.cuda.is_available() or dist.get_backend() == "gloo":
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local >= count:
+def _launched_local_size() -> int:
+    """Processes on this host, from the launcher's environment: what
+    ``process_group.get_local_size`` says once the world exists."""
+    for name in (
+        "LOCAL_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
+        value = os.environ.get(name)
+        if value:
+            return int(value)
+    return 1
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def rank_device(
+    gpus: int, local_rank: int, local_size: int, backend: str | None
+) -> tuple[str, torch.device]:
+    """The world's backend and the device this rank computes on.
+
+    ``gpus`` is how many CUDA devices the process sees (0 without CUDA), ``local_size`` how
+    many processes its host runs, ``backend`` the backend of the world the script made, or None
+    when ``smp.init`` makes it. The rule:
+
+    * Without GPUs every rank computes on the CPU.
+    * With GPUs every rank computes on one, ``cuda:(local_rank % gpus)``, whatever the world's
+      backend: SMP always trained on GPUs, and a script that wants the CPU on a GPU machine
+      hides them (``CUDA_VISIBLE_DEVICES=``). Ranks share GPUs when the host runs more
+      processes than it has GPUs (pp=2 on one GPU).
+    * The world ``smp.init`` makes is NCCL when each process of the host has a GPU of its own,
+      else gloo: NCCL refuses two ranks on one GPU, and nothing needs it there (the pipeline's
+      messages always go over gloo, and gloo reduces CUDA tensors too, as broadcasts and
+      gradient averaging need). A world the script made on NCCL with more processes per host
+      than GPUs fails here, saying so, rather than later inside NCCL.
+    """
+    if gpus == 0:
+        return backend or "gloo", torch.device("cpu")
+    shared = local_size > gpus
+    if backend is None:
+        backend = "gloo" if shared else "nccl"
+    elif shared and "nccl" in backend:
         raise ModelParallelError(
-            f"local rank {local} has no GPU: {count} visible on this host; run at most {count} "
-            "processes per host"
+            f"the world's backend is {backend!r}, which needs a GPU per process, but this host "
+            f"runs {local_size} processes on {gpus} GPU(s): run at most {gpus} per host, or let "
+            "smp.init create the world (it uses gloo when processes share GPUs)"
         )
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+    return backend, torch.device("cuda", local_rank % gpus)
 
 
 class _GroupMaker:
@@ -463,15 +507,16 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     )
     coords = topology.coords(me)
     local = process_group.get_local_rank()
-    device = _device(local)
     backend = str(dist.get_backend())
+    _, device = rank_device(visible_gpus(), local, topology.processes_per_host, backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the main thread's; pool and receiver threads set theirs
     maker = _GroupMaker(me, options.timeout)
     groups = {kind: maker.mine(topology.all_groups(kind), backend) for kind in GROUP_KINDS}
     objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
     control = maker.mine(pipelines, "gloo", fresh=True, idle=True)
-    data = maker.mine(pipelines, backend, fresh=True, idle=True)
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,
@@ -502,7 +547,6 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         tp_process_group=groups["tp"],
         rdp_process_group=groups["rdp"],
         pp_control_group=control,
-        pp_data_group=data,
         object_groups=objects,
         device=device,
         options=options,

@@ -1,7 +1,8 @@
 """``@smp.step``: run a training step's body once per microbatch, pipelined across partitions.
 
 Tensor arguments (also inside tuples, lists and dicts) are split along their batch axis into
-``microbatches`` pieces; other values are passed to every microbatch unchanged. The body runs
+``microbatches`` pieces, on the device the leader computes on; other values, and the arguments
+named in ``non_split_inputs``, are passed to every microbatch unchanged. The body runs
 on the pipeline leader, one task per microbatch; every rank of the pipeline returns the same
 result: a :class:`StepOutput` for each tensor the body returned, a per-microbatch list for any
 other value.
@@ -62,9 +63,16 @@ class StepOutput:
 # --- splitting inputs ------------------------------------------------------------------------
 
 
-def split_value(value: Any, count: int, axis: int, where: str) -> list[Any]:
-    """``count`` microbatch pieces of ``value``; ``where`` names it in errors."""
+def split_value(
+    value: Any, count: int, axis: int, where: str, device: torch.device | None = None
+) -> list[Any]:
+    """``count`` microbatch pieces of ``value``; ``where`` names it in errors. Its tensors are
+    moved to ``device`` (when given): SMP's scripts move their batches themselves, but one left
+    on the CPU (or on another GPU) would otherwise meet the model's first module on the rank's
+    GPU, or the profiling step on another device than the model."""
     if isinstance(value, torch.Tensor):
+        if device is not None:
+            value = value.to(device)
         if value.dim() == 0:
             return [value] * count
         if not -value.dim() <= axis < value.dim():
@@ -83,7 +91,7 @@ def split_value(value: Any, count: int, axis: int, where: str) -> list[Any]:
     if hasattr(value, "smp_slice"):
         return [value.smp_slice(count, mb, axis) for mb in range(count)]
     if isinstance(value, (tuple, list)):
-        parts = [split_value(v, count, axis, f"{where}[{i}]") for i, v in enumerate(value)]
+        parts = [split_value(v, count, axis, f"{where}[{i}]", device) for i, v in enumerate(value)]
         pieces = [[part[mb] for part in parts] for mb in range(count)]
         if isinstance(value, list):
             return pieces
@@ -91,7 +99,9 @@ def split_value(value: Any, count: int, axis: int, where: str) -> list[Any]:
             return [type(value)(*piece) for piece in pieces]
         return [type(value)(piece) for piece in pieces]
     if isinstance(value, Mapping):
-        parts_by_key = {k: split_value(v, count, axis, f"{where}[{k!r}]") for k, v in value.items()}
+        parts_by_key = {
+            k: split_value(v, count, axis, f"{where}[{k!r}]", device) for k, v in value.items()
+        }
         return [type(value)((k, p[mb]) for k, p in parts_by_key.items()) for mb in range(count)]
     return [value] * count
 
@@ -101,15 +111,18 @@ def split_arguments(
     count: int,
     non_split_inputs: Sequence[str],
     input_split_axes: Mapping[str, int],
+    device: torch.device | None = None,
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The step function's ``(args, kwargs)`` for each microbatch."""
+    """The step function's ``(args, kwargs)`` for each microbatch, the split arguments' tensors
+    on ``device`` (when given); ``non_split_inputs`` stay as they are, where they are."""
     arguments = dict(bound.arguments)
     per_name: dict[str, list[Any]] = {}
     for name, value in arguments.items():
         if name in non_split_inputs:
             per_name[name] = [value] * count
         else:
-            per_name[name] = split_value(value, count, input_split_axes.get(name, 0), name)
+            axis = input_split_axes.get(name, 0)
+            per_name[name] = split_value(value, count, axis, name, device)
     calls = []
     for mb in range(count):
         for name in arguments:
@@ -194,8 +207,9 @@ def step(
                 "the step function needs a model: create smp.DistributedModel(module) first"
             )
 
-        def make_body() -> Callable[[int], Any]:
-            calls = split_arguments(signature.bind(*args, **kwargs), count, unsplit, axes)
+        def make_body(device: torch.device) -> Callable[[int], Any]:
+            bound = signature.bind(*args, **kwargs)
+            calls = split_arguments(bound, count, unsplit, axes, device)
             return lambda mb: func(*calls[mb][0], **calls[mb][1])
 
         outcomes = model.run_step(count, make_body)

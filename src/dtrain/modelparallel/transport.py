@@ -2,7 +2,8 @@
 
 What travels is one byte stream: two lengths, the pickled headers of one or more messages (kind,
 call id, module name, a Python structure whose tensors are replaced by :class:`TensorRef`
-placeholders, the tensors' shapes and dtypes), then every tensor's bytes, each 64-byte aligned.
+placeholders, the tensors' shapes, dtypes and device kinds), then every tensor's bytes, each
+64-byte aligned.
 Several messages to one peer can go as one stream (:meth:`Transport.send_all`); the receiver
 handles them in order. A tensor that needs no gradient and is passed more than once in a stream
 (a mask or a buffer given to several remote modules) travels once, and the receiver gets one
@@ -15,10 +16,19 @@ that names its source lets gloo tell the sender in advance, whose send then writ
 once; a receive from any source made every message wait for a round trip between the two
 ranks' gloo threads first (measured: the first message of a step reached the last stage
 0.3–4.5 ms after it was sent, then 0.02–0.2 ms). Messages from one peer are handled in order;
-messages from different peers are not ordered with each other. On a GPU the tensors' bytes
-travel instead as one buffer over a group of the job's backend (NCCL). Few sends matter: gloo
-does not start a send before the receiver has posted its receive, so a second part costs a
-round trip through the receiver thread, which has to wait for the GIL first.
+messages from different peers are not ordered with each other. Few sends matter: gloo does not
+start a send before the receiver has posted its receive, so a second part costs a round trip
+through the receiver thread, which has to wait for the GIL first.
+
+There is one data plane, host memory over gloo, also between ranks that compute on GPUs: the
+sender copies a CUDA tensor's bytes into the stream (device to host), the receiver rebuilds it
+on its own GPU (:func:`rebuilt_device`); a CPU tensor stays on the CPU. NCCL point-to-point
+would save that copy but cannot serve this transport: it puts both directions between two ranks
+on one communicator and stream, where opposite sends that are not batched deadlock above its
+buffer size, and it forbids using a communicator from two threads, while here any task thread
+sends and a thread per peer receives. gloo has neither rule (every receive is posted by its own
+thread, whatever the other threads send), and ranks that share one GPU (a gloo world) pipeline
+as ranks on several GPUs do.
 
 A send lock keeps one message's parts together; the receiver reads a whole message before the
 next, so parts never interleave. A stream's sends are waited for (and its buffers kept) until
@@ -59,7 +69,7 @@ in one more."""
 
 _LENGTH_BYTES = 8
 _ALIGN = 64
-_TAG_HEADER, _TAG_OVERFLOW, _TAG_TENSOR = 1, 2, 3
+_TAG_HEADER, _TAG_OVERFLOW = 1, 2
 
 # Message kinds.
 FORWARD, FETCH, BACKWARD, REPLY, ERROR, END_STEP, STOP, FAILED, NOTICE = (
@@ -110,11 +120,25 @@ class TensorMeta:
     requires_grad: bool
     slot: int = 0
     """Which of the stream's distinct tensors this is: a tensor passed twice has one slot."""
+    cuda: bool = False
+    """Whether the sender's tensor was on a GPU (see :func:`rebuilt_device`)."""
+
+
+def rebuilt_device(meta: TensorMeta, device: torch.device) -> torch.device:
+    """Where a received tensor is rebuilt on a rank that computes on ``device``: a tensor that
+    was on a GPU goes to this rank's device, a CPU tensor stays on the CPU.
+
+    Not always the rank's device: a CPU tensor is often on the CPU on purpose (the lengths
+    ``pack_padded_sequence`` requires there, a step counter read with ``.item()``), and moving
+    it would change what the receiving module's code sees from what the sender's had.
+    """
+    return device if meta.cuda else torch.device("cpu")
 
 
 @dataclass
 class Message:
-    """A control message; its tensors travel separately and are passed alongside it."""
+    """A message's header; its tensors travel as bytes after the stream's headers and are
+    passed alongside it."""
 
     kind: str
     call_id: int
@@ -241,19 +265,20 @@ class Transport:
         rank: int,
         peers: list[int],
         control_group: dist.ProcessGroup,
-        data_group: dist.ProcessGroup,
         device: torch.device,
         timeout: float,
         on_messages: Callable[[list[tuple[Message, list[torch.Tensor]]]], None],
         first_send_bytes: int = FIRST_SEND_BYTES,
         key: bytes | None = None,
     ) -> None:
-        """``key`` seals the headers (:mod:`dtrain.sealed`; default: the job's)."""
+        """``control_group`` is a gloo group of the pipeline; ``device`` is where this rank
+        computes (received GPU tensors land there); ``key`` seals the headers
+        (:mod:`dtrain.sealed`; default: the job's)."""
         self.rank = rank
         self.peers = [p for p in peers if p != rank]
         self.timeout = timeout
         self.last_activity = time.monotonic()
-        self._control, self._data, self._device = control_group, data_group, device
+        self._control, self._device = control_group, device
         self._on_messages = on_messages
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
@@ -299,7 +324,9 @@ class Transport:
             for tensor in sent:
                 grad = tensor.requires_grad and tensor.is_floating_point()
                 slot = -1 if grad else slots.get(id(tensor), -1)
-                meta = TensorMeta(tuple(tensor.shape), tensor.dtype, grad, len(distinct))
+                meta = TensorMeta(
+                    tuple(tensor.shape), tensor.dtype, grad, len(distinct), tensor.is_cuda
+                )
                 if slot < 0:
                     distinct.append((tensor, meta))
                     if not grad:
@@ -311,9 +338,8 @@ class Transport:
         payload = seal(messages, self._key)
         start = _aligned(2 * _LENGTH_BYTES + len(payload))
         offsets, data_bytes = _layout([meta for _, meta in distinct])
-        inline = self._device.type == "cpu"
-        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + len(payload)
-        stream = torch.empty(end if inline else start, dtype=torch.uint8)
+        end = start + data_bytes
+        stream = torch.empty(end, dtype=torch.uint8)
         stream[: 2 * _LENGTH_BYTES] = torch.frombuffer(
             bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little"))
             + bytearray(data_bytes.to_bytes(_LENGTH_BYTES, "little")),
@@ -322,24 +348,19 @@ class Transport:
         stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + len(payload)] = torch.frombuffer(
             bytearray(payload), dtype=torch.uint8
         )
-        if inline:
-            data = stream[start:]
-        else:
-            data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
+        data = stream[start:]
         for (tensor, meta), offset in zip(distinct, offsets, strict=True):
-            if tensor.numel():
+            if tensor.numel():  # from a GPU: a synchronous copy to the host
                 data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
-        parts = [(stream[: min(end, self._first_bytes)], self._control, _TAG_HEADER)]
+        parts = [(stream[: min(end, self._first_bytes)], _TAG_HEADER)]
         if end > self._first_bytes:
-            parts.append((stream[self._first_bytes : end], self._control, _TAG_OVERFLOW))
-        if not inline and data_bytes:
-            parts.append((data, self._data, _TAG_TENSOR))
+            parts.append((stream[self._first_bytes : end], _TAG_OVERFLOW))
         with self._send_lock:
             previous = self._unfinished.pop(dst, None)
             if previous is not None:
                 self._finish(previous)
-            works = [dist.isend(part, dst=dst, group=group, tag=tag) for part, group, tag in parts]
-            self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _, _ in parts])
+            works = [dist.isend(part, dst=dst, group=self._control, tag=tag) for part, tag in parts]
+            self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _ in parts])
 
     def _finish(self, sent: _Sent) -> None:
         """Wait for a stream's sends; a failed or overdue one fails the transport (and raises)."""
@@ -375,9 +396,12 @@ class Transport:
 
     def _receive_loop(self, peer: int) -> None:
         """One peer's messages, until its stop. Every message's first part lands in one buffer
-        (its tensors are copied out before the next)."""
+        (its tensors are copied out before the next). On a GPU the thread starts on the rank's
+        device, so that tensors made without a device index land there."""
         buffer = torch.empty(self._first_bytes, dtype=torch.uint8)
         try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
             stopped = False
             while not stopped:
                 others = []
@@ -405,8 +429,7 @@ class Transport:
         length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
         data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
         start = _aligned(2 * _LENGTH_BYTES + length)
-        inline = self._device.type == "cpu"
-        end = start + data_bytes if inline else 2 * _LENGTH_BYTES + length
+        end = start + data_bytes
         stream = first
         if end > self._first_bytes:
             stream = torch.empty(end, dtype=torch.uint8)
@@ -415,19 +438,12 @@ class Transport:
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
         messages: list[Message] = unseal(payload, self._key, f"rank {src}")
         metas = _distinct([meta for message in messages for meta in message.meta])
-        if inline:
-            data = stream[start:end]
-        else:
-            data = torch.empty(data_bytes, dtype=torch.uint8, device=self._device)
-            if data_bytes:
-                dist.recv(data, src=src, group=self._data, tag=_TAG_TENSOR)
+        data = stream[start:end]
         offsets, _ = _layout(metas)
         # Copies, not views of the buffer: it takes the next stream, views of one storage as
         # several dtypes cannot be saved with torch.save, and a kept view would keep it alive.
         distinct = [
-            data[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape).clone()
-            if _nbytes(meta)
-            else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            _rebuilt(data[offset : offset + _nbytes(meta)], meta, self._device)
             for meta, offset in zip(metas, offsets, strict=True)
         ]
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
@@ -465,6 +481,15 @@ class Transport:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
+
+
+def _rebuilt(data: torch.Tensor, meta: TensorMeta, device: torch.device) -> torch.Tensor:
+    """A new tensor, on :func:`rebuilt_device`, from its bytes in a received stream."""
+    where = rebuilt_device(meta, device)
+    if not data.numel():
+        return torch.empty(meta.shape, dtype=meta.dtype, device=where)
+    tensor = data.view(meta.dtype).view(meta.shape)
+    return tensor.clone() if where.type == "cpu" else tensor.to(where)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
