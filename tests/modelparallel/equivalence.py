@@ -135,6 +135,40 @@ def init_smp(
     smp.init(config)
 
 
+def case_pipeline(
+    case: Case, auto: bool, **model_options: Any
+) -> tuple[smp.DistributedModel, Callable[[Tensor, Tensor], float]]:
+    """The case's model as a ``smp.DistributedModel`` (split by hand unless ``auto``), and one
+    SGD training step on a batch, which returns the step's mean loss."""
+    module = case.build()
+    if not auto:
+        for name, partition in case.split.items():
+            smp.set_partition(module.get_submodule(name), partition)
+    model = smp.DistributedModel(module, **model_options)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = case.loss(model, x, y)
+        model.backward(loss)
+        return loss
+
+    def step(x: Tensor, y: Tensor) -> float:
+        optimizer.zero_grad()
+        loss = float(train_step(model, x, y).reduce_mean())
+        optimizer.step()
+        return loss
+
+    return model, step
+
+
+def replica_rows(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """This data-parallel replica's share of a global batch."""
+    shard = GLOBAL_BATCH // smp.dp_size()
+    rows = slice(smp.dp_rank() * shard, (smp.dp_rank() + 1) * shard)
+    return x[rows], y[rows]
+
+
 def train_layouts(layouts: Sequence[Layout], steps: int, pipeline_degree: int = 2) -> list[Any]:
     """On every rank: train each layout in turn; rank 0 of each data-parallel replica returns
     ``Trained`` (losses of its shard, the gathered full parameters), other ranks None."""
@@ -145,32 +179,11 @@ def train_layouts(layouts: Sequence[Layout], steps: int, pipeline_degree: int = 
         init_smp(
             pipeline_degree, layout.pipeline, layout.microbatches, layout.auto, layout.placement
         )
-        module = case.build()
-        if not layout.auto:
-            for name, partition in case.split.items():
-                smp.set_partition(module.get_submodule(name), partition)
-        model = smp.DistributedModel(module)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-        @smp.step
-        def train_step(
-            model: smp.DistributedModel, x: Tensor, y: Tensor, loss_fn: Any = case.loss
-        ) -> Tensor:
-            loss = loss_fn(model, x, y)
-            model.backward(loss)
-            return loss
-
-        losses = []
-        for index in range(steps):
-            x, y = case.batch(index)
-            shard = GLOBAL_BATCH // smp.dp_size()
-            rows = slice(smp.dp_rank() * shard, (smp.dp_rank() + 1) * shard)
-            optimizer.zero_grad()
-            losses.append(float(train_step(model, x[rows], y[rows]).reduce_mean()))
-            optimizer.step()
+        model, step = case_pipeline(case, layout.auto)
+        losses = [step(*replica_rows(*case.batch(index))) for index in range(steps)]
         params = model.state_dict()
         plan = model.partition_plan()
-        used = {plan.owner(name.rpartition(".")[0]) for name, _ in module.named_parameters()}
+        used = {plan.owner(name.rpartition(".")[0]) for name, _ in model.module.named_parameters()}
         results.append(Trained(losses, params, len(used)) if smp.pp_rank() == 0 else None)
         smp.shutdown()
     dist.destroy_process_group()

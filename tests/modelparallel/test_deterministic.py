@@ -7,14 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-from torch import Tensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.executor import Executor, Task
 from dtrain.modelparallel.policy import SchedulePolicy
-from tests.modelparallel.equivalence import CASES, GLOBAL_BATCH, LR, reference
+from tests.modelparallel.equivalence import CASES, case_pipeline, reference, replica_rows
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
 
@@ -37,26 +35,10 @@ def _train_in_plan_order(case_name: str) -> dict[str, Any]:
               "auto_partition": False, "default_partition": 0, "deterministic_server": True,
               "ddp": dist.get_world_size() > 2})  # fmt: skip
     case = CASES[case_name]
-    module = case.build()
-    for name, partition in case.split.items():
-        smp.set_partition(module.get_submodule(name), partition)
-    model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = case.loss(model, x, y)
-        model.backward(loss)
-        return loss
-
+    model, step = case_pipeline(case, auto=False)
     losses, orders = [], []
     for index in range(STEPS):
-        x, y = case.batch(index)
-        shard = GLOBAL_BATCH // smp.dp_size()
-        rows = slice(smp.dp_rank() * shard, (smp.dp_rank() + 1) * shard)
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, x[rows], y[rows]).reduce_mean()))
-        optimizer.step()
+        losses.append(step(*replica_rows(*case.batch(index))))
         events = sorted(model.timeline(), key=lambda e: e.start)
         orders.append(_collapsed([(e.kind, e.microbatch) for e in events]))
     plan = [str(a) for a in model.pipeline_schedule().compute_actions(smp.pp_rank())]

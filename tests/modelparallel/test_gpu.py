@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import state
-from tests.modelparallel.equivalence import CASES, LR, Trained
+from tests.modelparallel.equivalence import CASES, LR, Trained, case_pipeline
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -41,28 +40,14 @@ def _pipelined(trace_device: str, auto: bool, batches_on_gpu: bool) -> dict[str,
     if not auto:
         config["default_partition"] = 0
     smp.init(config)  # two processes, one GPU: a gloo world, both ranks on cuda:0
-    module = case.build()  # on the CPU
-    if not auto:
-        for name, partition in case.split.items():
-            smp.set_partition(module.get_submodule(name), partition)
-    model = smp.DistributedModel(module, trace_device=trace_device)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = case.loss(model, x, y)
-        model.backward(loss)
-        return loss
-
+    model, step = case_pipeline(case, auto, trace_device=trace_device)  # made on the CPU
     device = torch.device("cuda")  # SMP's scripts: the GPU smp.init selected
     losses = []
     for index in range(STEPS):
         x, y = case.batch(index)
         if batches_on_gpu:
             x, y = x.to(device), y.to(device)
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, x, y).reduce_mean()))
-        optimizer.step()
+        losses.append(step(x, y))
     profile = model._profile
     return {
         "backend": dist.get_backend(),

@@ -116,3 +116,31 @@ def test_smps_rule_turns_a_bounded_simple_pipeline_into_interleaved() -> None:
         SchedulePolicy("simpel", 4, 4)
     with pytest.raises(ValueError, match="active microbatches: got 5; allowed: 1 to 4"):
         SchedulePolicy("interleaved", 4, 5)
+
+
+def test_a_task_dispatched_first_computes_first_even_if_its_thread_starts_later() -> None:
+    """Forwards of two microbatches reach a rank in order; if the second's thread asked for a
+    free token first it would compute first (BatchNorm's running statistics would then differ
+    from one process's). An announced task keeps its place; one that never computes gives it
+    up."""
+    executor = Executor(1, SchedulePolicy("simple", 4, 4), timeout=1.0)
+    executor.release(executor.main)
+    first, second, fetch_only = _task("F0"), _task("F1"), _task("F2")
+    for task in (fetch_only, first, second):
+        executor.announce(task)
+    executor.enqueue(second)
+    assert not second.granted.is_set()  # the token is free, but F0 is ahead in line
+    with executor.serving(fetch_only):  # a stream that never computes
+        pass
+    assert not second.granted.is_set()
+    executor.enqueue(first)
+    assert first.granted.is_set() and not second.granted.is_set()
+    executor.await_token(first)
+    executor.release(first)
+    assert second.granted.is_set()
+    interleaved = Executor(1, SchedulePolicy("interleaved", 4, 4), timeout=1.0)
+    interleaved.release(interleaved.main)
+    later, urgent = _task("F3"), _task("B1")
+    interleaved.announce(later)
+    interleaved.enqueue(urgent)  # dispatched after it, but more urgent: it does not wait
+    assert urgent.granted.is_set()

@@ -30,6 +30,7 @@ from dtrain.modelparallel.remote import (
     deferred_outputs,
     predictable,
 )
+from dtrain.modelparallel.split_backward import backward_giving_way
 from dtrain.modelparallel.stall import WaitBoard
 from dtrain.modelparallel.transport import (
     BACKWARD,
@@ -238,7 +239,7 @@ class RemoteCaller:
         backward may send the owner a backward request of the microbatch."""
         task = self.executor.current()
         if task is not None and record.grad and any(m.requires_grad for m in meta):
-            task.fetched_from.add(record.owner)
+            task.remote_nodes[record.owner] += 1
 
     def confirm(self, record: CallRecord) -> None:
         """Wait until the owner has finished a deferred call nobody fetched from (its error
@@ -253,6 +254,9 @@ class RemoteCaller:
         grads: list[torch.Tensor | None],
     ) -> list[torch.Tensor | None]:
         """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
+        task = self.executor.current()
+        if task is not None and task.remote_nodes[record.owner]:
+            task.remote_nodes[record.owner] -= 1
         _, input_grads = self._backward_request(record, path, leaves, grads, {})
         return input_grads
 
@@ -267,7 +271,7 @@ class RemoteCaller:
         leaves, inputs = record.closure()
         task = self.executor.current()
         # The owner's last backward of the microbatch unless the graph here may send more.
-        last = task is not None and record.owner not in task.fetched_from
+        last = task is not None and not task.remote_nodes[record.owner]
         fetched, input_grads = self._backward_request(
             record, value.path, leaves, [grad], {"fetch": True, "scale": scale, "last": last}
         )
@@ -276,7 +280,8 @@ class RemoteCaller:
         pairs = [(t, g) for t, g in zip(inputs, input_grads, strict=True) if g is not None]
         if pairs:
             with self.executor.backward():
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                outputs, output_grads = [t for t, _ in pairs], [g for _, g in pairs]
+                backward_giving_way(outputs, output_grads, self.executor.give_way)
 
     def _backward_request(
         self,

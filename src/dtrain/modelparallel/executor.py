@@ -39,6 +39,7 @@ import functools
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,9 +81,15 @@ class Task:
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
-    fetched_from: set[int] = field(default_factory=set, repr=False)
-    """Owners (pp ranks) whose outputs this task fetched onto its autograd graph: each may
-    receive a backward request of the microbatch from the graph's backward."""
+    remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
+    """Per owner (pp rank), the outputs this task fetched onto its autograd graph whose
+    backward has not run yet: each will send the owner a backward request. A leader task's
+    backward with none left is *terminal*: no other rank waits for it."""
+
+    @property
+    def terminal(self) -> bool:
+        """A leader task's backward that no other rank waits for any more."""
+        return self.role == "leader" and self.phase == "B" and not any(self.remote_nodes.values())
 
     def describe(self) -> str:
         if self.role == "main":
@@ -131,6 +138,8 @@ class Executor:
         self._cv = threading.Condition()
         self._holder: Task | None = None
         self._waiting: list[tuple[tuple[int, int], int, Task]] = []
+        self._announced: dict[Task, tuple[tuple[int, int], int]] = {}
+        """Dispatched tasks not waiting for the token yet: their key and place in line."""
         self._seq: Iterator[int] = itertools.count()
         self._local = threading.local()
         self._events: list[TimelineEvent] = []
@@ -150,16 +159,22 @@ class Executor:
     def _key(self, task: Task) -> tuple[int, int]:
         if task.role == "main":
             return MAIN_PRIORITY
-        return self.policy.priority(task.phase, task.microbatch)
+        return self.policy.priority(task.phase, task.microbatch, task.terminal)
 
     def _eligible(self) -> list[tuple[tuple[int, int], int, Task]]:
-        """The waiters the token may go to: while the main task waits and weight halves are
-        due, only those; with a plan order, only the current action's (call with the lock
-        held)."""
+        """The waiters the token may go to: not one dispatched after an announced task at
+        least as urgent; while the main task waits and weight halves are due, only those; with
+        a plan order, only the current action's (call with the lock held)."""
         waiting = self._waiting
         if self._weights_due and any(entry[2] is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry[2].phase == "W"]
-        return [entry for entry in waiting if self._in_turn(entry[2])]
+        ahead = self._announced.values()
+        return [
+            entry
+            for entry in waiting
+            if self._in_turn(entry[2])
+            and not any(key <= entry[0] and seq < entry[1] for key, seq in ahead)
+        ]
 
     def _in_turn(self, task: Task) -> bool:
         """Whether the plan order (if any) lets ``task`` compute now (call with the lock held)."""
@@ -204,8 +219,25 @@ class Executor:
         """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
         with self._cv:
             task.granted.clear()
-            self._waiting.append((self._key(task), next(self._seq), task))
+            announced = self._announced.pop(task, None)
+            seq = next(self._seq) if announced is None else announced[1]
+            self._waiting.append((self._key(task), seq, task))
             self._grant()
+
+    def announce(self, task: Task) -> None:
+        """``task`` (a stream of requests just dispatched, about to start on its thread) will
+        ask for the token: no task dispatched after it takes the token before it, unless more
+        urgent. Requests are dispatched in arrival order, but their threads start in any
+        order; a later microbatch's forward computed first changes what it leaves behind
+        (BatchNorm's running statistics, the order of random numbers)."""
+        with self._cv:
+            self._announced[task] = (self._key(task), next(self._seq))
+
+    def _withdraw(self, task: Task) -> None:
+        """An announced task that ends without asking for the token stops holding others up."""
+        with self._cv:
+            if self._announced.pop(task, None) is not None:
+                self._grant()
 
     def acquire(self, task: Task) -> None:
         self.enqueue(task)
@@ -344,6 +376,7 @@ class Executor:
         finally:
             if task.holding:
                 self.release(task)
+            self._withdraw(task)
             self._local.task = previous
 
     @contextmanager

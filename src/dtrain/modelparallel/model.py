@@ -37,6 +37,7 @@ from dtrain.modelparallel.schedule import (
     schedule_of,
     zero_bubble_policy,
 )
+from dtrain.modelparallel.split_backward import backward_giving_way
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
@@ -150,7 +151,7 @@ class DistributedModel(nn.Module):
                 for out, g in zip(outputs, grads, strict=True)
             ]
         with runtime.executor.backward():
-            torch.autograd.backward(outputs, grads)
+            backward_giving_way(outputs, grads, runtime.executor.give_way)
 
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime

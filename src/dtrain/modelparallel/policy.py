@@ -64,18 +64,23 @@ class SchedulePolicy:
             pipeline = "interleaved"
         return cls(pipeline, microbatches, active)
 
-    def priority(self, phase: Phase, microbatch: int) -> tuple[int, int]:
+    def priority(self, phase: Phase, microbatch: int, terminal: bool = False) -> tuple[int, int]:
         """Among tasks waiting for the compute token, the lowest goes first.
 
-        ``interleaved``: backward work first, then the lowest microbatch (1F1B-like).
-        ``simple``: forward work first (every forward before any backward, on every rank),
-        then the lowest microbatch. A weight half comes after everything else in both: nothing
-        waits for it but the optimizer step, so it fills time the rank would otherwise sit idle.
+        ``interleaved``: backward work first, then forward work, then the lowest microbatch
+        (1F1B-like); a *terminal* backward (the leader's, once no other rank waits for it: the
+        first stage's, or what is left of a microbatch's backward after its last remote one)
+        after forward work, which feeds the other stages. ``simple``: forward work first (every
+        forward before any backward, on every rank), then the lowest microbatch. A weight half
+        comes after everything else in both: nothing waits for it but the optimizer step, so
+        it fills time the rank would otherwise sit idle.
         """
         if phase == "W":
             return (_WEIGHTS_LAST, microbatch)
         backward = phase in ("B", "I")
-        return (int(backward if self.pipeline == "simple" else not backward), microbatch)
+        if self.pipeline == "simple":
+            return (int(backward), microbatch)
+        return (2 if terminal else int(not backward), microbatch)
 
     def may_admit(self, in_flight: int) -> bool:
         """Whether the leader may start another microbatch with ``in_flight`` unfinished."""

@@ -197,7 +197,9 @@ class PipelineRuntime:
                     self.executor.reclaim_main()
                 self._inbox.put((message, tensors))
         if jobs:
-            task = Task("serve", first.microbatch, step=first.step)
+            task = Task("serve", first.microbatch, jobs[0][0], step=first.step)
+            if first.kind != FETCH:  # it will compute: its place in line is kept
+                self.executor.announce(task)
             self.executor.spawn(functools.partial(self.owner.serve_stream, task, jobs))
 
     def _forward_done(self, task: Task) -> None:

@@ -451,7 +451,11 @@ def _run_policy(
             candidates = [action for action, time in ready[stage].items() if time <= now]
             if not candidates:
                 continue
-            kind, mb = min(candidates, key=lambda c: policy.priority(c[0], c[1]))  # type: ignore[arg-type]
+            # The first stage's backward is terminal: no stage waits for it.
+            kind, mb = min(
+                candidates,
+                key=lambda c: policy.priority(c[0], c[1], stage == 0),  # type: ignore[arg-type]
+            )
             del ready[stage][(kind, mb)]
             free_at[stage] = now + costs.of(kind, stage)
             order[stage].append((kind, mb))

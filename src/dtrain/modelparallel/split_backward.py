@@ -253,3 +253,28 @@ def _whole(
     for t, grad in zip(inputs, before, strict=True):
         t.grad = grad
     return found
+
+
+def backward_giving_way(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    give_way: Callable[[], None],
+) -> None:
+    """``torch.autograd.backward(outputs, grads)``, calling ``give_way`` before each node that
+    accumulates into a weight: a long backward (the leader's, which nothing waits for once its
+    remote parts are done) can let more urgent work compute at its layers' boundaries.
+
+    Measured on a GPT-2 whose tied head stays on partition 0: a 120 ms backward of the first
+    blocks, started just before the head's input came back, held that head's forward, and with
+    it the last partition, idle for 100 ms."""
+    roots = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    handles = [
+        node.register_prehook(lambda _grads: give_way())
+        for node in _walk(roots)
+        if any(_variable(child) is not None for child in _children(node))
+    ]
+    try:
+        torch.autograd.backward(list(outputs), list(grads))  # type: ignore[arg-type]
+    finally:
+        for handle in handles:
+            handle.remove()
