@@ -81,6 +81,21 @@ def test_admission_and_the_backward_hold(
     assert policy.backward_may_start(done) is backward
 
 
+def test_a_terminal_backward_goes_after_forwards_in_interleaved_only() -> None:
+    """The leader's backward that no other rank waits for any more yields to forward work,
+    which feeds the other stages; ``simple`` runs forwards first anyway."""
+    interleaved, simple = SchedulePolicy("interleaved", 4, 4), SchedulePolicy("simple", 4, 4)
+    assert interleaved.priority("B", 0, terminal=True) > interleaved.priority("F", 3)
+    assert interleaved.priority("B", 0, terminal=True) < interleaved.priority("W", 0)
+    assert interleaved.priority("B", 3) < interleaved.priority("F", 0)
+    assert simple.priority("B", 0, terminal=True) == simple.priority("B", 0)
+    task = Task("leader", 2, phase="B")
+    task.remote_nodes[1] += 1  # a value fetched from partition 1 whose backward is to come
+    assert not task.terminal
+    task.remote_nodes[1] -= 1
+    assert task.terminal and not Task("serve", 2, phase="B").terminal
+
+
 def test_the_step_s_last_backwards_are_split_as_many_per_stage_as_the_policy_says() -> None:
     policy = SchedulePolicy("interleaved", 4, 4, split=(0, 2))
     assert [policy.splits_backward(1, mb) for mb in range(4)] == [False, False, True, True]

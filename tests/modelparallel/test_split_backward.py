@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dtrain.modelparallel.split_backward import backward_inputs_first
+from dtrain.modelparallel.split_backward import backward_giving_way, backward_inputs_first
 
 
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
@@ -215,3 +215,22 @@ def test_a_checkpointed_region_is_recomputed_once() -> None:
     model.blocks[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
     _run(model, split=True)
     assert len(calls) == 2, "the forward and one recomputation"
+
+
+def test_a_backward_giving_way_stops_at_each_weight_and_gives_what_backward_gives() -> None:
+    """The leader's terminal backward lets other work compute before every node that
+    accumulates into a weight; its gradients are those of one ordinary backward."""
+    stage = _seeded(Stage)
+    h = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 5, (2, 3), generator=torch.Generator().manual_seed(2))
+    (loss,) = stage(h, y)
+    loss.backward()
+    expected = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    stage.zero_grad()
+    stops: list[int] = []
+    (loss,) = stage(h, y)
+    backward_giving_way([loss], [None], lambda: stops.append(len(stops)))
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
+    # At least one stop per layer with weights (2 blocks of 4 linear maps and 2 norms, a head).
+    assert len(stops) >= 2 * 6 + 1
