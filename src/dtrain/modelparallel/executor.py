@@ -445,7 +445,8 @@ class Executor:
 
     def give_way(self) -> None:
         """The current task, computing, lets a more urgent waiting task compute first, then
-        goes on (a weight half between its autograd calls)."""
+        goes on (a weight half between its autograd calls, a terminal backward at its
+        weights)."""
         task = self.current()
         if task is None or not task.holding:
             return
@@ -500,7 +501,7 @@ class Executor:
         task = self.current()
         if task is not None and task.holding and task.sticky:
             with self._cv:
-                if self._waiting:
+                if self._eligible():
                     self.release(task)
 
     @contextmanager

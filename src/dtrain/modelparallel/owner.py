@@ -295,17 +295,19 @@ class Owner:
         except BaseException as exc:
             self._send_error(message, exc)
             return
+        if weights is None:
+            self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
+            if message.body.get("last"):
+                self.executor.end_action(message.step, "B", message.microbatch)
+                self.executor.end_action(message.step, "W", message.microbatch)
+            return
         weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
-        if weights is not None:
-            self.executor.owe_weights(weights_task)
+        self.executor.owe_weights(weights_task)
         self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         if message.body.get("last"):
             self.executor.end_action(message.step, "B", message.microbatch)
-            if weights is None:
-                self.executor.end_action(message.step, "W", message.microbatch)
-        if weights is not None:
-            run = functools.partial(self._run_weights, weights, mode)
-            self.executor.run_weights(weights_task, run)
+        run = functools.partial(self._run_weights, weights, mode)
+        self.executor.run_weights(weights_task, run)
 
     def _run_weights(self, weights: WeightHalf, mode: ComputeMode) -> None:
         """The weight half of a split backward, letting more urgent work go first between its

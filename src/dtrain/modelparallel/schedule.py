@@ -365,7 +365,9 @@ def schedule_of(policy: SchedulePolicy, stages: int, costs: Costs) -> Schedule:
     """The action lists ``policy`` runs on ``stages`` ranks when the work costs ``costs``."""
     order, _ = _run_policy(policy, stages, costs)
     actions = tuple(
-        tuple(action for kind, mb in rank_order for action in _RECORDED[kind](mb, stage, stages))
+        tuple(
+            action for kind, mb in rank_order for action in _WITH_MESSAGES[kind](mb, stage, stages)
+        )
         for stage, rank_order in enumerate(order)
     )
     return Schedule(policy.pipeline, stages, policy.microbatches, policy.active, actions)
@@ -494,7 +496,7 @@ def recorded_schedule(
     for rank, first in starts.items():
         rank_actions: list[Action] = []
         for kind, mb in sorted(first, key=first.__getitem__):
-            rank_actions += _RECORDED[kind](mb, rank, stages)
+            rank_actions += _WITH_MESSAGES[kind](mb, rank, stages)
         actions.append(tuple(rank_actions))
     return Schedule(pipeline, stages, microbatches, active_microbatches, tuple(actions))
 
@@ -530,8 +532,9 @@ def _weight_half(mb: int, stage: int, stages: int) -> list[Action]:
     return [Action("W", mb, stage)]
 
 
-_RECORDED = {"F": _forward, "B": _backward, "I": _input_half, "W": _weight_half}
-"""A recorded compute period of each kind, with the chain's messages around it."""
+_WITH_MESSAGES = {"F": _forward, "B": _backward, "I": _input_half, "W": _weight_half}
+"""A compute action of each kind (planned, or a recorded period), with the chain's messages
+around it."""
 
 
 @dataclass(frozen=True)
