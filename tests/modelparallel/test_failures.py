@@ -70,3 +70,42 @@ def test_an_error_in_a_module_on_partition_one_keeps_its_rank_type_and_traceback
     for seen in run_ranks(2, _fail_in_partition_one, timeout=120):
         assert seen["rank"] == 1 and seen["type"] == "KeyError", seen
         assert 'raise KeyError("boom inside partition 1")' in seen["traceback"]
+
+
+def _dispatch_breaks_on_partition_one() -> str:
+    """Partition 1 cannot dispatch its requests (a fault in the runtime itself)."""
+    from dtrain.modelparallel.owner import Owner
+
+    dist.init_process_group("gloo")
+    init_smp(2, "interleaved", microbatches=2, auto=False)
+    if smp.pp_rank() == 1:
+
+        def broken(*_: Any) -> Any:
+            raise RuntimeError("the owner cannot take this request")
+
+        Owner.accept = broken  # type: ignore[method-assign]
+    module = _Chain()
+    smp.set_partition(module.first, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        train(model, torch.randn(4, 4))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        smp.shutdown()
+        dist.destroy_process_group()
+    return "no error"
+
+
+def test_a_message_that_cannot_be_dispatched_fails_the_step_on_every_rank_naming_why() -> None:
+    """Not a silent stall: the rank whose dispatch broke fails every wait for a reply, and the
+    leader's step ends with the error."""
+    for seen in run_ranks(2, _dispatch_breaks_on_partition_one, timeout=120):
+        assert "the owner cannot take this request" in seen, seen

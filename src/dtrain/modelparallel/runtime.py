@@ -43,7 +43,6 @@ from dtrain.modelparallel.stall import RankState, StallWatch, WaitBoard, default
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
-    FAILED,
     FETCH,
     FORWARD,
     NOTICE,
@@ -226,12 +225,14 @@ class PipelineRuntime:
             self.executor.end_microbatch(message.step, message.microbatch)
 
     def _dispatch_failed(self, error: BaseException) -> None:
-        """A message could not be dispatched: the pipeline is broken on this rank."""
-        failure = ModelParallelError(f"rank {self.group.rank}: dispatching a message failed")
+        """A message could not be dispatched: the pipeline is broken on this rank, as if its
+        messaging had failed (every wait for a reply here fails, naming the error)."""
+        assert self.transport is not None
+        failure = ModelParallelError(
+            f"rank {self.group.rank}: dispatching a message failed: {type(error).__name__}: {error}"
+        )
         failure.__cause__ = error
-        if not self.is_leader:
-            self.executor.reclaim_main()
-        self._inbox.put((Message(FAILED, 0, self.group.rank, body=failure), []))
+        self.transport.fail(failure)
 
     def run_step(self, count: int, body: Callable[[int], Any] | None) -> list[MicrobatchResult]:
         """Every rank of the pipeline: the leader runs ``body`` per microbatch, others serve.

@@ -43,6 +43,7 @@ and joins each receiver once it has its peer's stop.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -315,6 +316,9 @@ class Transport:
         """Send messages (each with its tensors) to ``dst`` as one stream, in this order."""
         if self._failure is not None:
             raise ModelParallelError(f"rank {self.rank}: transport failed: {self._failure}")
+        self._send_now(dst, items)
+
+    def _send_now(self, dst: int, items: list[tuple[Message, list[torch.Tensor]]]) -> None:
         messages = [message for message, _ in items]
         distinct: list[tuple[torch.Tensor, TensorMeta]] = []
         slots: dict[int, int] = {}  # id of a tensor without gradient → its slot
@@ -376,7 +380,7 @@ class Transport:
                 error = CommunicationTimeoutError(
                     f"sending {what}: not taken within {self.timeout:g} s"
                 )
-            self._fail(error)
+            self.fail(error)
             raise error
 
     def expect(self, dst: int, request: Message) -> Pending:
@@ -408,6 +412,8 @@ class Transport:
                 for message, tensors in self._receive_one(peer, buffer):
                     if message.kind == STOP:
                         stopped = True
+                    elif message.kind == FAILED:  # the peer's pipeline broke: so is ours
+                        self.fail(message.body, tell_peers=False)
                     elif message.kind in (REPLY, ERROR):
                         with self._pending_lock:
                             pending = self._pending.pop(message.call_id, None)
@@ -419,7 +425,7 @@ class Transport:
                 if others:
                     self._on_messages(others)
         except BaseException as exc:  # the process group broke: fail every waiter
-            self._fail(exc)
+            self.fail(exc, tell_peers=False)
 
     def _receive_one(
         self, src: int, first: torch.Tensor
@@ -448,13 +454,22 @@ class Transport:
         ]
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, tell_peers: bool = True) -> None:
+        """The pipeline is broken on this rank (``exc``): every request waiting for a reply
+        fails, the rank learns it as a ``FAILED`` message, and (``tell_peers``) so do the
+        other ranks, whose waits for this one fail at once instead of at their timeout; once
+        only."""
         with self._pending_lock:
             if self._failure is not None:
                 return
             self._failure = exc
             pending, self._pending = list(self._pending.values()), {}
         error = ModelParallelError(f"rank {self.rank}: the pipeline's messaging failed: {exc}")
+        if tell_peers:
+            told = Message(FAILED, 0, body=error_body(self.rank, exc))
+            with contextlib.suppress(BaseException):  # best effort: a peer may be gone
+                for peer in self.peers:
+                    self._send_now(peer, [(told, [])])
         for future in pending:
             future.fail(error)
         self._on_messages([(Message(FAILED, 0, self.rank, body=error), [])])
@@ -464,19 +479,18 @@ class Transport:
     def close(self, timeout: float | None = None) -> bool:
         """Tell every peer we stop, wait for theirs; False if a receiver did not end in time.
 
-        Every rank of the pipeline group must call this (a receiver ends on its peer's stop).
+        Every rank of the pipeline group must call this (a receiver ends on its peer's stop),
+        also after a failure: a peer whose pipeline broke still waits for the others' stops.
         """
         timeout = self.timeout if timeout is None else timeout
-        if self._failure is None:
-            try:
-                for peer in self.peers:
-                    self.send(peer, Message(STOP, 0))
-                with self._send_lock:
-                    unfinished, self._unfinished = list(self._unfinished.values()), {}
-                for sent in unfinished:
-                    self._finish(sent)
-            except ModelParallelError:
-                pass  # a peer is gone; its stop will not come either
+        for peer in self.peers:
+            with contextlib.suppress(BaseException):  # a peer that is gone sends no stop either
+                self._send_now(peer, [(Message(STOP, 0), [])])
+        with self._send_lock:
+            unfinished, self._unfinished = list(self._unfinished.values()), {}
+        for sent in unfinished:
+            with contextlib.suppress(BaseException):
+                self._finish(sent)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
