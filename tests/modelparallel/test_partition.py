@@ -39,14 +39,15 @@ MS = 1e-3
 
 
 def hand_profile(
-    modules: Mapping[str, tuple[float, int]],
+    modules: Mapping[str, tuple[float, int] | tuple[float, int, int]],
     calls: Sequence[tuple[str, int, int, int]],
     tied: Sequence[list[str]] = (),
 ) -> ModelProfile:
-    """``modules``: name -> (seconds, parameter bytes), parents first; ``calls``: (module, caller
-    call index, input bytes, output bytes) in execution order, the root's call first."""
+    """``modules``: name -> (seconds, parameter bytes[, operations]), parents first; ``calls``:
+    (module, caller call index, input bytes, output bytes) in execution order, the root's call
+    first."""
     stats: dict[str, ModuleStats] = {}
-    for name, (seconds, param_bytes) in modules.items():
+    for name, (seconds, param_bytes, *flops) in modules.items():
         parent = parent_name(name, set(modules))
         stats[name] = ModuleStats(
             name=name,
@@ -55,6 +56,7 @@ def hand_profile(
             forward_exclusive=seconds,
             param_bytes=param_bytes,
             param_count=param_bytes // 4,
+            flops=flops[0] if flops else 0,
         )
         if parent is not None:
             stats[parent].children.append(name)
@@ -93,11 +95,13 @@ def slowest(plan: PartitionPlan) -> float:
 
 
 def measures(plan: PartitionPlan) -> dict[str, float]:
-    """The largest partition cost, memory and traffic (bytes sent and received) of a plan."""
+    """The largest partition cost, operation count, memory and traffic (bytes sent and
+    received) of a plan."""
     sent = plan.traffic
     moved = [sum(sent[k]) + sum(row[k] for row in sent) for k in range(plan.partitions)]
     memory = max(stage.memory_bytes for stage in plan.stages)
-    return {"cost": slowest(plan), "memory": memory, "traffic": max(moved)}
+    flops = max(stage.flops for stage in plan.stages)
+    return {"cost": slowest(plan), "flops": flops, "memory": memory, "traffic": max(moved)}
 
 
 def splits(items: list[str], parts: int, allow_empty: bool) -> Iterator[list[list[str]]]:
@@ -121,8 +125,14 @@ def test_dynamic_program_matches_brute_force(seed: int) -> None:
     partitions = rng.randint(1, 4)
     names = [f"m{i}" for i in range(n)]
     sized = seed % 2 == 0  # else no parameters: memory ties and traffic decides
+    counted = seed % 3 == 0  # else no operations counted: they tie and memory decides
     modules = {"": (rng.uniform(0, 2) * MS, rng.randrange(0, 4000) * sized)} | {
-        name: (rng.uniform(0.1, 5) * MS, rng.randrange(0, 40_000) * sized) for name in names
+        name: (
+            rng.uniform(0.1, 5) * MS,
+            rng.randrange(0, 40_000) * sized,
+            rng.randrange(0, 10**9) * counted,
+        )
+        for name in names
     }
     # Some modules are called from an earlier sibling's code rather than the root's.
     calls = [("", -1, 0, 0)]
@@ -152,6 +162,7 @@ def test_dynamic_program_matches_brute_force(seed: int) -> None:
         least = min(candidate[name] for candidate in candidates)
         candidates = [c for c in candidates if c[name] <= least * (1 + tolerance) + 1e-12]
     got = measures(plan)
+    assert got["flops"] == candidates[0]["flops"]
     assert got["memory"] == candidates[0]["memory"]
     assert got["traffic"] == candidates[0]["traffic"]
     assert got["cost"] == pytest.approx(candidates[0]["cost"], rel=1e-9, abs=1e-12)
@@ -286,6 +297,30 @@ def test_auto_beats_an_equal_layer_split_of_an_unbalanced_model() -> None:
         assert slowest(auto) == pytest.approx(auto.modules["embed"].cost)
         assert slowest(auto) < slowest(equal)
         assert auto.owner("embed") == 0 and auto.owner("head") == 3
+
+
+def test_within_the_noise_band_operations_decide_before_memory() -> None:
+    """The benchmark's unbalanced LM: 8 blocks and a head with a large vocabulary (6 blocks'
+    time and operations, most of the memory). Cut 5 | 3 + head is the most even in memory and
+    within 30% of the fastest, but 7 | 1 + head is even in operations, which time follows."""
+    names = ["embed", *(f"b{i}" for i in range(8)), "head"]
+    modules = {"": (0.0, 0, 0)} | {
+        name: (
+            (6.0 if name == "head" else 1.0 if name.startswith("b") else 0.1) * MS,
+            {"embed": 16_000_000, "head": 16_000_000}.get(name, 800_000),
+            {"head": 6_000_000, "embed": 0}.get(name, 1_000_000),
+        )
+        for name in names
+    }
+    calls = [("", -1, 0, 0)] + [(name, 0, 1000, 1000) for name in names]
+    plan = auto_plan(hand_profile(modules, calls), 2, memory_weight=0.2)
+    assert [plan.owner(f"b{i}") for i in range(8)] == [0] * 7 + [1]
+    assert [stage.flops for stage in plan.stages] == [7_000_000, 7_000_000]
+    without_counts = hand_profile({name: module[:2] for name, module in modules.items()}, calls)
+    memory_even = auto_plan(without_counts, 2, memory_weight=0.2)  # nothing counted: memory
+    assert sum(memory_even.owner(f"b{i}") == 0 for i in range(8)) < 7
+    largest = [max(s.memory_bytes for s in p.stages) for p in (memory_even, plan)]
+    assert largest[0] < largest[1]
 
 
 # --- atoms -----------------------------------------------------------------------------------

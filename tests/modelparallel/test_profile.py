@@ -242,3 +242,38 @@ def test_json_round_trip(lm: ModelProfile) -> None:
 def test_repeats_must_be_positive() -> None:
     with pytest.raises(ValueError, match="repeats"):
         profile_module(GroupedNet(), (torch.randn(1, 1, 12, 12),), repeats=0)
+
+
+class Counted(nn.Module):
+    """Linear layers in a list, one called twice, one in a container, a product in the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 8)])
+        self.shared = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        x = self.block(self.shared(self.shared(x)))
+        return x @ x.T
+
+
+def test_operations_are_each_modules_own_summed_over_calls() -> None:
+    batch = 4
+    flops = {
+        name: stats.flops
+        for name, stats in profile_module(Counted(), (torch.randn(batch, 8),)).modules.items()
+    }
+    linear = 2 * batch  # multiply-adds per weight entry, for every row of the batch
+    assert flops == {
+        "": 2 * batch * 8 * batch,  # its own x @ x.T
+        "layers": 0,  # a list is never called: its layers' operations are theirs
+        "layers.0": linear * 8 * 16,
+        "layers.1": linear * 16 * 8,
+        "shared": 2 * linear * 8 * 8,  # called twice
+        "block": 0,
+        "block.0": linear * 8 * 8,
+        "block.1": 0,  # torch counts no operations for an activation
+    }

@@ -11,8 +11,8 @@ sizes again as gradients in backward), which both ranks spend time on.
 Timings are noisy (a busy machine makes one layer's time jump several fold), so a plan must not
 follow them where they cannot tell two plans apart. Modules built and called alike (repeated
 identical layers) get one compute time, the median of theirs; and plans whose largest cost is
-within :data:`TIME_TOLERANCE` of the best are taken as equally fast, the most balanced in memory
-(exact byte counts, free of noise) among them winning.
+within :data:`TIME_TOLERANCE` of the best are taken as equally fast, the most balanced in
+operations, then in memory (exact counts, free of noise), among them winning.
 
 :func:`auto_plan` places modules from a profile:
 
@@ -34,8 +34,10 @@ within :data:`TIME_TOLERANCE` of the best are taken as equally fast, the most ba
    segments, segment ``k`` on partition ``k``, by exact dynamic programs over (partition, end of
    its segment): the first finds the least largest partition cost ``C``; among the cuts whose
    every partition costs at most ``(1 + TIME_TOLERANCE) × C``, the next finds the least largest
-   partition memory; among those, the cuts within ``TIE_TOLERANCE`` of their least largest cost
-   are ties, and the one with the least largest traffic (bytes in and out), then cost, wins.
+   partition operation count (floating-point operations of the forward, counted by torch) and
+   keeps those within ``TIE_TOLERANCE`` of it; among those, the least largest partition memory;
+   among those, the cuts within ``TIE_TOLERANCE`` of their least largest cost are ties, and the
+   one with the least largest traffic (bytes in and out), then cost, wins.
    The programs are exact because what a partition costs, holds and moves depends only on its
    own segment: the traffic it pays is that of calls with exactly one end on it.
 """
@@ -67,9 +69,10 @@ TIME_TOLERANCE = 0.3
 
 A module's time on a busy machine is easily 30% off. At 0.15, a tiny 4-layer GPT-2 whose root
 code weighs as much as a block still had its cut moved by ±30% noise on every module in one
-profile of eight (none at 0.3). The price: memory, not time, decides within the band, and where
-they disagree the plan may be up to this much slower than the fastest (22% on a T5-like model
-whose large tied vocabulary sits on partition 0)."""
+profile of eight (none at 0.3). Within the band the exact operation counts decide, then memory:
+where memory alone decided, a plan could be up to this much slower than the fastest (an LM
+whose head costs 7 blocks was cut 5 | 3 + head, 29% slower by its own profile, instead of
+7 | 1 + head, for even memory)."""
 
 TIE_TOLERANCE = 0.03
 """Among the plans equal in memory, those whose largest partition cost is within this fraction
@@ -104,6 +107,8 @@ class StageCost:
     """Seconds sending and receiving remote-call tensors, forward and backward."""
     memory_bytes: int = 0
     cost: float = 0.0
+    flops: int = 0
+    """Floating-point operations of the partition's forward (see :class:`ModuleStats`)."""
 
     @property
     def time(self) -> float:
@@ -349,6 +354,7 @@ def costed_plan(
         stage = stages[owners[name]]
         stage.compute_time += time
         stage.memory_bytes += memory
+        stage.flops += stats.flops
         modules[name] = PlacedModule(
             type=stats.type,
             placement=(placements or {}).get(name, "manual"),
@@ -481,6 +487,7 @@ class _Unit:
     pin: int | None
     time: float = 0.0
     memory: int = 0
+    flops: int = 0
 
 
 class _Atoms:
@@ -507,6 +514,7 @@ class _Atoms:
         for unit in self.units:
             unit.time = sum(model.time[name] for name in unit.members)
             unit.memory = sum(model.memory[name] for name in unit.members)
+            unit.flops = sum(profile.modules[name].flops for name in unit.members)
 
     def _summarise(self, name: str) -> None:
         """Subtree cost, and whether a module below ran or is fixed (children first)."""
@@ -598,14 +606,17 @@ def _within(name: str, ancestor: str) -> bool:
 
 _CUT_CHOICE = (
     ("cost", TIME_TOLERANCE),
+    ("flops", TIE_TOLERANCE),
     ("memory", 0.0),
     ("cost", TIE_TOLERANCE),
     ("traffic", 0.0),
     ("cost", 0.0),
 )
 """How step 3 chooses a cut: each step finds the least largest partition value of its measure
-among the cuts every earlier step allowed, and allows those within its tolerance of that. Memory
-and traffic are exact byte counts, so timing noise cannot move the choices they make."""
+among the cuts every earlier step allowed, and allows those within its tolerance of that.
+Operation counts, memory and traffic are exact, so timing noise cannot move the choices they
+make; operations come first, being what the time mostly follows (a model whose operations
+torch does not count, all zero, is left to memory)."""
 
 
 def _best_segments(
@@ -617,7 +628,12 @@ def _best_segments(
     Every segment is non-empty when there are at least as many free units as partitions.
     """
     stage = _StageCosts(free, atoms, model, partitions)
-    measures = {"cost": stage.cost, "memory": stage.memory, "traffic": stage.traffic}
+    measures = {
+        "cost": stage.cost,
+        "flops": stage.flops,
+        "memory": stage.memory,
+        "traffic": stage.traffic,
+    }
     n = len(free)
     gap = 1 if n >= partitions else 0  # least units per segment
     limits: list[tuple[Callable[[int, int, int], float], float]] = []
@@ -679,10 +695,12 @@ class _StageCosts:
         index = {id(unit): i for i, unit in enumerate(free)}
         self.pinned_time = [0.0] * partitions
         self.pinned_memory = [0] * partitions
+        self.pinned_flops = [0] * partitions
         for unit in atoms.units:
             if unit.pin is not None:
                 self.pinned_time[unit.pin] += unit.time
                 self.pinned_memory[unit.pin] += unit.memory
+                self.pinned_flops[unit.pin] += unit.flops
         # Bytes moved by calls between units: free-free, free-pinned and pinned-pinned.
         free_degree = [0] * n
         earlier: list[list[tuple[int, int]]] = [[] for _ in range(n)]
@@ -710,6 +728,7 @@ class _StageCosts:
                 self.pinned_total[pin] += moved
         self.time_sum = _prefix([unit.time for unit in free])
         self.memory_sum = _prefix([unit.memory for unit in free])
+        self.flops_sum = _prefix([unit.flops for unit in free])
         self.free_sum = _prefix(free_degree)
         self.pinned_sum = [_prefix(row) for row in pinned_degree]
         self.all_pinned_sum = _prefix([sum(column) for column in zip(*pinned_degree, strict=True)])
@@ -724,6 +743,9 @@ class _StageCosts:
 
     def memory(self, k: int, left: int, right: int) -> int:
         return self.memory_sum[right] - self.memory_sum[left] + self.pinned_memory[k]
+
+    def flops(self, k: int, left: int, right: int) -> int:
+        return self.flops_sum[right] - self.flops_sum[left] + self.pinned_flops[k]
 
     def cost(self, k: int, left: int, right: int) -> float:
         key = (k, left, right)

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
 FORMAT_VERSION = 1
 
@@ -80,6 +81,10 @@ class ModuleStats:
     buffer_bytes: int = 0
     activation_bytes: int = 0
     """Bytes of the output tensors it created, summed over calls."""
+    flops: int = 0
+    """Floating-point operations of its own forward code (its submodules' excluded), summed
+    over calls, as torch's ``FlopCounterMode`` counts them (matrix products, convolutions,
+    attention): exact, so plans can tell apart what timing noise cannot."""
     tied_group: int | None = None
     """Index into :attr:`ModelProfile.tied_groups` when it shares a parameter with others."""
 
@@ -210,10 +215,12 @@ def profile_module(
     passes: list[_Pass] = []
     try:
         with torch.enable_grad():
-            # Structure pass: calls and sizes; also the warm-up.
+            # Structure pass: calls, sizes and operations; also the warm-up.
             snapshot.reset()
             recorder.start_structure(inputs)
-            outputs = module(*args, **kwargs)
+            with FlopCounterMode(display=False) as counter:
+                outputs = module(*args, **kwargs)
+            _record_flops(profile, counter.get_flop_counts(), type(module).__name__)
             recorder.mode = _OFF
             loss = _loss(outputs, loss_fn) if backward else None
             if loss is not None:
@@ -241,6 +248,24 @@ def profile_module(
         snapshot.restore()
     _fold(profile, passes)
     return profile
+
+
+def _record_flops(
+    profile: ModelProfile, counts: Mapping[str, Mapping[Any, int]], root: str
+) -> None:
+    """Each module's own forward operations, from ``FlopCounterMode``'s counts per module path
+    (``Root.sub.module``, each including its submodules'; a container that is never called, a
+    ``ModuleList``, has none: its children's are its own)."""
+    inclusive: dict[str, int] = {}
+
+    def count(name: str) -> int:
+        below = sum(count(child) for child in profile.modules[name].children)
+        path = f"{root}.{name}" if name else root
+        inclusive[name] = sum(counts[path].values()) if path in counts else below
+        profile.modules[name].flops = max(0, inclusive[name] - below)
+        return inclusive[name]
+
+    count("")
 
 
 # --------------------------------------------------------------------------------------------
