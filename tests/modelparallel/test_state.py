@@ -41,13 +41,13 @@ def _layout() -> dict[str, Any]:
         kind: dist.get_process_group_ranks(getattr(st, f"{kind}_process_group"))
         for kind in state.GROUP_KINDS
     }
-    control = st.pp_control_group
+    messaging = st.pp_message_group
     total = torch.tensor([float(st.rank)])
     dist.all_reduce(total, group=st.pp_process_group)
     return {
         "names": {name: getattr(smp, name)() for name in RANK_FUNCTIONS},
         "process_group_ranks": ranks,
-        "control": (dist.get_process_group_ranks(control), dist.get_backend(control)),
+        "messaging": (dist.get_process_group_ranks(messaging), dist.get_backend(messaging)),
         "objects": {k: dist.get_process_group_ranks(g) for k, g in st.object_groups.items()},
         "pp_sum": total.item(),
         "config": dict(st.config),
@@ -85,7 +85,7 @@ def test_init_from_job_parameters_with_cluster_placement() -> None:
         groups = {"pp": pp[rank], "mp": pp[rank], "dp": dp[rank], "rdp": dp[rank], "tp": [rank]}
         assert result["process_group_ranks"] == groups
         assert result["objects"] == {**groups, "world": [0, 1, 2, 3]}
-        assert result["control"] == (pp[rank], "gloo")
+        assert result["messaging"] == (pp[rank], "gloo")
         assert result["pp_sum"] == sum(pp[rank])
         config = result["config"]
         assert config["microbatches"] == 8 and config["pipeline_parallel_degree"] == 2

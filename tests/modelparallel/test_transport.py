@@ -49,7 +49,7 @@ def _start(handle: Handler, device: torch.device | None = None) -> tuple[int, Tr
     """This rank and its transport (computing on ``device``, default the CPU) in a world of
     two; ``handle`` gets the messages."""
     dist.init_process_group("gloo")
-    control = dist.new_group([0, 1])
+    messaging = dist.new_group([0, 1])
     transport: Transport | None = None
 
     def on_messages(messages: list[tuple[Message, list[torch.Tensor]]]) -> None:
@@ -59,7 +59,7 @@ def _start(handle: Handler, device: torch.device | None = None) -> tuple[int, Tr
     transport = Transport(
         dist.get_rank(),
         [0, 1],
-        control,
+        messaging,
         device or torch.device("cpu"),
         30.0,
         on_messages,

@@ -19,7 +19,7 @@ class PipelineGroup:
     rank: int
     pp_rank: int
     ranks: list[int]
-    control_group: dist.ProcessGroup | None
+    message_group: dist.ProcessGroup | None
     """gloo group of the pipeline: every message between its ranks, tensors included."""
     device: torch.device
     timeout: float

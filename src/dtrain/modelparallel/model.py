@@ -285,7 +285,7 @@ class DistributedModel(nn.Module):
             rank=st.rank,
             pp_rank=st.pp_rank,
             ranks=list(st.pp_group),
-            control_group=st.pp_control_group,
+            message_group=st.pp_message_group,
             device=st.device,
             timeout=st.options.timeout,
         )
@@ -298,7 +298,7 @@ class DistributedModel(nn.Module):
             group, modules, owners, self._schedule.policy, st.options, plan
         )
         if st.pp_size > 1:
-            dist.barrier(group=st.pp_control_group)
+            dist.barrier(group=st.pp_message_group)
         for sd, strict in self._pending_loads:
             self._load_local(sd, strict)
         self._pending_loads.clear()
@@ -458,7 +458,7 @@ class DistributedModel(nn.Module):
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local
-        parts = all_gather_objects(local, st.pp_control_group, st.key)
+        parts = all_gather_objects(local, st.pp_message_group, st.key)
         full: dict[str, Any] = {}
         for part in parts:
             assert part is not None
@@ -508,7 +508,7 @@ class DistributedModel(nn.Module):
         st = self._state
         events = self.timeline()
         if st.pp_size > 1:
-            parts = all_gather_objects(events, st.pp_control_group, st.key)
+            parts = all_gather_objects(events, st.pp_message_group, st.key)
             events = [event for part in parts for event in (part or [])]
         if st.pp_rank == 0:
             write_chrome_trace(events, path)

@@ -104,14 +104,14 @@ class PipelineRuntime:
         """The interpreter's, restored at close."""
         if len(group.ranks) > 1:
             sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
-            assert group.control_group is not None
+            assert group.message_group is not None
             self._dispatcher = Dispatcher(
                 f"dtrain-mp-dispatch-{group.rank}", self._dispatch, self._dispatch_failed
             )
             self.transport = Transport(
                 group.rank,
                 group.ranks,
-                group.control_group,
+                group.message_group,
                 group.device,
                 group.timeout,
                 self._dispatcher.put,

@@ -82,7 +82,7 @@ class MPState:
     mp_process_group: dist.ProcessGroup
     tp_process_group: dist.ProcessGroup
     rdp_process_group: dist.ProcessGroup
-    pp_control_group: dist.ProcessGroup
+    pp_message_group: dist.ProcessGroup
     """gloo group of the pipeline for every message of the runtime, tensors included (even on
     an NCCL world: see :mod:`.transport`)."""
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
@@ -516,7 +516,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
-    control = maker.mine(pipelines, "gloo", fresh=True, idle=True)
+    messaging = maker.mine(pipelines, "gloo", fresh=True, idle=True)
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,
@@ -546,7 +546,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         mp_process_group=groups["mp"],
         tp_process_group=groups["tp"],
         rdp_process_group=groups["rdp"],
-        pp_control_group=control,
+        pp_message_group=messaging,
         object_groups=objects,
         device=device,
         options=options,

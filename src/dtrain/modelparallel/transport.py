@@ -265,21 +265,21 @@ class Transport:
         self,
         rank: int,
         peers: list[int],
-        control_group: dist.ProcessGroup,
+        message_group: dist.ProcessGroup,
         device: torch.device,
         timeout: float,
         on_messages: Callable[[list[tuple[Message, list[torch.Tensor]]]], None],
         first_send_bytes: int = FIRST_SEND_BYTES,
         key: bytes | None = None,
     ) -> None:
-        """``control_group`` is a gloo group of the pipeline; ``device`` is where this rank
+        """``message_group`` is a gloo group of the pipeline; ``device`` is where this rank
         computes (received GPU tensors land there); ``key`` seals the headers
         (:mod:`dtrain.sealed`; default: the job's)."""
         self.rank = rank
         self.peers = [p for p in peers if p != rank]
         self.timeout = timeout
         self.last_activity = time.monotonic()
-        self._control, self._device = control_group, device
+        self._group, self._device = message_group, device
         self._on_messages = on_messages
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
@@ -363,7 +363,7 @@ class Transport:
             previous = self._unfinished.pop(dst, None)
             if previous is not None:
                 self._finish(previous)
-            works = [dist.isend(part, dst=dst, group=self._control, tag=tag) for part, tag in parts]
+            works = [dist.isend(part, dst=dst, group=self._group, tag=tag) for part, tag in parts]
             self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _ in parts])
 
     def _finish(self, sent: _Sent) -> None:
@@ -430,7 +430,7 @@ class Transport:
     def _receive_one(
         self, src: int, first: torch.Tensor
     ) -> list[tuple[Message, list[torch.Tensor]]]:
-        dist.recv(first, src=src, group=self._control, tag=_TAG_HEADER)
+        dist.recv(first, src=src, group=self._group, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
         length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
         data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
@@ -440,7 +440,7 @@ class Transport:
         if end > self._first_bytes:
             stream = torch.empty(end, dtype=torch.uint8)
             stream[: self._first_bytes] = first
-            dist.recv(stream[self._first_bytes :], src=src, group=self._control, tag=_TAG_OVERFLOW)
+            dist.recv(stream[self._first_bytes :], src=src, group=self._group, tag=_TAG_OVERFLOW)
         payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
         messages: list[Message] = unseal(payload, self._key, f"rank {src}")
         metas = _distinct([meta for message in messages for meta in message.meta])
