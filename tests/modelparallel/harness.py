@@ -206,3 +206,16 @@ def train_steps(
         losses.append(float(train_step(model, x, y).reduce_mean()))
         optimizer.step()
     return losses
+
+
+def sum_step() -> Callable[..., Any]:
+    """An ``smp.step`` that backpropagates the sum of the model's output on ``x`` and returns it."""
+    import dtrain.modelparallel as smp
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    return train

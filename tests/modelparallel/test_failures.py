@@ -11,7 +11,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import RemoteError
 from tests.modelparallel.equivalence import init_smp
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, sum_step
 
 
 class _FailsOnThirdCall(nn.Module):
@@ -48,12 +48,7 @@ def _fail_in_partition_one() -> dict[str, Any]:
     smp.set_partition(module.first, 1)
     smp.set_partition(module.second, 1)
     model = smp.DistributedModel(module)
-
-    @smp.step
-    def train(model: smp.DistributedModel, x: Tensor) -> Tensor:
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
+    train = sum_step()
 
     seen: dict[str, Any] = {}
     try:
@@ -87,12 +82,7 @@ def _dispatch_breaks_on_partition_one() -> str:
     module = _Chain()
     smp.set_partition(module.first, 1)
     model = smp.DistributedModel(module)
-
-    @smp.step
-    def train(model: smp.DistributedModel, x: Tensor) -> Tensor:
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
+    train = sum_step()
 
     try:
         train(model, torch.randn(4, 4))

@@ -14,7 +14,7 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.hooks import Unavailable, hooked_submodules, recording, replay
 from dtrain.modelparallel.transport import flatten
 from tests.modelparallel.equivalence import init_smp
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, sum_step
 
 
 class _Block(nn.Module):
@@ -113,12 +113,7 @@ def _hooks_on_partition_one() -> dict[str, Any]:
     if smp.rank() == 0:
         module.second.inner.register_forward_hook(lambda m, a, out: collected.append(out))
     model = smp.DistributedModel(module)
-
-    @smp.step
-    def train(model: smp.DistributedModel, x: Tensor) -> Tensor:
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
+    train = sum_step()
 
     for _ in range(2):  # the second step would defer its calls without hooks
         train(model, torch.ones(4, 4))
