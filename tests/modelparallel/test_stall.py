@@ -85,7 +85,16 @@ def test_two_watches_report_one_silence_once_through_a_store() -> None:
     since = time.monotonic()
     states = {0: RankState(0, "idle", WAITING_ON_1), 1: RankState(1, "computing 'b'")}
     watches = [
-        StallWatch(r, [0, 1], 0.2, lambda: since, lambda r=r: states[r], store, published.append)
+        StallWatch(
+            r,
+            [0, 1],
+            0.2,
+            lambda: since,
+            lambda: True,
+            lambda r=r: states[r],
+            store,
+            published.append,
+        )
         for r in (0, 1)
     ]
     for watch in watches:
@@ -102,6 +111,42 @@ def test_two_watches_report_one_silence_once_through_a_store() -> None:
     # A timeout may cite a report of its own wait, not one older than the wait could be.
     assert watches[0].recent_report(within=60) == watches[0].report
     assert watches[0].recent_report(within=0.1) is None
+
+
+def test_outside_a_step_a_rank_reports_nothing_but_shares_its_state() -> None:
+    store, published = _DictStore(), []
+    start = time.monotonic()
+    states = {
+        0: RankState(0, "microbatch task F0 between computations", WAITING_ON_1),
+        1: RankState(1, "the main thread (outside the step)"),
+    }
+    # Rank 1's script has been busy since long before rank 0 entered the step (0.5 s from now,
+    # more than the 0.2 s a report accepts): its state must still be fresh when rank 0 reports.
+    silent_since = {0: start + 0.5, 1: start - 10}
+    watches = [
+        StallWatch(
+            r,
+            [0, 1],
+            0.2,
+            lambda r=r: silent_since[r],
+            lambda r=r: r == 0,
+            lambda r=r: states[r],
+            store,
+            published.append,
+        )
+        for r in (0, 1)
+    ]
+    for watch in watches:
+        watch.start()
+    deadline = time.monotonic() + 10
+    while watches[0].report is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for watch in watches:
+        watch.stop()
+    assert len(published) == 1 and watches[1].report is None, published
+    assert "rank 1 waits for nobody" in published[0]
+    assert "rank 1: waits for nobody; the main thread (outside the step)" in published[0]
 
 
 class _Slow(nn.Module):
@@ -183,7 +228,10 @@ def _rest_between_steps() -> float:
     return total
 
 
-def test_a_pipeline_may_rest_between_steps_longer_than_the_timeout() -> None:
-    env = {"DTRAIN_MP_STALL_REPORT": "60", "DTRAIN_MP_TIMEOUT": "3"}
+def test_a_pipeline_may_rest_between_steps_longer_than_the_timeout_and_the_report_limit(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    env = {"DTRAIN_MP_STALL_REPORT": "1", "DTRAIN_MP_TIMEOUT": "3"}
     leader, other = run_ranks(2, _rest_between_steps, timeout=60, env=env)
     assert leader == other
+    assert "stalled" not in capfd.readouterr().err

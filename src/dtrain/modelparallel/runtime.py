@@ -96,6 +96,9 @@ class PipelineRuntime:
         self._gate: StepGate[Stream] = StepGate()
         self._dispatcher: Dispatcher[Stream] | None = None
         self._steps = 0
+        self._in_step = False
+        self._step_started = float("-inf")
+        """Monotonic time this rank entered its current or last step (a stall counts from it)."""
         self.transport: Transport | None = None
         self.waits = WaitBoard()
         """This rank's waits on other ranks, for stall reports."""
@@ -143,7 +146,10 @@ class PipelineRuntime:
             rank=self.group.rank,
             ranks=self.group.ranks,
             limit=limit,
-            last_progress=lambda: max(transport.last_activity, self.executor.last_progress),
+            last_progress=lambda: max(
+                transport.last_activity, self.executor.last_progress, self._step_started
+            ),
+            in_step=lambda: self._in_step,
             state=self._rank_state,
             store=default_store(),
             publish=lambda text: print(text, file=sys.stderr, flush=True),
@@ -242,23 +248,36 @@ class PipelineRuntime:
         """
         self._steps += 1
         self.executor.clear_timeline()
-        if self.is_leader:
-            assert body is not None
-            try:
-                mode = ComputeMode.current()  # the step's caller's, for the microbatch threads
-                outcomes = self.executor.run_microbatches(
-                    count, functools.partial(self._run_microbatch, body, mode), self._steps
-                )
-            except CommunicationTimeoutError as exc:  # the others stop waiting for the end too
-                error = self._explained(exc)
-                self._announce([(False, error)])
-                raise error from exc
-            finally:
-                self.owner.forget_served(None)
-            outcomes = [(ok, value if ok else self._explained(value)) for ok, value in outcomes]
-            self._announce(outcomes)
-            self.owner.raise_weights_failure()
-            return outcomes
+        self._step_started = time.monotonic()
+        self._in_step = True
+        try:
+            if self.is_leader:
+                assert body is not None
+                return self._lead_step(count, body)
+            return self._follow_step()
+        finally:
+            self._in_step = False
+
+    def _lead_step(self, count: int, body: Callable[[int], Any]) -> list[MicrobatchResult]:
+        """The leader's step: its microbatches, then their outcomes to every rank."""
+        try:
+            mode = ComputeMode.current()  # the step's caller's, for the microbatch threads
+            outcomes = self.executor.run_microbatches(
+                count, functools.partial(self._run_microbatch, body, mode), self._steps
+            )
+        except CommunicationTimeoutError as exc:  # the others stop waiting for the end too
+            error = self._explained(exc)
+            self._announce([(False, error)])
+            raise error from exc
+        finally:
+            self.owner.forget_served(None)
+        outcomes = [(ok, value if ok else self._explained(value)) for ok, value in outcomes]
+        self._announce(outcomes)
+        self.owner.raise_weights_failure()
+        return outcomes
+
+    def _follow_step(self) -> list[MicrobatchResult]:
+        """Another rank's step: serve until the leader announces the outcomes."""
         try:
             outcomes, ended = self._await_step_end()
         except CommunicationTimeoutError as exc:

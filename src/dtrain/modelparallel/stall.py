@@ -1,12 +1,16 @@
 """What a stalled pipeline waits for, and which rank holds it up.
 
-When nothing has moved on a rank for a while (``DTRAIN_MP_STALL_REPORT`` seconds, see
-:mod:`.options`), each rank of the pipeline publishes what it waits for (peer, request,
+When nothing has moved on a rank in a step for a while (``DTRAIN_MP_STALL_REPORT`` seconds,
+see :mod:`.options`), each rank of the pipeline publishes what it waits for (peer, request,
 microbatch) and what it is doing, reads the others' through the job's rendezvous store, and the
 diagnosis names the ranks that wait for nobody: those are stuck in their own work (a module that
 never returns, a script that never reaches the step), and the rest wait on them. The diagnosis
 is printed and joins the timeout error that ends the step later, so the job's failure names the
 culprit, not the first rank to give up.
+
+Outside a step silence is the script's own business (an evaluation, a checkpoint upload): a
+rank reports nothing then, but keeps its state in the store, so that peers stalled in a step
+can tell a script that never reaches the step from a rank that is gone.
 
 :class:`WaitBoard` and :func:`diagnose` are plain data and logic, tested without processes.
 """
@@ -130,7 +134,8 @@ class StallWatch:
     ranks: list[int]
     limit: float
     last_progress: Callable[[], float]
-    """Monotonic time anything last moved on this rank."""
+    """Monotonic time anything last moved on this rank (a step's start included)."""
+    in_step: Callable[[], bool]
     state: Callable[[], RankState]
     store: Store | None
     publish: Callable[[str], None]
@@ -141,6 +146,7 @@ class StallWatch:
     """Monotonic time of the last diagnosis."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _reported_at: float = -1.0
+    _shared_at: float = float("-inf")
 
     def start(self) -> None:
         name = f"dtrain-mp-stall-{self.rank}"
@@ -153,9 +159,13 @@ class StallWatch:
         while not self._stop.wait(min(1.0, self.limit / 4)):
             progress = self.last_progress()
             silence = time.monotonic() - progress
-            if silence >= self.limit and self._reported_at != progress:
-                self._reported_at = progress
-                with contextlib.suppress(Exception):  # a report must never break the job
+            if silence < self.limit:
+                continue
+            with contextlib.suppress(Exception):  # a report must never break the job
+                if not self.in_step():
+                    self._share()
+                elif self._reported_at != progress:
+                    self._reported_at = progress
                     self._report(silence)
 
     def recent_report(self, within: float) -> str | None:
@@ -168,12 +178,23 @@ class StallWatch:
     def _key(self, rank: int) -> str:
         return f"dtrain/mp-stall/{rank}"
 
+    def _publish_state(self, own: RankState, now: float) -> None:
+        assert self.store is not None
+        self.store.set(self._key(self.rank), json.dumps({"at": now, "state": own.to_wire()}))
+        self._shared_at = time.monotonic()
+
+    def _share(self) -> None:
+        """Outside a step: this rank's state for peers' reports, renewed before it is older
+        than a report accepts."""
+        if self.store is not None and time.monotonic() - self._shared_at >= self.limit / 2:
+            self._publish_state(self.state(), time.time())
+
     def _report(self, silence: float) -> None:
         own = self.state()
         states = {self.rank: own}
         if self.store is not None:
             now = time.time()
-            self.store.set(self._key(self.rank), json.dumps({"at": now, "state": own.to_wire()}))
+            self._publish_state(own, now)
             states.update(self._gather(now))
         self.report = diagnose(self.ranks, states, silence)
         self.report_time = time.monotonic()
