@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -80,17 +81,21 @@ class _DictStore:
         return all(k in self.values for k in keys)
 
 
-def test_two_watches_report_one_silence_once_through_a_store() -> None:
-    store, published = _DictStore(), []
-    since = time.monotonic()
-    states = {0: RankState(0, "idle", WAITING_ON_1), 1: RankState(1, "computing 'b'")}
+def _started_watches(
+    states: dict[int, RankState],
+    silent_since: dict[int, float],
+    in_step: Callable[[int], bool],
+    published: list[str],
+) -> list[StallWatch]:
+    """Watches of ranks 0 and 1 (0.2 s limit) sharing one store, started."""
+    store = _DictStore()
     watches = [
         StallWatch(
             r,
             [0, 1],
             0.2,
-            lambda: since,
-            lambda: True,
+            lambda r=r: silent_since[r],
+            lambda r=r: in_step(r),
             lambda r=r: states[r],
             store,
             published.append,
@@ -99,10 +104,24 @@ def test_two_watches_report_one_silence_once_through_a_store() -> None:
     ]
     for watch in watches:
         watch.start()
+    return watches
+
+
+def _wait_until(condition: Callable[[], bool], published: list[str]) -> None:
     deadline = time.monotonic() + 10
-    while any(w.report is None or "rank 1:" not in w.report for w in watches):
+    while not condition():
         assert time.monotonic() < deadline, published
         time.sleep(0.05)
+
+
+def test_two_watches_report_one_silence_once_through_a_store() -> None:
+    published: list[str] = []
+    since = time.monotonic()
+    states = {0: RankState(0, "idle", WAITING_ON_1), 1: RankState(1, "computing 'b'")}
+    watches = _started_watches(states, {0: since, 1: since}, lambda _: True, published)
+    _wait_until(
+        lambda: all(w.report is not None and "rank 1:" in w.report for w in watches), published
+    )
     time.sleep(0.5)
     for watch in watches:
         watch.stop()
@@ -114,7 +133,7 @@ def test_two_watches_report_one_silence_once_through_a_store() -> None:
 
 
 def test_outside_a_step_a_rank_reports_nothing_but_shares_its_state() -> None:
-    store, published = _DictStore(), []
+    published: list[str] = []
     start = time.monotonic()
     states = {
         0: RankState(0, "microbatch task F0 between computations", WAITING_ON_1),
@@ -123,25 +142,8 @@ def test_outside_a_step_a_rank_reports_nothing_but_shares_its_state() -> None:
     # Rank 1's script has been busy since long before rank 0 entered the step (0.5 s from now,
     # more than the 0.2 s a report accepts): its state must still be fresh when rank 0 reports.
     silent_since = {0: start + 0.5, 1: start - 10}
-    watches = [
-        StallWatch(
-            r,
-            [0, 1],
-            0.2,
-            lambda r=r: silent_since[r],
-            lambda r=r: r == 0,
-            lambda r=r: states[r],
-            store,
-            published.append,
-        )
-        for r in (0, 1)
-    ]
-    for watch in watches:
-        watch.start()
-    deadline = time.monotonic() + 10
-    while watches[0].report is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    watches = _started_watches(states, silent_since, lambda r: r == 0, published)
+    _wait_until(lambda: watches[0].report is not None, published)
     for watch in watches:
         watch.stop()
     assert len(published) == 1 and watches[1].report is None, published
