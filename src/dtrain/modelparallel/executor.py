@@ -148,10 +148,9 @@ class Executor:
         self._clock_offset = time.time() - time.perf_counter()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
-        self._weights_due = 0
-        """Weight halves deferred and not finished: the main task waits for them."""
         self._weights_owed: list[tuple[int, int]] = []
-        """(step, microbatch) of each of them."""
+        """(step, microbatch) of each weight half deferred and not finished: the main task
+        waits for them."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -166,7 +165,7 @@ class Executor:
         least as urgent; while the main task waits and weight halves are due, only those; with
         a plan order, only the current action's (call with the lock held)."""
         waiting = self._waiting
-        if self._weights_due and any(entry[2] is self.main for entry in waiting):
+        if self._weights_owed and any(entry[2] is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry[2].phase == "W"]
         ahead = self._announced.values()
         return [
@@ -461,7 +460,6 @@ class Executor:
         task waits for it. Owed before the backward replies, so that no end of the microbatch
         can be taken for the end of its weights."""
         with self._cv:
-            self._weights_due += 1
             self._weights_owed.append((task.step, task.microbatch))
 
     def run_weights(self, task: Task, run: Callable[[], None]) -> None:
@@ -479,7 +477,6 @@ class Executor:
         """The owed weight half ``task`` has run (or failed): its action is over, and the main
         task may be next."""
         with self._cv:
-            self._weights_due -= 1
             self._weights_owed.remove((task.step, task.microbatch))
             self._progress = time.monotonic()
             self._grant()
