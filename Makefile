@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DATA ?= $(CURDIR)/out/demo-data
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint stress
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,6 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest
+
+stress: install
+	$(BIN)/python -m pytest -m stress

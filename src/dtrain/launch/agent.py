@@ -59,9 +59,11 @@ OUTBOX_LIMIT = 100_000
 
 
 def entry_command(entry_point: str) -> list[str]:
-    """How SageMaker's toolkit starts an entry point: Python files with this agent's Python."""
+    """How SageMaker's toolkit starts an entry point: Python files with this agent's Python,
+    through :mod:`dtrain.launch.entry` (as ``python script.py`` would, without the interpreter
+    shutdown that can abort a finished rank)."""
     if entry_point.endswith(".py"):
-        return [sys.executable, "-u", entry_point]
+        return [sys.executable, "-u", "-m", "dtrain.launch.entry", entry_point]
     if entry_point.endswith(".sh"):
         return ["/bin/sh", entry_point]
     return [f"./{entry_point}"]
