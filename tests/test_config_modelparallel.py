@@ -103,7 +103,7 @@ def test_what_dtrain_does_not_implement_is_refused_not_ignored() -> None:
 BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]] = [
     ({"microbatch": 4}, None, UnknownKeyError, (f"{P}.microbatch", "'microbatches'")),
     ({"partition": 2}, None, UnknownKeyError, (f"{P}.partition", "'partitions'")),
-    ({"fast_mode": True}, None, UnknownKeyError, (f"{P}.fast_mode", "allowed keys", "ddp")),
+    ({"fast": True}, None, UnknownKeyError, (f"{P}.fast", "allowed keys", "ddp")),
     ({"pipeline": "simpel"}, None, ConfigError, (f"{P}.pipeline", "'simpel'", "'simple'")),
     (
         {"placement_strategy": "dpt"},
@@ -214,6 +214,12 @@ def test_bad_parameters(
     assert type(caught.value) is error
     for text in expected:
         assert text in str(caught.value)
+
+
+def test_smps_internal_parameters_are_accepted_and_ignored_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=rf"^{P}\.static_mode is one of SMP's internal"):
+        values = validate_mp_parameters({"static_mode": True, "microbatches": 2})
+    assert "static_mode" not in values and values["microbatches"] == 2
 
 
 def test_where_prefixes_every_key() -> None:

@@ -192,25 +192,32 @@ def test_runtime_options_read_the_environment() -> None:
         RuntimeOptions.from_environment({"DTRAIN_MP_TIMEOUT": "inf"})
 
 
-def test_the_scripts_config_and_the_jobs_parameters_add_up_and_must_agree(
+def test_the_scripts_config_and_the_jobs_parameters_add_up_and_the_jobs_win(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SM_HP_MP_PARAMETERS", json.dumps({"partitions": 1, "microbatches": 3}))
-    with single_process({"pipeline_parallel_degree": 1, "microbatches": 3, "pipeline": "simple"}):
+    config = {"pipeline_parallel_degree": 1, "microbatches": 8, "pipeline": "simple",
+              "static_mode": True, "fast_mode": False}  # fmt: skip
+    with pytest.warns(UserWarning) as caught, single_process(config):
         st = state.current()
         assert st.config["pipeline_parallel_degree"] == 1
         assert smp.num_microbatches() == 3 and st.config["pipeline"] == "simple"
         assert st.config["active_microbatches"] == 3
         assert (st.size, st.pp_size, st.dp_size, st.options.timeout) == (1, 1, 1, 300.0)
         assert st.owns_world
+    said = sorted({str(warning.message) for warning in caught})
+    assert said == [
+        "mp_parameters.fast_mode is one of SMP's internal parameters: accepted and ignored",
+        "mp_parameters.static_mode is one of SMP's internal parameters: accepted and ignored",
+        "smp.init: mp_parameters.microbatches is 3, the job's value (SM_HP_MP_PARAMETERS), "
+        "not the script's 8",
+    ]
     assert not dist.is_initialized() and not smp.is_initialized()
-    for config, named in (
-        ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree: got 2; allowed: 1"),
-        ({"microbatches": 8}, "microbatches: got 8; allowed: 3, the value the job sets"),
-    ):
-        with pytest.raises(ConfigError, match=named):
-            smp.init(config)
-        assert not smp.is_initialized()
+    with pytest.raises(ConfigError, match="pipeline: got 'simpel'"):
+        smp.init({"pipeline": "simpel"})
+    with pytest.raises(ConfigError, match="did you mean 'microbatches'"):
+        smp.init({"microbatchs": 3})
+    assert not smp.is_initialized()
 
 
 def test_importing_smp_in_a_job_starts_it_at_first_use_with_the_scripts_config(

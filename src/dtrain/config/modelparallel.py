@@ -16,6 +16,7 @@ and the library disagree, dtrain follows the library's behaviour and says so in 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,14 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
 SPECS: dict[str, ParameterSpec] = {spec.name: spec for spec in PARAMETERS}
 MP_PARAMETER_NAMES: tuple[str, ...] = tuple(SPECS)
 MP_PARAMETER_ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
+SMP_INTERNAL_PARAMETERS: tuple[str, ...] = (
+    "fast_mode", "static_mode", "_shard_offloaded_activations",
+    "task_level_activation_loading_horizon", "herring", "_match_weights",
+    "_fp32_grad_accumulation", "checkpoint_attentions", "load_partition", "partition_file",
+    "_sharded_data_parallelism_config",
+)  # fmt: skip
+"""SMP's own internal parameters (``internal: True`` in its schema), which AWS's scripts pass:
+accepted and ignored, with a warning, since they tune SMP's implementation, not dtrain's."""
 
 
 def _show(value: Any) -> str:
@@ -299,11 +308,17 @@ def _given_values(params: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(where, params, "a dict of model-parallel parameters")
     known = (*MP_PARAMETER_NAMES, *MP_PARAMETER_ALIASES)
     for key in params:
-        if key not in known:
+        if key in SMP_INTERNAL_PARAMETERS:
+            warnings.warn(
+                f"{where}.{key} is one of SMP's internal parameters: accepted and ignored",
+                stacklevel=4,
+            )
+        elif key not in known:
             raise UnknownKeyError(where, str(key), known)
     given = {
         key: _coerce(SPECS[MP_PARAMETER_ALIASES.get(key, key)], value, f"{where}.{key}")
         for key, value in params.items()
+        if key not in SMP_INTERNAL_PARAMETERS
     }
     for alias, name in MP_PARAMETER_ALIASES.items():
         if alias not in given:
@@ -360,7 +375,7 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
         )
 
 
-def _check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
+def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
     """The model's degrees must tile the processes; extra replicas need DDP (SMP v1 rule)."""
     pp, tp = values["pipeline_parallel_degree"], values["tensor_parallel_degree"]
     model_size = pp * tp
@@ -403,7 +418,7 @@ def validate_mp_parameters(
     _check_requires(values, where)
     _check_partitioning(values, where)
     if world_size is not None:
-        _check_world_size(values, world_size, where)
+        check_world_size(values, world_size, where)
     if values["fp16_params"]:
         values["fp16"] = True
     return values

@@ -18,7 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.config.modelparallel import MP_PARAMETER_ALIASES, validate_mp_parameters
+from dtrain.config.modelparallel import (
+    MP_PARAMETER_ALIASES,
+    check_world_size,
+    validate_mp_parameters,
+)
 from dtrain.dataparallel import process_group
 from dtrain.errors import ConfigError
 from dtrain.modelparallel.errors import (
@@ -109,9 +113,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     """Start the model-parallel runtime (``smp.init``); every rank of the job must call it.
 
     ``config`` and the job's parameters (``SM_HP_MP_PARAMETERS``, set by SageMaker and
-    ``dtrain run``) are merged; a parameter both set differently is an error naming both
-    values. A call after the runtime started changes nothing: it warns, or fails if ``config``
-    asks for something else than what runs.
+    ``dtrain run``) are merged; where both set a parameter differently, the job's value wins,
+    with a warning naming both. A call after the runtime started changes nothing: it warns, or
+    fails if ``config`` asks for something else than what runs.
     """
     global _state, _auto_init
     if _state is not None:
@@ -120,11 +124,11 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _auto_init = False
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
-    validate_mp_parameters(parameters, where=WHERE)
+    values = validate_mp_parameters(parameters, where=WHERE)
     options = RuntimeOptions.from_environment()
     owns_world = _join_world(options.timeout, visible_gpus())
     try:
-        values = validate_mp_parameters(parameters, world_size=dist.get_world_size(), where=WHERE)
+        check_world_size(values, dist.get_world_size(), WHERE)
         _state = _build(values, options, owns_world)
     except BaseException:
         if owns_world:
@@ -353,15 +357,16 @@ def _canonical(parameters: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _merge(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:
-    """The script's ``config`` and the job's parameters together; they must not disagree."""
+    """The script's ``config`` under the job's parameters: where both set one differently, the
+    job's value wins, with a warning naming it (as on SageMaker, where the job's parameters
+    override the defaults a script passes to ``smp.init``)."""
     mine, jobs = _canonical(config), _canonical(env)
-    for name in mine.keys() & jobs.keys():
+    for name in sorted(mine.keys() & jobs.keys()):
         if mine[name] != jobs[name]:
-            raise ConfigError(
-                f"{WHERE}.{name}",
-                mine[name],
-                f"{jobs[name]!r}, the value the job sets ({ENV_PARAMETERS}): smp.init's config "
-                "and the job's mp_parameters may add to each other, not disagree",
+            warnings.warn(
+                f"smp.init: {WHERE}.{name} is {jobs[name]!r}, the job's value "
+                f"({ENV_PARAMETERS}), not the script's {mine[name]!r}",
+                stacklevel=3,
             )
     merged = dict(config)
     for key, value in env.items():  # the job's spelling of a parameter replaces the script's
