@@ -1,6 +1,6 @@
-"""Run a list of scenarios in a fresh gloo world of spawned processes and collect their results.
+"""Run a list of scenarios in a fresh gloo world of processes and collect their results.
 
-Each pool is one world: processes start once (importing torch dominates the cost on 2 cores), run
+Each pool is one world: processes start once (forked from the tests' fork server), run
 every scenario of the pool in order on the same process group, save what they return, and exit.
 Hosts are simulated by ``LOCAL_WORLD_SIZE``, as the launcher sets it.
 """
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.forkserver import rank_context, take_environment
 
 Scenario = Callable[[int, int], dict[str, Any]]
 
@@ -38,12 +40,13 @@ def run_pool(
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(local_size),
     }
+    rank_context()  # the server its ranks fork from
     context = mp.start_processes(
         _worker,
-        args=(env, scenarios, str(out)),
+        args=(dict(os.environ), env, scenarios, str(out)),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout
     try:
@@ -58,7 +61,10 @@ def run_pool(
     return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
 
 
-def _worker(rank: int, env: dict[str, str], scenarios: list[Scenario], out: str) -> None:
+def _worker(
+    rank: int, inherited: dict[str, str], env: dict[str, str], scenarios: list[Scenario], out: str
+) -> None:
+    take_environment(inherited)
     os.environ.pop("DTRAIN_HIERARCHICAL_ALLREDUCE", None)
     local_size = int(env["LOCAL_WORLD_SIZE"])
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % local_size))

@@ -1,6 +1,7 @@
 """Run a function on N spawned ranks with the environment ``dtrain run`` gives them.
 
-``run_ranks(world_size, fn, *args)`` starts one process per rank (spawn, one torch thread each),
+``run_ranks(world_size, fn, *args)`` starts one process per rank (forked from the tests' fork
+server, :mod:`tests.forkserver`; one torch thread each),
 sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
 and the ``OMPI_COMM_WORLD_*`` twins, calls ``fn(*args)`` and returns each rank's result in rank
 order. ``fn`` creates the process group itself (usually through ``smp.init()``); whatever the
@@ -12,7 +13,6 @@ deadline are killed.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.forkserver import rank_context, take_environment
 
 GRACE = 5.0
 """Seconds the other ranks get to finish once one rank failed."""
@@ -79,13 +81,24 @@ def run_ranks(
     """
     local_size = local_size or world_size
     port = free_port()
-    context = mp.get_context("spawn")
+    context = rank_context()
+    inherited = dict(os.environ)  # what a spawned process would have inherited
     with tempfile.TemporaryDirectory(prefix="dtrain-ranks-") as scratch:
         out = Path(scratch)
         processes = [
             context.Process(
                 target=_worker,
-                args=(rank, world_size, local_size, port, dict(env or {}), fn, args, scratch),
+                args=(
+                    rank,
+                    world_size,
+                    local_size,
+                    port,
+                    inherited,
+                    dict(env or {}),
+                    fn,
+                    args,
+                    scratch,
+                ),
                 name=f"rank{rank}",
             )
             for rank in range(world_size)
@@ -132,11 +145,13 @@ def _worker(
     world_size: int,
     local_size: int,
     port: int,
+    inherited: dict[str, str],
     env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     out: str,
 ) -> None:
+    take_environment(inherited)
     os.environ.update(launcher_env(rank, world_size, local_size, port))
     os.environ.update(env)
     torch.set_num_threads(1)
