@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtrain.sealed import KEY_ENV
+
 Scenario = Callable[[int, int], dict[str, Any]]
 
 
@@ -37,6 +39,7 @@ def run_pool(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(local_size),
+        KEY_ENV: os.urandom(32).hex(),
     }
     context = mp.start_processes(
         _worker,

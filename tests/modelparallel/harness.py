@@ -1,8 +1,8 @@
 """Run a function on N spawned ranks with the environment ``dtrain run`` gives them.
 
 ``run_ranks(world_size, fn, *args)`` starts one process per rank (spawn, one torch thread each),
-sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
-and the ``OMPI_COMM_WORLD_*`` twins, calls ``fn(*args)`` and returns each rank's result in rank
+sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``,
+the ``OMPI_COMM_WORLD_*`` twins and a job key (``DTRAIN_JOB_KEY``), calls ``fn(*args)`` and returns each rank's result in rank
 order. ``fn`` creates the process group itself (usually through ``smp.init()``); whatever the
 model-parallel runtime or torch.distributed still holds is torn down after it returns. A rank
 that raises fails the call with that rank's traceback; ranks that are still running at the
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dtrain.sealed import KEY_ENV
 
 GRACE = 5.0
 """Seconds the other ranks get to finish once one rank failed."""
@@ -79,13 +81,14 @@ def run_ranks(
     """
     local_size = local_size or world_size
     port = free_port()
+    environment = {KEY_ENV: os.urandom(32).hex(), **(env or {})}
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dtrain-ranks-") as scratch:
         out = Path(scratch)
         processes = [
             context.Process(
                 target=_worker,
-                args=(rank, world_size, local_size, port, dict(env or {}), fn, args, scratch),
+                args=(rank, world_size, local_size, port, environment, fn, args, scratch),
                 name=f"rank{rank}",
             )
             for rank in range(world_size)

@@ -14,6 +14,7 @@ import datetime
 import functools
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -237,7 +238,8 @@ class JobRun:
     def __init__(
         self, job: PreparedJob, store: JobStore, console: TextIO | None = sys.stdout
     ) -> None:
-        self.job = job
+        salted = dataclasses.replace(job.spec, key_salt=secrets.token_hex(16))
+        self.job = dataclasses.replace(job, spec=salted)
         self.store = store
         self.console = console
         self.name = job.spec.job_name
@@ -445,6 +447,7 @@ class JobRun:
             layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
             self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
             outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
+            controller.close_store(number, plan.hosts[0].name)
             if not (outcome.retryable and number < attempts):
                 return outcome, plan
             self.transition("Restarting", f"{outcome.message}; retrying")
