@@ -125,11 +125,14 @@ def test_a_key_through_the_store_needs_the_users_trust(monkeypatch: pytest.Monke
     monkeypatch.delenv(TRUST_STORE_ENV, raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(DtrainError, match=f"{KEY_ENV} is not set.*{TRUST_STORE_ENV}=1"):
-            job_key()
-        monkeypatch.setenv(TRUST_STORE_ENV, "1")
-        key = job_key()
-        assert len(key) == 32 and job_key() == key, "every rank gets the first one's"
+        assert len(job_key()) == 32, "a world of one agrees with nobody"
+        with monkeypatch.context() as several:
+            several.setattr(dist, "get_world_size", lambda: 2)
+            with pytest.raises(DtrainError, match=f"{KEY_ENV} is not set.*{TRUST_STORE_ENV}=1"):
+                job_key()
+            several.setenv(TRUST_STORE_ENV, "1")
+            key = job_key()
+            assert len(key) == 32 and job_key() == key, "every rank gets the first one's"
     finally:
         dist.destroy_process_group()
 

@@ -83,11 +83,13 @@ def _key_from_environment() -> bytes | None:
 
 
 def job_key() -> bytes:
-    """This job's key (see the module docstring); without one from the environment, it needs
-    the default process group's store and the user's explicit trust in it."""
+    """This job's key (see the module docstring); without one from the environment, a world
+    of several ranks needs the default process group's store and the user's trust in it."""
     key = _key_from_environment()
     if key is not None:
         return key
+    if dist.get_world_size() == 1:  # no peer to agree with, nothing through the store
+        return os.urandom(32)
     if os.environ.get(TRUST_STORE_ENV) != "1":
         raise DtrainError(
             f"no job key to seal messages between ranks: {KEY_ENV} is not set (dtrain run "

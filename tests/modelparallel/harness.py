@@ -2,11 +2,11 @@
 
 ``run_ranks(world_size, fn, *args)`` starts one process per rank (spawn, one torch thread each),
 sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``,
-the ``OMPI_COMM_WORLD_*`` twins and a job key (``DTRAIN_JOB_KEY``), calls ``fn(*args)`` and returns each rank's result in rank
-order. ``fn`` creates the process group itself (usually through ``smp.init()``); whatever the
-model-parallel runtime or torch.distributed still holds is torn down after it returns. A rank
-that raises fails the call with that rank's traceback; ranks that are still running at the
-deadline are killed.
+the ``OMPI_COMM_WORLD_*`` twins and a job key (``DTRAIN_JOB_KEY``), calls ``fn(*args)`` and
+returns each rank's result in rank order. ``fn`` creates the process group itself (usually
+through ``smp.init()``); whatever the model-parallel runtime or torch.distributed still holds is
+torn down after it returns. A rank that raises fails the call with that rank's traceback; ranks
+that are still running at the deadline are killed.
 """
 
 from __future__ import annotations
