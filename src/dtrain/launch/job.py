@@ -23,15 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from dtrain.config.distribution import DistributionPlan, resolve_distribution
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.channels import validate_channels
-from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, dtrain_home
+from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, create_private_file, dtrain_home
 from dtrain.jobs.limits import (
     check_names,
     check_nesting,
     check_no_nul,
+    check_private_folder,
     check_process_size,
     check_s3_ready,
     check_seconds,
@@ -163,7 +166,10 @@ def prepare(spec: JobSpec) -> PreparedJob:
     validate_channels(spec.channels)
     _check_values(spec, local)
     hyperparameters = {**spec.hyperparameters, **plan.framework_hyperparameters}
-    job = PreparedJob(spec, plan, hyperparameters, resolve_output_path(spec.output_path), cluster)
+    output_url = resolve_output_path(spec.output_path)
+    if output_url.startswith("file://"):  # the controller writes the archives here
+        check_private_folder("output_path", url2pathname(urlparse(output_url).path))
+    job = PreparedJob(spec, plan, hyperparameters, output_url, cluster)
     _check_rank_size(job)
     return job
 
@@ -187,6 +193,7 @@ def _check_values(spec: JobSpec, local: bool) -> None:
                 check_s3_ready(f"channels.{channel.name}.uri", channel.uri)
         if spec.checkpoint_local_path:
             check_writable_folder("checkpoint_local_path", spec.checkpoint_local_path)
+            check_private_folder("checkpoint_local_path", spec.checkpoint_local_path)
 
 
 def _check_rank_size(job: PreparedJob) -> None:
@@ -294,6 +301,7 @@ class JobRun:
             listener, secret, cluster, self._on_output, self.say, self._should_stop
         )
         try:
+            create_private_file(self.folder.spec_file)
             self.folder.spec_file.write_text(spec.to_json())
             names = [host_name(i) for i in range(spec.instance_count)]
             agents = AgentJob(listener.getsockname()[:2], secret, self.folder, self.say)
