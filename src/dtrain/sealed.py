@@ -110,7 +110,7 @@ def message_limit() -> int:
     try:
         limit = int(text)
     except ValueError:
-        limit = 0
+        limit = 0  # refused below
     if limit <= 0:
         raise DtrainError(f"{LIMIT_ENV} must be a number of bytes > 0, got {text!r}")
     return limit
@@ -120,7 +120,9 @@ def pickled(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _mac(key: bytes, group: str, sender: int, receiver: int, sequence: int, payload: Any) -> bytes:
+def _mac(
+    key: bytes, group: str, sender: int, receiver: int, sequence: int, payload: bytes | memoryview
+) -> bytes:
     place = f"{sender}>{receiver}#{sequence}@{len(group)}:{group}".encode()
     mac = hmac.new(key, place, hashlib.sha256)
     mac.update(payload)
