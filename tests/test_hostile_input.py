@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.jobs.folder import make_private_dirs
 from dtrain.jobs.spec import JobSpec
 from dtrain.launch.job import prepare
 from tests.conftest import dtrain
@@ -73,7 +74,28 @@ def test_checkpoint_and_output_folders_outside_the_home_are_private(
     archive = output / "private" / "output" / "model.tar.gz"
     for folder in (tmp_path / "shared", checkpoints, tmp_path / "results", archive.parent):
         assert folder.stat().st_mode & 0o777 == 0o700, folder
-    assert archive.stat().st_mode & 0o777 == 0o600
+    spec_file = dtrain_home / "jobs" / "private" / "spec.json"
+    for file in (archive, spec_file, dtrain_home / "jobs.db"):  # the spec holds the environment
+        assert file.stat().st_mode & 0o777 == 0o600, file
+    assert len(json.loads(spec_file.read_text())["key_salt"]) == 32, "the job's own salt"
+
+
+@pytest.mark.parametrize("key", ["checkpoint_local_path", "output_path"])
+def test_a_checkpoint_or_output_folder_others_can_write_is_refused(
+    dtrain_home: Path, source: Path, tmp_path: Path, key: str
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    refused = rf"{key}: .*can be written by its group or others \(mode 0775\).*chmod go-w"
+    with pytest.raises(ConfigError, match=refused):
+        prepare(spec(source, **{key: str(shared)}))
+    shared.chmod(0o755)
+    prepare(spec(source, **{key: str(shared)}))
+    (shared / "checkpoints").mkdir(mode=0o777)
+    (shared / "checkpoints").chmod(0o777)
+    with pytest.raises(DtrainError, match="can be written by its group or others"):
+        make_private_dirs(shared / "checkpoints")  # as each host's agent does
 
 
 CHATTY = """

@@ -38,6 +38,15 @@ def test_concurrent_writers(tmp_path: Path) -> None:
         assert len(store.transitions(f"job-{i}")) == 41
 
 
+def test_the_store_is_private_from_the_start(tmp_path: Path) -> None:
+    previous = os.umask(0)  # whatever the umask: the file holds every job's environment
+    try:
+        JobStore(tmp_path / "jobs.db").create("j", "{}", tmp_path)
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "jobs.db").stat().st_mode & 0o777 == 0o600
+
+
 def test_duplicate_name_and_unknown_job(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.db")
     store.create("train-a", "{}", tmp_path)

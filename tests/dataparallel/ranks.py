@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtrain.sealed import KEY_ENV
 from tests.forkserver import rank_context, take_environment
 
 Scenario = Callable[[int, int], dict[str, Any]]
@@ -39,6 +40,7 @@ def run_pool(
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(local_size),
+        KEY_ENV: os.urandom(32).hex(),
     }
     rank_context()  # the server its ranks fork from
     context = mp.start_processes(

@@ -86,3 +86,26 @@ def test_a_reader_fails_with_its_sender() -> None:
     assert reader.read(10) == b"abc"
     with pytest.raises(ProtocolError):
         reader.read(10)
+
+
+def test_setuid_setgid_and_sticky_bits_do_not_survive_a_transfer(tmp_path: Path) -> None:
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        member = tarfile.TarInfo("tool")
+        member.mode, member.size = 0o7755, 4
+        tar.addfile(member, io.BytesIO(b"#!/x"))
+
+    def stream() -> ChunkReader:
+        reader = ChunkReader()
+        reader.feed(archive.getvalue())
+        reader.feed(b"")
+        return reader
+
+    repacked = io.BytesIO()
+    with tarfile.open(fileobj=repacked, mode="w") as tar:
+        repack(stream(), tar, set())
+    repacked.seek(0)
+    with tarfile.open(fileobj=repacked) as tar:
+        assert tar.getmember("tool").mode == 0o755
+    unpack(stream(), tmp_path)
+    assert (tmp_path / "tool").stat().st_mode & 0o7777 == 0o755

@@ -1,13 +1,13 @@
 """Run a function on N spawned ranks with the environment ``dtrain run`` gives them.
 
 ``run_ranks(world_size, fn, *args)`` starts one process per rank (forked from the tests' fork
-server, :mod:`tests.forkserver`; one torch thread each),
-sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
-and the ``OMPI_COMM_WORLD_*`` twins, calls ``fn(*args)`` and returns each rank's result in rank
-order. ``fn`` creates the process group itself (usually through ``smp.init()``); whatever the
-model-parallel runtime or torch.distributed still holds is torn down after it returns. A rank
-that raises fails the call with that rank's traceback; ranks that are still running at the
-deadline are killed.
+server, :mod:`tests.forkserver`; one torch thread each), sets
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``,
+the ``OMPI_COMM_WORLD_*`` twins and a job key (``DTRAIN_JOB_KEY``), calls ``fn(*args)`` and
+returns each rank's result in rank order. ``fn`` creates the process group itself (usually
+through ``smp.init()``); whatever the model-parallel runtime or torch.distributed still holds is
+torn down after it returns. A rank that raises fails the call with that rank's traceback; ranks
+that are still running at the deadline are killed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dtrain.sealed import KEY_ENV
 from tests.forkserver import rank_context, take_environment
 
 GRACE = 5.0
@@ -83,6 +84,7 @@ def run_ranks(
     port = free_port()
     context = rank_context()
     inherited = dict(os.environ)  # what a spawned process would have inherited
+    environment = {KEY_ENV: os.urandom(32).hex(), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="dtrain-ranks-") as scratch:
         out = Path(scratch)
         processes = [
@@ -94,7 +96,7 @@ def run_ranks(
                     local_size,
                     port,
                     inherited,
-                    dict(env or {}),
+                    environment,
                     fn,
                     args,
                     scratch,

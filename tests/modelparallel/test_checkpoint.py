@@ -139,6 +139,14 @@ def test_wrong_uses_are_explained(tmp_path: Path) -> None:
             smp.resume_from_checkpoint(tmp_path)
         with pytest.raises(ValueError, match="tag must be a non-empty string"):
             smp.save_checkpoint(tmp_path, "a/b")
+        for tag in ("..", "a\nb"):
+            with pytest.raises(ValueError, match="without '/' or control characters"):
+                smp.save_checkpoint(tmp_path, tag)
+        with pytest.raises(ValueError, match=r"checkpoint tag must .* got '\.\./x'"):
+            smp.resume_from_checkpoint(tmp_path, tag="../x")
+        (tmp_path / "newest").write_text("../x\n")
+        with pytest.raises(ValueError, match=r"the tag in .*newest must be a non-empty string"):
+            smp.resume_from_checkpoint(tmp_path)
         with pytest.raises(ValueError, match="num_kept_partial_checkpoints must be at least 1"):
             smp.save_checkpoint(tmp_path, "t", num_kept_partial_checkpoints=0)
         torch.save({}, tmp_path / "m.pt_0_0.pt")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.strategies import BufferSpec, Transfer, own_group
-from dtrain.sealed import broadcast_object, job_key
+from dtrain.sealed import Seals, broadcast_object, job_key
 
 SHM_ENV = "DTRAIN_SHM_ALLREDUCE"
 """Set to 1 to reduce through shared memory when the constructor leaves ``shared_memory`` None."""
@@ -69,6 +69,7 @@ class SharedMemoryAllReduce:
     signals: tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]
     cross_host: dist.ProcessGroup | None
     codec: Codec
+    seals: Seals = field(repr=False)
     _segments: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _chunks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -94,7 +95,8 @@ class SharedMemoryAllReduce:
         )
         cross_host = own_group(rank, columns, "gloo") if len(columns[0]) > 1 else None
         host = next(ranks for ranks in hosts if rank in ranks)
-        strategy = cls(host.index(rank), len(host), signals, cross_host, codec)
+        seals = Seals(job_key(), rank)
+        strategy = cls(host.index(rank), len(host), signals, cross_host, codec, seals)
         error = strategy._probe()
         if not strategy._everywhere(error is None):
             raise SharedMemoryUnavailable(error or "a rank on another host cannot share memory")
@@ -174,7 +176,7 @@ class SharedMemoryAllReduce:
             return f"shared memory between the ranks of a host: {error}"
         if self.host_rank == 0:
             segment[:] = token.encode()
-        shared = broadcast_object(token, self._leader(), self.signals[0], job_key())
+        shared = broadcast_object(token, self._leader(), self.signals[0], self.seals)
         if bytes(segment[:]).decode(errors="replace") != shared:
             return f"ranks given as one host do not see the same {SHM_DIR}"
         return None
@@ -182,7 +184,7 @@ class SharedMemoryAllReduce:
     def _map(self, sizes: list[int]) -> list[mmap.mmap]:
         """Map a new shared file of each size on every host rank (a collective of the host)."""
         created = _create(sizes) if self.host_rank == 0 else None
-        listing = broadcast_object(created, self._leader(), self.signals[0], job_key())
+        listing = broadcast_object(created, self._leader(), self.signals[0], self.seals)
         if listing is None or listing.startswith("error:"):
             raise RuntimeError(listing or "the host leader could not create segments")
         paths = listing.split("\n")

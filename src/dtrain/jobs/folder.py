@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.errors import DtrainError
 from dtrain.topology import host_name
 
 JOB_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -26,18 +28,48 @@ def dtrain_home() -> Path:
 
 
 def make_private_dirs(path: Path) -> None:
-    """Create ``path`` and its missing parents readable by their owner only (mode 0700).
+    """Create ``path`` and its missing parents readable by their owner only (mode 0700); an
+    existing ``path`` must be this user's and writable by nobody else.
 
     Checkpoints and model archives may land outside ``DTRAIN_HOME``; what dtrain creates for them
-    must not be readable by every user of the machine, whatever the umask.
+    must not be readable by every user of the machine, whatever the umask, and a folder others
+    can write lets them replace what the job reads back (a checkpoint it resumes from).
     """
     missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
+    existing = path
+    while not existing.exists():
+        missing.append(existing)
+        existing = existing.parent
+    if not missing:
+        check_own_folder(path)
     for folder in reversed(missing):
         folder.mkdir(mode=0o700, exist_ok=True)
         folder.chmod(0o700)
+
+
+def check_own_folder(path: Path) -> None:
+    """Refuse a folder of another user, or one that group or others may write."""
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise DtrainError(f"{path} is not a folder")
+    if info.st_uid != os.geteuid():
+        raise DtrainError(
+            f"{path} belongs to another user (uid {info.st_uid}): a job writes and reads back "
+            "its files only in folders of its own user"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DtrainError(
+            f"{path} can be written by its group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}), who could replace what the job reads back: "
+            f"chmod go-w {path}, or choose a folder of your own"
+        )
+
+
+def create_private_file(path: Path) -> None:
+    """Create ``path`` readable by its owner only (mode 0600) before anything is written to it,
+    or make it so: it holds the job's environment (credentials, often)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    path.chmod(0o600)
 
 
 @dataclass(frozen=True)
@@ -95,7 +127,7 @@ class HostFolder:
             self.output_intermediate_dir,
             self.checkpoints_dir,
         ):
-            path.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(path)
 
 
 def host_folder(home: Path, job_name: str, host: str) -> HostFolder:

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.jobs.folder import check_own_folder
 
 MAX_NESTING = 32
 """Levels of nested lists and dicts in hyperparameters, distribution and environment values."""
@@ -111,6 +112,16 @@ def check_s3_ready(key: str, uri: str) -> None:
         raise ConfigError(key, uri, f"an s3:// URI with AWS credentials ({error})") from None
     if credentials is None:
         raise ConfigError(key, uri, f"an s3:// URI with AWS credentials: none found ({sources})")
+
+
+def check_private_folder(key: str, path: str) -> None:
+    """``path``, if it exists, is a folder of this user's that group and others cannot write."""
+    folder = Path(path).expanduser()
+    if folder.exists():
+        try:
+            check_own_folder(folder)
+        except DtrainError as error:
+            raise ConfigError(key, path, f"a folder of your own ({error})") from None
 
 
 def check_writable_folder(key: str, path: str) -> None:

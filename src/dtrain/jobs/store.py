@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import DtrainError, did_you_mean
-from dtrain.jobs.folder import dtrain_home
+from dtrain.jobs.folder import create_private_file, dtrain_home
 from dtrain.jobs.metrics import MetricSample
 
 IN_PROGRESS = "InProgress"
@@ -112,6 +112,7 @@ class JobStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or dtrain_home() / "jobs.db"
+        create_private_file(self.path)  # SQLite's own files (WAL, shared memory) take its mode
         with self._connect() as db:
             db.executescript(_SCHEMA)
 

@@ -163,6 +163,8 @@ class Agent:
         self.connection = connection
         self.secret = secret
         """The job's: the ranks' key is derived from it here, so it never travels."""
+        self.key_context = ("", "")
+        """The job's name and salt, bound into the ranks' key (from ``prepare``)."""
         self.say = say
         self.marker = marker
         self.keeper = keeper
@@ -239,6 +241,8 @@ class Agent:
             self._prepare(fields)
         elif kind == "open_store":
             self._open_store(fields["attempt"])
+        elif kind == "close_store":
+            self.store = None
         elif kind == "start":
             self._start(fields)
         elif kind == "stop":
@@ -259,6 +263,7 @@ class Agent:
             ).start()
         root = Path(fields["root"])
         self.folder = folder = HostFolder(root)
+        self.key_context = (fields["job_name"], fields["key_salt"])
         code = self.inbox.stream("code")
         try:
             if root.exists() and not fields["again"]:
@@ -289,7 +294,8 @@ class Agent:
         self.connection.send("prepared")
 
     def _open_store(self, attempt: int) -> None:
-        """Host the attempt's rendezvous store on this host's job address, on a fresh port."""
+        """Host the attempt's rendezvous store on this host's job address, on a fresh port,
+        until the controller closes it (``close_store``): it admits whoever reaches the port."""
         import datetime
 
         import torch.distributed as dist
@@ -318,7 +324,7 @@ class Agent:
         launches = []
         for rank, contract in fields["ranks"].items():
             env = {**os.environ, **contract, MARKER: self.marker}
-            env[KEY_ENV] = derive_key(self.secret, self.attempt)
+            env[KEY_ENV] = derive_key(self.secret, *self.key_context, self.attempt)
             for key, value in fields["defaults"].items():
                 env.setdefault(key, value)
             entries = [str(self.folder.code_dir), env.get("PYTHONPATH"), shim_pythonpath_entry()]

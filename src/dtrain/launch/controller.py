@@ -188,6 +188,8 @@ class Controller:
                 environment=plan.spec.environment,
                 checkpoint_dir=str(plan.checkpoint_dir(index)),
                 again=hosts is not None,
+                job_name=plan.spec.job_name,
+                key_salt=plan.spec.key_salt,
             )
             code(connection)
         self._await("prepared", names, "laying out the hosts")
@@ -196,6 +198,14 @@ class Controller:
         """Ask ``host`` (algo-1) to host the attempt's rendezvous store; its port."""
         self.hosts[host].connection.send("open_store", attempt=attempt)
         return int(self._await("store", [host], "opening the rendezvous store")[host]["port"])
+
+    def close_store(self, attempt: int, host: str) -> None:
+        """Have ``host`` close the attempt's rendezvous store once the attempt has ended: it
+        admits whoever reaches its port."""
+        link = self.hosts[host]
+        if not link.gone:
+            with contextlib.suppress(ConnectionClosed):
+                link.connection.send("close_store", attempt=attempt)
 
     def run_attempt(self, attempt: Attempt, plan: LaunchPlan, master_port: int) -> Outcome:
         """Start every rank, watch until every host is done or lost, stop all at the first end."""

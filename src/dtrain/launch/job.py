@@ -14,6 +14,7 @@ import datetime
 import functools
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -22,15 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from dtrain.config.distribution import DistributionPlan, resolve_distribution
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.channels import validate_channels
-from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, dtrain_home
+from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, create_private_file, dtrain_home
 from dtrain.jobs.limits import (
     check_names,
     check_nesting,
     check_no_nul,
+    check_private_folder,
     check_process_size,
     check_s3_ready,
     check_seconds,
@@ -162,7 +166,10 @@ def prepare(spec: JobSpec) -> PreparedJob:
     validate_channels(spec.channels)
     _check_values(spec, local)
     hyperparameters = {**spec.hyperparameters, **plan.framework_hyperparameters}
-    job = PreparedJob(spec, plan, hyperparameters, resolve_output_path(spec.output_path), cluster)
+    output_url = resolve_output_path(spec.output_path)
+    if output_url.startswith("file://"):  # the controller writes the archives here
+        check_private_folder("output_path", url2pathname(urlparse(output_url).path))
+    job = PreparedJob(spec, plan, hyperparameters, output_url, cluster)
     _check_rank_size(job)
     return job
 
@@ -186,6 +193,7 @@ def _check_values(spec: JobSpec, local: bool) -> None:
                 check_s3_ready(f"channels.{channel.name}.uri", channel.uri)
         if spec.checkpoint_local_path:
             check_writable_folder("checkpoint_local_path", spec.checkpoint_local_path)
+            check_private_folder("checkpoint_local_path", spec.checkpoint_local_path)
 
 
 def _check_rank_size(job: PreparedJob) -> None:
@@ -237,7 +245,8 @@ class JobRun:
     def __init__(
         self, job: PreparedJob, store: JobStore, console: TextIO | None = sys.stdout
     ) -> None:
-        self.job = job
+        salted = dataclasses.replace(job.spec, key_salt=secrets.token_hex(16))
+        self.job = dataclasses.replace(job, spec=salted)
         self.store = store
         self.console = console
         self.name = job.spec.job_name
@@ -292,6 +301,7 @@ class JobRun:
             listener, secret, cluster, self._on_output, self.say, self._should_stop
         )
         try:
+            create_private_file(self.folder.spec_file)
             self.folder.spec_file.write_text(spec.to_json())
             names = [host_name(i) for i in range(spec.instance_count)]
             agents = AgentJob(listener.getsockname()[:2], secret, self.folder, self.say)
@@ -445,6 +455,7 @@ class JobRun:
             layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
             self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
             outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
+            controller.close_store(number, plan.hosts[0].name)
             if not (outcome.retryable and number < attempts):
                 return outcome, plan
             self.transition("Restarting", f"{outcome.message}; retrying")

@@ -123,7 +123,9 @@ def safe_member_name(name: str) -> str:
 
 
 def repack(source: io.RawIOBase, target: tarfile.TarFile, seen: set[str]) -> None:
-    """Copy the regular files of tar stream ``source`` into ``target``, but names in ``seen``."""
+    """Copy the regular files of tar stream ``source`` into ``target``, but names in ``seen``,
+    without setuid, setgid or sticky bits: whoever unpacks the archive gets no program that
+    runs as someone else."""
     with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
         for member in tar:
             if not member.isfile():
@@ -133,13 +135,15 @@ def repack(source: io.RawIOBase, target: tarfile.TarFile, seen: set[str]) -> Non
                 continue
             seen.add(name)
             member.name = name
+            member.mode &= 0o777  # no setuid, setgid or sticky bit
             target.addfile(member, tar.extractfile(member))
 
 
 def unpack(source: io.RawIOBase, folder: Path) -> None:
     """Extract the tar stream ``source`` into ``folder`` with tarfile's ``data`` filter.
 
-    The filter refuses absolute names, ``..``, links that point out of ``folder`` and device files.
+    The filter refuses absolute names, ``..``, links that point out of ``folder`` and device
+    files, and clears setuid, setgid and sticky bits and group and others' write bits.
     """
     with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
         tar.extractall(folder, filter="data")

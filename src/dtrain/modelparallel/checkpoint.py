@@ -93,9 +93,19 @@ def load(
     return torch.load(path, map_location=map_location, weights_only=weights_only)
 
 
+def _valid_tag(tag: object, where: str = "checkpoint tag") -> str:
+    """``tag`` if it names a file right under the checkpoint folder: a tag read from a
+    ``newest`` file or given by a caller must not lead anywhere else."""
+    if not isinstance(tag, str) or tag in ("", ".", "..") or "/" in tag or not tag.isprintable():
+        raise ValueError(
+            f"{where} must be a non-empty string without '/' or control characters, other "
+            f"than '.' and '..', got {tag!r}"
+        )
+    return tag
+
+
 def _check_tag(tag: object) -> str:
-    if not isinstance(tag, str) or not tag or "/" in tag:
-        raise ValueError(f"checkpoint tag must be a non-empty string without '/', got {tag!r}")
+    tag = _valid_tag(tag)
     tags = comm.allgather(tag, comm.WORLD)
     if len(set(tags)) != 1:
         raise ModelParallelError(f"every rank must save the same checkpoint tag, got {tags}")
@@ -185,7 +195,7 @@ def newest_tag(path: str | os.PathLike[str]) -> str:
         raise FileNotFoundError(
             f"no checkpoint under {path}: {marker} does not exist; pass tag= to choose one"
         )
-    return marker.read_text().strip()
+    return _valid_tag(marker.read_text().strip(), f"the tag in {marker}")
 
 
 def resume_from_checkpoint(
@@ -210,7 +220,7 @@ def resume_from_checkpoint(
             "smp.resume_from_checkpoint loads into the model: create smp.DistributedModel first"
         )
     root = Path(path)
-    tag = newest_tag(root) if tag is None else tag
+    tag = newest_tag(root) if tag is None else _valid_tag(tag)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
         model_file = folder / _rank_file("model", st, 0)

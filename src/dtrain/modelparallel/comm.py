@@ -1,6 +1,6 @@
 """Python objects between ranks: SMP v1's ``broadcast``, ``send``, ``recv_from``, ``allgather``.
 
-Objects are pickled, sealed with the job's key (:mod:`dtrain.sealed`) and travel over gloo
+Objects are pickled, sealed for their receiver (:mod:`dtrain.sealed`) and travel over gloo
 groups with the members of the model-parallel groups (``MPState.object_groups``), so they work
 whatever backend the world uses. Point-to-point messages, and ``broadcast`` (which SMP defines
 as a send to every other member of the group, each receiver calling ``recv_from``), go over the
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.state import MPState, current
-from dtrain.sealed import all_gather_objects, seal, unseal
+from dtrain.sealed import SEAL_BYTES, all_gather_objects, pickled
 
 
 class CommGroup(IntEnum):
@@ -95,13 +95,18 @@ def _waiting(st: MPState, action: str) -> Iterator[None]:
 
 
 def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
-    """Send ``obj`` to every rank of ``peers`` at once; returns when all have taken it."""
-    payload = seal(obj, st.key)
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    """Send ``obj`` to every rank of ``peers`` at once, sealed for each; returns when all
+    have taken it."""
     group = st.object_groups["world"]
-    for part in (size, data):  # all sizes before any data: one message's parts stay in order
-        works = [dist.isend(part, peer, group=group, tag=_TAG) for peer in peers]
+    payload = pickled(obj)
+    stamped = [bytearray(st.seals.stamp(payload, group, peer) + payload) for peer in peers]
+    sealed = [torch.frombuffer(data, dtype=torch.uint8) for data in stamped]
+    size = torch.tensor([SEAL_BYTES + len(payload)], dtype=torch.int64)
+    for parts in ([size] * len(peers), sealed):  # all sizes before any data: parts stay in order
+        works = [
+            dist.isend(part, peer, group=group, tag=_TAG)
+            for part, peer in zip(parts, peers, strict=True)
+        ]
         for work in works:
             work.wait()
 
@@ -127,9 +132,10 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
     with _waiting(st, f"recv_from rank {peer} ({RankType(rank_type).name} {src_rank})"):
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, peer, group=group, tag=_TAG)
+        st.seals.check_length(int(size.item()), peer)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(data, peer, group=group, tag=_TAG)
-    return unseal(data.numpy().tobytes(), st.key, f"rank {peer}")
+    return st.seals.unseal(data.numpy().tobytes(), group, peer)
 
 
 def broadcast(obj: Any, group: CommGroup) -> None:
@@ -150,7 +156,7 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     kind = _kind(group)
     members = _members(st, kind)
     with _waiting(st, f"allgather over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind], st.key)
+        gathered = all_gather_objects(obj, st.object_groups[kind], st.seals)
     return gathered
 
 
@@ -161,7 +167,7 @@ def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
     members = _members(st, kind)
     dst = _global_rank(st, rank, RankType(CommGroup(group)))
     with _waiting(st, f"gather to rank {dst} over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind], st.key)
+        gathered = all_gather_objects(obj, st.object_groups[kind], st.seals)
     return gathered if st.rank == dst else None
 
 

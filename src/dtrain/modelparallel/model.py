@@ -254,7 +254,7 @@ class DistributedModel(nn.Module):
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""
         st = self._state
-        return broadcast_object(payload, 0, st.object_groups["world"], st.key)
+        return broadcast_object(payload, 0, st.object_groups["world"], st.seals)
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (models may be seeded apart)."""
@@ -458,7 +458,7 @@ class DistributedModel(nn.Module):
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local
-        parts = all_gather_objects(local, st.pp_message_group, st.key)
+        parts = all_gather_objects(local, st.pp_message_group, st.seals)
         full: dict[str, Any] = {}
         for part in parts:
             assert part is not None
@@ -508,7 +508,7 @@ class DistributedModel(nn.Module):
         st = self._state
         events = self.timeline()
         if st.pp_size > 1:
-            parts = all_gather_objects(events, st.pp_message_group, st.key)
+            parts = all_gather_objects(events, st.pp_message_group, st.seals)
             events = [event for part in parts for event in (part or [])]
         if st.pp_rank == 0:
             write_chrome_trace(events, path)

@@ -103,7 +103,7 @@ class _Adapter:
         st = state.current()
         parts = [local]
         if self.model.partitioned and st.pp_size > 1:
-            parts = all_gather_objects(local, st.pp_message_group, st.key)
+            parts = all_gather_objects(local, st.pp_message_group, st.seals)
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
             merged["state"].update(part["state"])

@@ -31,7 +31,7 @@ from dtrain.modelparallel.errors import (
     NotInitializedError,
 )
 from dtrain.modelparallel.options import RuntimeOptions
-from dtrain.sealed import job_key
+from dtrain.sealed import Seals, job_key
 from dtrain.topology import Topology
 
 ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
@@ -92,8 +92,8 @@ class MPState:
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
     device: torch.device
     options: RuntimeOptions
-    key: bytes = field(repr=False)
-    """The job's key, which seals every object between ranks (:mod:`dtrain.sealed`)."""
+    seals: Seals = field(repr=False)
+    """The job's key and this rank's counts of sealed objects (:mod:`dtrain.sealed`)."""
     owns_world: bool = field(repr=False)
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
@@ -555,7 +555,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         object_groups=objects,
         device=device,
         options=options,
-        key=job_key(),
+        seals=Seals(job_key(), me),
         owns_world=owns_world,
         created_groups=tuple(maker.created),
     )

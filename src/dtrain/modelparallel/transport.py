@@ -2,8 +2,10 @@
 
 What travels is one byte stream: two lengths, the pickled headers of one or more messages (kind,
 call id, module name, a Python structure whose tensors are replaced by :class:`TensorRef`
-placeholders, the tensors' shapes, dtypes and device kinds), then every tensor's bytes, each
-64-byte aligned.
+placeholders, the tensors' shapes, dtypes and device kinds), sealed as the next stream from
+the sender to the receiver (:mod:`dtrain.sealed`), then every tensor's bytes, each 64-byte
+aligned. The receiver checks the seal before it allocates anything for the tensors, whose
+length the headers must describe.
 Several messages to one peer can go as one stream (:meth:`Transport.send_all`); the receiver
 handles them in order. A tensor that needs no gradient and is passed more than once in a stream
 (a mask or a buffer given to several remote modules) travels once, and the receiver gets one
@@ -62,7 +64,7 @@ from dtrain.modelparallel.errors import (
     ModelParallelError,
     RemoteError,
 )
-from dtrain.sealed import job_key, seal, unseal
+from dtrain.sealed import SEAL_BYTES, ForgedMessageError, Seals, job_key, pickled
 
 FIRST_SEND_BYTES = 8 << 20
 """Most bytes of a message's first send (the receiver's buffer); longer messages send the rest
@@ -274,7 +276,8 @@ class Transport:
     ) -> None:
         """``message_group`` is a gloo group of the pipeline; ``device`` is where this rank
         computes (received GPU tensors land there); ``key`` seals the headers
-        (:mod:`dtrain.sealed`; default: the job's)."""
+        (:mod:`dtrain.sealed`; default: the job's), each stream as the next from this rank to
+        its peer, so that a stream replayed, reordered or sent elsewhere is refused."""
         self.rank = rank
         self.peers = [p for p in peers if p != rank]
         self.timeout = timeout
@@ -283,7 +286,7 @@ class Transport:
         self._on_messages = on_messages
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
-        self._key = job_key() if key is None else key
+        self._seals = Seals(job_key() if key is None else key, rank)
         self._send_lock = threading.Lock()
         self._unfinished: dict[int, _Sent] = {}
         """The last stream sent to each peer, until its sends are known to be complete."""
@@ -339,17 +342,18 @@ class Transport:
                     meta = distinct[slot][1]
                 metas.append(meta)
             message.meta = tuple(metas)
-        payload = seal(messages, self._key)
-        start = _aligned(2 * _LENGTH_BYTES + len(payload))
+        payload = pickled(messages)
+        length = SEAL_BYTES + len(payload)
+        start = _aligned(2 * _LENGTH_BYTES + length)
         offsets, data_bytes = _layout([meta for _, meta in distinct])
         end = start + data_bytes
         stream = torch.empty(end, dtype=torch.uint8)
         stream[: 2 * _LENGTH_BYTES] = torch.frombuffer(
-            bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+            bytearray(length.to_bytes(_LENGTH_BYTES, "little"))
             + bytearray(data_bytes.to_bytes(_LENGTH_BYTES, "little")),
             dtype=torch.uint8,
         )
-        stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + len(payload)] = torch.frombuffer(
+        stream[2 * _LENGTH_BYTES + SEAL_BYTES : 2 * _LENGTH_BYTES + length] = torch.frombuffer(
             bytearray(payload), dtype=torch.uint8
         )
         data = stream[start:]
@@ -359,7 +363,11 @@ class Transport:
         parts = [(stream[: min(end, self._first_bytes)], _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], _TAG_OVERFLOW))
-        with self._send_lock:
+        with self._send_lock:  # stamped in the order the streams leave
+            seal = self._seals.stamp(payload, self._group, dst)
+            stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + SEAL_BYTES] = torch.frombuffer(
+                bytearray(seal), dtype=torch.uint8
+            )
             previous = self._unfinished.pop(dst, None)
             if previous is not None:
                 self._finish(previous)
@@ -432,20 +440,19 @@ class Transport:
     ) -> list[tuple[Message, list[torch.Tensor]]]:
         dist.recv(first, src=src, group=self._group, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
-        length = int.from_bytes(lengths[:_LENGTH_BYTES], "little")
+        header_end = 2 * _LENGTH_BYTES + int.from_bytes(lengths[:_LENGTH_BYTES], "little")
         data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
-        start = _aligned(2 * _LENGTH_BYTES + length)
+        start = _aligned(header_end)
         end = start + data_bytes
         stream = first
-        if end > self._first_bytes:
-            stream = torch.empty(end, dtype=torch.uint8)
-            stream[: self._first_bytes] = first
-            dist.recv(stream[self._first_bytes :], src=src, group=self._group, tag=_TAG_OVERFLOW)
-        payload = stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + length].numpy().tobytes()
-        messages: list[Message] = unseal(payload, self._key, f"rank {src}")
-        metas = _distinct([meta for message in messages for meta in message.meta])
+        if header_end > self._first_bytes:  # nothing vouches yet for a header this long: capped
+            self._seals.check_length(end, src)
+            stream = self._whole(first, src, end)
+        header = stream[2 * _LENGTH_BYTES : header_end]
+        messages, metas, offsets = self._unsealed(header, src, data_bytes)
+        if end > stream.numel():
+            stream = self._whole(first, src, end)
         data = stream[start:end]
-        offsets, _ = _layout(metas)
         # Copies, not views of the buffer: it takes the next stream, views of one storage as
         # several dtypes cannot be saved with torch.save, and a kept view would keep it alive.
         distinct = [
@@ -453,6 +460,28 @@ class Transport:
             for meta, offset in zip(metas, offsets, strict=True)
         ]
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
+
+    def _whole(self, first: torch.Tensor, src: int, end: int) -> torch.Tensor:
+        """A stream of ``end`` bytes: its ``first`` part and the rest, received now."""
+        stream = torch.empty(end, dtype=torch.uint8)
+        stream[: self._first_bytes] = first
+        dist.recv(stream[self._first_bytes :], src=src, group=self._group, tag=_TAG_OVERFLOW)
+        return stream
+
+    def _unsealed(
+        self, header: torch.Tensor, src: int, data_bytes: int
+    ) -> tuple[list[Message], list[TensorMeta], list[int]]:
+        """A stream's messages, its distinct tensors and their offsets, if its sealed
+        ``header`` is the next from ``src`` and describes the ``data_bytes`` it announced."""
+        messages: list[Message] = self._seals.unseal(header.numpy().tobytes(), self._group, src)
+        metas = _distinct([meta for message in messages for meta in message.meta])
+        offsets, described = _layout(metas)
+        if described != data_bytes:
+            raise ForgedMessageError(
+                f"a stream from rank {src} announced {data_bytes} bytes of tensors but its "
+                f"messages describe {described}: refused"
+            )
+        return messages, metas, offsets
 
     def fail(self, exc: BaseException, tell_peers: bool = True) -> None:
         """The pipeline is broken on this rank (``exc``): every request waiting for a reply
