@@ -232,6 +232,8 @@ class DistributedModel(nn.Module):
                 finally:
                     self._tracing.clear()
                     snapshot.restore()
+                    if device.type == "cuda":  # the whole model's blocks, cached for nothing
+                        torch.cuda.empty_cache()
                 if self._profile is None:
                     raise ModelParallelError(
                         "the step function did not call the model, so it cannot be partitioned"
