@@ -1,8 +1,9 @@
-"""Run a list of scenarios in a fresh gloo world of processes and collect their results.
+"""Run a list of scenarios in a fresh world of processes and collect their results.
 
 Each pool is one world: processes start once (forked from the tests' fork server), run
 every scenario of the pool in order on the same process group, save what they return, and exit.
-Hosts are simulated by ``LOCAL_WORLD_SIZE``, as the launcher sets it.
+Hosts are simulated by ``LOCAL_WORLD_SIZE``, as the launcher sets it. The world is gloo, or NCCL
+with a GPU per rank.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,19 @@ def free_port() -> int:
 
 
 def run_pool(
-    scenarios: list[Scenario], world: int, local_size: int, out: Path, timeout: float = 150
+    scenarios: list[Scenario],
+    world: int,
+    local_size: int,
+    out: Path,
+    timeout: float = 150,
+    backend: str = "gloo",
+    environment: Mapping[str, str] | None = None,
 ) -> list[dict[str, dict[str, Any]]]:
-    """Per rank: scenario name -> what the scenario returned on that rank."""
+    """Per rank: scenario name -> what the scenario returned on that rank.
+
+    ``backend="nccl"`` puts rank r on GPU r; ``environment`` is added to every rank's."""
     env = {
+        **(environment or {}),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
@@ -45,7 +55,7 @@ def run_pool(
     rank_context()  # the server its ranks fork from
     context = mp.start_processes(
         _worker,
-        args=(dict(os.environ), env, scenarios, str(out)),
+        args=(dict(os.environ), env, scenarios, str(out), backend),
         nprocs=world,
         join=False,
         start_method="forkserver",
@@ -64,7 +74,12 @@ def run_pool(
 
 
 def _worker(
-    rank: int, inherited: dict[str, str], env: dict[str, str], scenarios: list[Scenario], out: str
+    rank: int,
+    inherited: dict[str, str],
+    env: dict[str, str],
+    scenarios: list[Scenario],
+    out: str,
+    backend: str,
 ) -> None:
     take_environment(inherited)
     os.environ.pop("DTRAIN_HIERARCHICAL_ALLREDUCE", None)
@@ -73,7 +88,9 @@ def _worker(
     torch.set_num_threads(1)
     from dtrain.dataparallel import init_process_group
 
-    init_process_group("gloo", timeout=timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    init_process_group(backend, timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     results = {scenario.__name__: scenario(rank, world) for scenario in scenarios}
     torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dtrain.dataparallel import (
     DistributedDataParallel,
@@ -34,6 +35,7 @@ from dtrain.dataparallel import (
     register_smddp_backend,
 )
 
+CPU = torch.device("cpu")
 LR = 0.1
 STEPS = 3
 CAP_MB = 600 / 2**20
@@ -103,7 +105,7 @@ def global_batch(step: int, world: int, micro: int = 0) -> tuple[torch.Tensor, t
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
+    return {name: p.detach().cpu().clone() for name, p in module.named_parameters()}
 
 
 def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -250,23 +252,24 @@ def batchnorm(rank: int, world: int) -> dict[str, Any]:
     return {"params": params_of(net), "after_train": after_train, "after_eval": buffers_of(net)}
 
 
-def _compressed(rank: int, compression: str, **options: Any) -> dict[str, Any]:
-    """Train as ``plain`` and record, per step, this rank's exact gradient and the reduced one."""
+def _compressed(
+    rank: int, compression: str, device: torch.device = CPU, **options: Any
+) -> dict[str, Any]:
+    """Train as ``plain`` (on ``device``) and record, per step, this rank's exact gradient and
+    the reduced one."""
     model = DistributedDataParallel(
-        mlp(ROOT_SEED + rank), bucket_cap_mb=CAP_MB, compression=compression, **options
+        mlp(ROOT_SEED + rank).to(device), bucket_cap_mb=CAP_MB, compression=compression, **options
     )
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=LR)
     local, reduced = [], []
     for step in range(STEPS):
         optimizer.zero_grad()
-        x, y = batch(step, rank)
+        x, y = (t.to(device) for t in batch(step, rank))
         # autograd.grad does not accumulate into .grad, so DDP's hooks stay out of it
-        local.append(
-            [g.clone() for g in torch.autograd.grad(F.mse_loss(model.module(x), y), params)]
-        )
+        local.append([g.cpu() for g in torch.autograd.grad(F.mse_loss(model.module(x), y), params)])
         F.mse_loss(model(x), y).backward()
-        reduced.append([p.grad.clone() for p in params])
+        reduced.append([p.grad.cpu().clone() for p in params])
         optimizer.step()
     return {
         "params": params_of(model.module),
@@ -282,6 +285,24 @@ def fp16(rank: int, world: int) -> dict[str, Any]:
 
 def bf16(rank: int, world: int) -> dict[str, Any]:
     return _compressed(rank, "bf16")
+
+
+def gpu_bf16(rank: int, world: int) -> dict[str, Any]:
+    """``bf16`` on this rank's GPU (an NCCL world), hierarchical; and where torch's DDP with
+    its bf16 compression hook takes the same model and batches."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    result = _compressed(rank, "bf16", device, hierarchical=True)
+    model = nn.parallel.DistributedDataParallel(
+        mlp(ROOT_SEED + rank).to(device), device_ids=[device], bucket_cap_mb=CAP_MB
+    )
+    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = (t.to(device) for t in batch(step, rank))
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return {**result, "torch": params_of(model.module)}
 
 
 def shm_plain(rank: int, world: int) -> dict[str, Any]:

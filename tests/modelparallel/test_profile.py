@@ -12,6 +12,7 @@ from dtrain.modelparallel.profile import (
     moved_to,
     profile_module,
     static_profile,
+    synchronizer,
 )
 from tests.modelparallel.models import BranchyNet, GroupedNet, ResidualTransformerLM
 
@@ -191,6 +192,17 @@ def test_a_module_moved_to_the_gpu_for_a_block_is_left_as_found() -> None:
     for tensor, value, grad in zip(tensors, values, grads, strict=True):
         assert tensor.device.type == "cpu" and torch.equal(tensor, value)
         assert tensor.grad is grad
+
+
+def test_timed_passes_wait_for_the_modules_gpu_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    on_gpu1 = [torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 1)]
+    synchronizer(on_gpu1)()
+    synchronizer([torch.device("cpu")])()
+    assert synced == [torch.device("cuda", 1)]
 
 
 def test_every_pass_takes_the_same_random_path() -> None:

@@ -3,6 +3,7 @@ intact, on the device the receiving rank keeps them on."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtrain.modelparallel import transport as transport_module
 from dtrain.modelparallel.transport import (
     FORWARD,
     REPLY,
@@ -21,6 +23,7 @@ from dtrain.modelparallel.transport import (
     rebuilt_device,
     resolve,
 )
+from dtrain.streams import SideStream
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 
 FIRST_SEND = 4096
@@ -167,14 +170,15 @@ def test_a_tensor_is_rebuilt_on_the_rank_device_only_if_it_was_on_a_gpu() -> Non
 
 def _cpu_tensors_between_gpu_ranks() -> dict[str, Any]:
     """Both transports think they compute on cuda:1 (this machine has no GPU:
-    ``torch.cuda.set_device`` records the threads that call it instead); rank 0 sends CPU
-    tensors to rank 1 and gets them back."""
+    ``torch.cuda.set_device`` records the threads that call it instead, and the copy streams
+    are the CPU's, none); rank 0 sends CPU tensors to rank 1 and gets them back."""
     selected: list[tuple[str, str]] = []
 
     def record(device: torch.device) -> None:
         selected.append((threading.current_thread().name, str(device)))
 
     torch.cuda.set_device = record
+    transport_module.SideStream = lambda device: SideStream(torch.device("cpu"))
     rank, transport = _start(_echo_back, torch.device("cuda", 1))
     returned: list[torch.Tensor] = []
     if rank == 0:
@@ -223,3 +227,41 @@ def test_on_a_gpu_rank_a_received_cpu_tensor_stays_on_the_cpu(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
     result, _ = run_ranks(2, _cpu_and_gpu_tensors_on_one_gpu, timeout=120)
     assert result == [["cpu", "cuda:0"], ["cpu", "cuda:0"], True]
+
+
+def _gpu_tensors_round_trip(gpus: int) -> list[Any]:
+    """Rank 0 sends rank 1 every kind of tensor from its GPU, one made by a kernel still
+    running when it is sent, and compares what comes back at once (on the default stream)."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % gpus)
+    torch.cuda.set_device(device)
+    rank, transport = _start(_echo_back, device)
+    result: list[Any] = []
+    if rank == 0:
+        busy = torch.randn(2048, 2048, device=device)
+        sent = [tensor.to(device) for tensor in _tensors()] + [busy @ busy]
+        request = Message(FORWARD, 1)
+        pending = transport.expect(1, request)
+        transport.send(1, request, sent)
+        reply, returned = pending.wait(30.0, rank)
+        _, _, rebuilt_on = reply.body
+        result = [set(rebuilt_on), {str(t.device) for t in returned}]
+        result.append([torch.equal(a, b) for a, b in zip(returned, sent, strict=True)])
+    dist.barrier()
+    assert transport.close()
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_tensors_arrive_whole_on_the_receivers_gpu(
+    gpus: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through pinned memory and copy streams; both ranks on one GPU, or on a GPU each."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    if gpus == 1:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    result, _ = run_ranks(2, _gpu_tensors_round_trip, gpus, timeout=120)
+    assert result[:2] == [{f"cuda:{1 % gpus}"}, {"cuda:0"}]
+    assert all(result[2])

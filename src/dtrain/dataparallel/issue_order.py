@@ -13,7 +13,8 @@ groups two orders are used:
   every rank issues the same sequence of collectives whatever completes when. NCCL needs that
   (collectives of several communicators on one GPU, issued in different orders on different
   ranks, can wait for each other for ever), and waiting on a NCCL collective only holds the
-  CUDA stream, so issuing a stage whose input is still being reduced costs the CPU nothing.
+  reducer's own CUDA stream (not the one backward computes on), so issuing a stage whose input
+  is still being reduced costs neither the CPU nor the backward pass anything.
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ A bucket travels as one transfer, or, when the strategy has several stages and t
 over the cap (a parameter larger than the cap has a bucket of its own), as balanced chunks that
 pipeline through the stages.
 
+On a GPU the collectives are issued on a stream of the reducer's own (:mod:`dtrain.streams`):
+a bucket's reduction waits for the compute stream only up to its gradients, its stages wait
+for each other there, and the compute stream waits for the reductions only once backward is
+over, where their results are written back. Issued on the compute stream, each wait between two
+stages held every backward kernel queued after it until the bucket was reduced: no overlap. On
+the CPU (gloo) there are no streams and nothing changes.
+
 The first plan packs parameters in reverse definition order (a guess at backward order). The
 first synced backward records the real order in which gradients became ready; rank 0's record
 is broadcast (ranks must agree, and autograd's order can differ between them) and the buckets
@@ -30,6 +37,7 @@ from dtrain.dataparallel.buckets import BucketPlan, plan_buckets
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.issue_order import IssueOrder
 from dtrain.dataparallel.strategies import BufferSpec, StagedAllReduce, Transfer
+from dtrain.streams import SideStream
 
 
 class Reducer:
@@ -53,6 +61,7 @@ class Reducer:
         self._cap, self._find_unused, self._grad_as_view = cap_bytes, find_unused, grad_as_view
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         self._kinds = [(p.dtype, p.device) for p in self._params]
+        self._side = SideStream(self._kinds[0][1])  # one device per process
         self._plan = plan_buckets(
             self._sizes, list(reversed(range(len(self._params)))), cap_bytes, self._kinds
         )
@@ -130,21 +139,25 @@ class Reducer:
         while (next_stage := self._issue_order.next(ready, completed)) is not None:
             c, stage = next_stage
             if stage == 0:
-                self._transfers.append(
-                    Transfer(self._codec.encode(self._chunks[c][1], self._world))
-                )
+                self._side.wait_for_current()  # for the bucket's gradients
+                with self._side.entered():
+                    wire = self._codec.encode(self._chunks[c][1], self._world)
+                self._transfers.append(Transfer(wire))
             else:
-                self._wait(c)  # surfaces the collective's error; on CUDA it holds the stream only
+                self._wait(c)  # surfaces the collective's error; on CUDA it holds the side stream
             self._launch(stage, c)
 
     def _launch(self, stage: int, c: int) -> None:
-        self._transfers[c].work = self._strategy.launch(stage, self._transfers[c])
+        with self._side.entered():
+            self._transfers[c].work = self._strategy.launch(stage, self._transfers[c])
         self._issue_order.mark(c, stage)
 
     def _wait(self, c: int) -> None:
+        """Chunk ``c``'s last issued stage: the CPU waits on gloo, the side stream on NCCL."""
         work = self._transfers[c].work
         assert work is not None
-        work.wait()
+        with self._side.entered():
+            work.wait()
 
     def _finish_backward(self) -> None:
         """End of a synced backward: reduce what is left, then write averages into ``.grad``."""
@@ -153,6 +166,7 @@ class Reducer:
         if missing and not self._find_unused:
             self._advance(block=True)  # finish what every rank started, so the group stays usable
             self._drain()
+            self._side.join()
             self._reset()
             names = ", ".join(self._names[i] for i in missing)
             raise RuntimeError(
@@ -165,8 +179,10 @@ class Reducer:
         locally_used = [param.grad is not None for param in self._params]
         self._advance(block=True)
         self._drain()
-        for transfer, (_, chunk) in zip(self._transfers, self._chunks, strict=True):
-            self._codec.decode(transfer.wire, chunk)
+        with self._side.entered():  # where the wire tensors were made and reduced
+            for transfer, (_, chunk) in zip(self._transfers, self._chunks, strict=True):
+                self._codec.decode(transfer.wire, chunk)
+        self._side.join()
         used = self._globally_used(locally_used) if self._find_unused else locally_used
         self._write_back(used)
         if not self._order_fixed:
@@ -222,6 +238,8 @@ class Reducer:
             numel = sum(self._params[i].numel() for i in bucket.params)
             specs.append(BufferSpec(-(-numel // pad) * pad, first.dtype, first.device))
         self._buffers = self._strategy.buffers(specs)
+        for buffer in self._buffers:  # filled on the compute stream, reduced on the side one
+            self._side.used_on_side(buffer)
         self._chunks = [
             (b, chunk) for b, buf in enumerate(self._buffers) for chunk in self._split(buf)
         ]

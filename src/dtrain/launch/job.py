@@ -205,7 +205,12 @@ def _check_rank_size(job: PreparedJob) -> None:
 
 
 def resolve_distribution_for(spec: JobSpec, gpus: int) -> DistributionPlan:
-    """The job's distribution with hosts of ``gpus`` GPUs each (one process per GPU by default)."""
+    """The job's distribution with hosts of ``gpus`` GPUs each (one process per GPU by default).
+
+    More processes than GPUs only for model parallelism, whose ranks share GPUs (``smp.init``
+    then makes a gloo world: pp=2 on one GPU); elsewhere two ranks on one GPU fail in NCCL, or
+    compute on the same GPU unknowingly.
+    """
     plan = resolve_distribution(
         spec.distribution,
         instance_count=spec.instance_count,
@@ -213,11 +218,13 @@ def resolve_distribution_for(spec: JobSpec, gpus: int) -> DistributionPlan:
         default_processes_per_host=max(gpus, 1),
         instance_type=spec.instance_type,
     )
-    if gpus and plan.processes_per_host > gpus:
+    sharing = plan.strategy == "smdistributed.modelparallel"
+    if gpus and plan.processes_per_host > gpus and not sharing:
         raise ConfigError(
             "processes_per_host",
             plan.processes_per_host,
-            f"at most the {gpus} GPU(s) each host has (one process per GPU)",
+            f"at most the {gpus} GPU(s) each host has (one process per GPU; only model-parallel "
+            "jobs run ranks that share a GPU)",
         )
     return plan
 

@@ -24,15 +24,33 @@ def machine_id() -> str:
         return socket.gethostname()
 
 
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/gpus")
+"""Where the NVIDIA kernel driver lists the machine's GPUs; there whenever it is loaded."""
+
+
 def count_gpus() -> int:
-    """GPUs on this machine, counted as SageMaker's toolkit does (``nvidia-smi --list-gpus``)."""
+    """GPUs on this machine, counted as SageMaker's toolkit does (``nvidia-smi --list-gpus``).
+
+    Where the driver is loaded but ``nvidia-smi`` is missing (slim container images), torch
+    counts them (through NVML where it can, as ``nvidia-smi`` does: no CUDA context); only
+    then is torch imported for it. Its count leaves out the GPUs ``CUDA_VISIBLE_DEVICES``
+    hides, which :func:`visible_gpus` then names.
+    """
     try:
         listing = subprocess.run(
             ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=20, check=False
         ).stdout
-    except (OSError, subprocess.SubprocessError):
+    except OSError:
+        return _torch_count() if NVIDIA_DRIVER.is_dir() else 0
+    except subprocess.SubprocessError:
         return 0
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def _torch_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def visible_gpus() -> list[str]:

@@ -6,10 +6,15 @@ whatever backend the world uses. Point-to-point messages, and ``broadcast`` (whi
 as a send to every other member of the group, each receiver calling ``recv_from``), go over the
 world's gloo group; a send completes when the receiver takes it. A wait longer than
 ``options.timeout`` seconds fails naming the peer rank, or the group's ranks for collectives.
+
+A tensor on a GPU (plain or a parameter's data) is unpickled on the receiving rank's device,
+not on the sender's GPU index, which on the receiver is another rank's GPU or none at all.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,11 +99,36 @@ def _waiting(st: MPState, action: str) -> Iterator[None]:
         raise ModelParallelError(f"rank {st.rank}: {action} failed: {exc}") from exc
 
 
+class _Portable:
+    """An object to send, pickled with its GPU tensors as host copies that unpickle on the
+    receiver's device (:func:`_on_this_rank`)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        buffer = io.BytesIO()
+        _HostPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(self.obj)
+        return pickle.loads, (buffer.getvalue(),)
+
+
+class _HostPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.is_cuda:  # a Parameter pickles its data as one
+            return _on_this_rank, (obj.detach().cpu(), obj.requires_grad)
+        return NotImplemented
+
+
+def _on_this_rank(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A tensor that was on the sender's GPU, on this rank's device."""
+    return tensor.to(current().device).requires_grad_(requires_grad)
+
+
 def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
     """Send ``obj`` to every rank of ``peers`` at once, sealed for each; returns when all
     have taken it."""
     group = st.object_groups["world"]
-    payload = pickled(obj)
+    payload = pickled(_Portable(obj))
     stamped = [bytearray(st.seals.stamp(payload, group, peer) + payload) for peer in peers]
     sealed = [torch.frombuffer(data, dtype=torch.uint8) for data in stamped]
     size = torch.tensor([SEAL_BYTES + len(payload)], dtype=torch.int64)
@@ -156,7 +186,7 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     kind = _kind(group)
     members = _members(st, kind)
     with _waiting(st, f"allgather over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind], st.seals)
+        gathered = all_gather_objects(_Portable(obj), st.object_groups[kind], st.seals)
     return gathered
 
 
@@ -167,7 +197,7 @@ def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
     members = _members(st, kind)
     dst = _global_rank(st, rank, RankType(CommGroup(group)))
     with _waiting(st, f"gather to rank {dst} over the {kind} group (ranks {members})"):
-        gathered = all_gather_objects(obj, st.object_groups[kind], st.seals)
+        gathered = all_gather_objects(_Portable(obj), st.object_groups[kind], st.seals)
     return gathered if st.rank == dst else None
 
 

@@ -9,6 +9,7 @@ data-parallel group.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel import placement, state
+from dtrain.modelparallel import placement, solo, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
@@ -38,11 +39,15 @@ from dtrain.modelparallel.schedule import (
     zero_bubble_policy,
 )
 from dtrain.modelparallel.split_backward import backward_giving_way
+from dtrain.modelparallel.stall import default_store
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
 
 PARTIAL_KEY = "_smp_is_partial"
+
+_PLANS = itertools.count()
+"""Names the store keys of each automatic plan: every rank partitions its models in one order."""
 
 TRACE_DEVICES = ("cpu", "gpu")
 """``DistributedModel(trace_device=...)``: where rank 0 profiles the whole model."""
@@ -214,42 +219,58 @@ class DistributedModel(nn.Module):
     ) -> PartitionPlan:
         """Rank 0 profiles its first microbatch and plans; every rank gets rank 0's plan.
 
+        The others wait for as long as rank 0 works and shows signs of life (:mod:`.solo`):
+        profiling a large model, on the CPU above all, may take longer than any wait for a
+        peer (``DTRAIN_MP_TIMEOUT``) should.
+        """
+        st = self._state
+        store, name = default_store(), f"dtrain/mp-plan/{next(_PLANS)}"
+        if st.rank == 0:
+            try:
+                with solo.working(store, name, st.options.timeout):
+                    plan = self._profile_and_plan(make_body, fixed)
+            except BaseException as exc:
+                self._broadcast_objects([("error", error_body(0, exc))])
+                raise
+            payload: list[Any] = [("plan", plan.to_dict())]
+        else:
+            what = "rank 0 to profile the model and plan its partition"
+            solo.wait_for(store, name, st.options.timeout, st.rank, what)
+            payload = [None]
+        kind, value = self._broadcast_objects(payload)[0]
+        if kind == "error":
+            raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
+        return PartitionPlan.from_dict(value)
+
+    def _profile_and_plan(
+        self, make_body: Callable[[torch.device], Callable[[int], Any]], fixed: dict[str, int]
+    ) -> PartitionPlan:
+        """Rank 0's part: the profiling step, then the plan.
+
         The profiling step runs the module and its tensor arguments on the trace device: SMP's
         scripts leave the model on the CPU and move their batches to the GPU, which would not
         run together.
         """
         st = self._state
-        payload: list[Any] = [None]
-        if st.rank == 0:
-            try:
-                # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
-                snapshot = Snapshot(self.module, [], st.device.type == "cuda")
-                device = trace_device_of(self._trace_device, st.device)
-                self._tracing.set()
-                try:
-                    with moved_to(self.module, device):
-                        make_body(device)(0)
-                finally:
-                    self._tracing.clear()
-                    snapshot.restore()
-                if self._profile is None:
-                    raise ModelParallelError(
-                        "the step function did not call the model, so it cannot be partitioned"
-                    )
-                plan = auto_plan(
-                    self._profile,
-                    st.pp_size,
-                    memory_weight=st.config["memory_weight"],
-                    fixed=fixed,
-                )
-                payload = [("plan", plan.to_dict())]
-            except BaseException as exc:
-                self._broadcast_objects([("error", error_body(0, exc))])
-                raise
-        kind, value = self._broadcast_objects(payload)[0]
-        if kind == "error":
-            raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
-        return PartitionPlan.from_dict(value)
+        # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
+        snapshot = Snapshot(self.module, [], st.device.type == "cuda")
+        device = trace_device_of(self._trace_device, st.device)
+        self._tracing.set()
+        try:
+            with moved_to(self.module, device):
+                make_body(device)(0)
+        finally:
+            self._tracing.clear()
+            snapshot.restore()
+            if device.type == "cuda":  # the whole model's blocks, cached for nothing
+                torch.cuda.empty_cache()
+        if self._profile is None:
+            raise ModelParallelError(
+                "the step function did not call the model, so it cannot be partitioned"
+            )
+        return auto_plan(
+            self._profile, st.pp_size, memory_weight=st.config["memory_weight"], fixed=fixed
+        )
 
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""

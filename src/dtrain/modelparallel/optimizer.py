@@ -7,6 +7,11 @@ partitioning it drops the parameters other ranks own, so their state is never al
 
 State dicts are keyed by parameter *name* (not position), so a full optimizer state saved with
 one partitioning loads into another, and partial states merge without renumbering.
+
+State loaded before the first step (``smp.resume_from_checkpoint`` usually runs then) is placed
+beside its parameter as the parameter is then, on the CPU; partitioning moves parameters to the
+rank's GPU, so the first ``step()`` places every state again beside its parameter, as torch's
+``Optimizer.load_state_dict`` places it.
 """
 
 from __future__ import annotations
@@ -72,12 +77,16 @@ class _Adapter:
         self.pruned = False
 
     def prune(self) -> None:
-        """Keep only the local parameters, once the model is partitioned."""
+        """Keep only the local parameters, once the model is partitioned, with their state
+        where partitioning put them."""
         if self.pruned or not self.model.partitioned:
             return
         local = {id(p) for p in self.model.local_parameters()}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in local]
+            for param in group["params"]:
+                if param in self.optimizer.state:
+                    self.optimizer.state[param] = placed(param, self.optimizer.state[param], group)
         for param in list(self.optimizer.state):
             if id(param) not in local:
                 del self.optimizer.state[param]
@@ -116,18 +125,36 @@ class _Adapter:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial state saved by :meth:`state_dict`/:meth:`local_state_dict`."""
         self.prune()
-        by_name = {self.names[id(p)]: p for g in self.optimizer.param_groups for p in g["params"]}
+        by_name = {
+            self.names[id(p)]: (p, g) for g in self.optimizer.param_groups for p in g["params"]
+        }
         for group, saved in zip(
             self.optimizer.param_groups, state_dict["param_groups"], strict=True
         ):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for name, saved_state in state_dict["state"].items():
-            param = by_name.get(name)
-            if param is not None:
-                self.optimizer.state[param] = {
-                    k: v.to(param.device) if isinstance(v, torch.Tensor) and v.dim() else v
-                    for k, v in saved_state.items()
-                }
+            if name in by_name:
+                param, group = by_name[name]
+                self.optimizer.state[param] = placed(param, saved_state, group)
+
+
+def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+    """``param``'s optimizer state where torch's optimizers expect it: tensors on the
+    parameter's device (floating ones in its dtype), except ``step``, which stays where it is
+    (the CPU) unless the group is fused or capturable, then a float32 on the device (torch's
+    ``Optimizer._process_value_according_to_param_policy``)."""
+    result = {}
+    for key, value in values.items():
+        if not isinstance(value, torch.Tensor):
+            result[key] = value
+        elif key == "step":
+            steps_on_device = group.get("fused") or group.get("capturable")
+            result[key] = value.to(param.device, torch.float32) if steps_on_device else value
+        elif param.is_floating_point():
+            result[key] = value.to(param.device, param.dtype)
+        else:
+            result[key] = value.to(param.device)
+    return result
 
 
 def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -198,9 +198,10 @@ def profile_module(
     profile = static_profile(module)
     profile.repeats = repeats
     inputs = _unique_tensors((args, kwargs))
-    cuda = any(t.is_cuda for t in _module_tensors(module)) or any(t.is_cuda for t in inputs)
+    devices = {t.device for t in [*_module_tensors(module), *inputs]}
+    cuda = any(device.type == "cuda" for device in devices)
     owners = _parameter_owners(list(module.named_modules()))
-    recorder = _Recorder(profile, owners, torch.cuda.synchronize if cuda else _no_sync)
+    recorder = _Recorder(profile, owners, synchronizer(devices))
     snapshot = Snapshot(module, [t for t in inputs if t.is_leaf and t.requires_grad], cuda)
     handles = []
     for name, mod in module.named_modules():
@@ -362,8 +363,17 @@ def _loss(outputs: Any, loss_fn: Callable[[Any], Tensor] | None) -> Tensor | Non
     return total
 
 
-def _no_sync() -> None:
-    pass
+def synchronizer(devices: Iterable[torch.device]) -> Callable[[], None]:
+    """What waits for the work queued on the GPUs among ``devices``, each named:
+    ``torch.cuda.synchronize()`` waits for the current device only, which need not be the
+    module's. Nothing to wait for on the CPU."""
+    gpus = sorted({device for device in devices if device.type == "cuda"}, key=str)
+
+    def sync() -> None:
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
+
+    return sync
 
 
 def _sequence_number() -> int:

@@ -125,6 +125,8 @@ class Store(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def add(self, key: str, amount: int) -> int: ...
+
 
 @dataclass
 class StallWatch:

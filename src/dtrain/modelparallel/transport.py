@@ -32,6 +32,15 @@ sends and a thread per peer receives. gloo has neither rule (every receive is po
 thread, whatever the other threads send), and ranks that share one GPU (a gloo world) pipeline
 as ranks on several GPUs do.
 
+Those copies go through pinned host memory, on copy streams (:mod:`dtrain.streams`): the
+sender's after the compute stream's work so far (its tensors' producers), each receiver's
+beside it, so that neither waits for the compute queued meanwhile nor holds it up. A stream
+holding GPU bytes is pinned memory from torch's caching host allocator, which hands it out again
+to a later stream of its size; a receiver's buffer for first sends is pinned once, on a GPU
+rank. The CPU waits for the copies' event (gloo reads and writes the host memory itself), and a
+received tensor, made on the copy stream, is recorded on the stream that computes with it: the
+runtime's threads all compute on their device's default stream.
+
 A send lock keeps one message's parts together; the receiver reads a whole message before the
 next, so parts never interleave. A stream's sends are waited for (and its buffers kept) until
 the next stream to the same peer is sent, or the transport closes: the receiver reposts its
@@ -65,6 +74,7 @@ from dtrain.modelparallel.errors import (
     RemoteError,
 )
 from dtrain.sealed import SEAL_BYTES, ForgedMessageError, Seals, job_key, pickled
+from dtrain.streams import SideStream
 
 FIRST_SEND_BYTES = 8 << 20
 """Most bytes of a message's first send (the receiver's buffer); longer messages send the rest
@@ -288,6 +298,7 @@ class Transport:
         self._first_bytes = first_send_bytes
         self._seals = Seals(job_key() if key is None else key, rank)
         self._send_lock = threading.Lock()
+        self._send_copies = SideStream(device)
         self._unfinished: dict[int, _Sent] = {}
         """The last stream sent to each peer, until its sends are known to be complete."""
         self._pending: dict[int, Pending] = {}
@@ -347,7 +358,8 @@ class Transport:
         start = _aligned(2 * _LENGTH_BYTES + length)
         offsets, data_bytes = _layout([meta for _, meta in distinct])
         end = start + data_bytes
-        stream = torch.empty(end, dtype=torch.uint8)
+        from_gpu = any(tensor.is_cuda and tensor.numel() for tensor, _ in distinct)
+        stream = torch.empty(end, dtype=torch.uint8, pin_memory=from_gpu)
         stream[: 2 * _LENGTH_BYTES] = torch.frombuffer(
             bytearray(length.to_bytes(_LENGTH_BYTES, "little"))
             + bytearray(data_bytes.to_bytes(_LENGTH_BYTES, "little")),
@@ -357,9 +369,15 @@ class Transport:
             bytearray(payload), dtype=torch.uint8
         )
         data = stream[start:]
-        for (tensor, meta), offset in zip(distinct, offsets, strict=True):
-            if tensor.numel():  # from a GPU: a synchronous copy to the host
-                data[offset : offset + _nbytes(meta)].copy_(_as_bytes(tensor))
+        if from_gpu:  # copied on the copy stream, after the tensors' producers
+            self._send_copies.wait_for_current()
+        with self._send_copies.entered():
+            for (tensor, meta), offset in zip(distinct, offsets, strict=True):
+                if tensor.numel():
+                    part = data[offset : offset + _nbytes(meta)]
+                    part.copy_(_as_bytes(tensor), non_blocking=True)
+        if from_gpu:  # gloo reads the bytes; the tensors outlive the copies: no record_stream
+            self._send_copies.synchronize()
         parts = [(stream[: min(end, self._first_bytes)], _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], _TAG_OVERFLOW))
@@ -410,14 +428,15 @@ class Transport:
         """One peer's messages, until its stop. Every message's first part lands in one buffer
         (its tensors are copied out before the next). On a GPU the thread starts on the rank's
         device, so that tensors made without a device index land there."""
-        buffer = torch.empty(self._first_bytes, dtype=torch.uint8)
         try:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
+            copies = SideStream(self._device)
+            buffer = torch.empty(self._first_bytes, dtype=torch.uint8, pin_memory=copies.gpu)
             stopped = False
             while not stopped:
                 others = []
-                for message, tensors in self._receive_one(peer, buffer):
+                for message, tensors in self._receive_one(peer, buffer, copies):
                     if message.kind == STOP:
                         stopped = True
                     elif message.kind == FAILED:  # the peer's pipeline broke: so is ours
@@ -436,7 +455,7 @@ class Transport:
             self.fail(exc, tell_peers=False)
 
     def _receive_one(
-        self, src: int, first: torch.Tensor
+        self, src: int, first: torch.Tensor, copies: SideStream
     ) -> list[tuple[Message, list[torch.Tensor]]]:
         dist.recv(first, src=src, group=self._group, tag=_TAG_HEADER)
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
@@ -455,15 +474,21 @@ class Transport:
         data = stream[start:end]
         # Copies, not views of the buffer: it takes the next stream, views of one storage as
         # several dtypes cannot be saved with torch.save, and a kept view would keep it alive.
-        distinct = [
-            _rebuilt(data[offset : offset + _nbytes(meta)], meta, self._device)
-            for meta, offset in zip(metas, offsets, strict=True)
-        ]
+        with copies.entered():
+            distinct = [
+                _rebuilt(data[offset : offset + _nbytes(meta)], meta, self._device)
+                for meta, offset in zip(metas, offsets, strict=True)
+            ]
+        on_gpu = [tensor for tensor in distinct if tensor.is_cuda and tensor.numel()]
+        if on_gpu:
+            copies.synchronize()  # before the buffer takes the next stream
+        for tensor in on_gpu:
+            copies.used_on_current(tensor)
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
 
     def _whole(self, first: torch.Tensor, src: int, end: int) -> torch.Tensor:
         """A stream of ``end`` bytes: its ``first`` part and the rest, received now."""
-        stream = torch.empty(end, dtype=torch.uint8)
+        stream = torch.empty(end, dtype=torch.uint8, pin_memory=first.is_pinned())
         stream[: self._first_bytes] = first
         dist.recv(stream[self._first_bytes :], src=src, group=self._group, tag=_TAG_OVERFLOW)
         return stream
@@ -532,7 +557,7 @@ def _rebuilt(data: torch.Tensor, meta: TensorMeta, device: torch.device) -> torc
     if not data.numel():
         return torch.empty(meta.shape, dtype=meta.dtype, device=where)
     tensor = data.view(meta.dtype).view(meta.shape)
-    return tensor.clone() if where.type == "cpu" else tensor.to(where)
+    return tensor.clone() if where.type == "cpu" else tensor.to(where, non_blocking=True)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
