@@ -129,10 +129,11 @@ def test_an_agent_without_the_secret_is_refused_and_told_why() -> None:
     assert "answered: the controller refused this agent: wrong secret" in str(told)
 
 
-def test_facts_without_a_key_are_refused() -> None:
-    refused, _ = handshake(SECRET, SECRET, {**facts(), "address": None})
+@pytest.mark.parametrize("address", [None, 2130706433, "here"])
+def test_facts_without_a_usable_address_are_refused(address: object) -> None:
+    refused, _ = handshake(SECRET, SECRET, {**facts(), "address": address})
     assert isinstance(refused, ProtocolError)
-    assert "'facts' with address = None; allowed: a numeric IP address" in str(refused)
+    assert f"'facts' with address = {address!r}; allowed: a numeric IP address" in str(refused)
 
 
 @pytest.mark.parametrize(

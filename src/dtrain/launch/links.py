@@ -37,6 +37,7 @@ from dtrain.launch.wire import (
     Message,
     ProtocolError,
     admit_agent,
+    shown,
 )
 
 MAX_HANDSHAKES = 32
@@ -179,7 +180,7 @@ class Links:
         except Exception as error:  # whatever a stranger sent ends its connection, nothing else
             known = (AuthenticationError, ProtocolError, ConnectionClosed, OSError)
             why = str(error) if isinstance(error, known) else f"{type(error).__name__}: {error}"
-            self._notice(f"refused a connection from {format_endpoint(*peer[:2])}: {why}")
+            self._notice(f"refused a connection from {format_endpoint(*peer[:2])}: {shown(why)}")
             connection.close()
             return
         finally:
@@ -215,7 +216,9 @@ class Links:
             elif isinstance(error, ProtocolError):
                 reason = f"its agent broke the protocol: {error}"
             else:
-                reason = f"its messages could not be handled: {type(error).__name__}: {error}"
+                reason = (
+                    f"its messages could not be handled: {type(error).__name__}: {shown(error)}"
+                )
             self.events.put(Lost(link, reason, time.time()))
 
     @staticmethod

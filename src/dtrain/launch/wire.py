@@ -113,7 +113,7 @@ def _is_address(value: Any) -> bool:
         ipaddress.ip_address(value)
     except ValueError:
         return False
-    return True
+    return isinstance(value, str)  # ip_address takes an integer too
 
 
 _CHANNEL_KEYS = {field.name for field in dataclasses.fields(ChannelSpec)}
