@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,44 @@ def test_duplicate_channel_names(dataset: Path) -> None:
     channel = ChannelSpec("train", str(dataset))
     with pytest.raises(ConfigError, match="at most once"):
         validate_channels([channel, channel])
+
+
+ROOT = os.geteuid() == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda path: path.symlink_to(path.parent / "missing"), "a link to nothing"),
+        (os.mkfifo, "a special file (a fifo, socket or device)"),
+        (lambda path: path.symlink_to(path.parent / "nested"), "a link to a folder"),
+        pytest.param(
+            lambda path: path.touch(mode=0),
+            "not readable",
+            marks=pytest.mark.skipif(ROOT, reason="root reads every file"),
+        ),
+    ],
+    ids=["dangling link", "fifo", "link to a folder", "unreadable"],
+)
+def test_a_local_file_a_host_could_not_copy_is_refused_before_launch_and_on_the_host(
+    dataset: Path, tmp_path: Path, make: Callable[[Path], None], problem: str
+) -> None:
+    odd = dataset / "odd"
+    make(odd)
+    channel = ChannelSpec("train", str(dataset))
+    expected = re.escape(f"; {odd} is {problem}")
+    with pytest.raises(
+        ConfigError, match=rf"^channels\.train\.uri: got .*readable files.*{expected}"
+    ):
+        validate_channels([channel])
+    with pytest.raises(DtrainError, match=re.escape(f"channel train: {odd} is {problem}")):
+        materialize_channel(channel, tmp_path / "dest", 0, 1)
+    assert not (tmp_path / "dest").exists()
+
+
+def test_an_empty_local_channel_is_refused_before_launch(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"channels\.empty\.uri: .*no files under"):
+        validate_channels([ChannelSpec("empty", str(tmp_path))])
 
 
 # --- listing ----------------------------------------------------------------------------------

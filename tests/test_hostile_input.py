@@ -11,7 +11,7 @@ import pytest
 
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.folder import make_private_dirs
-from dtrain.jobs.spec import JobSpec
+from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.launch.job import prepare
 from tests.conftest import dtrain
 
@@ -59,6 +59,19 @@ def test_an_entry_point_outside_the_source_dir_is_refused(
     (tmp_path / "outside.py").write_text("")
     with pytest.raises(ConfigError, match=r"entry_point.*relative to source_dir"):
         prepare(spec(source, entry_point=entry))
+
+
+def test_a_channel_with_a_dangling_link_is_refused_before_launch(
+    source: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.csv").write_text("1\n")
+    (data / "gone").symlink_to(tmp_path / "deleted")
+    with pytest.raises(
+        ConfigError, match=r"^channels\.train\.uri: .*/data/gone is a link to nothing"
+    ):
+        prepare(spec(source, channels=[ChannelSpec("train", str(data))]))
 
 
 def test_checkpoint_and_output_folders_outside_the_home_are_private(

@@ -1,16 +1,19 @@
 """Finding machines, on loopback: bad cluster input before launch, agents that cannot prove the
-secret, hosts that never join, a controller killed outright, an upload interrupted."""
+secret, hosts that never join, a flood of connections, a controller killed outright, an upload
+interrupted."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +28,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def background(home: Path, log: Path, *args: str) -> subprocess.Popen[str]:
+def background(home: Path, log: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "dtrain.cli", *args],
         env={**os.environ, "DTRAIN_HOME": str(home)},
@@ -33,6 +36,7 @@ def background(home: Path, log: Path, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        **popen,
     )
 
 
@@ -95,11 +99,9 @@ def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
         *run_flags("never-complete", "--instance-count", "2", "--join-timeout", "8", *flags),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while not secret.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_file(secret)
         join = ["agent", "--join", f"127.0.0.1:{port}"]
-        impostor = dtrain(*join, "--secret-file", str(wrong), "--connect-timeout", "20",
+        impostor = dtrain(*join, "--secret-file", str(wrong), "--connect-timeout", "2",
                           home=dtrain_home)  # fmt: skip
         assert impostor.returncode != 0 and "wrong secret" in impostor.stderr, impostor.stderr
         stranger = dtrain(*join, "--secret-file", str(secret), "--host", "algo-7", home=dtrain_home)
@@ -119,6 +121,44 @@ def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
     assert "algo-1 joined: 127.0.0.1 (lo)" in output
     reason = describe(dtrain_home, "never-complete")["FailureReason"]
     assert reason == "host(s) algo-2 did not join within 8 s"
+
+
+def wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_flood_of_connections_neither_crashes_the_controller_nor_keeps_an_agent_out(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "train.py").write_text("print('trained')\n")
+    port, secret = free_port(), tmp_path / "secret"
+    controller = background(
+        dtrain_home, tmp_path / "controller.log",
+        "run", "train.py", "--source-dir", str(source), "--job-name", "flooded",
+        "--instance-type", "local_cpu", "--cluster", f"join://127.0.0.1:{port}",
+        "--secret-file", str(secret),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
+    )  # fmt: skip
+    try:
+        wait_for_file(secret)  # written once the controller listens
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+        time.sleep(1)  # held while the controller takes them in: more than its descriptors
+        for connection in flood:
+            connection.close()
+        agent = dtrain("agent", "--join", f"127.0.0.1:{port}", "--secret-file", str(secret),
+                       "--connect-timeout", "30", home=dtrain_home)  # fmt: skip
+        assert agent.returncode == 0, agent.stderr
+        assert controller.wait(timeout=60) == 0
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+    output = (tmp_path / "controller.log").read_text()
+    assert "handshakes are under way already" in output and "[algo-1,0]: trained" in output
+    assert describe(dtrain_home, "flooded")["TrainingJobStatus"] == "Completed"
 
 
 def test_a_controller_killed_outright_leaves_no_rank_running(

@@ -15,18 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtrain import sealed
+from dtrain import jobkey
 from dtrain.errors import DtrainError
+from dtrain.jobkey import KEY_ENV, derive_key
 from dtrain.modelparallel.transport import _TAG_HEADER, FAILED, FORWARD, Message, Transport
 from dtrain.sealed import (
     EVERY_MEMBER,
-    KEY_ENV,
     LIMIT_ENV,
     TRUST_STORE_ENV,
     ForgedMessageError,
     OversizedMessageError,
     Seals,
-    derive_key,
     job_key,
 )
 from tests.modelparallel.harness import run_ranks
@@ -110,7 +109,7 @@ def test_a_length_over_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_key_leaves_the_environment_at_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sealed, "_environment_key", None)
+    monkeypatch.setattr(jobkey, "_taken", None)
     monkeypatch.setenv(KEY_ENV, "ab" * 32)
     assert job_key() == bytes([0xAB]) * 32
     assert KEY_ENV not in os.environ
@@ -120,7 +119,7 @@ def test_the_key_leaves_the_environment_at_first_use(monkeypatch: pytest.MonkeyP
 
 
 def test_a_key_through_the_store_needs_the_users_trust(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sealed, "_environment_key", None)
+    monkeypatch.setattr(jobkey, "_taken", None)
     monkeypatch.delenv(KEY_ENV, raising=False)
     monkeypatch.delenv(TRUST_STORE_ENV, raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

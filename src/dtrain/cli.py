@@ -107,7 +107,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--host", help="ask for this host name (algo-1 hosts the rendezvous)")
     agent.add_argument(
-        "--connect-timeout", type=float, default=600.0, help="seconds to wait for the controller"
+        "--connect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to keep trying to join the controller (whatever it or a stranger answers)",
     )
 
     jobs = commands.add_parser("jobs", help="list jobs, newest first")

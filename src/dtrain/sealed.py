@@ -28,7 +28,6 @@ import hmac
 import itertools
 import os
 import pickle
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain.errors import DtrainError
+from dtrain.jobkey import KEY_ENV, take_key
 
-KEY_ENV = "DTRAIN_JOB_KEY"
 TRUST_STORE_ENV = "DTRAIN_TRUST_RENDEZVOUS_STORE"
 LIMIT_ENV = "DTRAIN_MAX_MESSAGE_BYTES"
 DEFAULT_LIMIT = 1 << 30
@@ -49,9 +48,6 @@ _SEQUENCE_BYTES = 8
 SEAL_BYTES = _MAC_BYTES + _SEQUENCE_BYTES
 """What a seal adds before the pickle: the HMAC, then the message's sequence number."""
 
-_environment_key: bytes | None = None
-_environment_lock = threading.Lock()
-
 
 class ForgedMessageError(DtrainError):
     """A message's seal does not vouch for it here: not the job's, or not this place's."""
@@ -61,31 +57,10 @@ class OversizedMessageError(DtrainError):
     """A peer announced a message longer than this rank accepts."""
 
 
-def derive_key(secret: bytes, job_name: str, salt: str, attempt: int) -> str:
-    """The ranks' key of one attempt of a job, from the job's secret (hex): jobs sharing a
-    secret file still get keys of their own."""
-    context = f"dtrain ranks' key\0{job_name}\0{salt}\0{attempt}"
-    return hmac.new(secret, context.encode(), hashlib.sha256).hexdigest()
-
-
-def _key_from_environment() -> bytes | None:
-    """``DTRAIN_JOB_KEY``, taken out of the environment the first time (children must not
-    inherit it) and kept for this process's later calls."""
-    global _environment_key
-    with _environment_lock:
-        value = os.environ.pop(KEY_ENV, None)
-        if value:
-            try:
-                _environment_key = bytes.fromhex(value)
-            except ValueError:
-                raise DtrainError(f"{KEY_ENV} is not a key in hexadecimal") from None
-        return _environment_key
-
-
 def job_key() -> bytes:
     """This job's key (see the module docstring); without one from the environment, a world
     of several ranks needs the default process group's store and the user's trust in it."""
-    key = _key_from_environment()
+    key = take_key()
     if key is not None:
         return key
     if dist.get_world_size() == 1:  # no peer to agree with, nothing through the store

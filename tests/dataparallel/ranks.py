@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtrain.sealed import KEY_ENV
+from dtrain.jobkey import KEY_ENV
 from tests.forkserver import rank_context, take_environment
 
 Scenario = Callable[[int, int], dict[str, Any]]

@@ -1,13 +1,64 @@
-"""The rendezvous store an agent hosts lives only as long as its attempt."""
+"""An agent over loopback without processes: whatever ends it unexpectedly reaches the controller
+as an error naming it, escaped, before the agent goes; the rendezvous store it hosts lives only as
+long as its attempt."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dtrain.jobs.folder import HostFolder
+from dtrain.launch import agent as agent_module
 from dtrain.launch.agent import Agent
+from dtrain.launch.wire import ProtocolError
+from tests.launch.peers import SECRET, admitted_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def broken_send_folder(*args: Any) -> None:
+    raise OSError("disk gone\n\x1b[31mFAKE")
+
+
+@pytest.mark.parametrize(
+    ("order", "failure", "told"),
+    [
+        (
+            {"kind": "send", "stream": "model"},
+            OSError,
+            r"its agent failed: OSError: disk gone\\n\\x1b\[31mFAKE$",
+        ),
+        (
+            {"kind": "stop", "attempt": "1"},
+            ProtocolError,
+            r"its agent failed: ProtocolError: 127\.0\.0\.1:\d+ sent 'stop' with attempt = '1'",
+        ),
+    ],
+    ids=["error", "bad order"],
+)
+def test_an_agent_that_fails_tells_the_controller_why_before_it_goes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    order: dict[str, Any],
+    failure: type[Exception],
+    told: str,
+) -> None:
+    monkeypatch.setattr(agent_module, "send_folder", broken_send_folder)
+    controller, end = admitted_pair()
+    agent = Agent(end, lambda line: None, "marker", os.getpid(), SECRET)
+    agent.folder = HostFolder(tmp_path)
+    controller.send(**order)
+    with pytest.raises(failure):
+        agent.serve()
+    message = controller.receive()
+    while message.kind == "heartbeat":
+        message = controller.receive()
+    assert message.kind == "error" and re.match(told, message["message"]), message
 
 
 class _Controller:

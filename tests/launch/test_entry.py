@@ -147,3 +147,14 @@ def test_ranks_leaving_collectives_pending_at_exit_end_as_their_script_did() -> 
             assert process.returncode == 0, output
             assert f"rank {rank} finished\nrank {rank} atexit ran\n" in output
             assert "terminate called" not in output
+
+
+def test_the_job_key_leaves_the_environment_before_the_script_runs(tmp_path: Path) -> None:
+    (tmp_path / "script.py").write_text(
+        "import os\nfrom dtrain.jobkey import take_key\n"
+        "print(os.environ.get('DTRAIN_JOB_KEY'), take_key().hex())\n"
+    )
+    env = {**os.environ, "DTRAIN_JOB_KEY": "ab" * 32}
+    done = subprocess.run([*RUNNER, "script.py"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert done.stdout == f"None {'ab' * 32}\n", done.stderr

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from dtrain.launch.transfer import ChunkReader, repack, safe_member_name, send_folder, unpack
-from dtrain.launch.wire import Connection, ProtocolError
+from dtrain.launch.wire import FROM_AGENT, FROM_CONTROLLER, Connection, ProtocolError
 
 
 def stream_of(folder: Path, skip=lambda path: False) -> ChunkReader:
     """``folder`` sent over a socket pair, received into a reader as the controller does."""
     left, right = socket.socketpair()
-    sender, receiver = Connection(left), Connection(right)
+    sender, receiver = Connection(left, FROM_CONTROLLER), Connection(right, FROM_AGENT)
     reader = ChunkReader()
 
     def receive() -> None:

@@ -1,41 +1,49 @@
-"""Messages and the handshake that admits an agent: framing, limits, secrets, both proofs."""
+"""Messages and the handshake that admits an agent: framing, checked fields, limits, secrets, both
+proofs, sealed frames, and a peer's text shown harmless."""
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from dtrain.errors import ConfigError
+from dtrain.launch import wire
 from dtrain.launch.wire import (
     HANDSHAKE_LIMIT,
+    PROTOCOL_VERSION,
+    SHOWN_LIMIT,
     AuthenticationError,
-    Connection,
     ConnectionClosed,
     ProtocolError,
     admit_agent,
     join_controller,
     prove,
     read_secret,
+    shown,
+)
+from tests.launch.peers import (
+    SECRET,
+    admitted_pair,
+    facts,
+    raw_frame,
+    read_frame,
+    tcp_pair,
 )
 
-SECRET = b"s" * 64
-
-
-def pair() -> tuple[Connection, Connection]:
-    left, right = socket.socketpair()
-    return Connection(left), Connection(right)
+pytestmark = pytest.mark.timeout(30)
 
 
 def test_messages_keep_fields_and_payload_in_order() -> None:
-    sender, receiver = pair()
-    sender.send("output", rank=3, lines=["a", "ü"])
-    sender.send("chunk", b"\x00" * 100_000, stream="model")
-    first, second = receiver.receive(), receiver.receive()
+    controller, agent = admitted_pair()
+    agent.send("output", attempt=1, rank=3, lines=["a", "ü"])
+    agent.send("chunk", b"\x00" * 100_000, stream="model")
+    first, second = controller.receive(), controller.receive()
     assert (first.kind, first["rank"], first["lines"], first.payload) == (
         "output",
         3,
@@ -46,8 +54,8 @@ def test_messages_keep_fields_and_payload_in_order() -> None:
 
 
 def test_a_closed_peer_and_garbage_are_told_apart() -> None:
-    sender, receiver = pair()
-    sender.sock.sendall(b"\x00\x00\x00\x03\x00\x00\x00\x00[1]")
+    receiver, sender = tcp_pair()
+    sender.sock.sendall(raw_frame(b"[1]"))
     with pytest.raises(ProtocolError, match="without a kind"):
         receiver.receive()
     sender.close()
@@ -56,14 +64,39 @@ def test_a_closed_peer_and_garbage_are_told_apart() -> None:
 
 
 def test_an_oversized_frame_is_refused_before_it_is_read() -> None:
-    sender, receiver = pair()
+    receiver, sender = tcp_pair()
     sender.sock.sendall((HANDSHAKE_LIMIT + 1).to_bytes(4, "big") + b"\x00" * 4)
     with pytest.raises(ProtocolError, match="over"):
         receiver.receive(limit=HANDSHAKE_LIMIT)
 
 
-def handshake(agent_secret: bytes, controller_secret: bytes) -> tuple[object, object]:
-    controller, agent = pair()
+HELLO = {"kind": "hello", "version": PROTOCOL_VERSION, "nonce": "0" * 32, "proof": "0" * 64}
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        ({**HELLO, "proof": "é" * 64}, r"proof = 'éééé.*allowed: 64 hex digits"),
+        (b"[" * 16_000, "not JSON: maximum recursion depth"),
+        (b'{"kind": "hello\xff"}', "not JSON"),
+        ({**HELLO, "version": float("nan")}, "not JSON: NaN is not a number JSON allows"),
+        ({"kind": "hello"}, "hello' with version = nothing"),
+        ({**HELLO, "version": "2"}, "version = '2'; allowed: an integer"),
+        ({"kind": "\x1b[31mred"}, r"unknown kind '\\x1b\[31mred'"),
+        ({"kind": "output", "attempt": 1, "rank": 0, "lines": []}, "'output' where 'hello'"),
+    ],
+)  # fmt: skip
+def test_garbage_in_the_handshake_is_refused_cleanly(frame: dict | bytes, expected: str) -> None:
+    controller, stranger = tcp_pair()
+    stranger.sock.sendall(raw_frame(frame))
+    with pytest.raises(ProtocolError, match=expected):
+        admit_agent(controller, SECRET)
+
+
+def handshake(
+    agent_secret: bytes, controller_secret: bytes, agent_facts: dict | None = None
+) -> tuple[object, object]:
+    controller, agent = tcp_pair()
     results: dict[str, object] = {}
 
     def admit() -> None:
@@ -76,7 +109,7 @@ def handshake(agent_secret: bytes, controller_secret: bytes) -> tuple[object, ob
     thread = threading.Thread(target=admit)
     thread.start()
     try:
-        join_controller(agent, agent_secret, address="127.0.0.1")
+        join_controller(agent, agent_secret, facts() if agent_facts is None else agent_facts)
         results["agent"] = "joined"
     except Exception as error:
         results["agent"] = error
@@ -84,33 +117,107 @@ def handshake(agent_secret: bytes, controller_secret: bytes) -> tuple[object, ob
     return results["controller"], results["agent"]
 
 
-def test_both_sides_prove_the_secret() -> None:
-    hello, joined = handshake(SECRET, SECRET)
-    assert joined == "joined" and hello["address"] == "127.0.0.1"
+def test_both_sides_prove_the_secret_and_the_agent_tells_its_facts() -> None:
+    told, joined = handshake(SECRET, SECRET)
+    assert joined == "joined" and told.kind == "facts" and told.fields == facts()
 
 
-def test_an_agent_without_the_secret_is_refused() -> None:
+def test_an_agent_without_the_secret_is_refused_and_told_why() -> None:
     refused, told = handshake(b"x" * 64, SECRET)
-    assert isinstance(refused, AuthenticationError) and "wrong secret" in str(refused)
-    assert isinstance(told, AuthenticationError)
+    assert isinstance(refused, AuthenticationError) and str(refused) == "wrong secret"
+    assert isinstance(told, ProtocolError)
+    assert "answered: the controller refused this agent: wrong secret" in str(told)
 
 
-def test_an_impostor_controller_is_found_out() -> None:
-    controller, agent = pair()
+@pytest.mark.parametrize("address", [None, 2130706433, "here"])
+def test_facts_without_a_usable_address_are_refused(address: object) -> None:
+    refused, _ = handshake(SECRET, SECRET, {**facts(), "address": address})
+    assert isinstance(refused, ProtocolError)
+    assert f"'facts' with address = {address!r}; allowed: a numeric IP address" in str(refused)
+
+
+@pytest.mark.parametrize(
+    "welcome",
+    [
+        lambda hello: prove(b"guess" * 8, "controller", "0" * 32, hello["nonce"]),
+        lambda hello: hello["proof"],  # the agent's own proof, reflected
+        lambda hello: prove(SECRET, "controller", "1" * 32, hello["nonce"]),  # another handshake
+    ],
+    ids=["guessed", "reflected", "replayed"],
+)
+def test_an_impostor_controller_is_found_out_before_the_agent_tells_anything(
+    welcome: Callable[[dict], str],
+) -> None:
+    controller, agent = tcp_pair()
+    heard: list[dict] = []
 
     def impostor() -> None:
-        controller.send("challenge", nonce="n" * 32, version=1)
-        controller.receive()
-        controller.send("welcome", proof=prove(b"guess" * 8, "controller", "whatever"))
+        controller.send("challenge", nonce="0" * 32, version=PROTOCOL_VERSION)
+        hello = json.loads(read_frame(controller.sock, sealed=False)[8:])
+        heard.append(hello)
+        controller.send("welcome", proof=welcome(hello))
 
     thread = threading.Thread(target=impostor)
     thread.start()
-    with pytest.raises(AuthenticationError, match="could not prove"):
-        join_controller(agent, SECRET)
+    with pytest.raises(AuthenticationError, match="could not prove the job's secret"):
+        join_controller(agent, SECRET, facts())
     thread.join()
+    assert set(heard[0]) == {"kind", "version", "nonce", "proof"}  # no facts before the proof
 
 
-def test_a_secret_file_is_created_private_and_a_readable_one_refused(tmp_path: Path) -> None:
+def test_an_agent_of_another_version_is_told_to_install_the_same() -> None:
+    controller, agent = tcp_pair()
+    controller.send("challenge", nonce="0" * 32, version=1)
+    with pytest.raises(AuthenticationError, match="speaks protocol 1, this dtrain 2: install"):
+        join_controller(agent, SECRET, facts())
+
+
+def test_frames_after_the_handshake_are_sealed() -> None:
+    controller, agent = admitted_pair()
+    controller.send("refused", reason="AWS_SECRET_ACCESS_KEY=hunter2")
+    sealed = read_frame(agent.sock)
+    assert b"hunter2" not in sealed and b"refused" not in sealed
+
+
+@pytest.mark.parametrize(
+    ("delivered", "accepted"),
+    [
+        (lambda first, second: [first, first], 1),
+        (lambda first, second: [second, first], 0),
+        (lambda first, second: [first[:-1] + bytes([first[-1] ^ 1])], 0),
+        (lambda first, second: [raw_frame({"kind": "done", "attempt": 1}) + b"\0" * 16], 0),
+    ],
+    ids=["replayed", "reordered", "tampered", "forged"],
+)
+def test_a_frame_replayed_reordered_tampered_or_forged_on_the_path_is_refused(
+    delivered: Callable[[bytes, bytes], list[bytes]], accepted: int
+) -> None:
+    controller, agent = admitted_pair()
+    agent.send("done", attempt=1)
+    agent.send("done", attempt=2)
+    first, second = read_frame(controller.sock), read_frame(controller.sock)
+    for frame in delivered(first, second):
+        agent.sock.sendall(frame)  # what someone on the path writes into the stream
+    for _ in range(accepted):
+        assert controller.receive()["attempt"] == 1
+    with pytest.raises(ProtocolError, match=r"127\.0\.0\.1:\d+ sent a frame that fails auth"):
+        controller.receive()
+
+
+def test_a_peers_text_is_shown_escaped_and_capped() -> None:
+    assert shown("boom\n\x1b[31mFAKE\u202e") == "boom\\n\\x1b[31mFAKE\\u202e"
+    controller, agent = tcp_pair()
+    controller.send("error", message="boom\n\x1b[31mFAKE" + "x" * 1000)
+    with pytest.raises(ProtocolError) as raised:
+        agent.expect("challenge")
+    text = str(raised.value)
+    assert "answered: boom\\n\\x1b[31mFAKE" in text and "\n" not in text and "\x1b" not in text
+    assert text.endswith(f"... ({1014 - SHOWN_LIMIT} more characters)")
+
+
+def test_a_secret_file_is_created_private_and_a_readable_or_foreign_one_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "sub" / "secret"
     created = read_secret(str(path), create=True)
     assert len(created) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -118,6 +225,12 @@ def test_a_secret_file_is_created_private_and_a_readable_one_refused(tmp_path: P
     os.chmod(path, 0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         read_secret(str(path))
+    os.chmod(path, 0o600)
+    owner = os.geteuid()
+    monkeypatch.setattr(wire.os, "geteuid", lambda: owner + 1)  # the file is another user's
+    with pytest.raises(ConfigError, match=f"a file of this user .*belongs to uid {owner}"):
+        read_secret(str(path))
+    monkeypatch.undo()
     short = tmp_path / "short"
     short.write_text("abc")
     short.chmod(0o600)

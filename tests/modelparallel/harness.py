@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtrain.sealed import KEY_ENV
+from dtrain.jobkey import KEY_ENV
 from tests.forkserver import rank_context, take_environment
 
 GRACE = 5.0

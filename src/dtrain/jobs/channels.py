@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -95,13 +96,46 @@ def validate_channel(channel: ChannelSpec) -> None:
 
 
 def validate_channels(channels: Sequence[ChannelSpec]) -> None:
-    """Every channel valid and no name used twice (each name is one ``input/data`` directory)."""
+    """Every channel valid and no name used twice (each name is one ``input/data`` directory);
+    every file of a local channel one the hosts can copy."""
     seen: set[str] = set()
     for channel in channels:
         validate_channel(channel)
         if channel.name in seen:
             raise ConfigError("channel name", channel.name, "each channel name at most once")
         seen.add(channel.name)
+        if _scheme(channel.uri) != "s3":
+            _check_local_files(channel)
+
+
+def _check_local_files(channel: ChannelSpec) -> None:
+    """Refuse, before launch, a local channel that lists no file, or a file a host could not
+    copy: a dangling link or an unreadable file would fail the copy, a fifo or device hang it."""
+    key = f"channels.{channel.name}.uri"
+    allowed = "a readable file, or a folder of readable files and links to them"
+    try:
+        _, sources = _channel_files(channel)
+    except DtrainError as error:
+        raise ConfigError(key, channel.uri, f"{allowed} ({error})") from None
+    for path in sources.values():
+        problem = _copy_problem(path)
+        if problem:
+            raise ConfigError(key, channel.uri, f"{allowed}; {path} is {problem}")
+
+
+def _copy_problem(path: str) -> str | None:
+    """What keeps the local file ``path`` from being copied into a channel, if anything."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        return "a link to nothing" if os.path.islink(path) else f"unreadable ({error.strerror})"
+    if stat.S_ISDIR(mode):
+        return "a link to a folder (links to folders are not followed)"
+    if not stat.S_ISREG(mode):
+        return "a special file (a fifo, socket or device)"
+    if not os.access(path, os.R_OK):
+        return "not readable"
+    return None
 
 
 def list_channel_files(channel: ChannelSpec) -> list[str]:
@@ -144,13 +178,17 @@ def materialize_channel(
     """
     fs, sources = _channel_files(channel)
     keys = shard_files(list(sources), host_index, num_hosts, channel.distribution)
+    remote = _scheme(channel.uri) == "s3"
     for key in keys:
         _check_key(channel, key)
+        problem = None if remote else _copy_problem(sources[key])
+        if problem:
+            raise DtrainError(f"channel {channel.name}: {sources[key]} is {problem}")
     dest_dir.mkdir(parents=True, exist_ok=True)
     targets = [dest_dir / key for key in keys]
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
-    if keys and _scheme(channel.uri) == "s3":
+    if keys and remote:
         try:
             fs.get([sources[key] for key in keys], [str(target) for target in targets])
         except OSError as error:
@@ -159,7 +197,12 @@ def materialize_channel(
             ) from error
     else:
         for key, target in zip(keys, targets, strict=True):
-            shutil.copyfile(sources[key], target)
+            try:
+                shutil.copyfile(sources[key], target)
+            except OSError as error:
+                raise DtrainError(
+                    f"channel {channel.name}: cannot copy {sources[key]}: {error}"
+                ) from None
     return targets
 
 
@@ -203,9 +246,13 @@ def _channel_files(channel: ChannelSpec) -> tuple[AbstractFileSystem, dict[str, 
         if fs.isfile(root):
             return fs, {PurePosixPath(root).name: root}
         if not fs.isdir(root):
-            raise DtrainError(f"channel {channel.name}: {channel.uri} does not exist")
-        # Keys ending in "/" are the S3 console's empty "folder" markers, not files.
-        found = [path for path in fs.find(root) if not path.endswith("/")]
+            local = _scheme(channel.uri) != "s3" and os.path.lexists(root)
+            what = f"is {_copy_problem(root)}" if local else "does not exist"
+            raise DtrainError(f"channel {channel.name}: {channel.uri} {what}")
+        # Keys ending in "/" are the S3 console's empty "folder" markers, not files. A local
+        # folder that cannot be listed is an error, not a silent gap in the data.
+        listing = fs.find(root) if _scheme(channel.uri) == "s3" else fs.find(root, on_error="raise")
+        found = [path for path in listing if not path.endswith("/")]
     except OSError as error:
         raise DtrainError(f"channel {channel.name}: cannot list {channel.uri}: {error}") from error
     if not found:

@@ -1,19 +1,23 @@
 """``dtrain agent``: one machine's share of a job, run on the controller's orders.
 
-An agent joins the job's controller (proving the job's secret), reports what its machine is,
-then lays out its host's ``/opt/ml``-style folder (code, configuration, its shard of each channel),
-starts and watches its P ranks for each attempt, streams their output line by line, reports each
-exit with the rank's last traceback, hosts the rendezvous store if it is ``algo-1``, and sends
-back its ``model/`` and ``output/data`` at the end. It ends its ranks, and exits, when the job
+An agent joins the job's controller (each proving the job's secret; it retries until its connect
+timeout, so a stranger on the port or a controller not yet awaiting hosts does not end it),
+reports what its machine is, then lays out its host's ``/opt/ml``-style folder (code,
+configuration, its shard of each channel), starts and watches its P ranks for each attempt,
+streams their output line by line, reports each exit with the rank's last traceback, hosts the
+rendezvous store if it is ``algo-1``, and sends back its ``model/`` and ``output/data`` at the
+end. It ends its ranks, and exits, when the job
 ends, when told to stop, when it is stopped itself (SIGTERM, Ctrl-C), and when the controller goes
 silent or away; if it is killed outright, its ranks die with it and its keeper ends what they
-started.
+started. An agent that fails for any other reason sends its error to the controller before it
+goes, so the job's failure reason names it.
 
 Nothing here decides what the job does next: that is the controller's (:mod:`controller`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -32,6 +36,7 @@ from typing import Any
 
 from dtrain.compat import shim_pythonpath_entry
 from dtrain.errors import DtrainError
+from dtrain.jobkey import KEY_ENV, derive_key
 from dtrain.jobs.channels import materialize_channel
 from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
@@ -41,17 +46,21 @@ from dtrain.launch.processes import become_subreaper
 from dtrain.launch.ranks import LocalRanks, RankLaunch
 from dtrain.launch.transfer import ChunkReader, send_folder, unpack
 from dtrain.launch.wire import (
+    FROM_CONTROLLER,
     HEARTBEAT_INTERVAL,
     SILENCE_LIMIT,
+    AuthenticationError,
     Connection,
     ConnectionClosed,
     ProtocolError,
     join_controller,
+    shown,
 )
-from dtrain.sealed import KEY_ENV, derive_key
 
 INTERPRETER_DIR = str(Path(sys.executable).parent)
 RETRY_INTERVAL = 0.1
+RETRY_INTERVAL_LIMIT = 2.0
+"""Joining is retried after 0.1 s, then twice as long each time, up to this."""
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""
 OUTBOX_LIMIT = 100_000
@@ -69,26 +78,52 @@ def entry_command(entry_point: str) -> list[str]:
     return [f"./{entry_point}"]
 
 
-def connect(
-    controller: tuple[str, int], address: str | None, timeout: float, say: Callable[[str], None]
-) -> socket.socket:
-    """A connection to the controller, retried until ``timeout`` (agents may start first)."""
+def join(
+    controller: tuple[str, int],
+    secret: bytes,
+    address: str | None,
+    host: str | None,
+    timeout: float,
+    say: Callable[[str], None],
+) -> Connection:
+    """A connection to the controller, both sides proven, this machine's facts told.
+
+    Tried again until ``timeout`` whatever went wrong (no controller yet, one not awaiting hosts,
+    a stranger's answer: none of that can be trusted to mean the job is over); what went wrong is
+    said once each time it changes.
+    """
+    where = format_endpoint(*controller)
     deadline = time.monotonic() + timeout
-    told = False
+    delay = RETRY_INTERVAL
+    facts: dict[str, Any] = {}
+    said = ""
     while True:
         try:
-            source = (address, 0) if address else None
-            return socket.create_connection(controller, timeout=5.0, source_address=source)
+            sock = socket.create_connection(
+                controller, timeout=5.0, source_address=(address, 0) if address else None
+            )
         except OSError as error:
-            if time.monotonic() > deadline:
-                where = format_endpoint(*controller)
-                raise DtrainError(
-                    f"no controller answered at {where} within {timeout:g} s ({error})"
-                ) from None
-            if not told:
-                say(f"waiting for the controller at {format_endpoint(*controller)} ({error})")
-                told = True
-            time.sleep(RETRY_INTERVAL)
+            why = str(error)
+        else:
+            connection = Connection(sock, FROM_CONTROLLER)
+            own_address = address or sock.getsockname()[0]
+            if facts.get("address") != own_address:
+                facts = host_facts(own_address, host)
+            try:
+                join_controller(connection, secret, facts)
+                return connection
+            except (AuthenticationError, ProtocolError, ConnectionClosed) as error:
+                connection.close()
+                why = str(error)
+        if time.monotonic() + delay > deadline:
+            raise DtrainError(
+                f"could not join the controller at {where} within {timeout:g} s: {why}"
+            )
+        if why != said:
+            say(f"cannot join the controller at {where} yet ({why}); trying again")
+            said = why
+        time.sleep(delay)
+        delay = min(delay * 2, RETRY_INTERVAL_LIMIT)
 
 
 class _Outbox:
@@ -146,7 +181,10 @@ class _Inbox:
             with self.lock:
                 for reader in self.streams.values():
                     reader.fail(ConnectionClosed(str(error)))
-            self.messages.put(ConnectionClosed(str(error)))
+            # A message the protocol does not allow is the controller's bug: the agent reports it.
+            self.messages.put(
+                error if isinstance(error, ProtocolError) else ConnectionClosed(str(error))
+            )
 
 
 class Agent:
@@ -183,6 +221,11 @@ class Agent:
         become_subreaper()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        return self.serve()
+
+    def serve(self) -> int:
+        """Read and obey the controller's messages; an unexpected error goes to the controller
+        (type and message) before it ends the agent, so the job's failure reason names it."""
         threading.Thread(target=self.inbox.read, name="agent-inbox", daemon=True).start()
         threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
         try:
@@ -190,6 +233,11 @@ class Agent:
         except ConnectionClosed as error:
             self.say(f"lost the controller ({error}); stopping this host's ranks")
             return 1
+        except Exception as error:
+            reason = shown(f"{type(error).__name__}: {error}")
+            with contextlib.suppress(ConnectionClosed):
+                self.connection.send("error", message=f"its agent failed: {reason}")
+            raise
         finally:
             self._alive = False
             self._end_ranks()
@@ -217,6 +265,8 @@ class Agent:
             if isinstance(message, ConnectionClosed):
                 self.say(f"the controller is gone ({message}); stopping this host's ranks")
                 return 1
+            if isinstance(message, ProtocolError):
+                raise message
             if self._signalled:
                 self._end_ranks()
                 self.connection.send("leaving", reason=f"its agent got {self._signalled}")
@@ -229,7 +279,7 @@ class Agent:
             if message.kind == "bye":
                 return 0
             if message.kind == "refused":
-                self.say(f"the controller refused this agent: {message['reason']}")
+                self.say(f"the controller refused this agent: {shown(message['reason'])}")
                 return 1
             try:
                 self._handle(message.kind, message.fields)
@@ -403,13 +453,7 @@ def run_agent(
 
     if address is not None and interface_of(address) is None:
         raise DtrainError(f"--address {address} is not an address of this machine")
-    sock = connect(controller, address, connect_timeout, say)
-    connection = Connection(sock)
-    own_address = address or sock.getsockname()[0]
-    try:
-        join_controller(connection, secret, **host_facts(own_address, host))
-    except (ConnectionClosed, ProtocolError) as error:
-        raise DtrainError(f"could not join the controller: {error}") from None
+    connection = join(controller, secret, address, host, connect_timeout, say)
     marker = f"{os.getpid()}-{os.urandom(8).hex()}"
     keeper = subprocess.Popen(
         [sys.executable, "-m", "dtrain.launch.keeper", f"{MARKER}={marker}"],

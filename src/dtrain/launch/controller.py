@@ -21,7 +21,7 @@ from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.links import Event, Joined, Link, Links, Lost, Received
 from dtrain.launch.outcome import Attempt, Failure, Outcome, rank_failure
 from dtrain.launch.transfer import ChunkReader, repack
-from dtrain.launch.wire import Connection, ConnectionClosed, Message, ProtocolError
+from dtrain.launch.wire import Connection, ConnectionClosed, Message, ProtocolError, shown
 
 STOP_CONFIRM_LIMIT = 15.0
 """How long stopped hosts have to confirm that all their ranks ended before they count as lost."""
@@ -78,7 +78,7 @@ class Controller:
         """Wait until an agent holds each of ``names``; an agent may ask for its name.
 
         Hosts that hold their name already keep it: after :meth:`forget`, only the forgotten
-        ones are waited for.
+        ones are waited for. Once every name is held, connections are turned away at once.
         """
         deadline = time.monotonic() + timeout
         notice = time.monotonic() + WAITING_NOTICE_INTERVAL
@@ -98,6 +98,7 @@ class Controller:
                 failure = Links.mark_lost(event)
                 if event.link.name is not None:
                     raise DtrainError(f"host {failure.host} {failure.how} before the job started")
+        self.links.awaiting.clear()
         return [self._host(name) for name in names]
 
     def lost_hosts(self) -> list[str]:
@@ -107,18 +108,20 @@ class Controller:
         """Free the names of lost hosts, for new agents to take."""
         for name in names:
             del self.hosts[name]
+        self.links.awaiting.set()
 
     def _name(self, link: Link, missing: list[str]) -> None:
-        wanted = link.hello.get("host")
+        wanted = link.facts["host"]
         if wanted is not None and wanted not in missing:
             taken = "has joined already" if wanted in self.hosts else "is not a host of this job"
             self._refuse(link, f"host {wanted!r} {taken} (missing: {', '.join(missing) or 'none'})")
             return
         link.name = wanted or missing[0]
         self.hosts[link.name] = link
+        facts = link.facts
         self.say(
-            f"{link.name} joined: {link.address} ({link.hello['interface']}) on "
-            f"{link.hello['hostname']}, agent pid {link.hello['pid']}"
+            f"{link.name} joined: {link.address} ({shown(facts['interface'], 40)}) on "
+            f"{shown(facts['hostname'], 100)}, agent pid {facts['pid']}"
         )
 
     def _refuse(self, link: Link, why: str) -> None:
@@ -129,17 +132,17 @@ class Controller:
         link.connection.close()
 
     def _host(self, name: str) -> Host:
-        hello = self.hosts[name].hello
+        facts = self.hosts[name].facts
         return Host(
             name=name,
-            address=hello["address"],
-            interface=hello["interface"],
-            machine=hello["machine"],
-            hostname=hello["hostname"],
-            cpus=int(hello["cpus"]),
-            gpus=[str(device) for device in hello["gpus"]],
-            home=hello["home"],
-            pid=int(hello["pid"]),
+            address=facts["address"],
+            interface=facts["interface"],
+            machine=facts["machine"],
+            hostname=facts["hostname"],
+            cpus=facts["cpus"],
+            gpus=facts["gpus"],
+            home=facts["home"],
+            pid=facts["pid"],
         )
 
     def _await(self, kind: str, hosts: Sequence[str], phase: str) -> dict[str, Message]:
@@ -154,9 +157,11 @@ class Controller:
             if isinstance(event, Received):
                 name = event.link.name
                 if event.message.kind == "error":
-                    raise DtrainError(f"{phase}: {name}: {event.message['message']}")
+                    raise DtrainError(f"{phase}: {name}: {shown(event.message['message'])}")
                 if event.message.kind == "leaving":
-                    raise DtrainError(f"{phase}: host {name} left: {event.message['reason']}")
+                    raise DtrainError(
+                        f"{phase}: host {name} left: {shown(event.message['reason'])}"
+                    )
                 if event.message.kind == kind and name in hosts:
                     replies[name] = event.message
         return replies
@@ -197,7 +202,7 @@ class Controller:
     def open_store(self, attempt: int, host: str) -> int:
         """Ask ``host`` (algo-1) to host the attempt's rendezvous store; its port."""
         self.hosts[host].connection.send("open_store", attempt=attempt)
-        return int(self._await("store", [host], "opening the rendezvous store")[host]["port"])
+        return self._await("store", [host], "opening the rendezvous store")[host]["port"]
 
     def close_store(self, attempt: int, host: str) -> None:
         """Have ``host`` close the attempt's rendezvous store once the attempt has ended: it
@@ -210,7 +215,9 @@ class Controller:
     def run_attempt(self, attempt: Attempt, plan: LaunchPlan, master_port: int) -> Outcome:
         """Start every rank, watch until every host is done or lost, stop all at the first end."""
         for index, host in enumerate(plan.hosts):
-            self.hosts[host.name].connection.send(
+            link = self.hosts[host.name]
+            link.ranks[attempt.number] = frozenset(plan.ranks_of(index))  # before any report
+            link.connection.send(
                 "start",
                 attempt=attempt.number,
                 entry_point=plan.entry_point_name,
@@ -246,21 +253,21 @@ class Controller:
         name, message = event.link.name, event.message
         if message.kind == "leaving":
             return attempt.host_lost(
-                Links.mark_lost(Lost(event.link, message["reason"], time.time()))
+                Links.mark_lost(Lost(event.link, shown(message["reason"]), time.time()))
             )
         if message.kind == "error":
-            failure = Failure(name, None, time.time(), f"failed: {message['message']}")
+            failure = Failure(name, None, time.time(), f"failed: {shown(message['message'])}")
             return attempt.host_lost(failure)
         if message.fields.get("attempt") != attempt.number:
             return False  # a late report of an earlier attempt
         if message.kind == "exited":
-            code = int(message["code"])
+            code = message["code"]
             failure = (
-                rank_failure(name, int(message["rank"]), code, message["time"], message["tail"])
+                rank_failure(name, message["rank"], code, message["time"], message["tail"])
                 if code != 0
                 else None
             )
-            return attempt.rank_exited(failure, bool(message["stopped"]))
+            return attempt.rank_exited(failure, message["stopped"])
         if message.kind == "done":
             attempt.host_done(name)
         return False

@@ -21,8 +21,9 @@ rank that finished its work dies of SIGABRT (pytorch/pytorch#190489; a small DDP
 pending ``all_gather``\\s fails most runs of plain ``torchrun`` here). Nothing of the script's is
 lost by skipping that teardown: its threads, atexit handlers and buffered output are done first.
 
-In a SageMaker data-parallel job (``SM_FRAMEWORK_PARAMS``), the ``smddp`` backend is registered
-before the script runs, as AWS's PyTorch has it built in.
+The job's key (:mod:`dtrain.jobkey`) leaves the environment before the script runs, so nothing
+the script starts inherits it. In a SageMaker data-parallel job (``SM_FRAMEWORK_PARAMS``), the
+``smddp`` backend is registered before the script runs, as AWS's PyTorch has it built in.
 
 Under torchrun, the same guarantee: ``torchrun ... -m dtrain.launch.entry script.py args``.
 """
@@ -45,6 +46,8 @@ import traceback
 import types
 from importlib.machinery import SourceFileLoader
 
+from dtrain.jobkey import take_key
+
 USAGE = "usage: python -m dtrain.launch.entry (script.py | -m module) [args...]"
 FLUSH_FAILED = 120
 """Python's own exit status when flushing the standard streams at exit fails."""
@@ -55,6 +58,7 @@ def main(argv: list[str]) -> None:
     if not argv or argv == ["-m"]:
         print(USAGE, file=sys.stderr)
         os._exit(2)
+    take_key()  # the job's key leaves the environment before the script can start anything
     _prepare_job()
     end(run(argv))
 
