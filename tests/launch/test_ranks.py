@@ -52,6 +52,23 @@ def test_output_and_exits_with_the_traceback_of_the_failing_rank(tmp_path: Path)
     assert not ranks.running
 
 
+def test_an_exit_waits_for_every_line_however_slow_the_reader(tmp_path: Path) -> None:
+    """The exit of a rank comes after all its output even when the thread reading it is held
+    up (a loaded machine): the report once waited only for a 0.5 s pause in the output."""
+    lines: list[str] = []
+
+    def slow_consumer(rank: int, line: str) -> None:
+        if line == "19000":  # the rank has written all it writes by now, and exits meanwhile
+            time.sleep(1.0)
+        lines.append(line)
+
+    code = "for i in range(20000): print(i)\nprint('last', end='')"
+    ranks = LocalRanks([launch(0, code, tmp_path)], slow_consumer)
+    ranks.start()
+    (exit_,) = wait_for_exits(ranks, 1)
+    assert exit_.code == 0 and lines == [*map(str, range(20000)), "last"]
+
+
 def test_stop_ends_ranks_and_what_they_started_in_other_sessions(tmp_path: Path) -> None:
     code = """
         import subprocess, sys, time

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import select
 import subprocess
 import threading
 import time
@@ -25,9 +26,7 @@ TAIL_LINES = 200
 """Lines of a rank's output kept for its failure report."""
 RECENT_TRACEBACK_LINES = 30
 """A traceback this close to the end of the output is the one the rank died of."""
-OUTPUT_DRAIN = 0.5
-"""How long an exited rank's output may pause before its exit is reported anyway (a grandchild
-can hold the pipe open); output still flowing is waited for."""
+READ_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,9 @@ class _Rank:
         self.process = process
         self.lines: collections.deque[tuple[float, str]] = collections.deque(maxlen=TAIL_LINES)
         self.traceback_time: float | None = None
-        self.count = 0  # lines read
         self.reader: threading.Thread | None = None
+        self.waiting = False
+        """The reader has handled all it read and waits for more (or is about to)."""
         self.reported = False
 
 
@@ -107,14 +107,27 @@ class LocalRanks:
 
     def _pump(self, rank: _Rank) -> None:
         assert rank.process.stdout is not None
-        for raw in rank.process.stdout:
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            now = time.time()
-            if line == TRACEBACK_HEAD:
-                rank.traceback_time = now
-            rank.lines.append((now, line))
-            rank.count += 1
-            self.on_line(rank.launch.rank, line)
+        descriptor = rank.process.stdout.fileno()
+        partial = b""
+        while True:
+            rank.waiting = True
+            chunk = os.read(descriptor, READ_BYTES)
+            rank.waiting = False
+            if not chunk:
+                break
+            *lines, partial = (partial + chunk).split(b"\n")
+            for line in lines:
+                self._take(rank, line)
+        if partial:
+            self._take(rank, partial)
+
+    def _take(self, rank: _Rank, raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace")
+        now = time.time()
+        if line == TRACEBACK_HEAD:
+            rank.traceback_time = now
+        rank.lines.append((now, line))
+        self.on_line(rank.launch.rank, line)
 
     @property
     def running(self) -> bool:
@@ -134,13 +147,15 @@ class LocalRanks:
 
     @staticmethod
     def _drain(rank: _Rank) -> None:
-        """Wait for the rank's output to end, or to pause for :data:`OUTPUT_DRAIN` seconds."""
-        assert rank.reader is not None
-        idle_since, seen = time.monotonic(), rank.count
-        while rank.reader.is_alive() and time.monotonic() - idle_since < OUTPUT_DRAIN:
-            rank.reader.join(timeout=0.05)
-            if rank.count != seen:
-                idle_since, seen = time.monotonic(), rank.count
+        """Wait until the reader has handled every line the exited rank wrote: its pipe ended,
+        or holds nothing (not even its end) while the reader waits on it. Whatever the rank
+        wrote is in the pipe by the time it exits (a write to a full pipe blocks), so this waits
+        for no timer, however slowly the reader runs; a grandchild that keeps the pipe open
+        does not hold the exit back."""
+        assert rank.reader is not None and rank.process.stdout is not None
+        pipe = rank.process.stdout.fileno()
+        while rank.reader.is_alive() and not (rank.waiting and not _readable(pipe)):
+            rank.reader.join(timeout=0.01)
 
     def _exit(self, rank: _Rank, exit_time: float) -> RankExit:
         code = rank.process.returncode
@@ -158,3 +173,8 @@ class LocalRanks:
         kill_tree(pids, self.grace if running else 0.0, keep=pids + self.spare, spare=self.spare)
         for rank in self._ranks:
             rank.process.wait()
+
+
+def _readable(descriptor: int) -> bool:
+    """Data, or the end, waits to be read."""
+    return bool(select.select([descriptor], [], [], 0)[0])
