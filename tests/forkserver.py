@@ -2,16 +2,17 @@
 imported torch, dtrain and the test models once, instead of each importing them again (that
 import dominated multi-process tests on 2 cores).
 
-A forked rank inherits the server's environment, not the test's: callers pass the test's
-``os.environ`` along and the rank takes it (:func:`take_environment`), as a spawned one would.
+A forked rank inherits the server's environment and standard streams, not the test's: callers
+pass an :class:`Inheritance` along and the rank takes it, so it runs with the test's environment
+and writes where the test's output goes now (``capfd`` sees it), as a spawned rank would.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Mapping
-from multiprocessing import forkserver
+from multiprocessing import forkserver, reduction
+from typing import Any
 
 PRELOADED = (
     "torch", "torch.distributed", "dtrain.dataparallel", "dtrain.modelparallel",
@@ -47,7 +48,27 @@ def _forget_a_dead_server() -> None:
         server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
 
 
-def take_environment(environment: Mapping[str, str]) -> None:
-    """In a rank: the environment it would have inherited, had it been spawned by the test."""
-    os.environ.clear()
-    os.environ.update(environment)
+class Inheritance:
+    """What a spawned rank would inherit from the test: its environment, and its standard
+    output and error as they are when the rank starts (passed as descriptors)."""
+
+    def __init__(self) -> None:
+        self.environment = dict(os.environ)
+        self.streams: tuple[Any, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank starts: the descriptors travel with it to the fork.
+        return _inherited, (self.environment, reduction.DupFd(1), reduction.DupFd(2))
+
+    def take(self) -> None:
+        """In the rank: the test's environment, and its output to where the test's goes."""
+        os.environ.clear()
+        os.environ.update(self.environment)
+        for target, stream in zip((1, 2), self.streams, strict=True):
+            os.dup2(stream.detach(), target)
+
+
+def _inherited(environment: dict[str, str], *streams: Any) -> Inheritance:
+    inheritance = Inheritance.__new__(Inheritance)
+    inheritance.environment, inheritance.streams = environment, streams
+    return inheritance

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtrain.jobkey import KEY_ENV
-from tests.forkserver import rank_context, take_environment
+from tests.forkserver import Inheritance, rank_context
 
 Scenario = Callable[[int, int], dict[str, Any]]
 
@@ -55,7 +55,7 @@ def run_pool(
     rank_context()  # the server its ranks fork from
     context = mp.start_processes(
         _worker,
-        args=(dict(os.environ), env, scenarios, str(out), backend),
+        args=(Inheritance(), env, scenarios, str(out), backend),
         nprocs=world,
         join=False,
         start_method="forkserver",
@@ -75,13 +75,13 @@ def run_pool(
 
 def _worker(
     rank: int,
-    inherited: dict[str, str],
+    inherited: Inheritance,
     env: dict[str, str],
     scenarios: list[Scenario],
     out: str,
     backend: str,
 ) -> None:
-    take_environment(inherited)
+    inherited.take()
     os.environ.pop("DTRAIN_HIERARCHICAL_ALLREDUCE", None)
     local_size = int(env["LOCAL_WORLD_SIZE"])
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % local_size))

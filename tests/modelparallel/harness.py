@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dtrain.jobkey import KEY_ENV
-from tests.forkserver import rank_context, take_environment
+from tests.forkserver import Inheritance, rank_context
 
 GRACE = 5.0
 """Seconds the other ranks get to finish once one rank failed."""
@@ -83,7 +83,7 @@ def run_ranks(
     local_size = local_size or world_size
     port = free_port()
     context = rank_context()
-    inherited = dict(os.environ)  # what a spawned process would have inherited
+    inherited = Inheritance()
     environment = {KEY_ENV: os.urandom(32).hex(), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="dtrain-ranks-") as scratch:
         out = Path(scratch)
@@ -147,13 +147,13 @@ def _worker(
     world_size: int,
     local_size: int,
     port: int,
-    inherited: dict[str, str],
+    inherited: Inheritance,
     env: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     out: str,
 ) -> None:
-    take_environment(inherited)
+    inherited.take()
     os.environ.update(launcher_env(rank, world_size, local_size, port))
     os.environ.update(env)
     torch.set_num_threads(1)
