@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
 import queue
 import shutil
@@ -44,6 +43,7 @@ from dtrain.launch.machine import host_facts
 from dtrain.launch.netif import format_endpoint, interface_of
 from dtrain.launch.processes import become_subreaper
 from dtrain.launch.ranks import LocalRanks, RankLaunch
+from dtrain.launch.rendezvous import RendezvousStore
 from dtrain.launch.transfer import ChunkReader, send_folder, unpack
 from dtrain.launch.wire import (
     FROM_CONTROLLER,
@@ -211,7 +211,7 @@ class Agent:
         self.ranks: LocalRanks | None = None
         self.attempt = 0
         self.folder: HostFolder | None = None
-        self.store: Any = None
+        self.store: RendezvousStore | None = None
         self.address = connection.sock.getsockname()[0]
         self._signalled: str | None = None
         self._alive = True
@@ -262,6 +262,8 @@ class Agent:
                 message = None
             self._send_output()
             self._report_exits()
+            if self.store is not None:
+                self.store.check()
             if isinstance(message, ConnectionClosed):
                 self.say(f"the controller is gone ({message}); stopping this host's ranks")
                 return 1
@@ -292,7 +294,7 @@ class Agent:
         elif kind == "open_store":
             self._open_store(fields["attempt"])
         elif kind == "close_store":
-            self.store = None
+            self._close_store()
         elif kind == "start":
             self._start(fields)
         elif kind == "stop":
@@ -307,10 +309,6 @@ class Agent:
 
     def _prepare(self, fields: dict[str, Any]) -> None:
         """Lay out the host's folder: configuration, code, and this host's share of each channel."""
-        if fields["host_index"] == 0:  # it will host the rendezvous store: load torch meanwhile
-            threading.Thread(
-                target=importlib.import_module, args=("torch.distributed",), daemon=True
-            ).start()
         root = Path(fields["root"])
         self.folder = folder = HostFolder(root)
         self.key_context = (fields["job_name"], fields["key_salt"])
@@ -345,26 +343,15 @@ class Agent:
 
     def _open_store(self, attempt: int) -> None:
         """Host the attempt's rendezvous store on this host's job address, on a fresh port,
-        until the controller closes it (``close_store``): it admits whoever reaches the port."""
-        import datetime
+        until the controller closes it (``close_store``)."""
+        self._close_store()  # the previous attempt's first
+        self.store = RendezvousStore(self.address)
+        self.connection.send("store", attempt=attempt, port=self.store.port)
 
-        import torch.distributed as dist
-
-        listener = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
-        listener.bind((self.address, 0))
-        listener.listen(1024)
-        port = listener.getsockname()[1]
-        self.store = None  # the previous attempt's store closes first
-        self.store = dist.TCPStore(
-            self.address,
-            port,
-            None,
-            True,
-            datetime.timedelta(minutes=30),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        self.connection.send("store", attempt=attempt, port=port)
+    def _close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     def _start(self, fields: dict[str, Any]) -> None:
         assert self.folder is not None
