@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
-import torch
 
 from dtrain.modelparallel.errors import PartitionError
 from dtrain.modelparallel.partition import (
@@ -25,15 +24,9 @@ from dtrain.modelparallel.profile import (
     ModuleStats,
     ProfiledCall,
     parent_name,
-    profile_module,
 )
-from tests.modelparallel.models import (
-    BranchyNet,
-    GroupedNet,
-    ResidualTransformerLM,
-    SharedLayerLM,
-    TiedEncoderDecoder,
-)
+from tests.modelparallel import profiles
+from tests.modelparallel.models import GroupedNet, ResidualTransformerLM
 
 MS = 1e-3
 
@@ -378,15 +371,24 @@ def test_big_modules_split_small_ones_stay_whole_idle_ones_inherit() -> None:
 
 
 @pytest.fixture(scope="module")
-def real_profiles() -> dict[str, ModelProfile]:
-    ids = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
-    return {
-        "grouped": profile_module(GroupedNet(), (torch.randn(4, 1, 12, 12),)),
-        "lm": profile_module(ResidualTransformerLM(), (ids,), {"labels": ids}),
-        "branchy": profile_module(BranchyNet(), (torch.randn(4, 8),)),
-        "t5like": profile_module(TiedEncoderDecoder(), (ids,), {"labels": ids}),
-        "albertlike": profile_module(SharedLayerLM(), (ids,), {"labels": ids}),
-    }
+def recorded_profiles() -> dict[str, ModelProfile]:
+    return profiles.recorded()
+
+
+@pytest.fixture(scope="module")
+def real_profiles(recorded_profiles: dict[str, ModelProfile]) -> dict[str, ModelProfile]:
+    """Our test models' profiles, as recorded (see :mod:`tests.modelparallel.profiles`)."""
+    return {name: recorded_profiles[name] for name in profiles.OURS}
+
+
+def test_the_recorded_profiles_are_those_of_todays_models(
+    recorded_profiles: dict[str, ModelProfile],
+) -> None:
+    pytest.importorskip("transformers")
+    for name, live in profiles.measure().items():
+        assert profiles.untimed(live) == profiles.untimed(recorded_profiles[name]), (
+            f"{name} no longer profiles as recorded: python -m tests.modelparallel.profiles"
+        )
 
 
 @pytest.mark.parametrize("model", ["grouped", "lm", "branchy", "t5like", "albertlike"])
@@ -513,37 +515,9 @@ def test_one_layer_timed_three_times_too_slow_moves_nothing(
 
 
 @pytest.fixture(scope="module")
-def hf_profiles() -> dict[str, ModelProfile]:
-    transformers = pytest.importorskip("transformers")
-    ids = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
-    small = {"vocab_size": 64, "num_attention_heads": 2}
-    configs = {
-        "t5": transformers.T5Config(
-            d_model=32, d_kv=16, d_ff=64, num_layers=3, num_decoder_layers=3, num_heads=2,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, vocab_size=64,
-        ),
-        "albert": transformers.AlbertConfig(
-            embedding_size=16, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
-            max_position_embeddings=16, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, **small,
-        ),
-        "gpt2": transformers.GPT2Config(
-            n_positions=16, n_embd=32, n_layer=4, n_head=2, use_cache=False, vocab_size=64
-        ),
-    }  # fmt: skip
-    classes = {
-        "t5": transformers.T5ForConditionalGeneration,
-        "albert": transformers.AlbertForMaskedLM,
-        "gpt2": transformers.GPT2LMHeadModel,
-    }
-    profiles = {}
-    for name, config in configs.items():
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = classes[name]._from_config(config, attn_implementation="eager")
-        batch = {"input_ids": ids, "labels": ids}
-        profiles[name] = profile_module(model, (), batch, repeats=5, loss_fn=lambda out: out.loss)
-    return profiles
+def hf_profiles(recorded_profiles: dict[str, ModelProfile]) -> dict[str, ModelProfile]:
+    """Tiny Hugging Face models' profiles, as recorded (random weights, nothing downloaded)."""
+    return {name: recorded_profiles[name] for name in profiles.HUGGING_FACE}
 
 
 def test_hugging_face_t5_uses_both_partitions(hf_profiles: dict[str, ModelProfile]) -> None:
