@@ -26,8 +26,11 @@ lint: install
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
 
+# Two workers, each taking whole files (a file's tests share module fixtures, such as the
+# network namespaces of test_clusters): the tests wait on processes and timers as much as they
+# compute.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 stress: install
 	$(BIN)/python -m pytest -m stress
