@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from multiprocessing import forkserver, reduction
+from multiprocessing import reduction
 from typing import Any
 
 PRELOADED = (
@@ -25,27 +25,9 @@ PRELOADED = (
 def rank_context() -> mp.context.ForkServerContext:
     """The context to start ranks in: forks of the one server, which has no threads and none
     of the test's state."""
-    _forget_a_dead_server()
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))
     return context
-
-
-def _forget_a_dead_server() -> None:
-    """A test that stops the launcher's ranks in the pytest process ends every descendant of
-    the process (the launcher's rule), the server included, and reaps it; multiprocessing would
-    then fail to start another (it waits for a pid that is gone), so forget the dead one."""
-    server = forkserver._forkserver  # the one server multiprocessing keeps per process
-    pid = server._forkserver_pid
-    if pid is None:
-        return
-    try:
-        ended = os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:  # reaped by the launcher's own sweep
-        ended = True
-    if ended:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
 
 
 class Inheritance:

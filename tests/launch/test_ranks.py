@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from dtrain.launch.processes import marked_processes
+from dtrain.launch.processes import descendants, marked_processes
 from dtrain.launch.ranks import LocalRanks, RankLaunch
 
 MARKER = "DTRAIN_AGENT=test-ranks"
@@ -78,7 +78,10 @@ def test_stop_ends_ranks_and_what_they_started_in_other_sessions(tmp_path: Path)
         time.sleep(600)
     """
     seen: list[str] = []
-    ranks = LocalRanks([launch(0, code, tmp_path)], lambda rank, line: seen.append(line), grace=1)
+    ours = descendants(os.getpid())  # the test's own (a fork server): an agent spares its keeper
+    ranks = LocalRanks(
+        [launch(0, code, tmp_path)], lambda rank, line: seen.append(line), grace=1, spare=ours
+    )
     ranks.start()
     deadline = time.monotonic() + 30
     while "started" not in seen and time.monotonic() < deadline:
