@@ -13,12 +13,18 @@ import torch.distributed as dist
 from dtrain.launch.rendezvous import RendezvousStore
 
 
-def test_a_rank_that_connects_before_the_server_runs_waits_for_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    torch_loaded = threading.Event()
+@pytest.fixture
+def torch_loaded(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Servers start only once this is set, as if torch took that long to load."""
+    loaded = threading.Event()
     start = RendezvousStore._start
-    monkeypatch.setattr(RendezvousStore, "_start", lambda self: (torch_loaded.wait(), start(self)))
+    monkeypatch.setattr(RendezvousStore, "_start", lambda self: (loaded.wait(), start(self)))
+    return loaded
+
+
+def test_a_rank_that_connects_before_the_server_runs_waits_for_it(
+    torch_loaded: threading.Event,
+) -> None:
     store = RendezvousStore("127.0.0.1")
     got: list[bytes] = []
 
@@ -40,11 +46,8 @@ def test_a_rank_that_connects_before_the_server_runs_waits_for_it(
 
 
 def test_a_store_closed_before_its_server_started_frees_its_port(
-    monkeypatch: pytest.MonkeyPatch,
+    torch_loaded: threading.Event,
 ) -> None:
-    torch_loaded = threading.Event()
-    start = RendezvousStore._start
-    monkeypatch.setattr(RendezvousStore, "_start", lambda self: (torch_loaded.wait(), start(self)))
     store = RendezvousStore("127.0.0.1")
     store.close()
     torch_loaded.set()
