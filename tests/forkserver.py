@@ -34,13 +34,15 @@ class Inheritance:
     """What a spawned rank would inherit from the test: its environment, and its standard
     output and error as they are when the rank starts (passed as descriptors)."""
 
-    def __init__(self) -> None:
-        self.environment = dict(os.environ)
-        self.streams: tuple[Any, ...] = ()
+    def __init__(
+        self, environment: dict[str, str] | None = None, streams: tuple[Any, ...] = ()
+    ) -> None:
+        self.environment = dict(os.environ) if environment is None else environment
+        self.streams = streams
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled while the rank starts: the descriptors travel with it to the fork.
-        return _inherited, (self.environment, reduction.DupFd(1), reduction.DupFd(2))
+        return Inheritance, (self.environment, (reduction.DupFd(1), reduction.DupFd(2)))
 
     def take(self) -> None:
         """In the rank: the test's environment, and its output to where the test's goes."""
@@ -48,9 +50,3 @@ class Inheritance:
         os.environ.update(self.environment)
         for target, stream in zip((1, 2), self.streams, strict=True):
             os.dup2(stream.detach(), target)
-
-
-def _inherited(environment: dict[str, str], *streams: Any) -> Inheritance:
-    inheritance = Inheritance.__new__(Inheritance)
-    inheritance.environment, inheritance.streams = environment, streams
-    return inheritance
