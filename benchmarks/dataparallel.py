@@ -49,6 +49,7 @@ from _lm import TransformerLM
 from torch import nn
 
 from dtrain.dataparallel import DistributedDataParallel
+from dtrain.jobkey import KEY_ENV
 
 SEQ, VOCAB = 128, 1024
 LOOPBACK_BATCH = 16
@@ -213,6 +214,7 @@ def tx_bytes(interface: str) -> int:
 def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dtrain-dp-bench-") as tmp:
         out = Path(tmp) / "times.json"
+        os.environ[KEY_ENV] = os.urandom(32).hex()  # the ranks' key, as dtrain run gives it
         mp.spawn(loopback_worker, args=(2, free_port(), args, str(out)), nprocs=2)
         times = json.loads(out.read_text())
     blocks = {name: block_medians(runs, args.repeats) for name, runs in times.items()}
@@ -242,6 +244,7 @@ def run_netns(args: argparse.Namespace) -> dict[str, Any]:
         with _netns.veth_pair(rate=args.rate) as hosts, tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "times.json"
             commands, envs = [], []
+            key = os.urandom(32).hex()  # the ranks' key, as dtrain run's agents give it
             for rank in range(world):
                 host = hosts[rank // per_host]
                 script = str(Path(__file__).resolve())
@@ -256,6 +259,7 @@ def run_netns(args: argparse.Namespace) -> dict[str, Any]:
                         "LOCAL_RANK": str(rank % per_host),
                         "LOCAL_WORLD_SIZE": str(per_host),
                         "GLOO_SOCKET_IFNAME": host.interface,
+                        KEY_ENV: key,
                     }
                 )
             _netns.run_workers(commands, envs, timeout=args.netns_timeout, log_dir=Path(tmp))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import socket
 import statistics
@@ -59,6 +60,7 @@ from _lm import (  # benchmarks/ is the script's dir
 from torch import nn
 
 import dtrain.modelparallel as smp
+from dtrain.jobkey import KEY_ENV
 from dtrain.modelparallel.options import SPLIT_ENV
 from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
@@ -585,16 +587,27 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 def spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) -> Any:
+    """Rank 0's result of ``worker`` on a fresh world; a worker that dies fails it at once."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
+    os.environ[KEY_ENV] = os.urandom(32).hex()  # the ranks' key, as dtrain run's agents give it
     processes = [
         context.Process(target=worker, args=(rank, port, args, results)) for rank in range(world)
     ]
     for process in processes:
         process.start()
     try:
-        result = results.get(timeout=args.timeout)
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                result = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit codes {dead}" if dead else f"no result in {args.timeout:g} s"
+                    raise RuntimeError(f"benchmark workers failed: {why}") from None
         for process in processes:
             process.join(args.timeout)
         failed = [p.exitcode for p in processes if p.exitcode != 0]
