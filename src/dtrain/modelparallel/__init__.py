@@ -7,6 +7,7 @@ raise, except the ``enabled=False`` no-ops.
 """
 
 from dtrain.modelparallel import amp
+from dtrain.modelparallel.activations import set_activation_checkpointing
 from dtrain.modelparallel.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from dtrain.modelparallel.comm import (
     DP_GROUP,
@@ -129,6 +130,7 @@ __all__ = [
     "save",
     "save_checkpoint",
     "send",
+    "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
     "shutdown",

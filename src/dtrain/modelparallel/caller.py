@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from dtrain.modelparallel.activations import (
+    REMOTE_STUB,
+    CheckpointSpec,
+    inside_non_reentrant_checkpoint,
+    inside_reentrant_checkpoint,
+    take,
+)
 from dtrain.modelparallel.errors import NotInStepError, RemoteError
 from dtrain.modelparallel.executor import Task
 from dtrain.modelparallel.group import RankParts
@@ -28,6 +35,7 @@ from dtrain.modelparallel.remote import (
     attach,
     call_signature,
     deferred_outputs,
+    materialize,
     predictable,
 )
 from dtrain.modelparallel.split_backward import backward_giving_way
@@ -80,6 +88,8 @@ class RemoteCaller:
         """Per module run elsewhere: its submodules not run here (whose hooks are replayed)."""
 
     def stub(self, name: str) -> Callable[..., Any]:
+        module, owner = self._modules[name], self.owners[name]
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             task = self.executor.current()
             if task is None:
@@ -87,14 +97,27 @@ class RemoteCaller:
                     f"module {name or '<root>'!r} was called outside an @smp.step function: "
                     "call the model (and model.backward) inside the step function"
                 )
-            return self.call(task, name, self.owners[name], args, kwargs)
+            # Inside torch.utils.checkpoint: see dtrain.modelparallel.activations.
+            spec = take(module)
+            if spec is None and inside_non_reentrant_checkpoint():
+                spec = CheckpointSpec()
+            outputs = self.call(task, name, owner, args, kwargs, spec)
+            return materialize(outputs) if inside_reentrant_checkpoint() else outputs
 
+        setattr(forward, REMOTE_STUB, True)
         return forward
 
     def call(
-        self, task: Task, name: str, owner: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        task: Task,
+        name: str,
+        owner: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checkpoint: CheckpointSpec | None = None,
     ) -> Any:
-        """Run ``module(*args, **kwargs)`` on partition ``owner`` (see :mod:`.remote`)."""
+        """Run ``module(*args, **kwargs)`` on partition ``owner`` (see :mod:`.remote`),
+        checkpointed there if ``checkpoint`` says so."""
         assert self.transport is not None
         refs: list[CallRecord] = []
 
@@ -121,7 +144,12 @@ class RemoteCaller:
             body=structure,
             microbatch=task.microbatch,
             step=task.step,
-            extra={"mode": mode.to_wire(), "expect": predicted, "observe": observed},
+            extra={
+                "mode": mode.to_wire(),
+                "expect": predicted,
+                "observe": observed,
+                "checkpoint": None if checkpoint is None else checkpoint.preserve_rng_state,
+            },
         )
         dst = self.group.ranks[owner]
         if predicted is None:
