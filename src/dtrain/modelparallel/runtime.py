@@ -80,6 +80,7 @@ class PipelineRuntime:
     ) -> None:
         """``plan``: this rank's compute actions, in the order every step runs them
         (``deterministic_server``); None: work runs as it becomes ready."""
+        checkpointing = plan_checkpointing(modules[""], owners)  # fails before anything starts
         self.group = group
         self._modules = modules
         self._plan = plan
