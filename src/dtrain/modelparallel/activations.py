@@ -185,7 +185,8 @@ def _one_partition(name: str, module: nn.Module, owners: dict[str, int], why: st
     partitions = _span(name, module, owners)
     if len(partitions) > 1:
         raise ModelParallelError(
-            f"activation checkpointing of module {name!r} ({type(module).__name__}){why}: its "
+            f"activation checkpointing of module {name or '<root>'!r} ({type(module).__name__})"
+            f"{why}: its "
             f"submodules run on partitions {sorted(partitions)}, and a checkpointed module is "
             "recomputed in one place. Checkpoint its children instead, or place it on one "
             "partition (smp.set_partition)"

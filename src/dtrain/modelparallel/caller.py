@@ -23,7 +23,7 @@ from dtrain.modelparallel.activations import (
     inside_reentrant_checkpoint,
     take,
 )
-from dtrain.modelparallel.errors import NotInStepError, RemoteError
+from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, RemoteError
 from dtrain.modelparallel.executor import Task
 from dtrain.modelparallel.group import RankParts
 from dtrain.modelparallel.hooks import hooked_submodules, replay
@@ -63,6 +63,24 @@ def _dequeue(task: Task, dst: int) -> list[tuple[Message, list[torch.Tensor]]]:
     return items
 
 
+def _refuse_deferred_arguments(name: str, owner: int, arguments: Any) -> None:
+    """A call inside reentrant ``torch.utils.checkpoint`` gives the checkpoint function tensors
+    (its outputs are fetched at once); an argument another partition computed and nobody
+    fetched yet is no tensor to that function, which would drop its gradient: refused."""
+    deferred: list[RemoteValue] = []
+    map_leaves(arguments, lambda v: deferred.append(v) if isinstance(v, RemoteValue) else None)
+    for value in deferred:
+        if not value.fetched and value.record.grad:
+            raise ModelParallelError(
+                f"module {name!r} (partition {owner}) is called inside reentrant "
+                "torch.utils.checkpoint with an argument that module "
+                f"{value.record.module!r} computed on partition {value.record.owner} and nobody "
+                "fetched: it is not a tensor there, so reentrant checkpointing would drop its "
+                "gradient. Use use_reentrant=False, or "
+                f"smp.set_activation_checkpointing(<module {name!r}>) instead"
+            )
+
+
 class RemoteCaller:
     """This rank's calls to modules other partitions own; the :class:`~.remote.Caller` of the
     :class:`~.remote.CallRecord` of each."""
@@ -97,12 +115,13 @@ class RemoteCaller:
                     f"module {name or '<root>'!r} was called outside an @smp.step function: "
                     "call the model (and model.backward) inside the step function"
                 )
-            # Inside torch.utils.checkpoint: see dtrain.modelparallel.activations.
             spec = take(module)
             if spec is None and inside_non_reentrant_checkpoint():
-                spec = CheckpointSpec()
-            outputs = self.call(task, name, owner, args, kwargs, spec)
-            return materialize(outputs) if inside_reentrant_checkpoint() else outputs
+                spec = CheckpointSpec()  # the owner checkpoints it (see .activations)
+            if not inside_reentrant_checkpoint():
+                return self.call(task, name, owner, args, kwargs, spec)
+            _refuse_deferred_arguments(name, owner, (args, kwargs))
+            return materialize(self.call(task, name, owner, args, kwargs, spec))
 
         setattr(forward, REMOTE_STUB, True)
         return forward
