@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
+from dtrain.modelparallel import activations
 from dtrain.modelparallel.activations import (
     Group,
     _groups,
@@ -32,7 +33,7 @@ from dtrain.modelparallel.activations import (
 )
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.equivalence import init_smp
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import first_visible_gpu, run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
 
 DIM = 8
@@ -118,19 +119,19 @@ class Trained:
     """Forwards of each block on the rank that owns it."""
 
 
-def reference(setup: Setup) -> Trained:
+def reference(setup: Setup, device: str = "cpu") -> Trained:
     """One process, no checkpointing, same model and global batches."""
-    model = _Net(Setup(dropout_in=setup.dropout_in))
+    model = _Net(Setup(dropout_in=setup.dropout_in)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = (t.to(device) for t in _batch(step))
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return Trained(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return Trained(losses, {k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
 def _mark(module: nn.Module, setup: Setup) -> None:
@@ -418,3 +419,77 @@ def _sum_step() -> Any:
 def test_marks_that_cannot_be_honoured_fail_before_training(case: str, match: str) -> None:
     for message in run_ranks(2, _misuse, case, timeout=120):
         assert re.search(match, message), message
+
+
+# --- offloading (GPUs only) -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_an_offloaded_input_waits_in_pinned_host_memory_and_its_gradient_returns() -> None:
+    x = torch.randn(4, DIM, device="cuda", requires_grad=True)
+    host = activations._ToHost.apply(x)
+    assert (host.device.type, host.is_pinned()) == ("cpu", True)
+    (host * 2).sum().backward()
+    assert x.grad is not None and x.grad.device == x.device
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def _offloading(offload: bool) -> dict[str, Any]:
+    """pp=2 on one GPU with every block checkpointed; how many inputs went to host memory."""
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "auto_partition": False,
+            "default_partition": 0,
+            "offload_activations": offload,
+        }
+    )
+    offloaded = 0
+    to_host = activations._ToHost.apply
+
+    def counting(tensor: Tensor) -> Tensor:
+        nonlocal offloaded
+        offloaded += 1
+        return to_host(tensor)
+
+    activations._ToHost.apply = counting  # type: ignore[method-assign]
+    module = _Net(Setup())
+    for name in SPLIT:
+        smp.set_partition(module.get_submodule(name), 1)
+    for name in ("first", "seq", "second"):
+        set_activation_checkpointing(module.get_submodule(name))
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = (t.cuda() for t in _batch(step))
+        losses.append(float(train_step(model, x, y).reduce_mean()))
+        optimizer.step()
+    trained = Trained(losses, {k: v.cpu() for k, v in model.state_dict().items()})
+    smp.shutdown()
+    return {"trained": trained, "offloaded": offloaded}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_offloading_trains_like_one_process_on_the_gpu(
+    offload: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    ranks = run_ranks(2, _offloading, offload, timeout=300)
+    # first, seq.0, seq.1 on rank 0; seq.2, seq.3, second on rank 1: one input each per forward
+    forwards = STEPS * 2
+    assert [r["offloaded"] for r in ranks] == ([3 * forwards] * 2 if offload else [0, 0])
+    got, expected = ranks[0]["trained"], reference(Setup(), "cuda")
+    torch.testing.assert_close(got.losses, expected.losses, rtol=1e-4, atol=1e-6)
+    for name, value in expected.params.items():
+        torch.testing.assert_close(got.params[name], value, rtol=1e-4, atol=1e-5, msg=name)

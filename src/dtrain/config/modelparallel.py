@@ -185,9 +185,15 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "TP ranks share a batch; shard data by rdp_rank instead of dp_rank.",
         requires=(("optimize", "speed"),),
     ),
-    ParameterSpec("offload_activations", bool, False, "Offload checkpointed activations to CPU."),
     ParameterSpec(
-        "activation_loading_horizon", int, 4, "How early offloaded activations reload.", minimum=0
+        "offload_activations", bool, False, "Checkpointed inputs to host memory (GPUs only)."
+    ),
+    ParameterSpec(
+        "activation_loading_horizon",
+        int,
+        4,
+        "Accepted; offloaded inputs reload at recompute.",
+        minimum=0,
     ),
     ParameterSpec("skip_tracing", bool, False, "Skip the tracing step before partitioning."),
     ParameterSpec(
