@@ -13,8 +13,10 @@ recomputed in one place and fails, naming the module and its partitions.
 ``torch.utils.checkpoint`` that the model's own code wraps around a module another partition
 runs works too. Reentrant: its forward runs without grad, so the owner keeps nothing; the
 recomputation in backward calls the owner again, with grad, and backpropagates through that call
-(the call's outputs are fetched at once, as the checkpoint function needs tensors). Non-reentrant:
-the call is checkpointed by its owner (:func:`inside_non_reentrant_checkpoint`), as if marked.
+(the call's outputs are fetched at once, as the checkpoint function needs tensors); an argument
+another partition computed and nobody fetched is no tensor to that function, which would drop
+its gradient, so such a call fails (:mod:`.caller`). Non-reentrant: the call is checkpointed by
+its owner (:func:`inside_non_reentrant_checkpoint`), as if marked.
 
 Offloading (``offload_activations``, GPUs only): a checkpointed module's inputs, the only
 activations it keeps, are copied to pinned host memory in its forward; its recomputation copies
@@ -40,9 +42,6 @@ from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.transport import flatten, unflatten
-
-STRATEGIES = ("each", "contiguous", "group_<n>")
-"""``strategy`` values for an ``nn.Sequential`` (``group_<n>``: ``n`` ≥ 1 children a group)."""
 
 
 @dataclass(frozen=True)
@@ -177,27 +176,27 @@ class CheckpointPlan:
         return forward
 
 
-def _span(name: str, module: nn.Module, owners: dict[str, int]) -> set[int]:
-    return {owners[inner] for inner, _ in module.named_modules(prefix=name)}
-
-
-def _one_partition(name: str, module: nn.Module, owners: dict[str, int], why: str) -> None:
-    partitions = _span(name, module, owners)
+def _one_partition(
+    name: str, module: nn.Module, partition_of: dict[int, int], why: str = ""
+) -> int:
+    """The partition the whole module tree runs on; a tree split across partitions fails."""
+    partitions = {partition_of[id(m)] for m in module.modules()}
     if len(partitions) > 1:
         raise ModelParallelError(
-            f"activation checkpointing of module {name or '<root>'!r} ({type(module).__name__})"
-            f"{why}: its "
-            f"submodules run on partitions {sorted(partitions)}, and a checkpointed module is "
-            "recomputed in one place. Checkpoint its children instead, or place it on one "
-            "partition (smp.set_partition)"
+            f"activation checkpointing of module {name or '<root>'!r} "
+            f"({type(module).__name__}){why}: its submodules run on partitions "
+            f"{sorted(partitions)}, and a checkpointed module is recomputed in one place. "
+            "Checkpoint its children instead, or place it on one partition (smp.set_partition)"
         )
+    return partitions.pop()
 
 
 def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPlan:
-    """Resolve the marks on ``root``'s modules for the partition ``owners``; a mark on a module
-    outside ``root`` (made before ``smp.DistributedModel``) or on a module split across
-    partitions fails, naming it."""
+    """Resolve the marks on ``root``'s modules for the partition ``owners`` (by module name); a
+    mark on a module outside ``root`` (made before ``smp.DistributedModel``) or on a module
+    split across partitions fails, naming it."""
     names = {id(m): name for name, m in root.named_modules()}
+    partition_of = {id(m): owners[name] for name, m in root.named_modules()}
     with _lock:
         stray = [m for m in _unclaimed if id(m) not in names]
         _unclaimed.clear()
@@ -209,32 +208,23 @@ def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPla
         )
     plan = CheckpointPlan()
     for name, module, spec in sorted(marked, key=lambda item: item[0]):
+        one = CheckpointSpec(spec.preserve_rng_state)
         if not isinstance(module, nn.Sequential):
-            _one_partition(name, module, owners, "")
-            plan.modules[name] = CheckpointSpec(spec.preserve_rng_state)
+            _one_partition(name, module, partition_of)
+            plan.modules[name] = one
             continue
-        groups = _sequential_groups(name, module, owners, spec)
+        why = f" (child of checkpointed Sequential {name!r})"
+        children = list(module)
+        partitions: list[object] = [
+            _one_partition(names[id(child)], child, partition_of, why) for child in children
+        ]
+        groups = _groups(children, partitions, owners[name], group_size(spec.strategy))
         if any(group.together for group in groups):
             plan.sequentials[name] = (spec, groups)
-        child_spec = CheckpointSpec(spec.preserve_rng_state)
         for group in groups:
             if not group.together:
-                for child in group.children:
-                    plan.modules[names[id(child)]] = child_spec
+                plan.modules.update((names[id(child)], one) for child in group.children)
     return plan
-
-
-def _sequential_groups(
-    name: str, module: nn.Sequential, owners: dict[str, int], spec: CheckpointSpec
-) -> list[Group]:
-    """The groups of a marked Sequential for the partition ``owners``; each child must lie on
-    one partition."""
-    partitions = []
-    for index, child in enumerate(module):
-        child_name = f"{name}.{index}" if name else str(index)
-        _one_partition(child_name, child, owners, f" (child of checkpointed Sequential {name!r})")
-        partitions.append(owners[child_name])
-    return _groups(list(module), partitions, owners[name], group_size(spec.strategy))
 
 
 def _groups(
