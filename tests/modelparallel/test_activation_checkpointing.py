@@ -355,6 +355,11 @@ def test_bad_arguments_are_refused_naming_the_value(
         set_activation_checkpointing(module, **kwargs)
 
 
+def test_a_module_list_is_refused_as_it_never_runs() -> None:
+    with pytest.raises(ModelParallelError, match=r"ModuleList has no forward .*mark each layer"):
+        set_activation_checkpointing(nn.ModuleList([nn.Linear(2, 2)]))
+
+
 def test_smp_checkpoint_takes_modules_only() -> None:
     with pytest.raises(TypeError, match=r"takes an nn\.Module .*got builtin_function"):
         checkpoint(torch.tanh, torch.ones(2))  # type: ignore[arg-type]

@@ -114,6 +114,11 @@ def set_activation_checkpointing(
             f"{what}: got the smp.DistributedModel itself; pass a module inside it "
             "(model.module or one of its submodules)"
         )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ModelParallelError(
+            f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
+            "its layers); mark each layer instead"
+        )
     for key, value in (
         ("preserve_rng_state", preserve_rng_state),
         ("pack_args_as_tuple", pack_args_as_tuple),
