@@ -79,6 +79,16 @@ TIE_TOLERANCE = 0.03
 of the best one's are ties, the one moving fewer bytes between partitions winning: moving a small
 module's code off the slowest partition changes its cost by less than the noise."""
 
+ESTIMATED_FLOP_RATE = 5e10
+"""Floating-point operations per second assumed where a profile has no times: only the ratio
+of compute to traffic (:data:`DEFAULT_BANDWIDTH`) depends on it, not the balance of compute."""
+
+
+def estimated_time(flops: int) -> float:
+    """Seconds of a module's forward and backward (about twice the forward's operations)."""
+    return 3 * flops / ESTIMATED_FLOP_RATE
+
+
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#d9d9d9")
 
 
@@ -429,8 +439,10 @@ class _CostModel:
         }
         self.total_time = sum(self.time.values())
         self.total_memory = sum(self.memory.values())
-        # Gradients of the outputs go to the owner in backward, those of the inputs come back.
-        self.seconds_per_byte = (2 if profile.backward_measured else 1) / bandwidth
+        # Gradients of the outputs go to the owner in backward, those of the inputs come back
+        # (an untimed profile is of a model to train).
+        backward = profile.backward_measured or not profile.repeats
+        self.seconds_per_byte = (2 if backward else 1) / bandwidth
         self.calls = [
             (profile.calls[call.caller].module, call.module, call.input_bytes, call.output_bytes)
             for call in profile.calls
@@ -449,7 +461,11 @@ class _CostModel:
 
 def _pooled_times(profile: ModelProfile) -> dict[str, float]:
     """Each module's own forward and backward time, as the median over the modules alike: layers
-    doing the same work cost the same, so noise cannot favour one cut between them over another."""
+    doing the same work cost the same, so noise cannot favour one cut between them over another.
+    A profile without times (a model planned from the meta device) has them estimated from its
+    exact operation counts."""
+    if not profile.repeats:
+        return {name: estimated_time(m.flops) for name, m in profile.modules.items()}
     kinds = _kinds(profile)
     alike: dict[Hashable, list[float]] = {}
     for name, m in profile.modules.items():
