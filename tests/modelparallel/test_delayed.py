@@ -9,6 +9,7 @@ rank 0 plans from shapes and operation counts without holding the model.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -203,3 +204,62 @@ def test_a_delayed_model_trains_like_the_eager_one_in_one_process(pipeline_degre
         assert result["profiled"]
         assert result["made"] == result["local"] < result["total"]
     assert sum(result["local"] for result in results) == first["total"]
+
+
+# --- a model that does not fit a rank --------------------------------------------------------
+
+CAPPED_LM = {"vocab": 256, "dim": 1024, "heads": 4, "layers": 8, "tie_weights": False}
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _train_capped() -> dict[str, int]:
+    """Adam on the LM created without memory, pp=4; this rank's peak resident memory above
+    what it held before creating the model (the peak is reset there)."""
+    dist.init_process_group("gloo")
+    init_smp(4, "interleaved", 2, auto=True)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+    before = _resident_kib("VmRSS")
+    with smp.delay_param_initialization():
+        module = ResidualTransformerLM(seed=0, **CAPPED_LM)
+    whole = sum(p.numel() for p in module.parameters())
+    model = smp.DistributedModel(module)
+    # One parameter at a time, as a user short of memory runs Adam: the default (foreach)
+    # holds temporaries as large as all of a rank's parameters while it steps.
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    optimizer = smp.DistributedOptimizer(adam)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, ids: Tensor) -> Tensor:
+        loss = model(ids, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    ids = torch.randint(0, CAPPED_LM["vocab"], (8, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        optimizer.zero_grad()
+        train_step(model, ids)
+        optimizer.step()
+    grown = (_resident_kib("VmHWM") - before) * 1024
+    smp.shutdown()
+    dist.destroy_process_group()
+    return {"grown": grown, "whole_parameters": whole}
+
+
+def test_a_model_whose_weights_and_adam_state_do_not_fit_a_rank_trains_with_pp4() -> None:
+    """The cap: three quarters of the whole model's fp32 weights plus Adam's two moments (12
+    bytes a parameter; 1.2 GB for this 101M-parameter LM), which one process could not even
+    create and step (it peaks at 1.75 GB); each of 4 ranks stays under it from creating the
+    model to the end of its second step: 16 bytes a parameter of its quarter of the model,
+    with gradients (0.4 GB), plus the allocator's and the process's own (kernels' buffers,
+    threads, gloo), 0.15 to 0.3 GB here."""
+    results = run_ranks(4, _train_capped, timeout=240)
+    cap = 12 * results[0]["whole_parameters"] * 3 // 4
+    grown = [result["grown"] for result in results]
+    print(f"peak growth per rank {[g >> 20 for g in grown]} MiB, cap {cap >> 20} MiB")
+    assert max(grown) < cap, f"peak growth per rank {grown} bytes, cap {cap}"

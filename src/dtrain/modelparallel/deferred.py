@@ -111,6 +111,9 @@ class Recording:
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.random_states: list[_RandomState] = []
         self.nbytes: dict[int, int] = {}
+        self._scratch_storages: list[torch.UntypedStorage] = []
+        """Reused by every random operation's scratch tensors: allocating one per operation
+        leaves the allocator's heap holding as much as the whole model."""
 
     # --- recording ---------------------------------------------------------------------------
 
@@ -155,7 +158,8 @@ class Recording:
         """Save the generator's state, then draw what eager creation would (see the module)."""
         generator = kwargs.get("generator") or _default_generator(self.device)
         self.random_states.append(_RandomState(generator, generator.get_state()))
-        real_args, real_kwargs = tree_map(self._scratch, (args, kwargs))
+        scratch = _Scratch(self.device, self._scratch_storages)
+        real_args, real_kwargs = tree_map(scratch.twin, (args, kwargs))
         try:
             func(*real_args, **real_kwargs)
         except RuntimeError as exc:
@@ -164,15 +168,9 @@ class Recording:
                 f"reproduced on {self.device} ({exc}); create this model outside the block"
             ) from exc
 
-    def _scratch(self, value: Any) -> Any:
-        if isinstance(value, torch.device) and value == META:
-            return self.device
-        if not (isinstance(value, Tensor) and value.is_meta):
-            return value
-        storage = torch.UntypedStorage(value.untyped_storage().nbytes(), device=self.device)
-        scratch = torch.empty(0, dtype=value.dtype, device=self.device)
-        scratch.set_(storage, value.storage_offset(), value.shape, value.stride())
-        return scratch.zero_() if scratch.numel() else scratch
+    def done(self) -> None:
+        """The block ended: let the scratch memory go."""
+        self._scratch_storages.clear()
 
     # --- replaying ---------------------------------------------------------------------------
 
@@ -237,6 +235,32 @@ class Recording:
         for ref, value in zip(refs, values, strict=True):
             if isinstance(ref, _Ref) and ref.key not in real:
                 real[ref.key] = value.untyped_storage()
+
+
+class _Scratch:
+    """Real twins of one operation's meta tensors: same storage size, layout and dtype (what
+    the generator's consumption depends on), zeros, in reused storages."""
+
+    def __init__(self, device: torch.device, storages: list[torch.UntypedStorage]) -> None:
+        self.device = device
+        self.storages = storages
+        self.used = 0
+
+    def twin(self, value: Any) -> Any:
+        if isinstance(value, torch.device) and value == META:
+            return self.device
+        if not (isinstance(value, Tensor) and value.is_meta):
+            return value
+        nbytes = value.untyped_storage().nbytes()
+        if self.used == len(self.storages):
+            self.storages.append(torch.UntypedStorage(0, device=self.device))
+        storage = self.storages[self.used]
+        self.used += 1
+        if storage.nbytes() < nbytes:
+            storage.resize_(nbytes)
+        scratch = torch.empty(0, dtype=value.dtype, device=self.device)
+        scratch.set_(storage, value.storage_offset(), value.shape, value.stride())
+        return scratch.zero_() if scratch.numel() else scratch
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
@@ -357,6 +381,8 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
                 "outside the block, or move that code after the first step"
             ) from exc
         raise
+    finally:
+        recording.done()
 
 
 def _reads_a_value(exc: BaseException) -> bool:

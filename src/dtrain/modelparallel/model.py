@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -118,7 +119,9 @@ class DistributedModel(nn.Module):
         self._profile: ModelProfile | None = None
         self._pending_loads: list[tuple[dict[str, Any], bool, bool]] = []
         """State dicts loaded before partitioning: ``(values, strict, full)``."""
-        self._post_partition_hooks: dict[int, Callable[[DistributedModel], None]] = {}
+        self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
+            OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
+        )
 
     # --- calling the model -------------------------------------------------------------------
 
