@@ -154,6 +154,12 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--repeats", type=int, help="timed passes (times are medians; default: as many as a job)"
     )
+    plan.add_argument(
+        "--without-memory",
+        action="store_true",
+        help="create the model without memory (as smp.delay_param_initialization does) and plan "
+        "from its shapes and operation counts, untimed: for models larger than this machine",
+    )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
     plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
     return parser
@@ -337,9 +343,14 @@ def _example_inputs(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def _plan(args: argparse.Namespace) -> int:
     from torch import nn
 
+    from dtrain.modelparallel.deferred import delay_param_initialization
     from dtrain.modelparallel.partition import auto_plan
     from dtrain.modelparallel.placement import manual_placements
-    from dtrain.modelparallel.profile import DEFAULT_REPEATS, profile_module
+    from dtrain.modelparallel.profile import (
+        DEFAULT_REPEATS,
+        profile_module,
+        profile_without_memory,
+    )
 
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
@@ -351,15 +362,20 @@ def _plan(args: argparse.Namespace) -> int:
     files: dict[Path, ModuleType] = {}
     model_file, factory = _load_function("FILE:FACTORY", args.model, files)
     _, sample = _load_function("--input", args.input, files, default_file=model_file)
-    model = factory()
+    with delay_param_initialization(enabled=args.without_memory):
+        model = factory()
     if not isinstance(model, nn.Module):
         returned = type(model).__name__
         raise ConfigError(
             "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
         )
     inputs, kwargs = _example_inputs(sample())
-    # As a job plans: the same profile (repeats) and smp.partition placements as constraints.
-    profile = profile_module(model, inputs, kwargs, repeats=repeats)
+    # As a job plans: the same profile (repeats; from shapes and operation counts for a model
+    # made without memory) and smp.partition placements as constraints.
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        profile = profile_without_memory(model, inputs, kwargs)
+    else:
+        profile = profile_module(model, inputs, kwargs, repeats=repeats)
     fixed = manual_placements(model)
     plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
     print(plan.table())

@@ -54,6 +54,25 @@ def test_example_gpt_plan_with_json_and_dot(
     assert dot.read_text().startswith("digraph partition_plan {")
 
 
+def test_a_plan_without_memory_has_the_exact_operation_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model made on the meta device: no times, but the same operation counts, sizes and
+    ties as the timed profile, and every partition used."""
+    timed, meta = tmp_path / "timed.json", tmp_path / "meta.json"
+    assert plan(f"{GPT}:build_model", "--partitions", "2", "--json", str(timed)) == EXIT_OK
+    argv = [f"{GPT}:build_model", "--partitions", "2", "--without-memory", "--json", str(meta)]
+    assert main(["plan", *argv]) == EXIT_OK
+    capsys.readouterr()
+    timed_plan = PartitionPlan.from_dict(json.loads(timed.read_text()))
+    meta_plan = PartitionPlan.from_dict(json.loads(meta.read_text()))
+    assert set(meta_plan.owners.values()) == {0, 1}
+    assert meta_plan.owner("lm_head") == meta_plan.owner("wte") == 0
+    for name, entry in timed_plan.modules.items():
+        assert meta_plan.modules[name].param_count == entry.param_count, name
+    assert sum(s.flops for s in meta_plan.stages) == sum(s.flops for s in timed_plan.stages) > 0
+
+
 def test_input_from_another_file_and_a_single_argument(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -428,26 +428,38 @@ def on_meta(module: nn.Module) -> Iterator[None]:
             torch.utils.swap_tensors(tensor, twin)
 
 
+def profile_without_memory(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+) -> ModelProfile:
+    """The structure profile (calls, sizes, operation counts; no times) of a model created
+    partly or wholly without memory, run on the meta device with meta copies of ``args``."""
+    meta_args, meta_kwargs = _meta_twins((args, dict(kwargs or {})))
+    with on_meta(module):
+        return profile_module(module, meta_args, meta_kwargs, repeats=0)
+
+
 def traced_without_memory(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[ModelProfile, Any]:
-    """The structure profile (sizes, calls, operation counts; no times) of a model created
-    without memory, run on meta copies of its arguments; and its outputs as zeros of their
-    shapes on the arguments' device, so that the step's own code around the model goes on."""
+    """:func:`profile_without_memory`, and the model's outputs as zeros of their shapes on the
+    arguments' device, so that the step's own code around the model goes on."""
     device = next(
         (t.device for t in _unique_tensors((args, kwargs)) if not t.is_meta), torch.device("cpu")
     )
-    meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.detach().to(META), (args, kwargs))
-    with on_meta(module):
-        profile = profile_module(module, meta_args, meta_kwargs, repeats=0)
-        with torch.no_grad():
-            outputs = module(*meta_args, **meta_kwargs)
+    profile = profile_without_memory(module, args, kwargs)
+    meta_args, meta_kwargs = _meta_twins((args, kwargs))
+    with on_meta(module), torch.no_grad():
+        outputs = module(*meta_args, **meta_kwargs)
     zeros = tree_map_only(
         Tensor,
         lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
         outputs,
     )
     return profile, zeros
+
+
+def _meta_twins(tree: Any) -> Any:
+    return tree_map_only(Tensor, lambda t: t.detach().to(META), tree)
 
 
 class Snapshot:
