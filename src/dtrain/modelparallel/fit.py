@@ -81,18 +81,24 @@ def fit_layout(
             searched = f"up to {count - 1} partitions (the model has no more parts to place)"
             searched += f" and {most} microbatches"
             break
+        resized = [f"partitions {partitions} -> {count}"] if count != partitions else []
         for candidate, changes in variants:
-            if count != partitions:
-                changes = [f"partitions {partitions} -> {count}", *changes]
-            found = LayoutFit(plan.with_memory(candidate), False, changes, searched)
+            found = LayoutFit(plan.with_memory(candidate), False, resized + changes, searched)
             if found.largest <= memory_per_rank:
                 found.fits = True
                 return found
             if closest is None or found.largest < closest.largest:
                 closest = found
+            if _fixed_over(found.plan, memory_per_rank):
+                break  # no schedule or split of the batch can help with this many partitions
     assert closest is not None
     closest.searched = searched
     return closest
+
+
+def _fixed_over(plan: PartitionPlan, memory_per_rank: int) -> bool:
+    """Whether a partition is over the limit before its activations."""
+    return any(peak.total - peak.activations > memory_per_rank for peak in plan.peak_memory)
 
 
 def _variants(
