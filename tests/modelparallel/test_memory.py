@@ -24,6 +24,7 @@ from dtrain.modelparallel.memory import (
 from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, costed_plan
 from dtrain.modelparallel.profile import ModelProfile, ModuleStats, ProfiledCall
+from dtrain.modelparallel.schedule import simulate
 
 KIB = 1024
 
@@ -295,3 +296,43 @@ def test_free_memory_counts_the_cache_and_the_model_already_there(
     module = nn.Linear(4, 4)  # on the CPU, so none of it is on the GPU
     assert fit.available_device_memory(torch.device("cuda:0"), module) == (5 + 2) << 30
     assert fit.available_device_memory(torch.device("cpu"), module) == (7 << 30) + 80
+
+
+# --- a job ------------------------------------------------------------------------------------
+
+
+def _job_plan() -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    import dtrain.modelparallel as smp
+    from tests.modelparallel.harness import train_steps
+    from tests.modelparallel.models import GroupedNet
+
+    smp.init({"partitions": 2, "microbatches": 4, "active_microbatches": 2})
+    model = smp.DistributedModel(GroupedNet(seed=0))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(4, 1, 12, 12, generator=generator)
+    labels = torch.randint(0, 10, (4,), generator=generator)
+    train_steps(model, optimizer, [(images, labels)], F.nll_loss)
+    plan = model.partition_plan()
+    return {
+        "plan": plan.to_dict(),
+        "held": list(simulate(model.pipeline_schedule()).peak_in_flight),
+    }
+
+
+def test_a_job_plan_carries_its_memory() -> None:
+    """On the CPU a job's plan comes with its memory (nothing to check it against): the
+    settings are the job's, the microbatches held those of the schedule it runs."""
+    from tests.modelparallel.harness import run_ranks
+
+    leader, other = run_ranks(2, _job_plan, timeout=120)
+    assert leader["plan"] == other["plan"]
+    plan = PartitionPlan.from_dict(leader["plan"])
+    assert plan.memory_settings == MemorySettings(
+        optimizer="adamw", microbatches=4, active_microbatches=2
+    )
+    assert [peak.held_microbatches for peak in plan.peak_memory] == leader["held"]
+    for stage, peak in zip(plan.stages, plan.peak_memory, strict=True):
+        assert peak.params == stage.param_bytes > 0 and peak.optimizer == 2 * stage.param_bytes
