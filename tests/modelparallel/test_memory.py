@@ -202,7 +202,10 @@ def test_more_partitions_when_the_parameters_do_not_fit() -> None:
         "params 15.6 KiB, grads 15.6 KiB, optimizer 31.2 KiB, buffers 0 B, activations 128 B "
         "(4 microbatches held); also over: partition 1 (62.6 KiB) (assuming adam"
     )
-    assert "A layout that fits: partitions 2 -> 4 (largest partition 31.3 KiB)" in message
+    assert (
+        "A layout that fits: partitions 2 -> 4 (interleaved pipeline, 4 microbatches, at most 4 "
+        "in flight; largest partition 31.3 KiB)"
+    ) in message
     found = fit.fit_layout(profile, 40_000, settings, partitions=2, memory_weight=0.2)
     assert found.fits and found.plan.partitions == 4 and found.changes == ["partitions 2 -> 4"]
 
@@ -219,6 +222,13 @@ def test_more_microbatches_when_the_activations_do_not_fit() -> None:
     assert found.fits and found.changes == ["microbatches 4 -> 8"]
     assert found.plan.partitions == 2
     assert max(peak.total for peak in found.plan.peak_memory) <= 30_000
+    with pytest.raises(MemoryLimitError) as error:
+        fit.check_memory(plan, profile, 30_000, memory_weight=0.2)
+    assert (
+        "A layout that fits: microbatches 4 -> 8 (interleaved pipeline (simple asked; SMP runs "
+        "it so with fewer in flight than all), 8 microbatches, at most 4 in flight; largest "
+        "partition 19.7 KiB)"
+    ) in str(error.value)
     # Only counts that divide the batch: 6 samples allow 6 microbatches, not 8.
     found = fit.fit_layout(
         profile, 30_000, settings, partitions=2, memory_weight=0.2, batch_size=12

@@ -151,7 +151,10 @@ def test_memory_per_rank_names_the_layout_that_fits(
     assert "peak memory" in captured.out  # the plan is shown before the verdict
     assert captured.err.startswith("dtrain: partition ")
     assert "more than the 160.0 KiB allowed per rank: params 65.0 KiB" in captured.err
-    assert "A layout that fits: partitions 2 -> 4 (largest partition 131." in captured.err
+    assert (
+        "A layout that fits: partitions 2 -> 4 (interleaved pipeline, 1 microbatch, at most 1 "
+        "in flight; largest partition 131.0 KiB)"
+    ) in captured.err
 
     out = tmp_path / "plan.json"
     code = plan(

@@ -181,8 +181,11 @@ def check_memory(
     closest = fit.plan.peak_memory
     largest = max(range(fit.plan.partitions), key=lambda k: closest[k].total)
     if fit.fits:
+        fitting = fit.plan.memory_settings
+        assert fitting is not None
         message += (
-            f". A layout that fits: {', '.join(fit.changes)} (largest partition "
+            f". A layout that fits: {', '.join(fit.changes)} ("
+            f"{fitting.describe_schedule(fit.plan.partitions)}; largest partition "
             f"{format_size(fit.largest)})"
         )
     else:

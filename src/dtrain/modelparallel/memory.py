@@ -149,14 +149,20 @@ class MemorySettings:
             if self.half_precision
             else "parameters as profiled"
         )
+        return (
+            f"{self.optimizer} ({states} state tensor{'s' * (states != 1)} per parameter), "
+            f"{precision}, {self.describe_schedule(stages)}"
+        )
+
+    def describe_schedule(self, stages: int) -> str:
+        """``interleaved pipeline, 8 microbatches, at most 4 in flight``: what runs."""
         policy = self.policy(stages)
         pipeline = f"{policy.pipeline} pipeline"
         if policy.pipeline != self.pipeline:
-            pipeline += f" ({self.pipeline} asked, run so as SMP does when not all are in flight)"
+            pipeline += f" ({self.pipeline} asked; SMP runs it so with fewer in flight than all)"
         return (
-            f"{self.optimizer} ({states} state tensor{'s' * (states != 1)} per parameter), "
-            f"{precision}, {pipeline}, {self.microbatches} microbatch"
-            f"{'es' * (self.microbatches != 1)}, at most {policy.active} in flight"
+            f"{pipeline}, {self.microbatches} microbatch{'es' * (self.microbatches != 1)}, "
+            f"at most {policy.active} in flight"
         )
 
 
