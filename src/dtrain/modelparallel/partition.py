@@ -536,10 +536,8 @@ class _CostModel:
         }
         self.total_time = sum(self.time.values())
         self.total_memory = sum(self.memory.values())
-        # Gradients of the outputs go to the owner in backward, those of the inputs come back
-        # (an untimed profile is of a model to train).
-        backward = profile.backward_measured or not profile.repeats
-        self.seconds_per_byte = (2 if backward else 1) / bandwidth
+        # Gradients of the outputs go to the owner in backward, those of the inputs come back.
+        self.seconds_per_byte = (2 if profile.backward_measured else 1) / bandwidth
         self.calls = [
             (profile.calls[call.caller].module, call.module, call.input_bytes, call.output_bytes)
             for call in profile.calls
@@ -561,7 +559,7 @@ def _pooled_times(profile: ModelProfile) -> dict[str, float]:
     doing the same work cost the same, so noise cannot favour one cut between them over another.
     A profile without times (a model planned from the meta device) has them estimated from its
     exact operation counts."""
-    if not profile.repeats:
+    if not _timed(profile):
         return {name: estimated_time(m.flops) for name, m in profile.modules.items()}
     kinds = _kinds(profile)
     alike: dict[Hashable, list[float]] = {}
@@ -569,6 +567,10 @@ def _pooled_times(profile: ModelProfile) -> dict[str, float]:
         alike.setdefault(kinds[name], []).append(m.forward_exclusive + m.backward_exclusive)
     median = {kind: statistics.median(times) for kind, times in alike.items()}
     return {name: median[kinds[name]] for name in profile.modules}
+
+
+def _timed(profile: ModelProfile) -> bool:
+    return any(m.forward_exclusive or m.backward_exclusive for m in profile.modules.values())
 
 
 def _kinds(profile: ModelProfile) -> dict[str, Hashable]:

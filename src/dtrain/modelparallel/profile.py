@@ -121,6 +121,7 @@ class ModelProfile:
     backward_time: float = 0.0
     """Wall time of the backward (median over the timed passes; 0 when there was none)."""
     backward_measured: bool = False
+    """A backward ran while profiling (its times are measured unless ``repeats`` is 0)."""
     unattributed_backward_time: float = 0.0
 
     @property
@@ -231,6 +232,7 @@ def profile_module(
             loss = _loss(outputs, loss_fn) if backward else None
             if loss is not None:
                 loss.backward()
+                profile.backward_measured = True
             del outputs, loss
             recorder.end_structure()
 
