@@ -367,7 +367,9 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_fp16_with_bf16_is_refused() -> None:
-    with pytest.raises(ConfigError, match="bf16"):
+    with pytest.raises(
+        ConfigError, match=r"bf16: got True; allowed: only together with fp16=false"
+    ):
         smp.init({"pipeline_parallel_degree": 1, "fp16": True, "bf16": True})
 
 
@@ -381,3 +383,20 @@ def test_dynamic_loss_args_defaults_and_hysteresis() -> None:
     scaler.update(True)
     assert scaler.scale == 2.0**31
     assert math.isclose(LossScaler.of(None, False, {}).scale, 1.0)
+
+
+def test_floating_inputs_enter_in_half_and_outputs_leave_in_fp32() -> None:
+    from dtrain.modelparallel.precision import HalfParameters
+
+    half = HalfParameters(torch.bfloat16, torch.device("cpu"), None)
+    (x, ids, flag), kwargs = half.inputs(
+        ((torch.ones(2), torch.arange(2), True), {"y": torch.ones(1)})
+    )
+    assert (x.dtype, ids.dtype, flag, kwargs["y"].dtype) == (
+        torch.bfloat16,
+        torch.int64,
+        True,
+        torch.bfloat16,
+    )
+    out = half.outputs({"logits": torch.ones(1, dtype=torch.bfloat16), "ids": torch.arange(1)})
+    assert (out["logits"].dtype, out["ids"].dtype) == (torch.float32, torch.int64)

@@ -215,12 +215,15 @@ class HalfParameters:
         masters' fp32 gradients (and freed), ``average`` averages those over the data-parallel
         group, and with fp16 every rank learns whether any rank's gradients overflowed."""
         inverse = 1.0 / self.loss_scale
-        for param, master in self._masters.values():
-            if param.grad is None:
-                continue
-            grad = param.grad.to(torch.float32) * inverse
-            master.grad = grad if master.grad is None else master.grad.add_(grad)
-            param.grad = None
+        with torch.no_grad():
+            for param, master in self._masters.values():
+                if param.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = param.grad.to(torch.float32).mul_(inverse)
+                else:  # accumulating over steps: no fp32 temporary
+                    master.grad.add_(param.grad, alpha=inverse)
+                param.grad = None
         average(self.masters())
         if not self.scaled:
             return
