@@ -79,6 +79,8 @@ class Recipe:
     clip: float | None = None
     huge_loss_at: int | None = None
     """Step whose loss is multiplied by 1e30 (an fp16 overflow)."""
+    delayed: bool = False
+    """Created inside ``smp.delay_param_initialization()``: each rank makes its own share."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -157,7 +159,8 @@ def _init(recipe: Recipe, pp: int = 2) -> None:
 def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable[[int], float]]:
     """The recipe's model and optimizer under smp, and one training step (returns its loss)."""
     case = CASES[recipe.case]
-    module = case.build()
+    with smp.delay_param_initialization(recipe.delayed):
+        module = case.build()
     for name in case.split:
         smp.set_partition(module.get_submodule(name), 1)
     model = smp.DistributedModel(module)
@@ -251,6 +254,11 @@ def test_bf16_pipeline_trains_like_one_process_with_fp32_masters() -> None:
     # 2 bytes per own parameter in the model, 4 in its master.
     for got in results:
         assert got["master_bytes"] == 2 * got["local_bytes"] > 0
+
+
+def test_bf16_delayed_initialisation_casts_each_rank_share_once_made() -> None:
+    recipe = Recipe("lm", "bf16", steps=2, delayed=True)
+    _check(run_ranks(2, _train, recipe), recipe)
 
 
 def test_bf16_pipeline_with_data_parallel_replicas() -> None:
