@@ -32,6 +32,7 @@ from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
+from dtrain.modelparallel.precision import HalfParameters, half_dtype
 from dtrain.modelparallel.profile import (
     ModelProfile,
     Snapshot,
@@ -122,6 +123,13 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
             OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
         )
+        dtype = half_dtype(self._state.config)
+        self.half_precision = (
+            None
+            if dtype is None
+            else HalfParameters(dtype, self._state.device, self._state.world_process_group)
+        )
+        """``fp16``/``bf16``: the half model's fp32 masters and loss scale (:mod:`.precision`)."""
 
     # --- calling the model -------------------------------------------------------------------
 
@@ -136,7 +144,11 @@ class DistributedModel(nn.Module):
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         self._require_step("the model")
-        return self.module(*args, **kwargs)
+        half = self.half_precision
+        if half is None:
+            return self.module(*args, **kwargs)
+        args, kwargs = half.inputs((args, kwargs))
+        return half.outputs(self.module(*args, **kwargs))
 
     def backward(
         self,
@@ -162,6 +174,8 @@ class DistributedModel(nn.Module):
         scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        if self.half_precision is not None and self.half_precision.loss_scale != 1.0:
+            scale = (scale or 1.0) * self.half_precision.loss_scale
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
             runtime.executor.start_backward()  # the request goes out without the token
             runtime.caller.backward_deferred(outputs[0], grads[0], scale)
@@ -211,7 +225,10 @@ class DistributedModel(nn.Module):
         else:
             outcomes = runtime.run_step(count, None)
         if all(ok for ok, _ in outcomes):
-            self._reduce_gradients()
+            if self.half_precision is None:
+                self._reduce_gradients(list(self.local_parameters()))
+            else:
+                self.half_precision.after_backward(self._reduce_gradients)
         return outcomes
 
     # --- partitioning ------------------------------------------------------------------------
@@ -344,6 +361,7 @@ class DistributedModel(nn.Module):
                     tensor.data = tensor.data.to(st.device)
                 else:  # another rank owns it: free the memory, keep the object
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=st.device)
+        self._cast_to_half()
         group = PipelineGroup(
             rank=st.rank,
             pp_rank=st.pp_rank,
@@ -367,6 +385,12 @@ class DistributedModel(nn.Module):
         self._pending_loads.clear()
         for hook in list(self._post_partition_hooks.values()):
             hook(self)
+
+    def _cast_to_half(self) -> None:
+        """With ``fp16``/``bf16``: this rank's parameters get fp32 masters and the model's
+        floating parameters and buffers become half; call once the own ones are in place."""
+        if self.half_precision is not None:
+            self.half_precision.cast(self.local_parameters(), self._all_tensors())
 
     def _planned_schedule(self, plan: PartitionPlan) -> Schedule:
         """The pipeline's policy (which backwards are split chosen for the plan's stage
@@ -461,13 +485,13 @@ class DistributedModel(nn.Module):
 
     # --- gradients over the data-parallel group ----------------------------------------------
 
-    def _reduce_gradients(self) -> None:
-        """Average this rank's gradients over its data-parallel group, in the balanced buckets
-        of :mod:`dtrain.dataparallel.buckets`."""
+    def _reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Average the gradients of ``params`` (this rank's, or their fp32 masters) over the
+        data-parallel group, in the balanced buckets of :mod:`dtrain.dataparallel.buckets`."""
         st = self._state
         if st.dp_size == 1:
             return
-        params = [p for p in self.local_parameters() if p.requires_grad]
+        params = [p for p in params if p.requires_grad]
         if not params:
             return
         has_grad = torch.tensor([float(p.grad is not None) for p in params], device=st.device)
@@ -558,6 +582,8 @@ class DistributedModel(nn.Module):
             for name, tensor in mine.items():
                 if name in values:
                     tensor.copy_(values[name])
+                    if self.half_precision is not None:
+                        self.half_precision.load_value(tensor, values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 
