@@ -81,9 +81,9 @@ def test_each_kind_of_memory_in_full_precision(optimizer: str, states: int) -> N
 @pytest.mark.parametrize("half", ["fp16", "bf16"])
 def test_half_precision_parameters_with_fp32_masters(half: str) -> None:
     first, _ = two_parts(MemorySettings(optimizer="adam", half_precision=half)).peak_memory
-    # 100 parameters: 2 bytes each, gradients alike, a 4-byte master, Adam's two states on it.
-    assert (first.params, first.grads, first.master, first.optimizer) == (200, 200, 400, 800)
-    assert first.total == 200 + 200 + 400 + 800 + 40 + 1000
+    # 100 parameters: 2 bytes each, a 4-byte master with its fp32 gradient, Adam's two states.
+    assert (first.params, first.grads, first.master, first.optimizer) == (200, 400, 400, 800)
+    assert first.total == 200 + 400 + 400 + 800 + 40 + 1000
 
 
 def test_activations_scale_to_the_microbatch_size() -> None:
@@ -121,10 +121,10 @@ def test_the_plan_shows_and_keeps_its_memory(tmp_path: Any) -> None:
     plan = two_parts(MemorySettings(optimizer="sgd-momentum", half_precision="bf16"))
     table = plan.table()
     assert "peak memory  params  grads  optimizer  buffers     activations    total" in table
-    assert "partition 0   200 B  200 B      800 B     40 B   1000 B (1 mb)  2.2 KiB" in table
+    assert "partition 0   200 B  400 B      800 B     40 B   1000 B (1 mb)  2.4 KiB" in table
     assert "sgd-momentum (1 state tensor per parameter), bf16 parameters with fp32" in table
     assert "optimizer = state + fp32 masters" in table
-    assert "partition 1\\n0.002 ms, cost 0.331\\npeak memory 4.3 KiB" in plan.to_dot()
+    assert "partition 1\\n0.002 ms, cost 0.331\\npeak memory 4.7 KiB" in plan.to_dot()
     again = PartitionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
     assert again.stages[1].peak_memory is not None and again.stages[1].param_count == 200

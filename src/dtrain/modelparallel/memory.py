@@ -4,7 +4,9 @@ A partition's peak, the figure ``dtrain plan`` shows and ``--memory-per-rank`` (
 memory) is checked against, is the sum of:
 
 * **params**: its parameters' bytes as profiled; with ``fp16``/``bf16``, 2 bytes per parameter;
-* **grads**: one gradient per parameter, of the parameter's size;
+* **grads**: one gradient per parameter, of the parameter's size; with ``fp16``/``bf16``, the
+  masters' fp32 gradients (4 bytes), which the half gradients become at the end of each step
+  and which stay until ``zero_grad`` (the half ones, 2 bytes, live only during backward);
 * **optimizer**: the optimizer's state, per parameter :data:`OPTIMIZER_STATES` tensors of the
   parameter's size (torch's optimizers keep their state like the parameter); with
   ``fp16``/``bf16``, a 4-byte fp32 master copy of each parameter, and the state on the masters
@@ -247,8 +249,8 @@ def stage_memory(
     and the microbatches it holds."""
     states = OPTIMIZER_STATES[settings.optimizer]
     if settings.half_precision:
-        params = grads = HALF_BYTES * param_count
-        master = MASTER_BYTES * param_count
+        params = HALF_BYTES * param_count
+        grads = master = MASTER_BYTES * param_count
         optimizer = states * master
     else:
         params = grads = param_bytes
