@@ -76,6 +76,8 @@ class Setup:
     microbatches: int = 2
     split: tuple[str, ...] = SPLIT
     """The modules on partition 1."""
+    delayed: bool = False
+    """Made inside ``smp.delay_param_initialization`` (each rank makes its share)."""
 
 
 class _Net(nn.Module):
@@ -145,7 +147,8 @@ def _train_setups(setups: list[Setup]) -> list[Trained | None]:
     results: list[Trained | None] = []
     for setup in setups:
         init_smp(2, "interleaved", setup.microbatches, auto=False)
-        module = _Net(setup)
+        with smp.delay_param_initialization(enabled=setup.delayed):
+            module = _Net(setup)
         for name in setup.split:
             smp.set_partition(module.get_submodule(name), 1)
         if not setup.marks_after_wrapping:
@@ -191,6 +194,7 @@ SETUPS: dict[str, tuple[Setup, tuple[str, ...]]] = {
     "partition 0": (Setup(_marked("first")), ("first",)),
     "partition 1": (Setup(_marked("second"), marks_after_wrapping=True), ("second",)),
     "sequential each": (Setup(_marked("seq")), ("seq.0", "seq.1", "seq.2", "seq.3")),
+    "delayed model": (Setup(_marked("first", "second"), delayed=True), ("first", "second")),
     "sequential contiguous": (
         Setup(_marked("seq", strategy="contiguous"), marks_after_wrapping=True),
         ("seq.0", "seq.1", "seq.2", "seq.3"),
