@@ -5,9 +5,10 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 * ``memory``: the 218M-parameter LM (16 pre-norm blocks of width 1024, vocabulary 8192,
   sequence 128), AdamW, 2 steps on a global batch of 8 in 4 microbatches, auto-partitioned.
   Peak RSS of each rank (``ru_maxrss``: everything the process held, torch itself included)
-  over the peak of one process training the same model on the same batch, each layout in a
-  fresh world: pipelines of 2 and 4 with the model created eagerly on every rank (what scripts
-  without ``smp.delay_param_initialization`` get) and created without memory.
+  over the peak of one process training the same model on the same batch (with the same heap
+  setting as ranks, :mod:`dtrain.modelparallel.heap`), each layout in a fresh world:
+  pipelines of 2 and 4 with the model created eagerly on every rank (what scripts without
+  ``smp.delay_param_initialization`` get) and created without memory.
 * ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches: step time with the model
   created without memory over eagerly created, in fresh worlds taking turns (3 each; median
   step of each world, then the median of those). The plan differs only in where it comes
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from _lm import TransformerLM  # benchmarks/ is the script's dir
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel import heap
 from modelparallel import init_world, spawn, tensor_bytes
 
 LM_218M = {"vocab": 8192, "d_model": 1024, "heads": 16, "ff": 4096, "layers": 16, "seq": 128}
@@ -119,6 +121,7 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
 def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
     if args.cap_bytes:
         join_capped_cgroup(rank, args.cap_bytes)
+    heap.keep_large_blocks_returnable()  # as smp.init does: one process alike
     init_world(rank, args.world, port)
     row = train(args, args.world, rank)
     rows: list[Any] = [None] * args.world
