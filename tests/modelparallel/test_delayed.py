@@ -263,3 +263,13 @@ def test_a_model_whose_weights_and_adam_state_do_not_fit_a_rank_trains_with_pp4(
     grown = [result["grown"] for result in results]
     print(f"peak growth per rank {[g >> 20 for g in grown]} MiB, cap {cap >> 20} MiB")
     assert max(grown) < cap, f"peak growth per rank {grown} bytes, cap {cap}"
+
+
+def test_hugging_face_models_created_without_memory_train_like_one_process() -> None:
+    """GPT-2 (tied head) and Llama, from_config inside the block, planned from the meta model."""
+    pytest.importorskip("transformers")
+    layouts = [hf_cases.Layout(case, auto=True, delayed=True) for case in ("gpt2", "llama")]
+    results = run_ranks(2, hf_cases.train_layouts, layouts, STEPS, timeout=240, env=hf_cases.HF_ENV)
+    for layout, got in zip(layouts, results[0], strict=True):
+        assert got is not None and got.partitions_used == 2
+        assert_equivalent(got, hf_cases.reference(layout.case, STEPS), layout.case)
