@@ -139,7 +139,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False}
-    values.update(checkpointed=False, **changes)
+    values.update({"checkpointed": False, **changes})
     return argparse.Namespace(**{**vars(args), **values})
 
 
