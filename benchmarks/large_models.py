@@ -3,16 +3,21 @@
 Scenarios (each prints a table; ``--json`` writes every figure):
 
 * ``memory``: the 218M-parameter LM (16 pre-norm blocks of width 1024, vocabulary 8192,
-  sequence 128), AdamW, 2 steps on a global batch of 8 in 4 microbatches, auto-partitioned.
-  Peak RSS of each rank (``ru_maxrss``: everything the process held, torch itself included)
-  over the peak of one process training the same model on the same batch (with the same heap
-  setting as ranks, :mod:`dtrain.modelparallel.heap`), each layout in a fresh world:
-  pipelines of 2 and 4 with the model created eagerly on every rank (what scripts without
-  ``smp.delay_param_initialization`` get) and created without memory.
-* ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches: step time with the model
-  created without memory over eagerly created, in fresh worlds taking turns (3 each; median
-  step of each world, then the median of those). The plan differs only in where it comes
-  from: the eager model's timed profile, or the delayed model's operation counts.
+  sequence 128), AdamW, 2 steps on a global batch of 8 in 4 microbatches, auto-partitioned for
+  memory (``optimize: memory``, SMP's memory weight 0.8). Peak RSS of each rank
+  (``ru_maxrss``: everything the process held, torch itself included) over the peak of one
+  process training the same model on the same batch (with the ranks' heap setting,
+  :mod:`dtrain.modelparallel.heap`), each layout in a fresh world: pipelines of 2 and 4 with
+  the model created eagerly on every rank (what scripts without
+  ``smp.delay_param_initialization`` get), created without memory, and created without memory
+  with every block's activations checkpointed (``smp.set_activation_checkpointing``): a
+  pipeline holds the activations of the microbatches in flight while it holds gradients too,
+  where one process's peak, after its backward, holds none.
+* ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches, ``optimize: speed``: step time
+  with the model created without memory over eagerly created, in fresh worlds taking turns
+  (3 each; median step of each world, then the median of those). The plan differs only in
+  where it comes from: the eager model's timed profile, or the delayed model's operation
+  counts.
 * ``largest``: each process under its own memory cap (a cgroup v1 memory limit, as each GPU
   has its own memory; ``--cap-gib``, the memory the process allocates after it started): the
   most blocks of width 1024 that train 2 AdamW steps in one process against pp=4 with
@@ -82,7 +87,7 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
                 "microbatches": args.microbatches,
                 "pipeline": "interleaved",
                 "auto_partition": True,
-                "memory_weight": 0.2,
+                "optimize": args.optimize,
             }
         )
         module = build(shape, args.delayed)
@@ -159,6 +164,8 @@ MEMORY_LAYOUTS = (
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
     for label, world, pipeline, delayed, checkpointed in MEMORY_LAYOUTS:
+        if label not in args.layouts and label != "one process":
+            continue
         chosen = variant(
             args,
             world=world,
@@ -167,6 +174,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
             checkpointed=checkpointed,
             variant_shape="218m",
             steps=2,
+            optimize="memory",
         )
         rows[label] = spawn(worker, world, chosen)
     single = rows["one process"][0]["peak_rss_mib"]
@@ -206,6 +214,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
                 delayed=label == "delayed",
                 variant_shape="speed",
                 steps=args.warmup + args.steps,
+                optimize="speed",
             )
             rows = spawn(worker, 2, chosen)
             medians[label].append(statistics.median(rows[0]["step_seconds"][args.warmup :]))
@@ -241,6 +250,7 @@ def trains(args: argparse.Namespace, world: int, layers: int) -> bool:
         variant_shape="218m",
         steps=2,
         layers=layers,
+        optimize="memory",
         cap_bytes=int(args.cap_gib * 2**30),
     )
     try:
@@ -304,6 +314,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cap-gib", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--layouts",
+        type=lambda text: text.split(","),
+        default=[layout[0] for layout in MEMORY_LAYOUTS],
+        help="memory: comma-separated labels of the layouts to run besides one process",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
