@@ -38,6 +38,7 @@ from dtrain.modelparallel.schedule import (
     schedule_of,
     zero_bubble_policy,
 )
+from dtrain.modelparallel.sharded import ShardedModel
 from dtrain.modelparallel.split_backward import backward_giving_way
 from dtrain.modelparallel.stall import default_store
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
@@ -109,6 +110,11 @@ class DistributedModel(nn.Module):
         self._profile: ModelProfile | None = None
         self._pending_loads: list[tuple[dict[str, Any], bool]] = []
         self._post_partition_hooks: dict[int, Callable[[DistributedModel], None]] = {}
+        self.sharding: ShardedModel | None = None
+        """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
+        steps, gradients and state dicts go through :mod:`.sharded`."""
+        if self._state.config["sharded_data_parallel_degree"] > 1:
+            self.sharding = ShardedModel(module, self._state)
 
     # --- calling the model -------------------------------------------------------------------
 
@@ -118,7 +124,10 @@ class DistributedModel(nn.Module):
                 self._profile = profile_module(self.module, args, kwargs)
             with torch.no_grad():
                 return self.module(*args, **kwargs)
-        self._require_step("the model")
+        if self.sharding is not None:
+            self.sharding.require_step("the model")
+        else:
+            self._require_step("the model")
         return self.module(*args, **kwargs)
 
     def backward(
@@ -133,7 +142,6 @@ class DistributedModel(nn.Module):
         """
         if self._tracing.is_set():
             return
-        runtime = self._require_step("model.backward")
         outputs = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if grad_tensors is None:
             grads: list[torch.Tensor | None] = [None] * len(outputs)
@@ -141,20 +149,20 @@ class DistributedModel(nn.Module):
             grads = list(grad_tensors)
         else:
             grads = [grad_tensors]
-        grads = materialize(grads)  # computed elsewhere: fetch
         scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        if self.sharding is not None:
+            self.sharding.backward(outputs, _scaled(outputs, grads, scale))
+            return
+        runtime = self._require_step("model.backward")
+        grads = materialize(grads)  # computed elsewhere: fetch
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
             runtime.executor.start_backward()  # the request goes out without the token
             runtime.caller.backward_deferred(outputs[0], grads[0], scale)
             return
         outputs = materialize(outputs)
-        if scale is not None:
-            grads = [
-                (torch.ones_like(out) if g is None else g) * scale
-                for out, g in zip(outputs, grads, strict=True)
-            ]
+        grads = _scaled(outputs, grads, scale)
         with runtime.executor.backward():
             backward_giving_way(outputs, grads, runtime.executor.give_way)
 
@@ -171,7 +179,7 @@ class DistributedModel(nn.Module):
 
     @property
     def partitioned(self) -> bool:
-        return self._runtime is not None
+        return self._runtime is not None or self.sharding is not None
 
     def run_step(
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
@@ -180,6 +188,8 @@ class DistributedModel(nn.Module):
 
         ``make_body(device)`` splits the step's arguments, their tensors moved to ``device``,
         and returns the step body of one microbatch (called on the leader only)."""
+        if self.sharding is not None:
+            return self.sharding.run_step(count, make_body)
         if self._runtime is None:
             self._partition(make_body)
         runtime = self._runtime
@@ -457,7 +467,10 @@ class DistributedModel(nn.Module):
     # --- state dicts -------------------------------------------------------------------------
 
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
-        """This rank's parameters and persistent buffers, by their names in the full model."""
+        """This rank's parameters (its shards of them, when sharded) and persistent buffers, by
+        their names in the full model."""
+        if self.sharding is not None:
+            return {**self.sharding.local_state_dict(cast_to_cpu), PARTIAL_KEY: True}
         result: dict[str, Any] = {
             name: (t.detach().cpu() if cast_to_cpu else t.detach())
             for name, t, _ in self._state_tensors(local_only=True)
@@ -474,6 +487,8 @@ class DistributedModel(nn.Module):
     ) -> dict[str, Any]:
         """The full model's state, gathered from the pipeline; every pipeline rank must call it."""
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
+        if self.sharding is not None:
+            return self.sharding.full_state_dict()
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop(PARTIAL_KEY)
         st = self._state
@@ -494,6 +509,9 @@ class DistributedModel(nn.Module):
         partial one is kept and applied once this rank knows its share."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
         values = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        if self.sharding is not None:
+            self.sharding.load(values, partial, strict)
+            return None
         if self._runtime is None:
             if partial:
                 self._pending_loads.append((values, strict))
@@ -539,3 +557,15 @@ class DistributedModel(nn.Module):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+
+def _scaled(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
+) -> list[torch.Tensor | None]:
+    """The gradients of ``outputs`` for ``backward``, multiplied by the microbatch ``scale``."""
+    if scale is None:
+        return grads
+    return [
+        (torch.ones_like(out) if g is None else g) * scale
+        for out, g in zip(outputs, grads, strict=True)
+    ]

@@ -20,10 +20,12 @@ import types
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
+from dtrain.modelparallel.sharded import as_shard, saved_value
 from dtrain.sealed import all_gather_objects
 
 
@@ -55,6 +57,8 @@ def DistributedOptimizer(
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
+        if model.sharding is not None:
+            model.sharding.clip_gradients()  # sdp_gradient_clipping, as SMP's sharded step
         return original_step(*args, **kwargs)
 
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
@@ -101,15 +105,26 @@ class _Adapter:
             options = {k: v for k, v in group.items() if k != "params"}
             options["params"] = [self.names[id(p)] for p in group["params"] if id(p) in local]
             groups.append(options)
-        states = {
-            self.names[id(p)]: _to_cpu(s) for p, s in self.optimizer.state.items() if id(p) in local
+        return {"state": self._states(full=False), "param_groups": groups, PARTIAL_KEY: True}
+
+    def _states(self, full: bool) -> dict[str, dict[str, Any]]:
+        """This rank's parameters' states by name, on the CPU; of a sharded parameter its
+        shard, or (``full``) the whole state, gathered (every rank calls it)."""
+        local = {id(p) for p in self.model.local_parameters()}
+        return {
+            self.names[id(p)]: {k: saved_value(v, full) for k, v in self.optimizer.state[p].items()}
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if id(p) in local and p in self.optimizer.state
         }
-        return {"state": states, "param_groups": groups, PARTIAL_KEY: True}
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole pipeline's optimizer state; every pipeline rank must call it."""
+        """The whole pipeline's optimizer state (a sharded model's gathered); every pipeline
+        rank must call it."""
         local = self.local_state_dict()
         st = state.current()
+        if self.model.sharding is not None:
+            local["state"] = self._states(full=True)
         parts = [local]
         if self.model.partitioned and st.pp_size > 1:
             parts = all_gather_objects(local, st.pp_message_group, st.seals)
@@ -125,6 +140,7 @@ class _Adapter:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial state saved by :meth:`state_dict`/:meth:`local_state_dict`."""
         self.prune()
+        partial = bool(state_dict.get(PARTIAL_KEY, False))
         by_name = {
             self.names[id(p)]: (p, g) for g in self.optimizer.param_groups for p in g["params"]
         }
@@ -135,6 +151,11 @@ class _Adapter:
         for name, saved_state in state_dict["state"].items():
             if name in by_name:
                 param, group = by_name[name]
+                if isinstance(param, DTensor):
+                    saved_state = {
+                        k: as_shard(param, name, v, partial) if _is_state_tensor(k, v) else v
+                        for k, v in saved_state.items()
+                    }
                 self.optimizer.state[param] = placed(param, saved_state, group)
 
 
@@ -157,5 +178,6 @@ def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -
     return result
 
 
-def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+def _is_state_tensor(key: str, value: Any) -> bool:
+    """Whether an optimizer state value is shaped like its parameter (not ``step``)."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtrain.config.modelparallel import (
     MP_PARAMETER_ALIASES,
@@ -97,6 +98,11 @@ class MPState:
     owns_world: bool = field(repr=False)
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
+    sharding_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """With ``sharded_data_parallel_degree`` above 1, FSDP2's mesh over this rank's
+    data-parallel group: dimension ``"shard"`` is a group of that many neighbouring ranks,
+    ``"replicate"`` (present when the degree is below the data-parallel degree) the ranks
+    holding the same shard in the other groups (MiCS, FSDP2's HSDP)."""
 
 
 _state: MPState | None = None
@@ -522,6 +528,15 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
     messaging = maker.mine(pipelines, "gloo", fresh=True, idle=True)
+    sharding_mesh = None
+    if values["sharded_data_parallel_degree"] > 1:
+        sharding_mesh = _sharding_mesh(
+            maker,
+            topology.all_groups("dp"),
+            values["sharded_data_parallel_degree"],
+            backend,
+            device.type,
+        )
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,
@@ -558,4 +573,26 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         seals=Seals(job_key(), me),
         owns_world=owns_world,
         created_groups=tuple(maker.created),
+        sharding_mesh=sharding_mesh,
+    )
+
+
+def _sharding_mesh(
+    maker: _GroupMaker, dp_groups: list[list[int]], degree: int, backend: str, device_type: str
+) -> DeviceMesh:
+    """FSDP2's mesh for ``sharded_data_parallel_degree`` ``degree``: each data-parallel group
+    cut into groups of ``degree`` consecutive ranks (neighbours, so on one host where they
+    fit), which shard; ranks at the same place in those groups replicate."""
+    shards = [group[i : i + degree] for group in dp_groups for i in range(0, len(group), degree)]
+    shard_group = maker.mine(shards, backend)
+    if len(dp_groups[0]) == degree:
+        return DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=("shard",))
+    replicas = [group[i::degree] for group in dp_groups for i in range(degree)]
+    replicate_group = maker.mine(replicas, backend)
+    mine = next(group for group in dp_groups if maker.rank in group)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=torch.tensor(mine).view(-1, degree),
+        mesh_dim_names=("replicate", "shard"),
     )
