@@ -70,6 +70,7 @@ class Trained:
     norms: list[float]
     optimizer_elements: int = 0
     """Elements of optimizer state this rank holds."""
+    momentum: dict[str, Tensor] | None = None
 
 
 def reference(case: str, steps: int, clip: float) -> Trained:
@@ -84,7 +85,9 @@ def reference(case: str, steps: int, clip: float) -> Trained:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
         losses.append(loss.item())
-    return Trained(losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    momentum = {n: optimizer.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+    return Trained(losses, params, norms, momentum=momentum)
 
 
 def init(run: Run) -> None:
@@ -100,11 +103,11 @@ def init(run: Run) -> None:
 
 
 class Trainer:
-    """A sharded ``DistributedModel`` of a case with SGD, trained on this rank's rows."""
+    """A ``DistributedModel`` of a case's module with SGD, trained on its replica's rows."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.model = smp.DistributedModel(build(run.case))
+    def __init__(self, case: str, module: nn.Module) -> None:
+        self.case = case
+        self.model = smp.DistributedModel(module)
         self.optimizer = smp.DistributedOptimizer(
             torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
         )
@@ -122,19 +125,17 @@ class Trainer:
         rows = GLOBAL_BATCH // smp.dp_size()
         mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
         self.optimizer.zero_grad()
-        rows_of = {k: v[mine] for k, v in batch(self.run.case, index).items()}
+        rows_of = {k: v[mine] for k, v in batch(self.case, index).items()}
         output = self.train_step(self.model, rows_of)
         self.optimizer.step()
         loss = output.reduce_mean().detach().clone()
-        dist.all_reduce(loss)
+        dist.all_reduce(loss, group=smp.get_dp_process_group())
         return loss.item() / smp.dp_size()
 
     def optimizer_elements(self) -> int:
+        states = self.optimizer.local_state_dict()["state"]  # type: ignore[attr-defined]
         return sum(
-            value.to_local().numel() if hasattr(value, "to_local") else value.numel()
-            for values in self.optimizer.state.values()
-            for key, value in values.items()
-            if key != "step"
+            v.numel() for values in states.values() for k, v in values.items() if k != "step"
         )
 
 
@@ -144,7 +145,7 @@ def train_runs(runs: list[Run], steps: int) -> list[Trained]:
     results = []
     for run in runs:
         init(run)
-        trainer = Trainer(run)
+        trainer = Trainer(run.case, build(run.case))
         losses = [trainer.step(index) for index in range(steps)]
         params = trainer.model.state_dict()
         results.append(Trained(losses, params, [], trainer.optimizer_elements()))
@@ -206,7 +207,7 @@ def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float
     dist.init_process_group("gloo")
     run = Run("lm", 2, microbatches=2)
     init(run)
-    first = Trainer(run)
+    first = Trainer(run.case, build(run.case))
     for index in range(2):
         first.step(index)
     model, optimizer = first.model, first.optimizer
@@ -215,7 +216,7 @@ def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float
     torch.save(first.optimizer.state_dict(), optimizer_file)  # full: gathered on every rank
     straight = [first.step(index) for index in (2, 3)]
     smp.reset()
-    second = Trainer(run)
+    second = Trainer(run.case, build(run.case))
     smp.resume_from_checkpoint(folder, partial=partial)
     if not partial:  # a full checkpoint holds no optimizer state (as in SMP): load it apart
         second.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
@@ -255,3 +256,62 @@ def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool) -> None:
 def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=f"sharded_data_parallel_degree: .*{message}"):
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
+
+
+def train_zero(folder: str, steps: int) -> tuple[Trained, list[float]]:
+    """pp=2 x dp=2 with ``shard_optimizer_state``: ``steps`` steps, a partial checkpoint
+    before the last; then a new model resumes from it and takes the last step again. The
+    trained result (with the gathered momentum) and the last loss after resuming."""
+    dist.init_process_group("gloo")
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "ddp": True,
+            "shard_optimizer_state": True,
+            "auto_partition": False,
+            "default_partition": 0,
+        }
+    )
+
+    def pipelined() -> nn.Module:
+        module = build("lm")
+        for name, partition in equivalence.CASES["lm"].split.items():
+            smp.set_partition(module.get_submodule(name), partition)
+        return module
+
+    first = Trainer("lm", pipelined())
+    losses = [first.step(index) for index in range(steps - 1)]
+    smp.save_checkpoint(folder, "zero", model=first.model, optimizer=first.optimizer)
+    losses.append(first.step(steps - 1))
+    full = first.optimizer.state_dict()  # gathered over the pipeline and the replicas
+    momentum = {name: values["momentum_buffer"] for name, values in full["state"].items()}
+    trained = Trained(losses, first.model.state_dict(), [], first.optimizer_elements(), momentum)
+    smp.reset()
+    second = Trainer("lm", pipelined())
+    smp.resume_from_checkpoint(folder)
+    resumed = [second.step(steps - 1)]
+    smp.shutdown()
+    dist.destroy_process_group()
+    return trained, resumed
+
+
+def test_shard_optimizer_state_with_pipelines_trains_like_one_process(tmp_path: Path) -> None:
+    results = run_ranks(4, train_zero, str(tmp_path), STEPS, timeout=300)
+    expected = reference("lm", STEPS, float("inf"))
+    assert expected.momentum is not None
+    for rank, (trained, resumed) in enumerate(results):
+        assert_equivalent(trained, expected, f"rank {rank}")
+        assert trained.momentum is not None and trained.momentum.keys() == expected.momentum.keys()
+        for name, value in expected.momentum.items():
+            assert (trained.momentum[name] - value).abs().max().item() <= 1e-5, name
+        assert resumed == pytest.approx(trained.losses[-1:], rel=1e-6)
+    # Every momentum element is held once in the world, and the two replicas of a stage hold
+    # about half of the stage's each (ZeRO assigns whole parameters, balanced by size).
+    total = sum(p.numel() for p in build("lm").parameters())
+    assert sum(trained.optimizer_elements for trained, _ in results) == total
+    for stage in (0, 1):  # cluster: pipelines [0, 1] and [2, 3]
+        held = [results[rank][0].optimizer_elements for rank in (stage, stage + 2)]
+        assert min(held) > 0 and max(held) <= 0.65 * sum(held), (stage, held)
+    files = sorted(p.name for p in (tmp_path / "zero_partial").glob("optimizer_*"))
+    assert files == [f"optimizer_{pp}_0_{dp}.pt" for pp in (0, 1) for dp in (0, 1)]

@@ -116,11 +116,13 @@ def _rank_file(kind: str, st: MPState, rdp_rank: int) -> str:
     return f"{kind}_{st.pp_rank}_{st.tp_rank}_{rdp_rank}.pt"
 
 
-def _share(st: MPState) -> tuple[bool, int]:
-    """Whether this rank writes partial files, and the index (``rdp``) of those it writes and
-    reads: one writer per pipeline stage (its dp rank 0), or with sharded data parallelism one
-    per shard (the first shard group's ranks), whose file the ranks holding the same shard
-    read."""
+def _share(st: MPState, kind: str) -> tuple[bool, int]:
+    """Whether this rank writes partial files of ``kind``, and the index (``rdp``) of those it
+    writes and reads: one writer per pipeline stage (its dp rank 0); with sharded data
+    parallelism one per shard (the first shard group's ranks), whose file the ranks holding
+    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state."""
+    if kind == "optimizer" and st.config["shard_optimizer_state"]:
+        return True, st.dp_rank
     degree = st.config["sharded_data_parallel_degree"]
     return st.dp_rank < degree, st.dp_rank % degree
 
@@ -148,16 +150,13 @@ def save_checkpoint(
     root = Path(path)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        writes, index = _share(st)
-        if writes:
-            folder.mkdir(parents=True, exist_ok=True)
-            if model is not None:
-                torch.save(model.local_state_dict(), folder / _rank_file("model", st, index))
-            if optimizer is not None:
-                optimizer_state = optimizer.local_state_dict()
-                torch.save(optimizer_state, folder / _rank_file("optimizer", st, index))
-            if st.rank == 0 and user_content is not None:
-                torch.save(user_content, folder / USER_CONTENT)
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind, source in (("model", model), ("optimizer", optimizer)):
+            writes, index = _share(st, kind)
+            if writes and source is not None:
+                torch.save(source.local_state_dict(), folder / _rank_file(kind, st, index))
+        if st.rank == 0 and user_content is not None:
+            torch.save(user_content, folder / USER_CONTENT)
     else:
         if optimizer is not None and st.rank == 0:
             warnings.warn(
@@ -233,15 +232,14 @@ def resume_from_checkpoint(
     tag = newest_tag(root) if tag is None else _valid_tag(tag)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        _, index = _share(st)
-        model_file = folder / _rank_file("model", st, index)
+        model_file = folder / _rank_file("model", st, _share(st, "model")[1])
         if not model_file.is_file():
             raise FileNotFoundError(
                 f"no partial checkpoint for pp_rank {st.pp_rank}: {model_file} does not exist "
                 f"(saved with another pipeline_parallel_degree, or not a partial checkpoint?)"
             )
         model.load_state_dict(_read(model_file), strict=strict)
-        optimizer_file = folder / _rank_file("optimizer", st, index)
+        optimizer_file = folder / _rank_file("optimizer", st, _share(st, "optimizer")[1])
         if load_optimizer and optimizer_file.is_file():
             optimizer = state.current_optimizer()
             if optimizer is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,12 +38,14 @@ from dtrain.modelparallel.schedule import (
     schedule_of,
     zero_bubble_policy,
 )
-from dtrain.modelparallel.sharded import ShardedModel
 from dtrain.modelparallel.split_backward import backward_giving_way
 from dtrain.modelparallel.stall import default_store
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
+
+if TYPE_CHECKING:
+    from dtrain.modelparallel.sharded import ShardedModel
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -114,6 +116,9 @@ class DistributedModel(nn.Module):
         """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
         steps, gradients and state dicts go through :mod:`.sharded`."""
         if self._state.config["sharded_data_parallel_degree"] > 1:
+            # Imported here: FSDP2 and DTensor take seconds to import, for sharded models only.
+            from dtrain.modelparallel.sharded import ShardedModel
+
             self.sharding = ShardedModel(module, self._state)
 
     # --- calling the model -------------------------------------------------------------------

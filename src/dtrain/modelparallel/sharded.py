@@ -221,6 +221,35 @@ class ShardedModel:
                     local = _local(tensor)
                     local.copy_(_same_shape(name, local, values[name]))
 
+    @staticmethod
+    def as_shard(param: DTensor, name: str, value: torch.Tensor, partial: bool) -> DTensor:
+        """An optimizer state tensor for sharded ``param``: ``value`` is this rank's shard
+        (``partial``) or the whole tensor, of which this rank keeps its shard."""
+        if isinstance(value, DTensor):
+            return value.to(param.dtype) if value.is_floating_point() else value
+        value = value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
+        if partial:
+            local = _same_shape(name, param.to_local(), value)
+            return DTensor.from_local(
+                local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            )
+        if value.shape != param.shape:
+            raise ModelParallelError(
+                f"optimizer load_state_dict: state of {name!r} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}"
+            )
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+
+    @staticmethod
+    def saved(value: Any, full: bool) -> Any:
+        """A state value as saved: a sharded tensor's shard, or (``full``, a collective: every
+        rank calls it in the same order) the whole tensor; on the CPU."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, DTensor):
+            value = value.full_tensor() if full else value.to_local()
+        return value.detach().cpu()
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its shard if sharded."""
@@ -236,32 +265,3 @@ def _same_shape(name: str, local: torch.Tensor, value: torch.Tensor) -> torch.Te
             "one (partial=False) to change it"
         )
     return value
-
-
-def as_shard(param: DTensor, name: str, value: torch.Tensor, partial: bool) -> DTensor:
-    """An optimizer state tensor for sharded ``param``: ``value`` is this rank's shard
-    (``partial``) or the whole tensor, of which this rank keeps its shard."""
-    if isinstance(value, DTensor):
-        return value.to(param.dtype) if value.is_floating_point() else value
-    value = value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
-    if partial:
-        local = _same_shape(name, param.to_local(), value)
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
-    if value.shape != param.shape:
-        raise ModelParallelError(
-            f"optimizer load_state_dict: state of {name!r} has shape {tuple(value.shape)}, "
-            f"the parameter {tuple(param.shape)}"
-        )
-    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-
-
-def saved_value(value: Any, full: bool) -> Any:
-    """A state value as saved: a sharded tensor's shard, or (``full``, a collective: every
-    rank calls it in the same order) the whole tensor; on the CPU."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, DTensor):
-        value = value.full_tensor() if full else value.to_local()
-    return value.detach().cpu()
