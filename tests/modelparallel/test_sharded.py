@@ -118,17 +118,36 @@ class Trainer:
             model.backward(loss)
             return loss
 
+        @smp.step
+        def evaluation_step(model: smp.DistributedModel, batch: Batch) -> Tensor:
+            return model(**batch)["loss"]
+
         self.train_step = train_step
+        self.evaluation_step = evaluation_step
 
     def step(self, index: int) -> float:
         """One step on this rank's rows; the loss of the global batch."""
+        self.optimizer.zero_grad()
+        output = self.train_step(self.model, self.rows(index))
+        self.optimizer.step()
+        return self.global_loss(output.reduce_mean())
+
+    def evaluate(self, index: int) -> float:
+        """The loss of the global batch, without gradients."""
+        with torch.no_grad():
+            return self.global_loss(
+                self.evaluation_step(self.model, self.rows(index)).reduce_mean()
+            )
+
+    def rows(self, index: int) -> Batch:
+        """This replica's rows of batch ``index``."""
         rows = GLOBAL_BATCH // smp.dp_size()
         mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-        self.optimizer.zero_grad()
-        rows_of = {k: v[mine] for k, v in batch(self.case, index).items()}
-        output = self.train_step(self.model, rows_of)
-        self.optimizer.step()
-        loss = output.reduce_mean().detach().clone()
+        return {k: v[mine] for k, v in batch(self.case, index).items()}
+
+    @staticmethod
+    def global_loss(loss: Tensor) -> float:
+        loss = loss.detach().clone()
         dist.all_reduce(loss, group=smp.get_dp_process_group())
         return loss.item() / smp.dp_size()
 
@@ -203,18 +222,22 @@ def test_sdp_gradient_clipping_zero_turns_clipping_off() -> None:
 
 def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float]]:
     """Train 4 steps, saving after 2; then a new model resumes from the save and trains the
-    last 2 again. The losses of steps 3 and 4 both times."""
+    last 2 again. The losses of steps 3 and 4 both times (the first time also evaluated
+    without gradients before step 3)."""
     dist.init_process_group("gloo")
     run = Run("lm", 2, microbatches=2)
     init(run)
     first = Trainer(run.case, build(run.case))
+    hooked: list[smp.DistributedModel] = []
+    first.model.register_post_partition_hook(hooked.append)
     for index in range(2):
         first.step(index)
     model, optimizer = first.model, first.optimizer
     smp.save_checkpoint(folder, "two", partial=partial, model=model, optimizer=optimizer)
     optimizer_file = Path(folder, f"optimizer_{smp.rank()}.pt")
     torch.save(first.optimizer.state_dict(), optimizer_file)  # full: gathered on every rank
-    straight = [first.step(index) for index in (2, 3)]
+    straight = [first.evaluate(2), first.step(2), first.step(3)]
+    assert hooked == [first.model], "the post-partition hook runs once, before the first step"
     smp.reset()
     second = Trainer(run.case, build(run.case))
     smp.resume_from_checkpoint(folder, partial=partial)
@@ -229,7 +252,8 @@ def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float
 @pytest.mark.parametrize("partial", [True, False])
 def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool) -> None:
     for straight, resumed in run_ranks(2, save_and_resume, str(tmp_path), partial, timeout=120):
-        assert resumed == pytest.approx(straight, rel=1e-6)
+        assert straight[0] == pytest.approx(straight[1], rel=1e-6)  # evaluated, then trained
+        assert resumed == pytest.approx(straight[1:], rel=1e-6)
     files = sorted(p.name for p in (tmp_path / "two_partial").iterdir()) if partial else []
     if partial:  # each shard of the group in its own file
         assert files == [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +112,10 @@ class DistributedModel(nn.Module):
         self._tracing = threading.Event()
         self._profile: ModelProfile | None = None
         self._pending_loads: list[tuple[dict[str, Any], bool]] = []
-        self._post_partition_hooks: dict[int, Callable[[DistributedModel], None]] = {}
+        # An OrderedDict: RemovableHandle keeps a weak reference to it, which a dict refuses.
+        self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
+            OrderedDict()
+        )
         self.sharding: ShardedModel | None = None
         """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
         steps, gradients and state dicts go through :mod:`.sharded`."""
@@ -194,6 +198,9 @@ class DistributedModel(nn.Module):
         ``make_body(device)`` splits the step's arguments, their tensors moved to ``device``,
         and returns the step body of one microbatch (called on the leader only)."""
         if self.sharding is not None:
+            if not self.sharding.stepped:  # sharded when wrapped: the hooks run before step 1
+                for hook in list(self._post_partition_hooks.values()):
+                    hook(self)
             return self.sharding.run_step(count, make_body)
         if self._runtime is None:
             self._partition(make_body)

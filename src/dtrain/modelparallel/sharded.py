@@ -48,14 +48,20 @@ from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.state import MPState
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
 
 def shard_units(root: nn.Module, threshold: int) -> list[nn.Module]:
     """The submodules that become FSDP2 units, each before any unit containing it.
 
-    A Hugging Face block (``root._no_split_modules``) is a unit whole; any other submodule is
-    one when at least ``threshold`` of its parameters lie outside the units below it. Modules
-    sharing a parameter with a module outside their subtree are never units: FSDP2 must manage
-    a shared parameter in one unit.
+    A submodule is a unit when at least ``threshold`` of its parameters lie outside the units
+    below it. Hugging Face blocks (``root._no_split_modules``) and torch.nn's own modules
+    other than containers are atomic: a unit whole, or none of their submodules is one
+    (``MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``, so that
+    unit's parameters would never be gathered); a block is a unit whatever its size. Never
+    a unit: a module that is not called (``ModuleList``, ``ModuleDict``: FSDP2 gathers a
+    unit's parameters around its forward) or that shares a parameter with a module outside
+    its subtree (FSDP2 must manage a shared parameter in one unit).
     """
     blocks = set(getattr(root, "_no_split_modules", None) or ())
     holders: dict[int, list[str]] = {}
@@ -76,8 +82,11 @@ def shard_units(root: nn.Module, threshold: int) -> list[nn.Module]:
 
     def visit(prefix: str, module: nn.Module) -> int:
         """Parameters (elements) of ``module`` outside the units found below it."""
-        whole = type(module).__name__ in blocks
-        if whole:
+        block = type(module).__name__ in blocks
+        atomic = block or (
+            type(module).__module__.startswith("torch.nn.") and not isinstance(module, CONTAINERS)
+        )
+        if atomic:
             loose = sum(p.numel() for p in module.parameters())
         else:
             loose = sum(p.numel() for p in module.parameters(recurse=False))
@@ -86,7 +95,8 @@ def shard_units(root: nn.Module, threshold: int) -> list[nn.Module]:
         if (
             module is not root
             and loose > 0
-            and (whole or loose >= threshold)
+            and (block or loose >= threshold)
+            and type(module).forward is not nn.Module.forward
             and self_contained(prefix, module)
         ):
             units.append(module)
@@ -110,6 +120,8 @@ class ShardedModel:
         self._world = st.world_process_group
         self._shard_group = mesh.get_group("shard")
         self._stepping = False
+        self.stepped = False
+        """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
         claimed: set[int] = set()
         units = shard_units(module, st.config["sdp_param_persistence_threshold"])
         for unit in [*units, module]:
@@ -153,7 +165,7 @@ class ShardedModel:
     ) -> list[MicrobatchResult]:
         """The step body for each microbatch in turn, on this rank's device."""
         body = make_body(self.device)
-        self._stepping = True
+        self.stepped = self._stepping = True
         try:
             return [(True, body(mb)) for mb in range(count)]
         except BaseException:
