@@ -11,14 +11,10 @@ synchronised the parameters at wrap time), so the optimizer the script then crea
 ``model.parameters()`` holds the sharded parameters (DTensors) and allocates state for this
 rank's shards only.
 
-**Units.** ``fully_shard`` is applied bottom-up to the submodules :func:`shard_units` chooses,
-then to the root; a unit's parameters are gathered together before its forward (and again
-before its backward) and freed after. A unit is a Hugging Face model's block (the classes in
-its ``_no_split_modules``: ``GPT2Block``, ``LlamaDecoderLayer``, ...) or, elsewhere, a
-submodule holding at least ``sdp_param_persistence_threshold`` parameters outside the units
-below it; the rest (embeddings, final norms, small layers) is the root's unit. A submodule
-whose parameters are shared with modules outside it (a tied embedding) is never a unit of its
-own.
+**Units.** ``fully_shard`` is applied bottom-up to the submodules :func:`shard_units` chooses
+(Hugging Face blocks, submodules of at least ``sdp_param_persistence_threshold`` parameters),
+then to the root, which keeps the rest; a unit's parameters are gathered together before its
+forward (and again before its backward) and freed after.
 
 **Steps.** The step body runs once per microbatch on every rank, one microbatch after the
 other: FSDP2 tracks one forward and backward at a time. Each microbatch's backward
@@ -129,7 +125,6 @@ class ShardedModel:
             claimed.update(id(m) for m in managed)
             self._prepare(managed)
             fully_shard(unit, mesh=mesh)
-        self.units = units
 
     def _prepare(self, modules: list[nn.Module]) -> None:
         """Make the tensors one unit manages (the parameters and buffers of ``modules``, the
@@ -147,8 +142,7 @@ class ShardedModel:
                         if tensor is None or isinstance(tensor, DTensor):
                             continue
                         data = tensor.data.to(self.device)
-                        if dist.get_world_size(self._world) > 1:
-                            dist.broadcast(data, src=0, group=self._world)
+                        dist.broadcast(data, src=0, group=self._world)
                         tensor.data = data
 
     # --- steps -------------------------------------------------------------------------------
