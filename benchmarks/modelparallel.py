@@ -25,7 +25,9 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   two measured in the same run (target <= 0.65 for 2 ranks). The LM is
   ``--sdp-layers`` pre-norm blocks of width ``--sdp-width`` (feed-forward 4x, heads of 64)
   and a vocabulary of ``--sdp-vocab``; the defaults make a small one to check that it runs,
-  ``--sdp-layers 16 --sdp-width 1024 --sdp-vocab 32768`` the issue's 218M-parameter one.
+  ``--sdp-layers 16 --sdp-width 1024 --sdp-vocab 32768`` the issue's 218M-parameter one;
+  ``--sdp-delayed`` creates it inside ``smp.delay_param_initialization()`` on the sharded
+  ranks (made unit by unit as it is sharded).
 * ``busy``: a 30M-parameter GPT-2 (``examples/modelparallel/gpt.py``: 8 layers, width 512,
   8 heads, sequence 128, vocabulary 8192, its head tied to the embedding), global batch 16 in
   8 microbatches, auto-partitioned on 2 ranks: the share of each step each rank computes
@@ -68,6 +70,7 @@ from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.jobkey import KEY_ENV
+from dtrain.modelparallel import heap
 from dtrain.modelparallel.options import SPLIT_ENV
 from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
@@ -451,6 +454,7 @@ def sharded_worker(rank: int, port: int, args: argparse.Namespace, results: Any)
     data = batches(2, args.sdp_vocab)
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     if args.variant == "single":
+        heap.keep_large_blocks_returnable()  # as smp.init does for the sharded ranks
         model: nn.Module = sharded_lm(args)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for tokens, targets in data:
@@ -459,7 +463,9 @@ def sharded_worker(rank: int, port: int, args: argparse.Namespace, results: Any)
             optimizer.step()
     else:
         smp.init({"ddp": True, "sharded_data_parallel_degree": world})
-        model = smp.DistributedModel(sharded_lm(args))
+        with smp.delay_param_initialization(enabled=args.sdp_delayed):
+            lm = sharded_lm(args)
+        model = smp.DistributedModel(lm)
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
         @smp.step
@@ -495,6 +501,7 @@ def run_sharded(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "parameters": single[0]["parameters"],
         "degree": args.sdp_degree,
+        "delayed": args.sdp_delayed,
         "single_process": single,
         "sharded_ranks": ranks,
         "peak_ratio": max(row["peak_rss_mib"] for row in ranks) / peak,
@@ -653,8 +660,8 @@ def memory_table(r: dict[str, Any]) -> str:
 
 def sharded_table(r: dict[str, Any]) -> str:
     lines = [
-        f"sharded data parallel {r['degree']}: peak RSS MiB, {r['parameters'] / 1e6:.1f}M "
-        "parameters",
+        f"sharded data parallel {r['degree']}{' (delayed)' if r['delayed'] else ''}: peak RSS "
+        f"MiB, {r['parameters'] / 1e6:.1f}M parameters",
         f"  single     {r['single_process'][0]['peak_rss_mib']:8.1f}",
     ]
     lines += [f"  rank {row['rank']:<5} {row['peak_rss_mib']:8.1f}" for row in r["sharded_ranks"]]
@@ -725,6 +732,9 @@ def main() -> None:
     parser.add_argument("--sdp-layers", type=int, default=4)
     parser.add_argument("--sdp-width", type=int, default=256)
     parser.add_argument("--sdp-vocab", type=int, default=1024)
+    parser.add_argument(
+        "--sdp-delayed", action="store_true", help="sharded ranks create the LM delayed"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)

@@ -54,6 +54,15 @@ import smdistributed.modelparallel.torch as smp
 assert smdistributed.modelparallel.__version__ >= "1.10"  # what Hugging Face transformers reads
 import warnings
 
+from smdistributed.modelparallel.torch.patches.checkpoint import (  # SMP's activation checkpointing
+    checkpoint,
+    checkpoint_sequential,
+    set_activation_checkpointing,
+)
+
+assert smp.set_activation_checkpointing is set_activation_checkpointing
+assert callable(checkpoint) and callable(checkpoint_sequential)
+
 from dtrain.modelparallel import state
 
 with warnings.catch_warnings(record=True) as caught:  # AWS's GPT-NeoX script passes defaults

@@ -154,6 +154,51 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--repeats", type=int, help="timed passes (times are medians; default: as many as a job)"
     )
+    plan.add_argument(
+        "--without-memory",
+        action="store_true",
+        help="create the model without memory (as smp.delay_param_initialization does) and plan "
+        "from its shapes and operation counts, untimed: for models larger than this machine",
+    )
+    plan.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="microbatches per step; the --input batch is one of them (default 1)",
+    )
+    plan.add_argument(
+        "--pipeline", default="interleaved", help="the pipeline's schedule: interleaved, simple"
+    )
+    plan.add_argument(
+        "--active-microbatches",
+        type=int,
+        help="most microbatches in flight (default: partitions + 2, at most --microbatches)",
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adam",
+        help="whose state the memory per partition counts: adam (default), adamw, "
+        "sgd-momentum, sgd",
+    )
+    precision = plan.add_mutually_exclusive_group()
+    for name in ("fp16", "bf16"):
+        precision.add_argument(
+            f"--{name}",
+            action="store_const",
+            const=name,
+            dest="half_precision",
+            help=f"{name} parameters with fp32 masters (SMP's {name} parameter)",
+        )
+    plan.add_argument(
+        "--memory-per-rank",
+        metavar="SIZE",
+        help="fail (exit 1) naming a layout that fits when a partition needs more, e.g. 8GiB",
+    )
+    plan.add_argument(
+        "--max-partitions",
+        type=int,
+        help="most partitions the layout proposed by --memory-per-rank may have (default 8)",
+    )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
     plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
     return parser
@@ -334,12 +379,67 @@ def _example_inputs(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (value if isinstance(value, tuple) else (value,)), {}
 
 
+def _memory_settings(args: argparse.Namespace) -> Any:
+    """The ``dtrain plan`` flags that decide memory per partition, checked for their form."""
+    from dtrain.modelparallel.memory import OPTIMIZER_STATES, MemorySettings
+    from dtrain.modelparallel.policy import PIPELINES
+
+    if args.pipeline not in PIPELINES:
+        raise ConfigError(
+            "--pipeline",
+            args.pipeline,
+            ", ".join(PIPELINES),
+            did_you_mean(args.pipeline, PIPELINES),
+        )
+    if args.optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            "--optimizer",
+            args.optimizer,
+            ", ".join(OPTIMIZER_STATES),
+            did_you_mean(args.optimizer, OPTIMIZER_STATES),
+        )
+    if args.microbatches < 1:
+        raise ConfigError("--microbatches", args.microbatches, "an integer >= 1")
+    active = args.active_microbatches
+    if active is not None and not 1 <= active <= args.microbatches:
+        raise ConfigError(
+            "--active-microbatches",
+            active,
+            f"an integer from 1 to --microbatches ({args.microbatches})",
+        )
+    return MemorySettings(
+        optimizer=args.optimizer,
+        half_precision=args.half_precision,
+        pipeline=args.pipeline,
+        microbatches=args.microbatches,
+        active_microbatches=active,
+    )
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Samples in the example inputs: the first dimension of the first tensor with one."""
+    import torch
+
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
+
+
 def _plan(args: argparse.Namespace) -> int:
     from torch import nn
 
+    from dtrain.modelparallel.deferred import delay_param_initialization
+    from dtrain.modelparallel.errors import MemoryLimitError
+    from dtrain.modelparallel.fit import MAX_PARTITIONS, check_memory
+    from dtrain.modelparallel.memory import parse_size
     from dtrain.modelparallel.partition import auto_plan
     from dtrain.modelparallel.placement import manual_placements
-    from dtrain.modelparallel.profile import DEFAULT_REPEATS, profile_module
+    from dtrain.modelparallel.profile import (
+        DEFAULT_REPEATS,
+        profile_module,
+        profile_without_memory,
+    )
 
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
@@ -348,20 +448,37 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-weight", args.memory_weight, "a number from 0 to 1")
     if repeats < 1:
         raise ConfigError("--repeats", repeats, "an integer >= 1")
+    settings = _memory_settings(args)
+    limit = (
+        None
+        if args.memory_per_rank is None
+        else parse_size("--memory-per-rank", args.memory_per_rank)
+    )
+    max_partitions = MAX_PARTITIONS if args.max_partitions is None else args.max_partitions
+    if max_partitions < args.partitions:
+        raise ConfigError(
+            "--max-partitions", max_partitions, f"an integer >= --partitions ({args.partitions})"
+        )
     files: dict[Path, ModuleType] = {}
     model_file, factory = _load_function("FILE:FACTORY", args.model, files)
     _, sample = _load_function("--input", args.input, files, default_file=model_file)
-    model = factory()
+    with delay_param_initialization(enabled=args.without_memory):
+        model = factory()
     if not isinstance(model, nn.Module):
         returned = type(model).__name__
         raise ConfigError(
             "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
         )
     inputs, kwargs = _example_inputs(sample())
-    # As a job plans: the same profile (repeats) and smp.partition placements as constraints.
-    profile = profile_module(model, inputs, kwargs, repeats=repeats)
+    # As a job plans: the same profile (repeats; from shapes and operation counts for a model
+    # made without memory) and smp.partition placements as constraints.
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        profile = profile_without_memory(model, inputs, kwargs)
+    else:
+        profile = profile_module(model, inputs, kwargs, repeats=repeats)
     fixed = manual_placements(model)
     plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
+    plan = plan.with_memory(settings)
     print(plan.table())
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
@@ -369,6 +486,22 @@ def _plan(args: argparse.Namespace) -> int:
     if args.dot:
         Path(args.dot).write_text(plan.to_dot())
         print(f"graph written to {args.dot} (render: dot -Tsvg {args.dot} -o plan.svg)")
+    if limit is not None:
+        samples = _batch_size(inputs, kwargs)
+        try:
+            check_memory(
+                plan,
+                profile,
+                limit,
+                memory_weight=args.memory_weight,
+                fixed=fixed,
+                max_partitions=max_partitions,
+                batch_size=None if samples is None else samples * args.microbatches,
+            )
+        except MemoryLimitError as error:
+            print(f"dtrain: {error}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"every partition fits {args.memory_per_rank} per rank")
     return EXIT_OK
 
 

@@ -166,6 +166,8 @@ class Layout:
     """HF gradient checkpointing with ``use_reentrant`` this value; ``None``: off."""
     bf16: bool = False
     """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward inside the step."""
+    marked: bool = False
+    """``smp.set_activation_checkpointing`` on every layer."""
 
 
 @dataclass
@@ -230,6 +232,9 @@ def _distributed(layout: Layout) -> tuple[nn.Module, smp.DistributedModel]:
     if not layout.auto:
         for name in CASES[layout.case].split:
             smp.set_partition(module.get_submodule(name), 1)
+    if layout.marked:
+        for layer in module.get_submodule(CASES[layout.case].split[0].rpartition(".")[0]):
+            smp.set_activation_checkpointing(layer)
     return module, smp.DistributedModel(module)
 
 

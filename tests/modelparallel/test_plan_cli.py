@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from dtrain.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
 from dtrain.config.modelparallel import validate_mp_parameters
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan
 from dtrain.modelparallel.placement import manual_placements
@@ -32,6 +32,14 @@ def not_a_model():
 
 def one_tensor():
     return torch.randn(5, 4)
+
+
+def deep():
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+
+
+def two_samples():
+    return torch.randn(2, 64)
 """
 
 
@@ -52,6 +60,25 @@ def test_example_gpt_plan_with_json_and_dot(
     assert saved.partitions == 2 and set(saved.owners.values()) == {0, 1}
     assert saved.owner("lm_head") == saved.owner("wte") == 0
     assert dot.read_text().startswith("digraph partition_plan {")
+
+
+def test_a_plan_without_memory_has_the_exact_operation_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model made on the meta device: no times, but the same operation counts, sizes and
+    ties as the timed profile, and every partition used."""
+    timed, meta = tmp_path / "timed.json", tmp_path / "meta.json"
+    assert plan(f"{GPT}:build_model", "--partitions", "2", "--json", str(timed)) == EXIT_OK
+    argv = [f"{GPT}:build_model", "--partitions", "2", "--without-memory", "--json", str(meta)]
+    assert main(["plan", *argv]) == EXIT_OK
+    capsys.readouterr()
+    timed_plan = PartitionPlan.from_dict(json.loads(timed.read_text()))
+    meta_plan = PartitionPlan.from_dict(json.loads(meta.read_text()))
+    assert set(meta_plan.owners.values()) == {0, 1}
+    assert meta_plan.owner("lm_head") == meta_plan.owner("wte") == 0
+    for name, entry in timed_plan.modules.items():
+        assert meta_plan.modules[name].param_count == entry.param_count, name
+    assert sum(s.flops for s in meta_plan.stages) == sum(s.flops for s in timed_plan.stages) > 0
 
 
 def test_input_from_another_file_and_a_single_argument(
@@ -78,6 +105,18 @@ def test_input_from_another_file_and_a_single_argument(
             "function of"),
         (["{tiny}:not_a_model", "--input", "one_tensor", "--partitions", "2"],
             "a function returning an nn.Module"),
+        (["{tiny}:build", "--partitions", "2", "--memory-per-rank", "8G"],
+            "--memory-per-rank: got '8G'; allowed: a size such as 8GiB, 512MiB, 8GB or "
+            "1073741824 (bytes)"),
+        (["{tiny}:build", "--partitions", "2", "--optimizer", "adamm"],
+            "--optimizer: got 'adamm'; allowed: adam, adamw, sgd-momentum, sgd (did you mean "
+            "'adam'?)"),
+        (["{tiny}:build", "--partitions", "2", "--pipeline", "simpel"],
+            "--pipeline: got 'simpel'; allowed: simple, interleaved (did you mean 'simple'?)"),
+        (["{tiny}:build", "--partitions", "2", "--microbatches", "2", "--active-microbatches",
+            "3"], "--active-microbatches: got 3; allowed: an integer from 1 to --microbatches (2)"),
+        (["{tiny}:build", "--partitions", "4", "--max-partitions", "3"],
+            "--max-partitions: got 3; allowed: an integer >= --partitions (4)"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error(
@@ -115,3 +154,40 @@ def test_the_command_plans_as_a_job_does(tmp_path: Path) -> None:
         fixed=manual_placements(model),
     )
     assert job.owners == planned.owners
+
+
+def test_memory_per_rank_names_the_layout_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """8 layers of 16.25 KiB of parameters, 65 KiB each with gradients and Adam's state: 260 KiB
+    per partition at pp=2, 195 at pp=3, 130 at pp=4 (activations are 512 B a layer)."""
+    models = tmp_path / "deep.py"
+    models.write_text(TINY_MODEL)
+    argv = [f"{models}:deep", "--input", "two_samples", "--partitions", "2"]
+    code = plan(*argv, "--memory-per-rank", "160KiB")
+    captured = capsys.readouterr()
+    assert code == EXIT_FAILED
+    assert "peak memory" in captured.out  # the plan is shown before the verdict
+    assert captured.err.startswith("dtrain: partition ")
+    assert "more than the 160.0 KiB allowed per rank: params 65.0 KiB" in captured.err
+    assert (
+        "A layout that fits: partitions 2 -> 4 (interleaved pipeline, 1 microbatch, at most 1 "
+        "in flight; largest partition 131.0 KiB)"
+    ) in captured.err
+
+    out = tmp_path / "plan.json"
+    code = plan(
+        *argv, "--memory-per-rank", "1GiB", "--bf16", "--optimizer", "sgd", "--json", str(out)
+    )
+    assert code == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "every partition fits 1GiB per rank" in printed
+    assert "sgd (0 state tensors per parameter), bf16 parameters with fp32 masters" in printed
+    saved = json.loads(out.read_text())
+    assert saved["memory_settings"]["half_precision"] == "bf16"
+    peak = saved["stages"][0]["peak_memory"]
+    assert peak["params"] == 4 * 2 * (64 * 64 + 64)  # 4 layers, 2 bytes a parameter
+    assert peak["master"] == 2 * peak["params"] and peak["optimizer"] == 0
+    assert PartitionPlan.from_dict(saved).peak_memory[0].total == sum(
+        value for key, value in peak.items() if key != "held_microbatches"
+    )

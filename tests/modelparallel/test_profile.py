@@ -251,9 +251,23 @@ def test_json_round_trip(lm: ModelProfile) -> None:
         ModelProfile.from_dict(data)
 
 
-def test_repeats_must_be_positive() -> None:
+def test_repeats_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="repeats"):
-        profile_module(GroupedNet(), (torch.randn(1, 1, 12, 12),), repeats=0)
+        profile_module(GroupedNet(), (torch.randn(1, 1, 12, 12),), repeats=-1)
+
+
+def test_an_untimed_profile_runs_on_the_meta_device_with_exact_counts() -> None:
+    """``repeats=0``: the structure pass alone, which runs without memory and counts as the
+    timed profile does."""
+    timed = profile_module(GroupedNet(), (torch.randn(2, 1, 12, 12),), repeats=1)
+    meta = profile_module(
+        GroupedNet().to("meta"), (torch.randn(2, 1, 12, 12, device="meta"),), repeats=0
+    )
+    assert meta.repeats == 0 and meta.backward_measured
+    for name, entry in timed.modules.items():
+        untimed = meta.modules[name]
+        assert (untimed.flops, untimed.activation_bytes) == (entry.flops, entry.activation_bytes)
+        assert untimed.forward_time == untimed.backward_time == 0.0
 
 
 class Counted(nn.Module):

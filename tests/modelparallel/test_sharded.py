@@ -5,7 +5,7 @@ SGD with momentum on the global batch of 8: one process against 4 ranks sharding
 random weights), gradient clipping at ``sdp_gradient_clipping`` active in every step (the
 reference clips with ``torch.nn.utils.clip_grad_norm_``). Losses agree to a relative 1e-5 and
 parameters to 1e-5. Each layout of a case runs in one world; the cases in their own worlds
-(torch's DTensor caches match device meshes by layout, so a second, equal 2-D mesh after
+(torch's DTensor caches match device meshes by layout, so a second, equal mesh after
 ``smp.shutdown`` would run on the first one's destroyed groups).
 """
 
@@ -61,6 +61,8 @@ class Run:
     threshold: int = 1000
     """``sdp_param_persistence_threshold``: small, so that our LM has several units."""
     clip: float = CLIP
+    delayed: bool = False
+    """Created inside ``smp.delay_param_initialization()``: made unit by unit when sharded."""
 
 
 @dataclass
@@ -164,7 +166,13 @@ def train_runs(runs: list[Run], steps: int) -> list[Trained]:
     results = []
     for run in runs:
         init(run)
-        trainer = Trainer(run.case, build(run.case))
+        if run.delayed:
+            with smp.delay_param_initialization():
+                module = build(run.case)
+            assert all(p.is_meta for p in module.parameters())
+        else:
+            module = build(run.case)
+        trainer = Trainer(run.case, module)
         losses = [trainer.step(index) for index in range(steps)]
         params = trainer.model.state_dict()
         results.append(Trained(losses, params, [], trainer.optimizer_elements()))
@@ -199,6 +207,15 @@ def test_sharded_and_hybrid_train_like_one_process(case: str, microbatches: int)
         held = [trained[index].optimizer_elements for trained in results]
         assert sum(held) == full * 4 // run.degree, (run, held, full)
         assert max(held) <= full / run.degree * 1.2, (run, held, full)
+
+
+@pytest.mark.parametrize("case", ["lm", "gpt2"])
+def test_delayed_models_are_made_unit_by_unit_and_train_like_one_process(case: str) -> None:
+    run = Run(case, 2, microbatches=2, delayed=True)
+    results = run_ranks(2, train_runs, [run], STEPS, timeout=300)
+    expected = reference(run.case, STEPS, CLIP)
+    for rank, trained in enumerate(results):
+        assert_equivalent(trained[0], expected, f"{run}, rank {rank}")
 
 
 def test_units_are_blocks_or_large_submodules_never_a_tied_embedding() -> None:
@@ -280,6 +297,45 @@ def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool) -> None:
 def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=f"sharded_data_parallel_degree: .*{message}"):
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
+
+
+def test_half_precision_is_not_sharded_yet() -> None:
+    params = {"ddp": True, "bf16": True, "sharded_data_parallel_degree": 2}
+    with pytest.raises(ConfigError, match="degree: got 2; allowed: 1 with bf16=true: dtrain"):
+        validate_mp_parameters(params, world_size=4)
+
+
+def train_pipelines(shard_optimizer_state: bool, steps: int) -> Trained:
+    """pp=2 x dp=2 with bf16 parameters (fp32 masters), ``shard_optimizer_state`` or not."""
+    dist.init_process_group("gloo")
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "ddp": True,
+            "bf16": True,
+            "shard_optimizer_state": shard_optimizer_state,
+            "auto_partition": False,
+            "default_partition": 0,
+        }
+    )
+    module = build("lm")
+    for name, partition in equivalence.CASES["lm"].split.items():
+        smp.set_partition(module.get_submodule(name), partition)
+    trainer = Trainer("lm", module)
+    losses = [trainer.step(index) for index in range(steps)]
+    trained = Trained(losses, trainer.model.state_dict(), [], trainer.optimizer_elements())
+    smp.shutdown()
+    dist.destroy_process_group()
+    return trained
+
+
+def test_shard_optimizer_state_with_half_precision_steps_the_masters_alike() -> None:
+    sharded = run_ranks(4, train_pipelines, True, STEPS, timeout=300)
+    whole = run_ranks(4, train_pipelines, False, STEPS, timeout=300)
+    for rank, (got, expected) in enumerate(zip(sharded, whole, strict=True)):
+        assert_equivalent(got, expected, f"rank {rank}")
+        assert got.optimizer_elements < expected.optimizer_elements, rank
 
 
 def train_zero(folder: str, steps: int) -> tuple[Trained, list[float]]:

@@ -185,9 +185,15 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "TP ranks share a batch; shard data by rdp_rank instead of dp_rank.",
         requires=(("optimize", "speed"),),
     ),
-    ParameterSpec("offload_activations", bool, False, "Offload checkpointed activations to CPU."),
     ParameterSpec(
-        "activation_loading_horizon", int, 4, "How early offloaded activations reload.", minimum=0
+        "offload_activations", bool, False, "Checkpointed inputs to host memory (GPUs only)."
+    ),
+    ParameterSpec(
+        "activation_loading_horizon",
+        int,
+        4,
+        "Accepted; offloaded inputs reload at recompute.",
+        minimum=0,
     ),
     ParameterSpec("skip_tracing", bool, False, "Skip the tracing step before partitioning."),
     ParameterSpec(
@@ -373,6 +379,20 @@ def _check_requires(values: Mapping[str, Any], where: str) -> None:
                 )
 
 
+def _check_sharding(values: Mapping[str, Any], where: str) -> None:
+    """Half-precision parameters keep fp32 masters that dtrain's sharded data parallelism
+    does not shard yet: refused rather than run unsharded."""
+    half = [name for name in ("fp16", "bf16", "fp16_params") if values[name]]
+    degree = values["sharded_data_parallel_degree"]
+    if half and degree != 1:
+        raise ConfigError(
+            f"{where}.sharded_data_parallel_degree",
+            degree,
+            f"1 with {half[0]}=true: dtrain does not yet shard half-precision parameters' "
+            "fp32 masters (use torch.autocast in the step for mixed precision)",
+        )
+
+
 def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
     degree = values["pipeline_parallel_degree"]
     partition = values["default_partition"]
@@ -451,6 +471,7 @@ def validate_mp_parameters(
     values = {name: values[name] for name in MP_PARAMETER_NAMES}
     _check_requires(values, where)
     _check_partitioning(values, where)
+    _check_sharding(values, where)
     if world_size is not None:
         check_world_size(values, world_size, where)
     if values["fp16_params"]:

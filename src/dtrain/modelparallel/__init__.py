@@ -2,11 +2,13 @@
 
 Scripts use it as SMP: ``import dtrain.modelparallel as smp`` (or, under ``dtrain run``,
 ``import smdistributed.modelparallel.torch as smp``), then ``smp.init()``,
-``smp.DistributedModel``, ``@smp.step``. Tensor parallelism is not supported: its entry points
-raise, except the ``enabled=False`` no-ops.
+``smp.DistributedModel``, ``@smp.step``; large models are created inside
+``smp.delay_param_initialization()`` or ``smp.model_creation()``. Tensor parallelism is not
+supported: its entry points raise, except the ``enabled=False`` no-ops.
 """
 
 from dtrain.modelparallel import amp
+from dtrain.modelparallel.activations import set_activation_checkpointing
 from dtrain.modelparallel.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from dtrain.modelparallel.comm import (
     DP_GROUP,
@@ -29,6 +31,8 @@ from dtrain.modelparallel.comm import (
     send,
     tp_barrier,
 )
+from dtrain.modelparallel.creation import model_creation
+from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.model import DistributedModel
 from dtrain.modelparallel.optimizer import DistributedOptimizer
 from dtrain.modelparallel.placement import nn_modules as nn
@@ -90,6 +94,7 @@ __all__ = [
     "amp",
     "barrier",
     "broadcast",
+    "delay_param_initialization",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -110,6 +115,7 @@ __all__ = [
     "load",
     "local_rank",
     "local_size",
+    "model_creation",
     "mp_barrier",
     "mp_rank",
     "mp_size",
@@ -129,6 +135,7 @@ __all__ = [
     "save",
     "save_checkpoint",
     "send",
+    "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
     "shutdown",

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from dtrain.modelparallel.errors import NotInStepError, RemoteError
+from dtrain.modelparallel.activations import (
+    REMOTE_STUB,
+    CheckpointSpec,
+    inside_non_reentrant_checkpoint,
+    inside_reentrant_checkpoint,
+    take,
+)
+from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, RemoteError
 from dtrain.modelparallel.executor import Task
 from dtrain.modelparallel.group import RankParts
 from dtrain.modelparallel.hooks import hooked_submodules, replay
@@ -28,6 +35,7 @@ from dtrain.modelparallel.remote import (
     attach,
     call_signature,
     deferred_outputs,
+    materialize,
     predictable,
 )
 from dtrain.modelparallel.split_backward import backward_giving_way
@@ -55,6 +63,24 @@ def _dequeue(task: Task, dst: int) -> list[tuple[Message, list[torch.Tensor]]]:
     return items
 
 
+def _refuse_deferred_arguments(name: str, owner: int, arguments: Any) -> None:
+    """A call inside reentrant ``torch.utils.checkpoint`` gives the checkpoint function tensors
+    (its outputs are fetched at once); an argument another partition computed and nobody
+    fetched yet is no tensor to that function, which would drop its gradient: refused."""
+    deferred: list[RemoteValue] = []
+    map_leaves(arguments, lambda v: deferred.append(v) if isinstance(v, RemoteValue) else None)
+    for value in deferred:
+        if not value.fetched and value.record.grad:
+            raise ModelParallelError(
+                f"module {name!r} (partition {owner}) is called inside reentrant "
+                "torch.utils.checkpoint with an argument that module "
+                f"{value.record.module!r} computed on partition {value.record.owner} and nobody "
+                "fetched: it is not a tensor there, so reentrant checkpointing would drop its "
+                "gradient. Use use_reentrant=False, or "
+                f"smp.set_activation_checkpointing(<module {name!r}>) instead"
+            )
+
+
 class RemoteCaller:
     """This rank's calls to modules other partitions own; the :class:`~.remote.Caller` of the
     :class:`~.remote.CallRecord` of each."""
@@ -80,6 +106,8 @@ class RemoteCaller:
         """Per module run elsewhere: its submodules not run here (whose hooks are replayed)."""
 
     def stub(self, name: str) -> Callable[..., Any]:
+        module, owner = self._modules[name], self.owners[name]
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             task = self.executor.current()
             if task is None:
@@ -87,14 +115,28 @@ class RemoteCaller:
                     f"module {name or '<root>'!r} was called outside an @smp.step function: "
                     "call the model (and model.backward) inside the step function"
                 )
-            return self.call(task, name, self.owners[name], args, kwargs)
+            spec = take(module)
+            if spec is None and inside_non_reentrant_checkpoint():
+                spec = CheckpointSpec()  # the owner checkpoints it (see .activations)
+            if not inside_reentrant_checkpoint():
+                return self.call(task, name, owner, args, kwargs, spec)
+            _refuse_deferred_arguments(name, owner, (args, kwargs))
+            return materialize(self.call(task, name, owner, args, kwargs, spec))
 
+        setattr(forward, REMOTE_STUB, True)
         return forward
 
     def call(
-        self, task: Task, name: str, owner: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        task: Task,
+        name: str,
+        owner: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checkpoint: CheckpointSpec | None = None,
     ) -> Any:
-        """Run ``module(*args, **kwargs)`` on partition ``owner`` (see :mod:`.remote`)."""
+        """Run ``module(*args, **kwargs)`` on partition ``owner`` (see :mod:`.remote`),
+        checkpointed there if ``checkpoint`` says so."""
         assert self.transport is not None
         refs: list[CallRecord] = []
 
@@ -121,7 +163,12 @@ class RemoteCaller:
             body=structure,
             microbatch=task.microbatch,
             step=task.step,
-            extra={"mode": mode.to_wire(), "expect": predicted, "observe": observed},
+            extra={
+                "mode": mode.to_wire(),
+                "expect": predicted,
+                "observe": observed,
+                "checkpoint": None if checkpoint is None else checkpoint.preserve_rng_state,
+            },
         )
         dst = self.group.ranks[owner]
         if predicted is None:

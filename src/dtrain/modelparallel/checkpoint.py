@@ -8,6 +8,7 @@ state. Layout under ``path``::
 
     {tag}_partial/model_{pp}_{tp}_{rdp}.pt      partial model state (``local_state_dict``)
     {tag}_partial/optimizer_{pp}_{tp}_{rdp}.pt  partial optimizer state
+    {tag}_partial/fp16_states_{pp}_{tp}_{rdp}.pt  fp32 master weights and loss scale (fp16/bf16)
     {tag}_partial/user_content.pt               whatever the script passed as user_content
     {tag}                                       full model state dict
     user_content_{tag}                          user_content of a full checkpoint
@@ -35,6 +36,7 @@ import torch
 
 from dtrain.modelparallel import comm, state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.precision import FP16_STATES
 from dtrain.modelparallel.state import MPState
 
 NEWEST = "newest"
@@ -151,10 +153,16 @@ def save_checkpoint(
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
         folder.mkdir(parents=True, exist_ok=True)
-        for kind, source in (("model", model), ("optimizer", optimizer)):
-            writes, index = _share(st, kind)
-            if writes and source is not None:
-                torch.save(source.local_state_dict(), folder / _rank_file(kind, st, index))
+        writes, index = _share(st, "model")
+        if writes and model is not None:
+            torch.save(model.local_state_dict(), folder / _rank_file("model", st, index))
+        writes, index = _share(st, "optimizer")
+        if writes and optimizer is not None:
+            optimizer_state = optimizer.local_state_dict()
+            if FP16_STATES in optimizer_state:
+                fp16_file = folder / _rank_file(FP16_STATES, st, index)
+                torch.save(optimizer_state.pop(FP16_STATES), fp16_file)
+            torch.save(optimizer_state, folder / _rank_file("optimizer", st, index))
         if st.rank == 0 and user_content is not None:
             torch.save(user_content, folder / USER_CONTENT)
     else:
@@ -239,7 +247,8 @@ def resume_from_checkpoint(
                 f"(saved with another pipeline_parallel_degree, or not a partial checkpoint?)"
             )
         model.load_state_dict(_read(model_file), strict=strict)
-        optimizer_file = folder / _rank_file("optimizer", st, _share(st, "optimizer")[1])
+        _, index = _share(st, "optimizer")
+        optimizer_file = folder / _rank_file("optimizer", st, index)
         if load_optimizer and optimizer_file.is_file():
             optimizer = state.current_optimizer()
             if optimizer is None:
@@ -249,7 +258,11 @@ def resume_from_checkpoint(
                     stacklevel=2,
                 )
             else:
-                optimizer.load_state_dict(_read(optimizer_file))
+                optimizer_state = _read(optimizer_file)
+                fp16_file = folder / _rank_file(FP16_STATES, st, index)
+                if fp16_file.is_file():
+                    optimizer_state[FP16_STATES] = _read(fp16_file)
+                optimizer.load_state_dict(optimizer_state)
         user_file = folder / USER_CONTENT
     else:
         model.load_state_dict(_read(root / tag), strict=strict)

@@ -55,3 +55,8 @@ class StepFailedError(RemoteError):
 
 class CommunicationTimeoutError(ModelParallelError, TimeoutError):
     """A wait for another rank (a reply, the compute token, the end of a step) ran out of time."""
+
+
+class MemoryLimitError(PartitionError):
+    """A partition of the plan needs more memory than a rank has (``--memory-per-rank``, or the
+    GPU's free memory); the message says which, by how much, and a layout that would fit."""

@@ -3,8 +3,10 @@
 Nothing happens to the module until the first step: then every rank takes rank 0's parameters
 and buffers, the model is partitioned (rank 0 profiles the first microbatch and plans, or the
 manual placement is used), each rank frees the parameters it does not own, and the pipeline
-runtime starts. After each step each rank averages its own parameters' gradients over its
-data-parallel group.
+runtime starts. A model created inside ``smp.delay_param_initialization()`` has no memory until
+then: rank 0 plans from its shapes and operation counts, and each rank makes only what it owns
+(:mod:`.deferred`), so no rank ever holds the whole model. After each step each rank averages
+its own parameters' gradients over its data-parallel group.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,13 +26,20 @@ from torch.utils.hooks import RemovableHandle
 from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel import placement, solo, state
+from dtrain.modelparallel import deferred, fit, placement, solo, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.profile import ModelProfile, Snapshot, moved_to, profile_module
+from dtrain.modelparallel.precision import HalfParameters, half_dtype
+from dtrain.modelparallel.profile import (
+    ModelProfile,
+    Snapshot,
+    moved_to,
+    profile_module,
+    traced_without_memory,
+)
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineRuntime
 from dtrain.modelparallel.schedule import (
@@ -111,11 +121,18 @@ class DistributedModel(nn.Module):
         """ids of the modules this rank owns; ``None`` before partitioning (all of them)."""
         self._tracing = threading.Event()
         self._profile: ModelProfile | None = None
-        self._pending_loads: list[tuple[dict[str, Any], bool]] = []
-        # An OrderedDict: RemovableHandle keeps a weak reference to it, which a dict refuses.
+        self._pending_loads: list[tuple[dict[str, Any], bool, bool]] = []
+        """State dicts loaded before partitioning: ``(values, strict, full)``."""
         self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
-            OrderedDict()
+            OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
         )
+        dtype = half_dtype(self._state.config)
+        self.half_precision = (
+            None
+            if dtype is None
+            else HalfParameters(dtype, self._state.device, self._state.world_process_group)
+        )
+        """``fp16``/``bf16``: the half model's fp32 masters and loss scale (:mod:`.precision`)."""
         self.sharding: ShardedModel | None = None
         """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
         steps, gradients and state dicts go through :mod:`.sharded`."""
@@ -123,21 +140,30 @@ class DistributedModel(nn.Module):
             # Imported here: FSDP2 and DTensor take seconds to import, for sharded models only.
             from dtrain.modelparallel.sharded import ShardedModel
 
+            self._sync_random_states()
             self.sharding = ShardedModel(module, self._state)
 
     # --- calling the model -------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._tracing.is_set():
+            if self._delayed():
+                profile, outputs = traced_without_memory(self.module, args, kwargs)
+                self._profile = self._profile or profile
+                return outputs
             if self._profile is None:
                 self._profile = profile_module(self.module, args, kwargs)
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         if self.sharding is not None:
             self.sharding.require_step("the model")
-        else:
-            self._require_step("the model")
-        return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+        self._require_step("the model")
+        half = self.half_precision
+        if half is None:
+            return self.module(*args, **kwargs)
+        args, kwargs = half.inputs((args, kwargs))
+        return half.outputs(self.module(*args, **kwargs))
 
     def backward(
         self,
@@ -164,6 +190,8 @@ class DistributedModel(nn.Module):
         if self.sharding is not None:
             self.sharding.backward(outputs, _scaled(outputs, grads, scale))
             return
+        if self.half_precision is not None and self.half_precision.loss_scale != 1.0:
+            scale = (scale or 1.0) * self.half_precision.loss_scale
         runtime = self._require_step("model.backward")
         grads = materialize(grads)  # computed elsewhere: fetch
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
@@ -216,13 +244,30 @@ class DistributedModel(nn.Module):
         else:
             outcomes = runtime.run_step(count, None)
         if all(ok for ok, _ in outcomes):
-            self._reduce_gradients()
+            if self.half_precision is None:
+                self._reduce_gradients(list(self.local_parameters()))
+            else:
+                self.half_precision.after_backward(self._reduce_gradients)
         return outcomes
 
     # --- partitioning ------------------------------------------------------------------------
 
+    def _delayed(self) -> bool:
+        """Whether some of the model was created without memory and not made yet."""
+        return any(deferred.is_deferred(t) for t in self._all_tensors())
+
+    def _all_tensors(self) -> list[torch.Tensor]:
+        return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
+
+    def _sync_random_states(self) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank."""
+        recordings = deferred.recordings_of(self._all_tensors())
+        if recordings and self._state.size > 1:
+            deferred.sync_random_states(recordings, self._rank0_states)
+
     def _partition(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
         st = self._state
+        self._sync_random_states()
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
@@ -271,15 +316,17 @@ class DistributedModel(nn.Module):
 
         The profiling step runs the module and its tensor arguments on the trace device: SMP's
         scripts leave the model on the CPU and move their batches to the GPU, which would not
-        run together.
+        run together. A model created without memory runs on the meta device instead (see
+        :meth:`forward`): the plan then weighs operation counts, not times.
         """
         st = self._state
         # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
         snapshot = Snapshot(self.module, [], st.device.type == "cuda")
         device = trace_device_of(self._trace_device, st.device)
+        placed = nullcontext() if self._delayed() else moved_to(self.module, device)
         self._tracing.set()
         try:
-            with moved_to(self.module, device):
+            with placed:
                 make_body(device)(0)
         finally:
             self._tracing.clear()
@@ -290,22 +337,31 @@ class DistributedModel(nn.Module):
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
-        return auto_plan(
+        plan = auto_plan(
             self._profile, st.pp_size, memory_weight=st.config["memory_weight"], fixed=fixed
         )
+        return fit.check_device_memory(plan, self._profile, st, self.module, fixed)
 
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""
         st = self._state
         return broadcast_object(payload, 0, st.object_groups["world"], st.seals)
 
+    def _rank0_states(self, states: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rank 0's saved generator states of a delayed model, on every rank."""
+        theirs = self._broadcast_objects([state.numpy().tobytes() for state in states])
+        return [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in theirs]
+
     def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (models may be seeded apart)."""
+        """Every rank starts from rank 0's parameters and buffers (models may be seeded apart;
+        a delayed model's share is made from rank 0's random states instead)."""
         st = self._state
         if st.size == 1:
             return
         with torch.no_grad():
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                if tensor.is_meta:
+                    continue
                 data = tensor.data.to(st.device)
                 dist.broadcast(data, src=0, group=st.world_process_group)
                 if data is not tensor.data:
@@ -317,13 +373,18 @@ class DistributedModel(nn.Module):
         self._plan = plan
         owners = {name: plan.owner(name) for name in modules}
         self._local_modules = {id(m) for name, m in modules.items() if owners[name] == st.pp_rank}
-        local = {id(t) for _, t, _ in self._state_tensors(local_only=True, persistent_only=False)}
+        mine = [t for _, t, _ in self._state_tensors(local_only=True, persistent_only=False)]
+        local = {id(t) for t in mine}
         with torch.no_grad():
-            for _, tensor, _ in self._state_tensors(local_only=False, persistent_only=False):
+            deferred.materialize(mine, st.device)
+            for tensor in self._all_tensors():
+                if tensor.is_meta:  # created without memory, and another rank's
+                    continue
                 if id(tensor) in local:
                     tensor.data = tensor.data.to(st.device)
                 else:  # another rank owns it: free the memory, keep the object
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=st.device)
+        self._cast_to_half()
         group = PipelineGroup(
             rank=st.rank,
             pp_rank=st.pp_rank,
@@ -342,11 +403,17 @@ class DistributedModel(nn.Module):
         )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_message_group)
-        for sd, strict in self._pending_loads:
-            self._load_local(sd, strict)
+        for sd, strict, full in self._pending_loads:
+            self._load_local(sd, strict, full=full)
         self._pending_loads.clear()
         for hook in list(self._post_partition_hooks.values()):
             hook(self)
+
+    def _cast_to_half(self) -> None:
+        """With ``fp16``/``bf16``: this rank's parameters get fp32 masters and the model's
+        floating parameters and buffers become half; call once the own ones are in place."""
+        if self.half_precision is not None:
+            self.half_precision.cast(self.local_parameters(), self._all_tensors())
 
     def _planned_schedule(self, plan: PartitionPlan) -> Schedule:
         """The pipeline's policy (which backwards are split chosen for the plan's stage
@@ -441,13 +508,13 @@ class DistributedModel(nn.Module):
 
     # --- gradients over the data-parallel group ----------------------------------------------
 
-    def _reduce_gradients(self) -> None:
-        """Average this rank's gradients over its data-parallel group, in the balanced buckets
-        of :mod:`dtrain.dataparallel.buckets`."""
+    def _reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Average the gradients of ``params`` (this rank's, or their fp32 masters) over the
+        data-parallel group, in the balanced buckets of :mod:`dtrain.dataparallel.buckets`."""
         st = self._state
         if st.dp_size == 1:
             return
-        params = [p for p in self.local_parameters() if p.requires_grad]
+        params = [p for p in params if p.requires_grad]
         if not params:
             return
         has_grad = torch.tensor([float(p.grad is not None) for p in params], device=st.device)
@@ -525,8 +592,8 @@ class DistributedModel(nn.Module):
             self.sharding.load(values, partial, strict)
             return None
         if self._runtime is None:
-            if partial:
-                self._pending_loads.append((values, strict))
+            if partial or self._delayed():  # nothing to load into yet
+                self._pending_loads.append((values, strict, not partial))
                 return None
             return self.module.load_state_dict(values, strict=strict)
         self._load_local(values, strict and not partial, full=not partial)
@@ -546,6 +613,8 @@ class DistributedModel(nn.Module):
             for name, tensor in mine.items():
                 if name in values:
                     tensor.copy_(values[name])
+                    if self.half_precision is not None:
+                        self.half_precision.load_value(tensor, values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 

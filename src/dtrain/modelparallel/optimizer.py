@@ -8,6 +8,13 @@ partitioning it drops the parameters other ranks own, so their state is never al
 State dicts are keyed by parameter *name* (not position), so a full optimizer state saved with
 one partitioning loads into another, and partial states merge without renumbering.
 
+With ``fp16``/``bf16`` (:mod:`.precision`) the optimizer steps the parameters' fp32 masters: at
+the first ``step()`` its param groups switch from the model's half parameters to their masters,
+the state dicts hold the optimizer's state of the masters plus the masters themselves and the
+loss scale under ``"fp16_states"`` (SMP's ``local_fp16_state_dict``), and a step that overflowed
+on any rank is skipped by every rank. The loss-scale arguments apply to fp16 models only; with
+bf16 or fp32 SMP ignores them, and so does this.
+
 State loaded before the first step (``smp.resume_from_checkpoint`` usually runs then) is placed
 beside its parameter as the parameter is then, on the CPU; partitioning moves parameters to the
 rank's GPU, so the first ``step()`` places every state again beside its parameter, as torch's
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
+from dtrain.modelparallel.precision import FP16_STATES, LossScaler
 from dtrain.sealed import all_gather_objects
 
 if TYPE_CHECKING:
@@ -38,8 +46,14 @@ def DistributedOptimizer(
     dynamic_loss_scale: bool = False,
     **dynamic_loss_args: Any,
 ) -> torch.optim.Optimizer:
-    """Adapt ``optimizer`` to the partitioned model (create it after ``DistributedModel``)."""
-    del static_loss_scale, dynamic_loss_scale, dynamic_loss_args  # fp16 wrappers: use amp
+    """Adapt ``optimizer`` to the partitioned model (create it after ``DistributedModel``).
+
+    ``dynamic_loss_args`` may also come as one dict, ``dynamic_loss_args={...}`` (SMP's source
+    spells it so); its keys and defaults are :data:`.precision.DYNAMIC_LOSS_ARGS`.
+    """
+    if set(dynamic_loss_args) == {"dynamic_loss_args"}:
+        dynamic_loss_args = dynamic_loss_args["dynamic_loss_args"] or {}
+    scaler = LossScaler.of(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
     model = state.current_model()
     if not isinstance(model, DistributedModel):
         raise ModelParallelError(
@@ -56,17 +70,30 @@ def DistributedOptimizer(
                     "optimizer from model.parameters() (or model.local_parameters())"
                 )
     adapter = _Adapter(optimizer, model, names)
-    original_step = optimizer.step
+    original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
+    half = model.half_precision
+    if half is not None:
+        half.scaler = scaler
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
         if model.sharding is not None:
             model.sharding.clip_gradients()  # sdp_gradient_clipping, as SMP's sharded step
-        if adapter.zero is not None:
-            return adapter.zero.step(*args, **kwargs)
-        return original_step(*args, **kwargs)
+        run = original_step if adapter.zero is None else adapter.zero.step
+        if half is None:
+            return run(*args, **kwargs)
+        return half.step(lambda: run(*args, **kwargs))
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original_zero_grad(set_to_none)
+        if half is not None:
+            half.zero_grad()
 
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]
+    optimizer.local_optimizer_state_dict = adapter.local_optimizer_state_dict  # type: ignore[attr-defined]
+    optimizer.local_fp16_state_dict = adapter.local_fp16_state_dict  # type: ignore[attr-defined]
     optimizer.local_state_dict = adapter.local_state_dict  # type: ignore[attr-defined]
     optimizer.state_dict = adapter.state_dict  # type: ignore[method-assign]
     optimizer.load_state_dict = adapter.load_state_dict  # type: ignore[method-assign]
@@ -84,24 +111,37 @@ class _Adapter:
         self.model = model
         self.names = names
         self.pruned = False
+        self.pending_fp16: dict[str, Any] | None = None
+        """fp16 states loaded before the masters existed."""
         self.zero: ZeroRedundancyOptimizer | None = None
         """With ``shard_optimizer_state``, what steps and holds the state (see :meth:`_shard`)."""
 
     def prune(self) -> None:
-        """Keep only the local parameters, once the model is partitioned, with their state
-        where partitioning put them."""
+        """Keep only the local parameters (their fp32 masters for a half model), once the model
+        is partitioned, with their state where partitioning put them."""
         if self.pruned or not self.model.partitioned:
             return
-        local = {id(p) for p in self.model.local_parameters()}
+        half = self.model.half_precision
+        stepped = {
+            id(p): p if half is None else half.master(p) for p in self.model.local_parameters()
+        }
+        for param in self.model.local_parameters():
+            self.names[id(stepped[id(param)])] = self.names[id(param)]
+        states = self.optimizer.state
         for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in local]
+            group["params"] = [stepped[id(p)] for p in group["params"] if id(p) in stepped]
+        for param in list(states):
+            values = states.pop(param)
+            if id(param) in stepped:
+                states[stepped[id(param)]] = values
+        for group in self.optimizer.param_groups:
             for param in group["params"]:
-                if param in self.optimizer.state:
-                    self.optimizer.state[param] = placed(param, self.optimizer.state[param], group)
-        for param in list(self.optimizer.state):
-            if id(param) not in local:
-                del self.optimizer.state[param]
+                if param in states:
+                    states[param] = placed(param, states[param], group)
         self.pruned = True
+        if half is not None and self.pending_fp16 is not None:
+            half.load_masters(self.pending_fp16, self.names)
+            self.pending_fp16 = None
         st = state.current()
         if st.config["shard_optimizer_state"] and st.dp_size > 1:
             self._shard(st.dp_process_group)
@@ -138,10 +178,40 @@ class _Adapter:
         """The optimizer holding this rank's state: ZeRO's local one, or the script's."""
         return self.optimizer if self.zero is None else self.zero.optim
 
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients the optimizer steps to a global norm over every partition;
+        returns that norm (-1 after an fp16 overflow: the step will be skipped). Every rank
+        calls it, after the step function."""
+        self.prune()
+        half = self.model.half_precision
+        if half is None:
+            raise ModelParallelError(
+                "optimizer.clip_master_grads clips the fp32 master gradients of an fp16 or bf16 "
+                "model (smp.init with fp16=True or bf16=True); for an fp32 model clip "
+                "model.local_parameters()' gradients with torch.nn.utils.clip_grad_norm_"
+            )
+        st = state.current()
+        group = st.pp_process_group if st.pp_size > 1 else None
+        return half.clip_master_grads(max_norm, norm_type, group)
+
+    def local_fp16_state_dict(self) -> dict[str, Any]:
+        """This rank's fp32 masters by parameter name and the loss scale (empty for an fp32
+        model)."""
+        self.prune()
+        half = self.model.half_precision
+        return {} if half is None else half.state_dict(self.names)
+
     def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state by parameter name, with its fp16 states if any."""
+        result = self.local_optimizer_state_dict()
+        if self.model.half_precision is not None:
+            result[FP16_STATES] = self.local_fp16_state_dict()
+        return result
+
+    def local_optimizer_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state, by parameter name."""
         self.prune()
-        local = {id(p) for p in self.model.local_parameters()}
+        local = self._stepped_ids()
         groups = []
         for group in self.optimizer.param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
@@ -152,7 +222,7 @@ class _Adapter:
     def _states(self, full: bool) -> dict[str, dict[str, Any]]:
         """This rank's parameters' states by name, on the CPU; of a sharded parameter its
         shard, or (``full``) the whole state, gathered (every rank calls it)."""
-        local = {id(p) for p in self.model.local_parameters()}
+        local = self._stepped_ids()
         holder = self._holder
         sharding = self.model.sharding
         saved = _on_cpu if sharding is None else functools.partial(sharding.saved, full=full)
@@ -178,6 +248,11 @@ class _Adapter:
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
             merged["state"].update(part["state"])
+            if FP16_STATES in part:
+                fp16 = merged.setdefault(
+                    FP16_STATES, {**part[FP16_STATES], "fp32_master_params": {}}
+                )
+                fp16["fp32_master_params"].update(part[FP16_STATES]["fp32_master_params"])
             for index, group in enumerate(part["param_groups"]):
                 if index == len(merged["param_groups"]):
                     merged["param_groups"].append({**group, "params": []})
@@ -208,6 +283,18 @@ class _Adapter:
                         for k, v in saved_state.items()
                     }
                 holder.state[param] = placed(param, saved_state, group)
+        half = self.model.half_precision
+        if FP16_STATES in state_dict and half is not None:
+            half.scaler.load_state_dict(state_dict[FP16_STATES]["loss_scaler"])
+            if self.pruned:
+                half.load_masters(state_dict[FP16_STATES], self.names)
+            else:  # the masters are made at partitioning
+                self.pending_fp16 = state_dict[FP16_STATES]
+
+    def _stepped_ids(self) -> set[int]:
+        """ids of the tensors the optimizer steps for this rank's parameters."""
+        half = self.model.half_precision
+        return {id(p if half is None else half.master(p)) for p in self.model.local_parameters()}
 
 
 def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.modelparallel.activations import CheckpointSpec, checkpointed, requested, take
 from dtrain.modelparallel.caller import RemoteCaller
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.executor import Task
@@ -120,12 +121,16 @@ class Owner:
     def guard(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         """An owned module computes with the token; when called from code that holds it
         already (its parent's forward) this costs nothing (see :mod:`.executor`). Deferred
-        remote values among its arguments are fetched first."""
+        remote values among its arguments are fetched first. A call another rank asked to
+        checkpoint (SMP's ``checkpoint(module, ...)``) runs checkpointed here."""
+        module = self._modules[name]
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = materialize((args, kwargs))
+            spec = take(module)
+            run = forward if spec is None else checkpointed(forward, spec)
             with self.executor.computing(name):
-                return forward(*args, **kwargs)
+                return run(*args, **kwargs)
 
         return guarded
 
@@ -205,9 +210,16 @@ class Owner:
         args, kwargs = unflatten(structure, entry.inputs)
         task = self.executor.current()
         assert task is not None
+        module = self._modules[message.module]
+        preserve_rng_state = message.extra.get("checkpoint")
+        spec = None if preserve_rng_state is None else CheckpointSpec(preserve_rng_state)
         with self.executor.computing(message.module):
-            with mode.applied(), recording(self._modules, message.extra["observe"]) as records:
-                output = materialize(self._modules[message.module](*args, **kwargs))
+            with (
+                mode.applied(),
+                recording(self._modules, message.extra["observe"]) as records,
+                requested(module, spec),
+            ):
+                output = materialize(module(*args, **kwargs))
             self.caller.check_calls(task)
         entry.output = output
         return output, records

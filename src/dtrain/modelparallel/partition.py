@@ -56,6 +56,13 @@ from torch import nn
 
 from dtrain.errors import did_you_mean
 from dtrain.modelparallel.errors import PartitionError
+from dtrain.modelparallel.memory import (
+    MemorySettings,
+    StageMemory,
+    format_size,
+    held_microbatches,
+    stage_memory,
+)
 from dtrain.modelparallel.profile import ModelProfile, static_profile
 
 DEFAULT_BANDWIDTH = 1e9
@@ -78,6 +85,16 @@ TIE_TOLERANCE = 0.03
 """Among the plans equal in memory, those whose largest partition cost is within this fraction
 of the best one's are ties, the one moving fewer bytes between partitions winning: moving a small
 module's code off the slowest partition changes its cost by less than the noise."""
+
+ESTIMATED_FLOP_RATE = 5e10
+"""Floating-point operations per second assumed where a profile has no times: only the ratio
+of compute to traffic (:data:`DEFAULT_BANDWIDTH`) depends on it, not the balance of compute."""
+
+
+def estimated_time(flops: int) -> float:
+    """Seconds of a module's forward and backward (about twice the forward's operations)."""
+    return 3 * flops / ESTIMATED_FLOP_RATE
+
 
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#d9d9d9")
 
@@ -109,6 +126,14 @@ class StageCost:
     cost: float = 0.0
     flops: int = 0
     """Floating-point operations of the partition's forward (see :class:`ModuleStats`)."""
+    param_count: int = 0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    activation_bytes: int = 0
+    """Bytes of the output tensors its modules create for the profiled batch."""
+    peak_memory: StageMemory | None = None
+    """What it holds at its peak in training, by kind, once :meth:`PartitionPlan.with_memory`
+    has been told the optimizer, precision and schedule."""
 
     @property
     def time(self) -> float:
@@ -130,6 +155,8 @@ class PartitionPlan:
     profiled: bool = True
     """False for a plan made without running the model: times and costs are unknown."""
     warnings: list[str] = field(default_factory=list)
+    memory_settings: MemorySettings | None = None
+    """What the stages' ``peak_memory`` assumes (``None`` until :meth:`with_memory`)."""
 
     def owner(self, name: str) -> int:
         """Partition owning module ``name`` (``""`` is the root)."""
@@ -150,6 +177,38 @@ class PartitionPlan:
         """The partition with the longest predicted time."""
         return max(range(self.partitions), key=lambda k: self.stages[k].time)
 
+    def with_memory(self, settings: MemorySettings) -> PartitionPlan:
+        """This plan with every partition's peak memory under ``settings``: the microbatches
+        each holds come from the schedule the runtime plans for these stage times."""
+        times = [stage.compute_time for stage in self.stages] if self.profiled else []
+        held = held_microbatches(settings, self.partitions, times)
+        stages = [
+            dataclasses.replace(
+                stage,
+                peak_memory=stage_memory(
+                    param_count=stage.param_count,
+                    param_bytes=stage.param_bytes,
+                    buffer_bytes=stage.buffer_bytes,
+                    activation_bytes=stage.activation_bytes,
+                    held=held[k],
+                    settings=settings,
+                ),
+            )
+            for k, stage in enumerate(self.stages)
+        ]
+        return dataclasses.replace(self, stages=stages, memory_settings=settings)
+
+    @property
+    def peak_memory(self) -> list[StageMemory]:
+        """Every partition's peak memory (see :meth:`with_memory`)."""
+        peaks = [stage.peak_memory for stage in self.stages]
+        if self.memory_settings is None or any(peak is None for peak in peaks):
+            raise PartitionError(
+                "the plan has no peak memory yet: plan.with_memory(MemorySettings(...)) "
+                "says the optimizer, precision and schedule it depends on"
+            )
+        return peaks  # type: ignore[return-value]
+
     def table(self) -> str:
         """Human-readable plan: one row per module, then one per partition."""
         rows = [("module", "type", "placement", "part", "params", "compute ms", "memory", "cost")]
@@ -163,7 +222,7 @@ class PartitionPlan:
                     str(self.owners[name]),
                     _count(entry.param_count),
                     f"{entry.compute_time * 1e3:.3f}" if self.profiled else "-",
-                    _size(entry.memory_bytes),
+                    format_size(entry.memory_bytes),
                     f"{entry.cost:.3f}" if self.profiled else "-",
                 )
             )
@@ -182,11 +241,14 @@ class PartitionPlan:
                     f"{stage.compute_time * 1e3:.3f}" if known else "-",
                     f"{stage.comm_time * 1e3:.3f}" if known else "-",
                     f"{stage.time * 1e3:.3f}" if known else "-",
-                    _size(stage.memory_bytes),
+                    format_size(stage.memory_bytes),
                     f"{stage.cost:.3f}" if known else "-",
                 )
             )
         lines.extend(_columns(stage_rows, left=0))
+        if self.memory_settings is not None:
+            lines.append("")
+            lines.extend(self._memory_table())
         if self.profiled:
             slowest = self.slowest_stage
             lines.append(
@@ -197,9 +259,36 @@ class PartitionPlan:
         for p, row in enumerate(self.traffic):
             for q, sent in enumerate(row):
                 if sent:
-                    lines.append(f"traffic {p} -> {q}: {_size(sent)} per forward pass")
+                    lines.append(f"traffic {p} -> {q}: {format_size(sent)} per forward pass")
         lines.extend(f"warning: {warning}" for warning in self.warnings)
         return "\n".join(lines)
+
+    def _memory_table(self) -> list[str]:
+        """One row per partition: its peak memory by kind, and what the figures assume."""
+        settings = self.memory_settings
+        assert settings is not None
+        rows = [("peak memory", "params", "grads", "optimizer", "buffers", "activations", "total")]
+        for k, peak in enumerate(self.peak_memory):
+            held = peak.held_microbatches
+            rows.append(
+                (
+                    f"partition {k}",
+                    format_size(peak.params),
+                    format_size(peak.grads),
+                    format_size(peak.master + peak.optimizer),
+                    format_size(peak.buffers),
+                    f"{format_size(peak.activations)} ({held} mb)",
+                    format_size(peak.total),
+                )
+            )
+        masters = " + fp32 masters" if settings.half_precision else ""
+        assumed = settings.describe(self.partitions)
+        return [
+            *_columns(rows, left=1),
+            f"peak memory assumes {assumed};",
+            f"optimizer = state{masters}; activations = module outputs x microbatches held "
+            "(mb), an estimate from below",
+        ]
 
     def to_dot(self) -> str:
         """Graphviz text: the modules placed by a decision (not ``inherited``) as a tree, filled
@@ -213,6 +302,8 @@ class PartitionPlan:
         ]
         for k, stage in enumerate(self.stages):
             timing = f"\\n{stage.time * 1e3:.3f} ms, cost {stage.cost:.3f}" if self.profiled else ""
+            if stage.peak_memory is not None:
+                timing += f"\\npeak memory {format_size(stage.peak_memory.total)}"
             lines.append(f'  p{k} [label="partition {k}{timing}", fillcolor="{_colour(k)}"];')
         for name in shown:
             entry = self.modules[name]
@@ -237,8 +328,20 @@ class PartitionPlan:
     def from_dict(cls, data: Mapping[str, Any]) -> PartitionPlan:
         data = dict(data)
         modules = {name: PlacedModule(**row) for name, row in data.pop("modules").items()}
-        stages = [StageCost(**stage) for stage in data.pop("stages")]
-        return cls(modules=modules, stages=stages, **data)
+        stages = []
+        for row in data.pop("stages"):
+            row = dict(row)
+            peak = row.pop("peak_memory", None)
+            stages.append(
+                StageCost(**row, peak_memory=None if peak is None else StageMemory(**peak))
+            )
+        settings = data.pop("memory_settings", None)
+        return cls(
+            modules=modules,
+            stages=stages,
+            memory_settings=None if settings is None else MemorySettings(**settings),
+            **data,
+        )
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -355,6 +458,10 @@ def costed_plan(
         stage.compute_time += time
         stage.memory_bytes += memory
         stage.flops += stats.flops
+        stage.param_count += stats.param_count
+        stage.param_bytes += stats.param_bytes
+        stage.buffer_bytes += stats.buffer_bytes
+        stage.activation_bytes += stats.activation_bytes
         modules[name] = PlacedModule(
             type=stats.type,
             placement=(placements or {}).get(name, "manual"),
@@ -449,13 +556,21 @@ class _CostModel:
 
 def _pooled_times(profile: ModelProfile) -> dict[str, float]:
     """Each module's own forward and backward time, as the median over the modules alike: layers
-    doing the same work cost the same, so noise cannot favour one cut between them over another."""
+    doing the same work cost the same, so noise cannot favour one cut between them over another.
+    A profile without times (a model planned from the meta device) has them estimated from its
+    exact operation counts."""
+    if not _timed(profile):
+        return {name: estimated_time(m.flops) for name, m in profile.modules.items()}
     kinds = _kinds(profile)
     alike: dict[Hashable, list[float]] = {}
     for name, m in profile.modules.items():
         alike.setdefault(kinds[name], []).append(m.forward_exclusive + m.backward_exclusive)
     median = {kind: statistics.median(times) for kind, times in alike.items()}
     return {name: median[kinds[name]] for name in profile.modules}
+
+
+def _timed(profile: ModelProfile) -> bool:
+    return any(m.forward_exclusive or m.backward_exclusive for m in profile.modules.values())
 
 
 def _kinds(profile: ModelProfile) -> dict[str, Hashable]:
@@ -791,15 +906,6 @@ def _columns(rows: list[tuple[str, ...]], left: int) -> list[str]:
         ).rstrip()
         for row in rows
     ]
-
-
-def _size(count: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    power = 0
-    while count >= 1024 and power < len(units) - 1:
-        count /= 1024
-        power += 1
-    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
 
 
 def _count(count: int) -> str:

@@ -52,7 +52,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
+
+from dtrain.modelparallel.deferred import META, swap_in
 
 FORMAT_VERSION = 1
 
@@ -118,6 +121,7 @@ class ModelProfile:
     backward_time: float = 0.0
     """Wall time of the backward (median over the timed passes; 0 when there was none)."""
     backward_measured: bool = False
+    """A backward ran while profiling (its times are measured unless ``repeats`` is 0)."""
     unattributed_backward_time: float = 0.0
 
     @property
@@ -190,10 +194,12 @@ def profile_module(
 
     The backward starts from ``loss_fn(outputs)`` if given, else from the sum of every floating
     tensor in the outputs that requires grad (the gradient values do not matter for timing). With
-    ``backward=False`` or nothing to differentiate, backward times stay 0.
+    ``backward=False`` or nothing to differentiate, backward times stay 0. With ``repeats=0``
+    only the structure pass runs: calls, sizes and operation counts, no times; that pass also
+    runs on a model and arguments on the ``meta`` device, which hold no memory.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if repeats < 0:
+        raise ValueError(f"repeats must be at least 0, got {repeats}")
     kwargs = dict(kwargs or {})
     profile = static_profile(module)
     profile.repeats = repeats
@@ -226,6 +232,7 @@ def profile_module(
             loss = _loss(outputs, loss_fn) if backward else None
             if loss is not None:
                 loss.backward()
+                profile.backward_measured = True
             del outputs, loss
             recorder.end_structure()
 
@@ -247,7 +254,8 @@ def profile_module(
         for handle in handles:
             handle.remove()
         snapshot.restore()
-    _fold(profile, passes)
+    if passes:
+        _fold(profile, passes)
     return profile
 
 
@@ -403,6 +411,57 @@ def moved_to(module: nn.Module, device: torch.device) -> Iterator[None]:
             tensor.grad = None
             tensor.data = data
             tensor.grad = grad
+
+
+@contextmanager
+def on_meta(module: nn.Module) -> Iterator[None]:
+    """``module``'s real parameters and buffers on the ``meta`` device inside the block (the
+    same objects; values back afterwards), to run it with a model created partly without
+    memory."""
+    twins = []
+    try:
+        for tensor in {id(t): t for t in _module_tensors(module) if not t.is_meta}.values():
+            twin = tensor.detach().to(META)
+            swap_in(tensor, twin)
+            twins.append((tensor, twin))
+        yield
+    finally:
+        for tensor, twin in twins:
+            torch.utils.swap_tensors(tensor, twin)
+
+
+def profile_without_memory(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+) -> ModelProfile:
+    """The structure profile (calls, sizes, operation counts; no times) of a model created
+    partly or wholly without memory, run on the meta device with meta copies of ``args``."""
+    meta_args, meta_kwargs = _meta_twins((args, dict(kwargs or {})))
+    with on_meta(module):
+        return profile_module(module, meta_args, meta_kwargs, repeats=0)
+
+
+def traced_without_memory(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[ModelProfile, Any]:
+    """:func:`profile_without_memory`, and the model's outputs as zeros of their shapes on the
+    arguments' device, so that the step's own code around the model goes on."""
+    device = next(
+        (t.device for t in _unique_tensors((args, kwargs)) if not t.is_meta), torch.device("cpu")
+    )
+    profile = profile_without_memory(module, args, kwargs)
+    meta_args, meta_kwargs = _meta_twins((args, kwargs))
+    with on_meta(module), torch.no_grad():
+        outputs = module(*meta_args, **meta_kwargs)
+    zeros = tree_map_only(
+        Tensor,
+        lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
+        outputs,
+    )
+    return profile, zeros
+
+
+def _meta_twins(tree: Any) -> Any:
+    return tree_map_only(Tensor, lambda t: t.detach().to(META), tree)
 
 
 class Snapshot:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.modelparallel.activations import plan_checkpointing
 from dtrain.modelparallel.caller import RemoteCaller
 from dtrain.modelparallel.dispatch import Dispatcher, StepGate
 from dtrain.modelparallel.errors import (
@@ -79,6 +80,7 @@ class PipelineRuntime:
     ) -> None:
         """``plan``: this rank's compute actions, in the order every step runs them
         (``deterministic_server``); None: work runs as it becomes ready."""
+        checkpointing = plan_checkpointing(modules[""], owners)  # fails before anything starts
         self.group = group
         self._modules = modules
         self._plan = plan
@@ -129,7 +131,9 @@ class PipelineRuntime:
             if owners[name] != group.pp_rank:
                 install_stub(module, self.caller.stub(name))
             elif name:
-                install_stub(module, self.owner.guard(name, module.forward))
+                install_stub(module, self.owner.guard(name, checkpointing.forward_of(name, module)))
+            elif checkpointing.changes(name):
+                install_stub(module, checkpointing.forward_of(name, module))
 
     @property
     def is_leader(self) -> bool:

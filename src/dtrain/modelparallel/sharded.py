@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dtrain.modelparallel import deferred
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.state import MPState
@@ -132,18 +133,23 @@ class ShardedModel:
         device, right before the unit is sharded.
 
         This is the one place a unit's tensors exist whole: a model created without memory
-        (delayed initialisation) is to be materialised here, unit by unit, so that no rank
-        ever holds more than one unsharded unit beside the shards.
+        (``smp.delay_param_initialization``) is made here, unit by unit, with its eager values
+        (:mod:`.deferred`, from rank 0's random states), so that no rank ever holds more than
+        one unsharded unit beside the shards.
         """
+        tensors = [
+            tensor
+            for module in modules
+            for table in (module._parameters, module._buffers)
+            for tensor in table.values()
+            if tensor is not None and not isinstance(tensor, DTensor)
+        ]
         with torch.no_grad():
-            for module in modules:
-                for table in (module._parameters, module._buffers):
-                    for tensor in table.values():
-                        if tensor is None or isinstance(tensor, DTensor):
-                            continue
-                        data = tensor.data.to(self.device)
-                        dist.broadcast(data, src=0, group=self._world)
-                        tensor.data = data
+            deferred.materialize(tensors, self.device)
+            for tensor in tensors:
+                data = tensor.data.to(self.device)
+                dist.broadcast(data, src=0, group=self._world)
+                tensor.data = data
 
     # --- steps -------------------------------------------------------------------------------
 

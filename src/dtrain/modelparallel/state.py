@@ -26,6 +26,7 @@ from dtrain.config.modelparallel import (
 )
 from dtrain.dataparallel import process_group
 from dtrain.errors import ConfigError
+from dtrain.modelparallel import heap
 from dtrain.modelparallel.errors import (
     ModelParallelError,
     MultipleDistributedModelError,
@@ -128,6 +129,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         _check_running(config or {}, _state)
         return
     _auto_init = False
+    heap.keep_large_blocks_returnable()
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_mp_parameters(parameters, where=WHERE)

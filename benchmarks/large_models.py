@@ -1,0 +1,307 @@
+"""Models bigger than one process: memory per rank and speed of delayed initialisation.
+
+Scenarios (each prints a table; ``--json`` writes every figure):
+
+* ``memory``: the 218M-parameter LM (16 pre-norm blocks of width 1024, vocabulary 8192,
+  sequence 128), AdamW, 2 steps on a global batch of 8 in 4 microbatches, auto-partitioned.
+  Peak RSS of each rank (``ru_maxrss``: everything the process held, torch itself included)
+  over the peak of one process training the same model on the same batch (with the same heap
+  setting as ranks, :mod:`dtrain.modelparallel.heap`), each layout in a fresh world:
+  pipelines of 2 and 4 with the model created eagerly on every rank (what scripts without
+  ``smp.delay_param_initialization`` get) and created without memory.
+* ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches: step time with the model
+  created without memory over eagerly created, in fresh worlds taking turns (3 each; median
+  step of each world, then the median of those). The plan differs only in where it comes
+  from: the eager model's timed profile, or the delayed model's operation counts.
+* ``largest``: each process under its own memory cap (a cgroup v1 memory limit, as each GPU
+  has its own memory; ``--cap-gib``, the memory the process allocates after it started): the
+  most blocks of width 1024 that train 2 AdamW steps in one process against pp=4 with
+  delayed initialisation. Needs root and ``/sys/fs/cgroup/memory``.
+
+    python benchmarks/large_models.py --scenario all --json out/large.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _lm import TransformerLM  # benchmarks/ is the script's dir
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import heap
+from modelparallel import init_world, spawn, tensor_bytes
+
+LM_218M = {"vocab": 8192, "d_model": 1024, "heads": 16, "ff": 4096, "layers": 16, "seq": 128}
+LM_SPEED = {"vocab": 8192, "d_model": 512, "heads": 8, "ff": 2048, "layers": 8, "seq": 128}
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def lm_batches(shape: dict[str, int], count: int, batch: int) -> list[tuple[Any, Any]]:
+    generator = torch.Generator().manual_seed(1234)
+    data = []
+    for _ in range(count):
+        tokens = torch.randint(0, shape["vocab"], (batch, shape["seq"] + 1), generator=generator)
+        data.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return data
+
+
+def build(shape: dict[str, int], delayed: bool) -> TransformerLM:
+    with smp.delay_param_initialization(enabled=delayed):
+        return TransformerLM(**shape, seed=0)
+
+
+def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
+    """``args.steps`` steps of the variant; this rank's step times and memory."""
+    shape = {**LM_SPEED} if args.variant_shape == "speed" else {**LM_218M}
+    shape["layers"] = args.layers or shape["layers"]
+    data = lm_batches(shape, args.steps, args.batch)
+    if world == 1 and not args.pipeline:
+        model = TransformerLM(**shape, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(index: int) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(*data[index]).backward()
+            optimizer.step()
+
+        params = list(model.parameters())
+    else:
+        smp.init(
+            {
+                "pipeline_parallel_degree": world,
+                "microbatches": args.microbatches,
+                "pipeline": "interleaved",
+                "auto_partition": True,
+                "memory_weight": 0.2,
+            }
+        )
+        dist_model = smp.DistributedModel(build(shape, args.delayed))
+        optimizer = smp.DistributedOptimizer(torch.optim.AdamW(dist_model.parameters(), lr=1e-4))
+
+        @smp.step
+        def train_step(model: smp.DistributedModel, tokens: Any, targets: Any) -> Any:
+            loss = model(tokens, targets)
+            model.backward(loss)
+            return loss
+
+        def step(index: int) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            train_step(dist_model, *data[index])
+            optimizer.step()
+
+        params = []
+    times = []
+    for index in range(args.steps):
+        dist.barrier()
+        began = time.perf_counter()
+        step(index)
+        elapsed = torch.tensor([time.perf_counter() - began])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    if not params:
+        params = list(dist_model.local_parameters())
+    return {
+        "rank": rank,
+        "step_seconds": times,
+        "parameter_bytes": tensor_bytes(params),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    if args.cap_bytes:
+        join_capped_cgroup(rank, args.cap_bytes)
+    heap.keep_large_blocks_returnable()  # as smp.init does: one process alike
+    init_world(rank, args.world, port)
+    row = train(args, args.world, rank)
+    rows: list[Any] = [None] * args.world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        results.put(rows)
+    if smp.is_initialized():
+        smp.shutdown()
+    dist.destroy_process_group()
+
+
+def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False, **changes}
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+# --- scenario: memory --------------------------------------------------------------------------
+
+MEMORY_LAYOUTS = (
+    ("one process", 1, False, False),
+    ("pp=2 eager", 2, True, False),
+    ("pp=2 delayed", 2, True, True),
+    ("pp=4 eager", 4, True, False),
+    ("pp=4 delayed", 4, True, True),
+)
+
+
+def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    rows = {}
+    for label, world, pipeline, delayed in MEMORY_LAYOUTS:
+        chosen = variant(
+            args, world=world, pipeline=pipeline, delayed=delayed, variant_shape="218m", steps=2
+        )
+        rows[label] = spawn(worker, world, chosen)
+    single = rows["one process"][0]["peak_rss_mib"]
+    return {
+        "single_peak_rss_mib": single,
+        "layouts": {
+            label: {
+                "peak_rss_mib": [r["peak_rss_mib"] for r in ranks],
+                "largest_over_single": max(r["peak_rss_mib"] for r in ranks) / single,
+                "parameter_mib": [r["parameter_bytes"] / 2**20 for r in ranks],
+            }
+            for label, ranks in rows.items()
+        },
+    }
+
+
+def memory_table(r: dict[str, Any]) -> str:
+    lines = [f"peak RSS per rank, MiB (one process: {r['single_peak_rss_mib']:.0f})"]
+    for label, row in r["layouts"].items():
+        peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
+        ratio = row["largest_over_single"]
+        lines.append(f"  {label:14} largest/one process {ratio:.2f}  [{peaks}]")
+    return "\n".join(lines)
+
+
+# --- scenario: speed ---------------------------------------------------------------------------
+
+
+def run_speed(args: argparse.Namespace) -> dict[str, Any]:
+    medians: dict[str, list[float]] = {"eager": [], "delayed": []}
+    for _ in range(args.repeats):
+        for label in ("eager", "delayed"):
+            chosen = variant(
+                args,
+                world=2,
+                pipeline=True,
+                delayed=label == "delayed",
+                variant_shape="speed",
+                steps=args.warmup + args.steps,
+            )
+            rows = spawn(worker, 2, chosen)
+            medians[label].append(statistics.median(rows[0]["step_seconds"][args.warmup :]))
+    eager, delayed = (statistics.median(medians[k]) for k in ("eager", "delayed"))
+    return {"world_medians": medians, "eager_s": eager, "delayed_s": delayed,
+            "delayed_over_eager": delayed / eager}  # fmt: skip
+
+
+def speed_table(r: dict[str, Any]) -> str:
+    return (
+        f"pp=2 step: eager {r['eager_s'] * 1e3:.0f} ms, delayed {r['delayed_s'] * 1e3:.0f} ms,"
+        f" delayed/eager {r['delayed_over_eager']:.3f}"
+    )
+
+
+# --- scenario: largest -------------------------------------------------------------------------
+
+
+def join_capped_cgroup(rank: int, cap: int) -> None:
+    """This process into its own memory cgroup limited to ``cap`` bytes (an OOM kills it)."""
+    group = CGROUP / f"dtrain-bench-{os.getppid()}-{rank}"
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(cap))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def trains(args: argparse.Namespace, world: int, layers: int) -> bool:
+    chosen = variant(
+        args,
+        world=world,
+        pipeline=world > 1,
+        delayed=world > 1,
+        variant_shape="218m",
+        steps=2,
+        layers=layers,
+        cap_bytes=int(args.cap_gib * 2**30),
+    )
+    try:
+        spawn(worker, world, chosen)
+    except RuntimeError as exc:
+        print(f"  {world} rank(s), {layers} blocks: {exc}", file=sys.stderr)
+        return False
+    finally:
+        for group in CGROUP.glob(f"dtrain-bench-{os.getpid()}-*"):
+            group.rmdir()
+    print(f"  {world} rank(s), {layers} blocks: trained", file=sys.stderr)
+    return True
+
+
+def largest(args: argparse.Namespace, world: int, start: int) -> int:
+    """The most blocks that train: doubling from ``start``, then bisecting."""
+    good, bad = 0, start
+    while trains(args, world, bad):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if trains(args, world, middle) else (good, middle)
+    return good
+
+
+def run_largest(args: argparse.Namespace) -> dict[str, Any]:
+    if not CGROUP.is_dir() or os.geteuid() != 0:
+        raise SystemExit("largest needs root and the cgroup v1 memory controller")
+    block = 12 * LM_218M["d_model"] ** 2 + 13 * LM_218M["d_model"]  # attention + MLP + norms
+    one, four = largest(args, 1, 2), largest(args, 4, 8)
+    return {
+        "cap_gib": args.cap_gib,
+        "one_process_blocks": one,
+        "pp4_delayed_blocks": four,
+        "block_parameters": block,
+        "ratio": four / one if one else float("inf"),
+    }
+
+
+def largest_table(r: dict[str, Any]) -> str:
+    millions = r["block_parameters"] / 1e6
+    return (
+        f"each process capped at {r['cap_gib']:g} GiB: one process trains "
+        f"{r['one_process_blocks']} blocks (~{r['one_process_blocks'] * millions:.0f}M), "
+        f"pp=4 delayed {r['pp4_delayed_blocks']} (~{r['pp4_delayed_blocks'] * millions:.0f}M):"
+        f" {r['ratio']:.1f}x"
+    )
+
+
+TABLES = {"memory": memory_table, "speed": speed_table, "largest": largest_table}
+RUNNERS = {"memory": run_memory, "speed": run_speed, "largest": run_largest}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=(*TABLES, "all"), default="all")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (speed)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cap-gib", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
+    report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    for name in chosen:
+        report[name] = RUNNERS[name](args)
+        print(TABLES[name](report[name]), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

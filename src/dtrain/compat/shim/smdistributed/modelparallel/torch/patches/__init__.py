@@ -1,0 +1,1 @@
+"""``smdistributed.modelparallel.torch.patches``: SMP's module-level additions to torch models."""

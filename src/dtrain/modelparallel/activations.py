@@ -1,0 +1,466 @@
+"""Activation checkpointing (``smp.set_activation_checkpointing``, SMP's ``patches.checkpoint``)
+and activation offloading, for modules on any pipeline partition.
+
+A checkpointed module keeps only its inputs for backward; what its forward computed in between
+is recomputed when backward reaches it. The recomputation has to run where the module runs:
+on the leader for modules it owns, on the owner for a module another partition owns (a remote
+call's forward and backward both run there, :mod:`.owner`). So a mark only records what to
+checkpoint; the runtime wraps the forward of each marked module on the rank that owns it
+(:func:`plan_checkpointing`, :func:`checkpointed`), with torch's non-reentrant
+``torch.utils.checkpoint``. A module whose submodules live on several partitions cannot be
+recomputed in one place and fails, naming the module and its partitions.
+
+``torch.utils.checkpoint`` that the model's own code wraps around a module another partition
+runs works too. Reentrant: its forward runs without grad, so the owner keeps nothing; the
+recomputation in backward calls the owner again, with grad, and backpropagates through that call
+(the call's outputs are fetched at once, as the checkpoint function needs tensors); an argument
+another partition computed and nobody fetched is no tensor to that function, which would drop
+its gradient, so such a call fails (:mod:`.caller`). Non-reentrant: the call is checkpointed by
+its owner (:func:`inside_non_reentrant_checkpoint`), as if marked.
+
+Offloading (``offload_activations``, GPUs only): a checkpointed module's inputs, the only
+activations it keeps, are copied to pinned host memory in its forward; its recomputation copies
+them back to the device first. On a CPU there is nothing to offload.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from dtrain.errors import ConfigError, did_you_mean
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.transport import flatten, unflatten
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """How a module is checkpointed (SMP's arguments)."""
+
+    preserve_rng_state: bool = True
+    pack_args_as_tuple: bool = False
+    strategy: str = "each"
+
+
+_marks: weakref.WeakKeyDictionary[nn.Module, CheckpointSpec] = weakref.WeakKeyDictionary()
+_unclaimed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Modules marked while no ``DistributedModel`` was there to check that they belong to it."""
+_lock = threading.Lock()
+
+
+def group_size(strategy: object) -> int | None:
+    """Children per group for ``strategy``: 1 (``each``), None (``contiguous``: all children
+    in a row on one partition) or ``n`` (``group_<n>``); anything else fails naming it."""
+    if strategy == "each":
+        return 1
+    if strategy == "contiguous":
+        return None
+    if isinstance(strategy, str) and strategy.startswith("group_"):
+        digits = strategy.removeprefix("group_")
+        if digits.isdigit() and int(digits) >= 1:
+            return int(digits)
+    hint = (
+        did_you_mean(str(strategy), ("each", "contiguous")) if isinstance(strategy, str) else None
+    )
+    raise ConfigError(
+        "set_activation_checkpointing.strategy",
+        strategy,
+        '"each", "contiguous" or "group_<n>" with an integer n >= 1',
+        hint,
+    )
+
+
+def _model_modules() -> set[int] | None:
+    """ids of the registered model's modules (None without one); its partitioning fails the
+    call, since the runtime wrapped the forwards at the first step."""
+    model = state.current_model() if state.is_initialized() else None
+    if model is None:
+        return None
+    if model.partitioned:
+        raise ModelParallelError(
+            "smp.set_activation_checkpointing was called after the model's first step; the "
+            "modules' forwards were set up then: mark the modules before the first step"
+        )
+    return {id(m) for m in model.module.modules()}
+
+
+def set_activation_checkpointing(
+    module: nn.Module,
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    strategy: str = "each",
+) -> None:
+    """Checkpoint ``module`` wherever it runs (before or after ``smp.DistributedModel``, before
+    the first step). For an ``nn.Sequential``, ``strategy`` groups its children (``each``,
+    ``contiguous``, ``group_<n>``; a group never spans partitions) and ``pack_args_as_tuple``
+    is accepted: torch's non-reentrant checkpointing passes a tuple input through as it is,
+    which SMP's flag was needed for."""
+    what = "smp.set_activation_checkpointing"
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what} takes an nn.Module, got {type(module).__name__}")
+    if state.is_initialized() and module is state.current_model():
+        raise ModelParallelError(
+            f"{what}: got the smp.DistributedModel itself; pass a module inside it "
+            "(model.module or one of its submodules)"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ModelParallelError(
+            f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
+            "its layers); mark each layer instead"
+        )
+    for key, value in (
+        ("preserve_rng_state", preserve_rng_state),
+        ("pack_args_as_tuple", pack_args_as_tuple),
+    ):
+        if not isinstance(value, bool):
+            raise ConfigError(f"set_activation_checkpointing.{key}", value, "True or False")
+    group_size(strategy)
+    if not isinstance(module, nn.Sequential) and (pack_args_as_tuple or strategy != "each"):
+        given = "pack_args_as_tuple=True" if pack_args_as_tuple else f"strategy={strategy!r}"
+        raise ConfigError(
+            "set_activation_checkpointing",
+            given,
+            "pack_args_as_tuple and strategy only for an nn.Sequential, not "
+            f'{type(module).__name__} (leave them at False and "each")',
+        )
+    known = _model_modules()
+    if known is not None and id(module) not in known:
+        raise ModelParallelError(
+            f"{what}: the {type(module).__name__} passed is not part of the model given to "
+            "smp.DistributedModel; pass one of its modules"
+        )
+    with _lock:
+        _marks[module] = CheckpointSpec(preserve_rng_state, pack_args_as_tuple, strategy)
+        if known is None:
+            _unclaimed.add(module)
+
+
+# --- at the first step: what each rank wraps -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive children of a checkpointed ``nn.Sequential``, checkpointed as one region
+    where the Sequential runs (``together``) or each on its own owner."""
+
+    children: tuple[nn.Module, ...]
+    together: bool
+
+
+@dataclass
+class CheckpointPlan:
+    """This rank's checkpointing, from the marks and the partition plan."""
+
+    modules: dict[str, CheckpointSpec] = field(default_factory=dict)
+    """Modules whose forward runs checkpointed (on their owner)."""
+    sequentials: dict[str, tuple[CheckpointSpec, list[Group]]] = field(default_factory=dict)
+    """Marked ``nn.Sequential`` modules that run some of their groups as one region."""
+
+    def changes(self, name: str) -> bool:
+        return name in self.sequentials or name in self.modules
+
+    def forward_of(self, name: str, module: nn.Module) -> Callable[..., Any]:
+        """The forward this rank runs for the module it owns: its own, or checkpointed."""
+        forward: Callable[..., Any] = module.forward
+        if name in self.sequentials:
+            spec, groups = self.sequentials[name]
+            forward = _grouped_forward(groups, spec)
+        if name in self.modules:
+            forward = checkpointed(forward, self.modules[name])
+        return forward
+
+
+def _one_partition(
+    name: str, module: nn.Module, partition_of: dict[int, int], why: str = ""
+) -> int:
+    """The partition the whole module tree runs on; a tree split across partitions fails."""
+    partitions = {partition_of[id(m)] for m in module.modules()}
+    if len(partitions) > 1:
+        raise ModelParallelError(
+            f"activation checkpointing of module {name or '<root>'!r} "
+            f"({type(module).__name__}){why}: its submodules run on partitions "
+            f"{sorted(partitions)}, and a checkpointed module is recomputed in one place. "
+            "Checkpoint its children instead, or place it on one partition (smp.set_partition)"
+        )
+    return partitions.pop()
+
+
+def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPlan:
+    """Resolve the marks on ``root``'s modules for the partition ``owners`` (by module name); a
+    mark on a module outside ``root`` (made before ``smp.DistributedModel``) or on a module
+    split across partitions fails, naming it."""
+    names = {id(m): name for name, m in root.named_modules()}
+    partition_of = {id(m): owners[name] for name, m in root.named_modules()}
+    with _lock:
+        stray = [m for m in _unclaimed if id(m) not in names]
+        _unclaimed.clear()
+        marked = [(names[id(m)], m, spec) for m, spec in _marks.items() if id(m) in names]
+    if stray:
+        raise ModelParallelError(
+            f"smp.set_activation_checkpointing was called on a {type(stray[0]).__name__} that is "
+            "not part of the model given to smp.DistributedModel; pass one of its modules"
+        )
+    plan = CheckpointPlan()
+    for name, module, spec in sorted(marked, key=lambda item: item[0]):
+        one = CheckpointSpec(spec.preserve_rng_state)
+        if not isinstance(module, nn.Sequential):
+            _one_partition(name, module, partition_of)
+            plan.modules[name] = one
+            continue
+        why = f" (child of checkpointed Sequential {name!r})"
+        children = list(module)
+        partitions: list[object] = [
+            _one_partition(names[id(child)], child, partition_of, why) for child in children
+        ]
+        groups = _groups(children, partitions, owners[name], group_size(spec.strategy))
+        if any(group.together for group in groups):
+            plan.sequentials[name] = (spec, groups)
+        for group in groups:
+            if not group.together:
+                plan.modules.update((names[id(child)], one) for child in group.children)
+    return plan
+
+
+def _groups(
+    children: list[nn.Module], partitions: list[object], here: object, size: int | None
+) -> list[Group]:
+    """SMP's grouping: runs of consecutive children on one partition, cut every ``size``
+    children (``None``: never). A group on the Sequential's own partition (``here``) is one
+    region; a child elsewhere is checkpointed on its own by its owner (the pipeline keeps a
+    remote call's inputs and outputs there anyway, so a larger region would save nothing)."""
+    runs: list[tuple[object, list[nn.Module]]] = []
+    for child, partition in zip(children, partitions, strict=True):
+        if runs and runs[-1][0] == partition:
+            runs[-1][1].append(child)
+        else:
+            runs.append((partition, [child]))
+    groups = []
+    for partition, run in runs:
+        step = size or len(run)
+        for start in range(0, len(run), step):
+            groups.append(Group(tuple(run[start : start + step]), partition == here))
+    return groups
+
+
+def _call(module: nn.Module, value: Any) -> Any:
+    return module(value)
+
+
+def _chain(
+    children: tuple[nn.Module, ...], call: Callable[[nn.Module, Any], Any] = _call
+) -> Callable[[Any], Any]:
+    def through(value: Any) -> Any:
+        for child in children:
+            value = call(child, value)
+        return value
+
+    return through
+
+
+def _grouped_forward(
+    groups: list[Group],
+    spec: CheckpointSpec,
+    alone: Callable[[nn.Module, Any], Any] = _call,
+) -> Callable[[Any], Any]:
+    """``nn.Sequential.forward`` that runs each ``together`` group as one checkpointed region
+    and calls the other children with ``alone``."""
+    regions = [
+        checkpointed(_chain(g.children), spec) if g.together else _chain(g.children, alone)
+        for g in groups
+    ]
+
+    def forward(value: Any) -> Any:
+        for region in regions:
+            value = region(value)
+        return value
+
+    return forward
+
+
+# --- running checkpointed ---------------------------------------------------------------------
+
+
+def _offloading() -> bool:
+    """``offload_activations`` on a rank that computes on a GPU."""
+    if not state.is_initialized():
+        return False
+    st = state.current()
+    return bool(st.config["offload_activations"]) and st.device.type == "cuda"
+
+
+def checkpointed(forward: Callable[..., Any], spec: CheckpointSpec) -> Callable[..., Any]:
+    """``forward`` under torch's non-reentrant checkpointing (recomputed in backward), its
+    inputs offloaded to host memory if the job says so."""
+    offload = _offloading()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # nothing is kept for backward: nothing to recompute
+            return forward(*args, **kwargs)
+        if offload:
+            return _offloaded_call(forward, spec, args, kwargs)
+        return torch.utils.checkpoint.checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=spec.preserve_rng_state,
+            **kwargs,
+        )
+
+    return run
+
+
+class _ToHost(torch.autograd.Function):
+    """A device tensor copied to pinned host memory; its gradient goes back to the device."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.device = tensor.device
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.to(ctx.device, non_blocking=True)
+
+
+def _offloaded_call(
+    forward: Callable[..., Any],
+    spec: CheckpointSpec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Checkpoint with the region's device tensor inputs held in pinned host memory: the
+    copies back to the device are part of the region, so backward's recomputation reloads
+    them (``activation_loading_horizon`` does not move that earlier, see the docs)."""
+    structure, leaves = flatten((args, kwargs))
+    devices = [t.device for t in leaves]
+    host = [_ToHost.apply(t) if t.device.type == "cuda" else t for t in leaves]
+
+    def region(*values: torch.Tensor) -> Any:
+        back = [v.to(d, non_blocking=True) for v, d in zip(values, devices, strict=True)]
+        call_args, call_kwargs = unflatten(structure, back)
+        return forward(*call_args, **call_kwargs)
+
+    return torch.utils.checkpoint.checkpoint(
+        region, *host, use_reentrant=False, preserve_rng_state=spec.preserve_rng_state
+    )
+
+
+# --- SMP's patches.checkpoint -------------------------------------------------------------------
+
+_request: contextvars.ContextVar[tuple[nn.Module, CheckpointSpec] | None] = contextvars.ContextVar(
+    "dtrain_checkpoint_request", default=None
+)
+"""A ``checkpoint(module, ...)`` call of a module another partition runs, for its stub (which
+sends it along) or, on the owner, for the module's forward."""
+
+REMOTE_STUB = "dtrain_runs_elsewhere"
+"""Attribute set on the forward stub of a module another partition owns."""
+
+
+def runs_elsewhere(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), REMOTE_STUB, False)
+
+
+@contextmanager
+def requested(module: nn.Module, spec: CheckpointSpec | None) -> Iterator[None]:
+    """Within the block, the next call of ``module`` runs checkpointed (see :func:`take`);
+    ``None``: as it is."""
+    if spec is None:
+        yield
+        return
+    token = _request.set((module, spec))
+    try:
+        yield
+    finally:
+        _request.reset(token)
+
+
+def take(module: nn.Module) -> CheckpointSpec | None:
+    """The checkpointing requested for this call of ``module`` (once), if any."""
+    request = _request.get()
+    if request is None or request[0] is not module:
+        return None
+    _request.set(None)
+    return request[1]
+
+
+def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:
+    """SMP's ``checkpoint(module, *args)``: call ``module`` checkpointed, where it runs (a module
+    of another partition is checkpointed by its owner). Modules only, as in SMP."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            "checkpoint takes an nn.Module (SMP checkpoints at module granularity), got "
+            f"{type(module).__name__}; use torch.utils.checkpoint for a function"
+        )
+    spec = CheckpointSpec(preserve_rng_state)
+    if runs_elsewhere(module):
+        with requested(module, spec):
+            return module(*args)
+    return checkpointed(module, spec)(*args)
+
+
+def checkpoint_sequential(
+    sequential_module: nn.Sequential,
+    input: Any,
+    strategy: str = "each",
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+) -> Any:
+    """SMP's ``checkpoint_sequential``: run the Sequential on ``input`` with its children
+    checkpointed in groups (``strategy``); a group never spans partitions, and a child another
+    partition runs is checkpointed on its own by its owner."""
+    if not isinstance(sequential_module, nn.Sequential):
+        raise TypeError(
+            f"checkpoint_sequential takes an nn.Sequential, got {type(sequential_module).__name__}"
+        )
+    if not isinstance(pack_args_as_tuple, bool):
+        raise ConfigError(
+            "checkpoint_sequential.pack_args_as_tuple", pack_args_as_tuple, "True or False"
+        )
+    spec = CheckpointSpec(preserve_rng_state)
+    children = list(sequential_module)
+    elsewhere = [runs_elsewhere(child) for child in children]
+    groups = _groups(children, list(elsewhere), False, group_size(strategy))
+
+    def alone(child: nn.Module, value: Any) -> Any:
+        return checkpoint(child, value, preserve_rng_state=preserve_rng_state)
+
+    return _grouped_forward(groups, spec, alone)(input)
+
+
+# --- torch.utils.checkpoint around a remote module ------------------------------------------------
+
+_REENTRANT_CODES = (
+    torch.utils.checkpoint.CheckpointFunction.forward.__code__,
+    torch.utils.checkpoint.CheckpointFunction.backward.__code__,
+)
+
+
+def inside_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside reentrant ``torch.utils.checkpoint`` (its forward, or
+    its recomputation in backward)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _REENTRANT_CODES:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def inside_non_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside the forward of non-reentrant ``torch.utils.checkpoint``
+    (whose saved-tensor hooks are the innermost; not in its recomputation)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")

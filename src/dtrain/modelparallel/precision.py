@@ -1,0 +1,313 @@
+"""Half-precision parameters (SMP's ``fp16`` / ``bf16``): a half model and fp32 master weights.
+
+SMP v1 wraps the model in ``Bit16_Module`` and the optimizer in an ``FP16_Optimizer``, as
+apex's and Megatron's FP16 module and optimizer do: every floating parameter and buffer of the
+model is half (``module.to(dtype)``, norms included), floating inputs enter the model in half and
+its floating outputs leave it in fp32, and the optimizer steps an fp32 copy of each parameter
+(its *master*), which is then rounded back into the model. Here each rank converts only the
+partition it owns, right after placing it (:meth:`HalfParameters.cast`), so a rank holds
+2 bytes per own parameter in the model plus 4 in its master (and the optimizer's state, which
+follows the masters' fp32).
+
+After each step the half gradients move into the masters' fp32 ``.grad`` (divided by the loss
+scale, so what the optimizer, clipping and state dicts see is the true gradient) and are then
+averaged over the data-parallel group in fp32. fp16 needs the loss scaled so that small
+gradients do not vanish: ``model.backward(loss)`` multiplies by :class:`LossScaler`'s scale, an
+inf/NaN in any rank's gradients makes every rank skip that optimizer step (the flag is agreed over
+the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
+``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.errors import ConfigError, did_you_mean
+from dtrain.modelparallel.remote import RemoteValue
+from dtrain.modelparallel.transport import map_leaves
+
+HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""``smp.init`` parameters that make the model half, and the dtype each gives."""
+
+DYNAMIC_LOSS_ARGS: dict[str, Any] = {
+    "init_scale": 2.0**32,
+    "scale_factor": 2.0,
+    "scale_window": 1000,
+    "min_scale": 1.0,
+    "delayed_shift": 1,
+    "consecutive_hysteresis": False,
+}
+"""SMP's ``dynamic_loss_args`` keys and their defaults."""
+
+FP16_STATES = "fp16_states"
+"""The key of the masters and loss scale in an optimizer state dict (SMP's file name)."""
+
+
+def half_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The parameters' dtype the config asks for (``None``: fp32)."""
+    for key, dtype in HALF_KEYS.items():
+        if config.get(key):
+            return dtype
+    return None
+
+
+class LossScaler:
+    """SMP's (Megatron's) loss scaler: a static scale, or a dynamic one.
+
+    Dynamic: an overflow divides the scale by ``scale_factor`` (not below ``min_scale``) once
+    ``delayed_shift`` overflows have been seen (the hysteresis, refilled after each scale change,
+    or after any clean step with ``consecutive_hysteresis``); ``scale_window`` steps without
+    overflow since the last one multiply it by ``scale_factor``.
+    """
+
+    def __init__(self, scale: float = 1.0, dynamic: bool = False, **dynamic_args: Any) -> None:
+        self.dynamic = dynamic
+        self.scale = float(scale)
+        args = {**DYNAMIC_LOSS_ARGS, **dynamic_args}
+        self.scale_factor = float(args["scale_factor"])
+        self.scale_window = int(args["scale_window"])
+        self.min_scale = float(args["min_scale"])
+        self.delayed_shift = int(args["delayed_shift"])
+        self.consecutive_hysteresis = bool(args["consecutive_hysteresis"])
+        self.hysteresis = self.delayed_shift
+        self.iteration = 0
+        self.last_overflow = -1
+
+    @classmethod
+    def of(
+        cls, static_loss_scale: float | None, dynamic_loss_scale: bool, dynamic_loss_args: Any
+    ) -> LossScaler:
+        """The scaler ``smp.DistributedOptimizer``'s arguments ask for; bad values name the
+        argument."""
+        where = "smp.DistributedOptimizer"
+        args = dict(dynamic_loss_args or {})
+        for key in args:
+            if key not in DYNAMIC_LOSS_ARGS:
+                raise ConfigError(
+                    f"{where}.dynamic_loss_args",
+                    key,
+                    ", ".join(DYNAMIC_LOSS_ARGS),
+                    did_you_mean(key, DYNAMIC_LOSS_ARGS),
+                )
+        if dynamic_loss_scale:
+            scaler = cls(args.pop("init_scale", DYNAMIC_LOSS_ARGS["init_scale"]), True, **args)
+        else:
+            scaler = cls(1.0 if static_loss_scale is None else static_loss_scale)
+        positive = {
+            "static_loss_scale" if not dynamic_loss_scale else "init_scale": scaler.scale,
+            "scale_factor": scaler.scale_factor,
+            "scale_window": scaler.scale_window,
+            "min_scale": scaler.min_scale,
+            "delayed_shift": scaler.delayed_shift,
+        }
+        for key, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{where}.{key}", value, "a finite number > 0")
+        return scaler
+
+    def update(self, overflow: bool) -> None:
+        """After an optimizer step (``overflow``: it was skipped)."""
+        if self.dynamic:
+            if overflow:
+                if self.delayed_shift == 1 or self.hysteresis == 1:
+                    self.scale = max(self.scale / self.scale_factor, self.min_scale)
+                    self.hysteresis = self.delayed_shift
+                else:
+                    self.hysteresis -= 1
+                self.last_overflow = self.iteration
+            else:
+                if self.consecutive_hysteresis:
+                    self.hysteresis = self.delayed_shift
+                if (self.iteration - self.last_overflow) % self.scale_window == 0:
+                    self.hysteresis = self.delayed_shift
+                    self.scale *= self.scale_factor
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def load_state_dict(self, values: dict[str, Any]) -> None:
+        vars(self).update(values)
+
+
+class HalfParameters:
+    """One rank's half model: its own parameters' fp32 masters, the loss scaler and the step's
+    overflow flag. The model creates it; the optimizer steps the masters."""
+
+    def __init__(
+        self, dtype: torch.dtype, device: torch.device, world: dist.ProcessGroup | None
+    ) -> None:
+        self.dtype = dtype
+        self._device = device
+        self.scaler = LossScaler()
+        """Replaced by ``smp.DistributedOptimizer``'s (fp16 only)."""
+        self.overflow = False
+        """An inf/NaN gradient since the last optimizer step, on any rank (fp16 only)."""
+        self._world = world
+        self._masters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        """id(model parameter) → (the parameter, its fp32 master)."""
+
+    @property
+    def scaled(self) -> bool:
+        """Whether losses are scaled and overflows skip steps: fp16 only (bf16 has fp32's
+        range)."""
+        return self.dtype == torch.float16
+
+    def cast(self, own: Iterable[nn.Parameter], tensors: Iterable[torch.Tensor]) -> None:
+        """Make the model half: ``own`` (this rank's parameters, where they will compute) get
+        fp32 masters holding their values as they are now, then every floating tensor in
+        ``tensors`` (the model's parameters and buffers, placed or freed) becomes half; another
+        rank's tensors never made (on the meta device) stay as they are."""
+        for param in own:
+            if param.is_floating_point() and id(param) not in self._masters:
+                master = nn.Parameter(
+                    param.detach().to(torch.float32, copy=True), param.requires_grad
+                )
+                self._masters[id(param)] = (param, master)
+        with torch.no_grad():
+            for tensor in tensors:
+                if tensor.is_floating_point() and not tensor.is_meta:
+                    tensor.data = tensor.data.to(self.dtype)
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for model parameter ``param``."""
+        pair = self._masters.get(id(param))
+        return param if pair is None else pair[1]
+
+    def masters(self) -> list[nn.Parameter]:
+        return [master for _, master in self._masters.values()]
+
+    # --- a step --------------------------------------------------------------------------------
+
+    def inputs(self, args: Any) -> Any:
+        """The model's floating tensor inputs in half."""
+        return map_leaves(
+            args,
+            lambda v: (
+                v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            ),
+        )
+
+    def outputs(self, outputs: Any) -> Any:
+        """The model's floating outputs in fp32 (a deferred value is fetched to convert it)."""
+
+        def to_float(value: Any) -> Any:
+            if isinstance(value, RemoteValue) or (
+                isinstance(value, torch.Tensor) and value.is_floating_point()
+            ):
+                return value.float()
+            return value
+
+        return map_leaves(outputs, to_float)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaled else 1.0
+
+    def after_backward(self, average: Callable[[list[nn.Parameter]], None]) -> None:
+        """Every rank, after a step's backward: the half gradients, unscaled, are added to the
+        masters' fp32 gradients (and freed), ``average`` averages those over the data-parallel
+        group, and with fp16 every rank learns whether any rank's gradients overflowed."""
+        inverse = 1.0 / self.loss_scale
+        with torch.no_grad():
+            for param, master in self._masters.values():
+                if param.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = param.grad.to(torch.float32).mul_(inverse)
+                else:  # accumulating over steps: no fp32 temporary
+                    master.grad.add_(param.grad, alpha=inverse)
+                param.grad = None
+        average(self.masters())
+        if not self.scaled:
+            return
+        grads = [m.grad for m in self.masters() if m.grad is not None]
+        found = torch.zeros((), dtype=torch.float32, device=self._device)
+        for grad in grads:
+            found += (~torch.isfinite(grad)).any().to(found.device, torch.float32)
+        if self._world is not None:
+            dist.all_reduce(found, group=self._world)
+        self.overflow = self.overflow or bool(found.item() > 0)
+
+    def step(self, step: Callable[[], Any]) -> Any:
+        """The optimizer's step on the masters, rounded back into the model; skipped (returning
+        ``None``) on every rank after an overflow. The loss scale follows."""
+        overflow, self.overflow = self.overflow, False
+        if self.scaled:
+            self.scaler.update(overflow)
+        if overflow:
+            return None
+        result = step()
+        self.copy_to_model()
+        return result
+
+    def copy_to_model(self) -> None:
+        with torch.no_grad():
+            for param, master in self._masters.values():
+                param.copy_(master)
+
+    def zero_grad(self) -> None:
+        """Forget the model's half gradients of a step that did not finish."""
+        for param, _ in self._masters.values():
+            param.grad = None
+
+    def clip_master_grads(
+        self, max_norm: float, norm_type: float, group: dist.ProcessGroup | None
+    ) -> float:
+        """Clip the masters' gradients to a global norm ``max_norm`` over every partition
+        (``group``: the pipeline); returns the norm before clipping, -1 after an overflow
+        (apex's convention: the step will be skipped, nothing to clip)."""
+        if self.overflow:
+            return -1.0
+        grads = [m.grad for m in self.masters() if m.grad is not None]
+        device = self._device
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for grad in grads:
+                total = torch.maximum(total, grad.abs().max())
+            if group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for grad in grads:
+                total += torch.linalg.vector_norm(grad, norm_type).pow(norm_type)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            total = total.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(self.masters(), max_norm, total)
+        return float(total)
+
+    # --- state dicts ---------------------------------------------------------------------------
+
+    def load_value(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """A model state dict loaded ``value`` into ``param``: its master takes it unrounded."""
+        pair = self._masters.get(id(param))
+        if pair is not None:
+            with torch.no_grad():
+                pair[1].copy_(value)
+
+    def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
+        """The masters by parameter name (``names``: id of a model parameter → its name) and
+        the loss scaler."""
+        masters = {
+            names[id(param)]: master.detach().cpu() for param, master in self._masters.values()
+        }
+        return {"fp32_master_params": masters, "loss_scaler": self.scaler.state_dict()}
+
+    def load_masters(self, values: dict[str, Any], names: dict[int, str]) -> None:
+        """Load the masters this rank owns from :meth:`state_dict`'s ``values`` and round them
+        into the model (the loss scaler is loaded at once: the next backward uses it)."""
+        saved = values["fp32_master_params"]
+        with torch.no_grad():
+            for param, master in self._masters.values():
+                name = names[id(param)]
+                if name in saved:
+                    master.copy_(saved[name])
+                    param.copy_(master)

@@ -1,0 +1,265 @@
+"""Models created without memory (``smp.delay_param_initialization``, ``smp.model_creation``).
+
+In one process: every parameter and buffer made later has exactly the eager value under the same
+seed, whatever part is made first, for our models and Hugging Face's (their ``_init_weights``,
+tied embeddings), and the random stream after the block is the eager one. Pipelined: a delayed
+model trains like the eagerly created one in one process, each rank making only its own share;
+rank 0 plans from shapes and operation counts without holding the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import deferred
+from dtrain.modelparallel.errors import ModelParallelError
+from tests.modelparallel import hf_cases
+from tests.modelparallel.equivalence import CASES, LR, init_smp, reference
+from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.models import GroupedNet, ResidualTransformerLM, SharedLayerLM, seeded
+from tests.modelparallel.test_equivalence import assert_equivalent
+
+STEPS = 3
+
+
+def _delayed(build: Any) -> nn.Module:
+    with smp.delay_param_initialization():
+        return seeded(0, build)
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+
+
+def _assert_made_like_eager(build: Any) -> None:
+    eager = seeded(0, build)
+    lazy = _delayed(build)
+    tensors = _tensors(lazy)
+    assert tensors and all(t.is_meta for t in tensors)
+    # Any order, any share: the second half first, then the rest.
+    deferred.materialize(tensors[len(tensors) // 2 :], torch.device("cpu"))
+    assert sum(t.is_meta for t in tensors) == len(tensors) // 2
+    deferred.materialize(tensors, torch.device("cpu"))
+    expected = eager.state_dict()
+    for name, value in lazy.state_dict().items():
+        assert value.dtype == expected[name].dtype, name
+        assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize("build", [ResidualTransformerLM, GroupedNet, SharedLayerLM])
+def test_our_models_are_made_with_their_eager_values(build: Any) -> None:
+    _assert_made_like_eager(build)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama", "bert"])
+def test_hugging_face_models_are_made_with_their_eager_values(case: str) -> None:
+    pytest.importorskip("transformers")
+    _assert_made_like_eager(hf_cases.CASES[case].build)
+
+
+def test_tied_weights_stay_one_parameter() -> None:
+    pytest.importorskip("transformers")
+    lazy = _delayed(hf_cases.CASES["gpt2"].build)
+    head = lazy.get_submodule("lm_head")
+    deferred.materialize([head.weight], torch.device("cpu"))
+    assert head.weight is lazy.get_submodule("transformer.wte").weight
+    assert not head.weight.is_meta
+
+
+def test_the_random_stream_after_the_block_is_the_eager_one() -> None:
+    torch.manual_seed(3)
+    ResidualTransformerLM()
+    eager_next = torch.rand(4)
+    torch.manual_seed(3)
+    with smp.delay_param_initialization():
+        ResidualTransformerLM()
+    assert torch.equal(torch.rand(4), eager_next)
+
+
+def test_making_the_model_leaves_the_random_stream_alone() -> None:
+    lazy = _delayed(ResidualTransformerLM)
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    deferred.materialize(_tensors(lazy), torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected)
+
+
+class _Derived(nn.Module):
+    """Init code that computes one parameter from another, and a buffer from a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3, 4))
+        self.b = nn.Parameter(self.a.detach() * 2 + torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        self.register_buffer("steps", torch.arange(4.0))
+        with torch.no_grad():
+            self.a[0].zero_()
+
+
+def test_init_that_reads_other_parameters_is_replayed() -> None:
+    _assert_made_like_eager(_Derived)
+    lazy = _delayed(_Derived)
+    deferred.materialize([lazy.b], torch.device("cpu"))  # b alone: a is made, then dropped
+    assert lazy.a.is_meta and torch.equal(lazy.b, seeded(0, _Derived).b)
+
+
+class _Peeking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        if self.w.sum().item() > 0:
+            self.w.data.neg_()
+
+
+def test_init_that_reads_a_value_fails_naming_the_module() -> None:
+    with pytest.raises(ModelParallelError, match=r"_Peeking \(.*test_delayed.py:\d+\) read a"):
+        _delayed(_Peeking)
+
+
+def test_a_parameter_replaced_after_the_block_is_refused() -> None:
+    lazy = _delayed(GroupedNet)
+    lazy.group1.conv1.weight = nn.Parameter(torch.empty(4, 1, 3, 3, device="meta"))
+    with pytest.raises(ModelParallelError, match=r"shape \[4, 1, 3, 3\].*after the block"):
+        deferred.materialize(_tensors(lazy), torch.device("cpu"))
+
+
+def test_model_creation_delays_as_the_job_says_in_its_dtype() -> None:
+    with single_process({"delayed_parameter_initialization": True}):
+        with smp.model_creation(dtype=torch.bfloat16):
+            model = nn.Linear(4, 4)
+        assert model.weight.is_meta and model.weight.dtype == torch.bfloat16
+        assert torch.get_default_dtype() == torch.float32
+        refused = smp.model_creation(tensor_parallelism=True)
+        with pytest.raises(ModelParallelError, match="tensor parallelism is not supported"):
+            refused.__enter__()
+        refused = smp.model_creation(dtype="bf16")  # type: ignore[arg-type]
+        with pytest.raises(ModelParallelError, match="dtype is 'bf16'; allowed"):
+            refused.__enter__()
+    with single_process(), smp.model_creation():
+        assert not nn.Linear(2, 2).weight.is_meta
+
+
+# --- pipelined -------------------------------------------------------------------------------
+
+
+def _train_delayed(case_name: str, pipeline_degree: int, seeds_apart: bool) -> dict[str, Any]:
+    """Train the case's model created without memory, planned automatically; rank 0 of the
+    pipeline returns the losses and full parameters, every rank what it made."""
+    dist.init_process_group("gloo")
+    init_smp(pipeline_degree, "interleaved", 2, auto=True)
+    case = CASES[case_name]
+    if seeds_apart:
+        torch.manual_seed(100 + dist.get_rank())  # rank 0's model must win anyway
+    with smp.delay_param_initialization():
+        module = case.build()
+    total = sum(p.numel() for p in module.parameters())
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = case.loss(model, x, y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for index in range(STEPS):
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, *case.batch(index)).reduce_mean()))
+        optimizer.step()
+    made = sum(p.numel() for p in module.parameters() if not p.is_meta)
+    local = sum(p.numel() for p in model.local_parameters())
+    params = model.state_dict()
+    profiled = model.partition_plan().profiled
+    smp.shutdown()
+    dist.destroy_process_group()
+    return {
+        "losses": losses,
+        "params": params,
+        "made": made,
+        "local": local,
+        "total": total,
+        "profiled": profiled,
+    }
+
+
+@pytest.mark.parametrize("pipeline_degree", [2, 4])
+def test_a_delayed_model_trains_like_the_eager_one_in_one_process(pipeline_degree: int) -> None:
+    """The LM (tied head, a skip across any cut) planned from its meta shapes; ranks seeded
+    apart still build rank 0's model; no rank made more than its own share."""
+    expected = reference("lm", STEPS)
+    results = run_ranks(pipeline_degree, _train_delayed, "lm", pipeline_degree, True, timeout=240)
+    first = results[0]
+    got = type(expected)(first["losses"], first["params"])
+    assert_equivalent(got, expected, f"delayed, pp={pipeline_degree}")
+    for result in results:
+        assert result["profiled"]
+        assert result["made"] == result["local"] < result["total"]
+    assert sum(result["local"] for result in results) == first["total"]
+
+
+# --- a model that does not fit a rank --------------------------------------------------------
+
+CAPPED_LM = {"vocab": 256, "dim": 1024, "heads": 4, "layers": 8, "tie_weights": False}
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _train_capped() -> dict[str, int]:
+    """Adam on the LM created without memory, pp=4; this rank's peak resident memory above
+    what it held before creating the model (the peak is reset there)."""
+    dist.init_process_group("gloo")
+    init_smp(4, "interleaved", 2, auto=True)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+    before = _resident_kib("VmRSS")
+    with smp.delay_param_initialization():
+        module = ResidualTransformerLM(seed=0, **CAPPED_LM)
+    whole = sum(p.numel() for p in module.parameters())
+    model = smp.DistributedModel(module)
+    # One parameter at a time, as a user short of memory runs Adam: the default (foreach)
+    # holds temporaries as large as all of a rank's parameters while it steps.
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    optimizer = smp.DistributedOptimizer(adam)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, ids: Tensor) -> Tensor:
+        loss = model(ids, labels=ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    ids = torch.randint(0, CAPPED_LM["vocab"], (8, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        optimizer.zero_grad()
+        train_step(model, ids)
+        optimizer.step()
+    grown = (_resident_kib("VmHWM") - before) * 1024
+    smp.shutdown()
+    dist.destroy_process_group()
+    return {"grown": grown, "whole_parameters": whole}
+
+
+def test_a_model_whose_weights_and_adam_state_do_not_fit_a_rank_trains_with_pp4() -> None:
+    """The cap: three quarters of the whole model's fp32 weights plus Adam's two moments (12
+    bytes a parameter; 1.2 GB for this 101M-parameter LM), which one process could not even
+    create and step (it peaks at 1.75 GB); each of 4 ranks stays under it from creating the
+    model to the end of its second step: 16 bytes a parameter of its quarter of the model,
+    with gradients (0.4 GB), plus the allocator's and the process's own (kernels' buffers,
+    threads, gloo), 0.15 to 0.3 GB here."""
+    results = run_ranks(4, _train_capped, timeout=240)
+    cap = 12 * results[0]["whole_parameters"] * 3 // 4
+    grown = [result["grown"] for result in results]
+    print(f"peak growth per rank {[g >> 20 for g in grown]} MiB, cap {cap >> 20} MiB")
+    assert max(grown) < cap, f"peak growth per rank {grown} bytes, cap {cap}"
