@@ -85,7 +85,11 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
                 "memory_weight": 0.2,
             }
         )
-        dist_model = smp.DistributedModel(build(shape, args.delayed))
+        module = build(shape, args.delayed)
+        if args.checkpointed:
+            for block in module.blocks:
+                smp.set_activation_checkpointing(block)
+        dist_model = smp.DistributedModel(module)
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(dist_model.parameters(), lr=1e-4))
 
         @smp.step
@@ -134,26 +138,35 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
 
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
-    values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False, **changes}
+    values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False}
+    values.update({"checkpointed": False, **changes})
     return argparse.Namespace(**{**vars(args), **values})
 
 
 # --- scenario: memory --------------------------------------------------------------------------
 
 MEMORY_LAYOUTS = (
-    ("one process", 1, False, False),
-    ("pp=2 eager", 2, True, False),
-    ("pp=2 delayed", 2, True, True),
-    ("pp=4 eager", 4, True, False),
-    ("pp=4 delayed", 4, True, True),
+    ("one process", 1, False, False, False),
+    ("pp=2 eager", 2, True, False, False),
+    ("pp=2 delayed", 2, True, True, False),
+    ("pp=2 delayed+ckpt", 2, True, True, True),
+    ("pp=4 eager", 4, True, False, False),
+    ("pp=4 delayed", 4, True, True, False),
+    ("pp=4 delayed+ckpt", 4, True, True, True),
 )
 
 
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
-    for label, world, pipeline, delayed in MEMORY_LAYOUTS:
+    for label, world, pipeline, delayed, checkpointed in MEMORY_LAYOUTS:
         chosen = variant(
-            args, world=world, pipeline=pipeline, delayed=delayed, variant_shape="218m", steps=2
+            args,
+            world=world,
+            pipeline=pipeline,
+            delayed=delayed,
+            checkpointed=checkpointed,
+            variant_shape="218m",
+            steps=2,
         )
         rows[label] = spawn(worker, world, chosen)
     single = rows["one process"][0]["peak_rss_mib"]
@@ -175,7 +188,7 @@ def memory_table(r: dict[str, Any]) -> str:
     for label, row in r["layouts"].items():
         peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
         ratio = row["largest_over_single"]
-        lines.append(f"  {label:14} largest/one process {ratio:.2f}  [{peaks}]")
+        lines.append(f"  {label:18} largest/one process {ratio:.2f}  [{peaks}]")
     return "\n".join(lines)
 
 

@@ -136,11 +136,13 @@ def init_smp(
 
 
 def case_pipeline(
-    case: Case, auto: bool, **model_options: Any
+    case: Case, auto: bool, delayed: bool = False, **model_options: Any
 ) -> tuple[smp.DistributedModel, Callable[[Tensor, Tensor], float]]:
-    """The case's model as a ``smp.DistributedModel`` (split by hand unless ``auto``), and one
-    SGD training step on a batch, which returns the step's mean loss."""
-    module = case.build()
+    """The case's model as a ``smp.DistributedModel`` (split by hand unless ``auto``; created
+    without memory if ``delayed``), and one SGD training step on a batch, which returns the
+    step's mean loss."""
+    with smp.delay_param_initialization(enabled=delayed):
+        module = case.build()
     if not auto:
         for name, partition in case.split.items():
             smp.set_partition(module.get_submodule(name), partition)

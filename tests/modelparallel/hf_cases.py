@@ -168,6 +168,8 @@ class Layout:
     """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward inside the step."""
     marked: bool = False
     """``smp.set_activation_checkpointing`` on every layer."""
+    delayed: bool = False
+    """Created inside ``smp.delay_param_initialization()``: each rank makes only its share."""
 
 
 @dataclass
@@ -179,7 +181,9 @@ class Trained:
 
 
 def build(case_name: str, layout: Layout | None = None) -> nn.Module:
-    module = seeded(0, CASES[case_name].build)
+    delayed = layout is not None and layout.delayed
+    with smp.delay_param_initialization(enabled=delayed):
+        module = seeded(0, CASES[case_name].build)
     if layout is not None and layout.checkpointing is not None:
         kwargs = {"use_reentrant": layout.checkpointing}
         if hasattr(module, "activation_checkpointing_enable"):  # transformers 5 renamed it

@@ -21,7 +21,7 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel import deferred
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel import hf_cases
-from tests.modelparallel.equivalence import CASES, LR, init_smp, reference
+from tests.modelparallel.equivalence import CASES, case_pipeline, init_smp, reference
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.models import GroupedNet, ResidualTransformerLM, SharedLayerLM, seeded
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -150,31 +150,16 @@ def test_model_creation_delays_as_the_job_says_in_its_dtype() -> None:
 # --- pipelined -------------------------------------------------------------------------------
 
 
-def _train_delayed(case_name: str, pipeline_degree: int, seeds_apart: bool) -> dict[str, Any]:
+def _train_delayed(case_name: str, pipeline_degree: int) -> dict[str, Any]:
     """Train the case's model created without memory, planned automatically; rank 0 of the
     pipeline returns the losses and full parameters, every rank what it made."""
     dist.init_process_group("gloo")
     init_smp(pipeline_degree, "interleaved", 2, auto=True)
     case = CASES[case_name]
-    if seeds_apart:
-        torch.manual_seed(100 + dist.get_rank())  # rank 0's model must win anyway
-    with smp.delay_param_initialization():
-        module = case.build()
+    model, step = case_pipeline(case, auto=True, delayed=True)
+    module = model.module
     total = sum(p.numel() for p in module.parameters())
-    model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = case.loss(model, x, y)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for index in range(STEPS):
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, *case.batch(index)).reduce_mean()))
-        optimizer.step()
+    losses = [step(*case.batch(index)) for index in range(STEPS)]
     made = sum(p.numel() for p in module.parameters() if not p.is_meta)
     local = sum(p.numel() for p in model.local_parameters())
     params = model.state_dict()
@@ -193,10 +178,10 @@ def _train_delayed(case_name: str, pipeline_degree: int, seeds_apart: bool) -> d
 
 @pytest.mark.parametrize("pipeline_degree", [2, 4])
 def test_a_delayed_model_trains_like_the_eager_one_in_one_process(pipeline_degree: int) -> None:
-    """The LM (tied head, a skip across any cut) planned from its meta shapes; ranks seeded
-    apart still build rank 0's model; no rank made more than its own share."""
+    """The LM (tied head, a skip across any cut) planned from its meta shapes; no rank made
+    more than its own share."""
     expected = reference("lm", STEPS)
-    results = run_ranks(pipeline_degree, _train_delayed, "lm", pipeline_degree, True, timeout=240)
+    results = run_ranks(pipeline_degree, _train_delayed, "lm", pipeline_degree, timeout=240)
     first = results[0]
     got = type(expected)(first["losses"], first["params"])
     assert_equivalent(got, expected, f"delayed, pp={pipeline_degree}")
@@ -263,3 +248,48 @@ def test_a_model_whose_weights_and_adam_state_do_not_fit_a_rank_trains_with_pp4(
     grown = [result["grown"] for result in results]
     print(f"peak growth per rank {[g >> 20 for g in grown]} MiB, cap {cap >> 20} MiB")
     assert max(grown) < cap, f"peak growth per rank {grown} bytes, cap {cap}"
+
+
+def _mlp() -> nn.Module:
+    """Drawn from the global generator (our test models seed themselves)."""
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
+def _made_seeded_apart() -> dict[str, Tensor]:
+    dist.init_process_group("gloo")
+    init_smp(2, "interleaved", 2, auto=False)
+    torch.manual_seed(100 + dist.get_rank())
+    with smp.delay_param_initialization():
+        module = _mlp()
+    smp.set_partition(module[3], 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def forward(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        return model(x)
+
+    forward(model, torch.ones(2, 8))
+    made = model.state_dict()
+    smp.shutdown()
+    dist.destroy_process_group()
+    return made
+
+
+def test_ranks_seeded_apart_make_rank_zeros_model() -> None:
+    """As eager ranks take rank 0's values, delayed ranks replay rank 0's random states."""
+    torch.manual_seed(100)
+    expected = _mlp().state_dict()
+    for made in run_ranks(2, _made_seeded_apart, timeout=120):
+        assert made.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(made[name], value), name
+
+
+def test_hugging_face_models_created_without_memory_train_like_one_process() -> None:
+    """GPT-2 (tied head) and Llama, from_config inside the block, planned from the meta model."""
+    pytest.importorskip("transformers")
+    layouts = [hf_cases.Layout(case, auto=True, delayed=True) for case in ("gpt2", "llama")]
+    results = run_ranks(2, hf_cases.train_layouts, layouts, STEPS, timeout=240, env=hf_cases.HF_ENV)
+    for layout, got in zip(layouts, results[0], strict=True):
+        assert got is not None and got.partitions_used == 2
+        assert_equivalent(got, hf_cases.reference(layout.case, STEPS), layout.case)

@@ -310,7 +310,7 @@ class _Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = dict(kwargs or {})
         flat, _ = tree_flatten((args, kwargs))
-        if _is_factory(func, flat) and self._creation_device(kwargs.get("device")):
+        if is_factory(func, flat) and self._creation_device(kwargs.get("device")):
             kwargs["device"] = META
         involved = kwargs.get("device") == META or any(
             isinstance(v, Tensor) and v.is_meta for v in flat
@@ -350,7 +350,7 @@ def _on_meta(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> tuple[Any, 
     return tree_map_only(Tensor, lambda t: t if t.is_meta else t.detach().to(META), (args, kwargs))
 
 
-def _is_factory(func: torch._ops.OpOverload, flat: list[Any]) -> bool:
+def is_factory(func: torch._ops.OpOverload, flat: list[Any]) -> bool:
     """An operation making tensors from nothing but sizes and options (``empty``, ``randn``)."""
     schema = func._schema
     return (

@@ -52,10 +52,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtrain.modelparallel.deferred import META, swap_in
+from dtrain.modelparallel.deferred import META, is_factory, swap_in
 
 FORMAT_VERSION = 1
 
@@ -434,24 +435,23 @@ def profile_without_memory(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
 ) -> ModelProfile:
     """The structure profile (calls, sizes, operation counts; no times) of a model created
-    partly or wholly without memory, run on the meta device with meta copies of ``args``."""
-    meta_args, meta_kwargs = _meta_twins((args, dict(kwargs or {})))
-    with on_meta(module):
-        return profile_module(module, meta_args, meta_kwargs, repeats=0)
+    partly or wholly without memory, run on the meta device where its tensors are involved
+    (:class:`_MixedOnMeta`)."""
+    kwargs = dict(kwargs or {})
+    with on_meta(module), _MixedOnMeta(_real_device((args, kwargs))):
+        return profile_module(module, args, kwargs, repeats=0)
 
 
 def traced_without_memory(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[ModelProfile, Any]:
-    """:func:`profile_without_memory`, and the model's outputs as zeros of their shapes on the
-    arguments' device, so that the step's own code around the model goes on."""
-    device = next(
-        (t.device for t in _unique_tensors((args, kwargs)) if not t.is_meta), torch.device("cpu")
-    )
+    """:func:`profile_without_memory`, and the model's outputs, those computed on the meta
+    device as zeros of their shapes on the arguments' device, so that the step's own code
+    around the model goes on."""
+    device = _real_device((args, kwargs))
     profile = profile_without_memory(module, args, kwargs)
-    meta_args, meta_kwargs = _meta_twins((args, kwargs))
-    with on_meta(module), torch.no_grad():
-        outputs = module(*meta_args, **meta_kwargs)
+    with on_meta(module), _MixedOnMeta(device), torch.no_grad():
+        outputs = module(*args, **kwargs)
     zeros = tree_map_only(
         Tensor,
         lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
@@ -460,8 +460,35 @@ def traced_without_memory(
     return profile, zeros
 
 
-def _meta_twins(tree: Any) -> Any:
-    return tree_map_only(Tensor, lambda t: t.detach().to(META), tree)
+def _real_device(tree: Any) -> torch.device:
+    """The device of the first real tensor in ``tree``; the CPU if none."""
+    real = (t.device for t in _unique_tensors(tree) if not t.is_meta)
+    return next(real, torch.device("cpu"))
+
+
+class _MixedOnMeta(TorchDispatchMode):
+    """Runs an operation that mixes real tensors with meta ones on meta twins of the real ones;
+    operations on real tensors alone run as they are, and tensors made from nothing for the
+    meta device (``torch.arange(n, device=hidden.device)``) are made real on ``device``, so
+    that the model's code may still read values that do not come from its parameters (a mask's
+    padding, packed sequences in Llama's position ids)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        flat = tree_flatten((args, kwargs))[0]
+        if is_factory(func, flat) and kwargs.get("device") == META:
+            kwargs["device"] = self.device
+        elif any(isinstance(v, Tensor) and v.is_meta for v in flat):
+            args, kwargs = tree_map_only(
+                Tensor, lambda t: t if t.is_meta else t.detach().to(META), (args, kwargs)
+            )
+            if kwargs.get("device") is not None:  # ``meta_tensor.to(device)`` stays meta
+                kwargs["device"] = META
+        return func(*args, **kwargs)
 
 
 class Snapshot:
