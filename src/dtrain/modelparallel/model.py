@@ -6,7 +6,9 @@ manual placement is used), each rank frees the parameters it does not own, and t
 runtime starts. A model created inside ``smp.delay_param_initialization()`` has no memory until
 then: rank 0 plans from its shapes and operation counts, and each rank makes only what it owns
 (:mod:`.deferred`), so no rank ever holds the whole model. After each step each rank averages
-its own parameters' gradients over its data-parallel group.
+its own parameters' gradients over its data-parallel group. With ``sharded_data_parallel_degree``
+above 1 there is no pipeline: the module is sharded when wrapped, and steps, gradients and
+state dicts go through :mod:`.sharded`.
 """
 
 from __future__ import annotations
