@@ -115,7 +115,7 @@ class ShardedModel:
         self.device = st.device
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
         self._world = st.world_process_group
-        self._shard_group = mesh.get_group("shard")
+        self._shard_group = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last
         self._stepping = False
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""

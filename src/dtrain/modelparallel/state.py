@@ -7,6 +7,7 @@ so the rest of the runtime asks :func:`current` instead of recomputing ranks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -101,9 +102,9 @@ class MPState:
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
     sharding_mesh: DeviceMesh | None = field(default=None, repr=False)
     """With ``sharded_data_parallel_degree`` above 1, FSDP2's mesh over this rank's
-    data-parallel group: dimension ``"shard"`` is a group of that many neighbouring ranks,
-    ``"replicate"`` (present when the degree is below the data-parallel degree) the ranks
-    holding the same shard in the other groups (MiCS, FSDP2's HSDP)."""
+    data-parallel group: its last dimension is a group of that many neighbouring ranks, which
+    shard; a first one (when the degree is below the data-parallel degree) the ranks holding
+    the same shard in the other groups, which replicate (MiCS, FSDP2's HSDP)."""
 
 
 _state: MPState | None = None
@@ -579,16 +580,26 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     )
 
 
+_MESHES = itertools.count()
+"""Numbers the sharding meshes this process makes (see :func:`_sharding_mesh`)."""
+
+
 def _sharding_mesh(
     maker: _GroupMaker, dp_groups: list[list[int]], degree: int, backend: str, device_type: str
 ) -> DeviceMesh:
     """FSDP2's mesh for ``sharded_data_parallel_degree`` ``degree``: each data-parallel group
     cut into groups of ``degree`` consecutive ranks (neighbours, so on one host where they
-    fit), which shard; ranks at the same place in those groups replicate."""
+    fit), which shard; ranks at the same place in those groups replicate.
+
+    The dimensions' names are new for every mesh: torch's DTensor caches its sharding
+    decisions by spec, and specs compare meshes by layout and names, not by process group, so
+    an equal mesh made after ``smp.shutdown`` would get tensors on the destroyed groups of
+    the first one."""
+    n = next(_MESHES)
     shards = [group[i : i + degree] for group in dp_groups for i in range(0, len(group), degree)]
     shard_group = maker.mine(shards, backend)
     if len(dp_groups[0]) == degree:
-        return DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=("shard",))
+        return DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=(f"shard{n}",))
     replicas = [group[i::degree] for group in dp_groups for i in range(degree)]
     replicate_group = maker.mine(replicas, backend)
     mine = next(group for group in dp_groups if maker.rank in group)
@@ -596,5 +607,5 @@ def _sharding_mesh(
         [replicate_group, shard_group],
         device_type,
         mesh=torch.tensor(mine).view(-1, degree),
-        mesh_dim_names=("replicate", "shard"),
+        mesh_dim_names=(f"replicate{n}", f"shard{n}"),
     )
