@@ -206,31 +206,55 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "sharded_data_parallel_degree",
         int,
         1,
-        "Sharded data parallelism (ZeRO-style) degree.",
+        "Sharded data parallelism (FSDP2): parameters, gradients and optimizer state sharded "
+        "over groups of this many data-parallel ranks, replicated across groups; must divide "
+        "the data-parallel degree.",
         minimum=1,
-        maximum=1,
-        limitation="dtrain does not implement sharded data parallelism",
+        requires=(
+            ("pipeline_parallel_degree", 1),
+            ("tensor_parallel_degree", 1),
+            ("shard_optimizer_state", False),
+        ),
     ),
     ParameterSpec(
-        "sdp_reduce_bucket_size", int, 500_000_000, "Gradient bucket size (elements).", minimum=1
+        "sdp_reduce_bucket_size",
+        int,
+        500_000_000,
+        "Gradient bucket size (elements); accepted without effect: FSDP2 reduces each unit's "
+        "gradients in one collective.",
+        minimum=1,
     ),
     ParameterSpec(
         "sdp_param_persistence_threshold",
         int,
         1_000_000,
-        "Parameters smaller than this are not sharded.",
+        "SMP: parameters smaller than this are not sharded. dtrain: a submodule holding at "
+        "least this many parameters (outside smaller units) is gathered on its own (an FSDP2 "
+        "unit); smaller ones are sharded too and gathered with their parent.",
         minimum=0,
     ),
     ParameterSpec(
         "sdp_max_live_parameters",
         int,
         1_000_000_000,
-        "Most parameters held recombined at once.",
+        "Most parameters held recombined at once; accepted without effect: FSDP2 holds the "
+        "running unit's (and the next one's, prefetched).",
         minimum=1,
     ),
-    ParameterSpec("sdp_hierarchical_allgather", bool, True, "AllGather within hosts, then across."),
     ParameterSpec(
-        "sdp_gradient_clipping", float, 1.0, "L2 gradient-clipping threshold.", minimum=0.0
+        "sdp_hierarchical_allgather",
+        bool,
+        True,
+        "AllGather within hosts, then across; accepted without effect: shard groups are "
+        "neighbouring ranks, so a group within a host gathers within it.",
+    ),
+    ParameterSpec(
+        "sdp_gradient_clipping",
+        float,
+        1.0,
+        "With sharded data parallelism, the optimizer step first clips the global L2 norm of "
+        "the gradients (over all shards) to this; 0 turns clipping off.",
+        minimum=0.0,
     ),
 )
 
@@ -355,6 +379,20 @@ def _check_requires(values: Mapping[str, Any], where: str) -> None:
                 )
 
 
+def _check_sharding(values: Mapping[str, Any], where: str) -> None:
+    """Half-precision parameters keep fp32 masters that dtrain's sharded data parallelism
+    does not shard yet: refused rather than run unsharded."""
+    half = [name for name in ("fp16", "bf16", "fp16_params") if values[name]]
+    degree = values["sharded_data_parallel_degree"]
+    if half and degree != 1:
+        raise ConfigError(
+            f"{where}.sharded_data_parallel_degree",
+            degree,
+            f"1 with {half[0]}=true: dtrain does not yet shard half-precision parameters' "
+            "fp32 masters (use torch.autocast in the step for mixed precision)",
+        )
+
+
 def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
     degree = values["pipeline_parallel_degree"]
     partition = values["default_partition"]
@@ -382,7 +420,8 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
 
 
 def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
-    """The model's degrees must tile the processes; extra replicas need DDP (SMP v1 rule)."""
+    """The model's degrees must tile the processes, extra replicas need DDP and the sharded
+    data-parallel degree must divide the replicas (SMP v1 rules)."""
     pp, tp = values["pipeline_parallel_degree"], values["tensor_parallel_degree"]
     model_size = pp * tp
     if world_size % model_size:
@@ -399,6 +438,15 @@ def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> 
             False,
             f"true when the data-parallel degree is above 1: world size {world_size} / "
             f"(pipeline x tensor degree {model_size}) = {replicas} replicas; set ddp: true",
+        )
+    sharded = values["sharded_data_parallel_degree"]
+    if replicas % sharded:
+        divisors = [d for d in range(1, replicas + 1) if replicas % d == 0]
+        raise ConfigError(
+            f"{where}.sharded_data_parallel_degree",
+            sharded,
+            f"a divisor of the data-parallel degree {replicas} (world size {world_size} / "
+            f"pipeline x tensor degree {model_size}): one of {divisors}",
         )
 
 
@@ -423,6 +471,7 @@ def validate_mp_parameters(
     values = {name: values[name] for name in MP_PARAMETER_NAMES}
     _check_requires(values, where)
     _check_partitioning(values, where)
+    _check_sharding(values, where)
     if world_size is not None:
         check_world_size(values, world_size, where)
     if values["fp16_params"]:

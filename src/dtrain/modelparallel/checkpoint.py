@@ -118,6 +118,17 @@ def _rank_file(kind: str, st: MPState, rdp_rank: int) -> str:
     return f"{kind}_{st.pp_rank}_{st.tp_rank}_{rdp_rank}.pt"
 
 
+def _share(st: MPState, kind: str) -> tuple[bool, int]:
+    """Whether this rank writes partial files of ``kind``, and the index (``rdp``) of those it
+    writes and reads: one writer per pipeline stage (its dp rank 0); with sharded data
+    parallelism one per shard (the first shard group's ranks), whose file the ranks holding
+    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state."""
+    if kind == "optimizer" and st.config["shard_optimizer_state"]:
+        return True, st.dp_rank
+    degree = st.config["sharded_data_parallel_degree"]
+    return st.dp_rank < degree, st.dp_rank % degree
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     tag: str,
@@ -141,18 +152,19 @@ def save_checkpoint(
     root = Path(path)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        if st.dp_rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            if model is not None:
-                torch.save(model.local_state_dict(), folder / _rank_file("model", st, st.rdp_rank))
-            if optimizer is not None:
-                optimizer_state = optimizer.local_state_dict()
-                if FP16_STATES in optimizer_state:
-                    fp16_file = folder / _rank_file(FP16_STATES, st, st.rdp_rank)
-                    torch.save(optimizer_state.pop(FP16_STATES), fp16_file)
-                torch.save(optimizer_state, folder / _rank_file("optimizer", st, st.rdp_rank))
-            if st.rank == 0 and user_content is not None:
-                torch.save(user_content, folder / USER_CONTENT)
+        folder.mkdir(parents=True, exist_ok=True)
+        writes, index = _share(st, "model")
+        if writes and model is not None:
+            torch.save(model.local_state_dict(), folder / _rank_file("model", st, index))
+        writes, index = _share(st, "optimizer")
+        if writes and optimizer is not None:
+            optimizer_state = optimizer.local_state_dict()
+            if FP16_STATES in optimizer_state:
+                fp16_file = folder / _rank_file(FP16_STATES, st, index)
+                torch.save(optimizer_state.pop(FP16_STATES), fp16_file)
+            torch.save(optimizer_state, folder / _rank_file("optimizer", st, index))
+        if st.rank == 0 and user_content is not None:
+            torch.save(user_content, folder / USER_CONTENT)
     else:
         if optimizer is not None and st.rank == 0:
             warnings.warn(
@@ -228,14 +240,15 @@ def resume_from_checkpoint(
     tag = newest_tag(root) if tag is None else _valid_tag(tag)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        model_file = folder / _rank_file("model", st, 0)
+        model_file = folder / _rank_file("model", st, _share(st, "model")[1])
         if not model_file.is_file():
             raise FileNotFoundError(
                 f"no partial checkpoint for pp_rank {st.pp_rank}: {model_file} does not exist "
                 f"(saved with another pipeline_parallel_degree, or not a partial checkpoint?)"
             )
         model.load_state_dict(_read(model_file), strict=strict)
-        optimizer_file = folder / _rank_file("optimizer", st, 0)
+        _, index = _share(st, "optimizer")
+        optimizer_file = folder / _rank_file("optimizer", st, index)
         if load_optimizer and optimizer_file.is_file():
             optimizer = state.current_optimizer()
             if optimizer is None:
@@ -246,7 +259,7 @@ def resume_from_checkpoint(
                 )
             else:
                 optimizer_state = _read(optimizer_file)
-                fp16_file = folder / _rank_file(FP16_STATES, st, 0)
+                fp16_file = folder / _rank_file(FP16_STATES, st, index)
                 if fp16_file.is_file():
                     optimizer_state[FP16_STATES] = _read(fp16_file)
                 optimizer.load_state_dict(optimizer_state)

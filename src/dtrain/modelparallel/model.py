@@ -6,7 +6,9 @@ manual placement is used), each rank frees the parameters it does not own, and t
 runtime starts. A model created inside ``smp.delay_param_initialization()`` has no memory until
 then: rank 0 plans from its shapes and operation counts, and each rank makes only what it owns
 (:mod:`.deferred`), so no rank ever holds the whole model. After each step each rank averages
-its own parameters' gradients over its data-parallel group.
+its own parameters' gradients over its data-parallel group. With ``sharded_data_parallel_degree``
+above 1 there is no pipeline: the module is sharded when wrapped, and steps, gradients and
+state dicts go through :mod:`.sharded`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,9 @@ from dtrain.modelparallel.stall import default_store
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
+
+if TYPE_CHECKING:
+    from dtrain.modelparallel.sharded import ShardedModel
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -130,6 +135,15 @@ class DistributedModel(nn.Module):
             else HalfParameters(dtype, self._state.device, self._state.world_process_group)
         )
         """``fp16``/``bf16``: the half model's fp32 masters and loss scale (:mod:`.precision`)."""
+        self.sharding: ShardedModel | None = None
+        """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
+        steps, gradients and state dicts go through :mod:`.sharded`."""
+        if self._state.config["sharded_data_parallel_degree"] > 1:
+            # Imported here: FSDP2 and DTensor take seconds to import, for sharded models only.
+            from dtrain.modelparallel.sharded import ShardedModel
+
+            self._sync_random_states()
+            self.sharding = ShardedModel(module, self._state)
 
     # --- calling the model -------------------------------------------------------------------
 
@@ -143,6 +157,9 @@ class DistributedModel(nn.Module):
                 self._profile = profile_module(self.module, args, kwargs)
             with torch.no_grad():
                 return self.module(*args, **kwargs)
+        if self.sharding is not None:
+            self.sharding.require_step("the model")
+            return self.module(*args, **kwargs)
         self._require_step("the model")
         half = self.half_precision
         if half is None:
@@ -162,7 +179,6 @@ class DistributedModel(nn.Module):
         """
         if self._tracing.is_set():
             return
-        runtime = self._require_step("model.backward")
         outputs = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if grad_tensors is None:
             grads: list[torch.Tensor | None] = [None] * len(outputs)
@@ -170,22 +186,22 @@ class DistributedModel(nn.Module):
             grads = list(grad_tensors)
         else:
             grads = [grad_tensors]
-        grads = materialize(grads)  # computed elsewhere: fetch
         scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        if self.sharding is not None:
+            self.sharding.backward(outputs, _scaled(outputs, grads, scale))
+            return
         if self.half_precision is not None and self.half_precision.loss_scale != 1.0:
             scale = (scale or 1.0) * self.half_precision.loss_scale
+        runtime = self._require_step("model.backward")
+        grads = materialize(grads)  # computed elsewhere: fetch
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
             runtime.executor.start_backward()  # the request goes out without the token
             runtime.caller.backward_deferred(outputs[0], grads[0], scale)
             return
         outputs = materialize(outputs)
-        if scale is not None:
-            grads = [
-                (torch.ones_like(out) if g is None else g) * scale
-                for out, g in zip(outputs, grads, strict=True)
-            ]
+        grads = _scaled(outputs, grads, scale)
         with runtime.executor.backward():
             backward_giving_way(outputs, grads, runtime.executor.give_way)
 
@@ -202,7 +218,7 @@ class DistributedModel(nn.Module):
 
     @property
     def partitioned(self) -> bool:
-        return self._runtime is not None
+        return self._runtime is not None or self.sharding is not None
 
     def run_step(
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
@@ -211,6 +227,11 @@ class DistributedModel(nn.Module):
 
         ``make_body(device)`` splits the step's arguments, their tensors moved to ``device``,
         and returns the step body of one microbatch (called on the leader only)."""
+        if self.sharding is not None:
+            if not self.sharding.stepped:  # sharded when wrapped: the hooks run before step 1
+                for hook in list(self._post_partition_hooks.values()):
+                    hook(self)
+            return self.sharding.run_step(count, make_body)
         if self._runtime is None:
             self._partition(make_body)
         runtime = self._runtime
@@ -240,11 +261,15 @@ class DistributedModel(nn.Module):
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
 
+    def _sync_random_states(self) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank."""
+        recordings = deferred.recordings_of(self._all_tensors())
+        if recordings and self._state.size > 1:
+            deferred.sync_random_states(recordings, self._rank0_states)
+
     def _partition(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
         st = self._state
-        recordings = deferred.recordings_of(self._all_tensors())
-        if recordings and st.size > 1:
-            deferred.sync_random_states(recordings, self._rank0_states)
+        self._sync_random_states()
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
@@ -523,7 +548,10 @@ class DistributedModel(nn.Module):
     # --- state dicts -------------------------------------------------------------------------
 
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
-        """This rank's parameters and persistent buffers, by their names in the full model."""
+        """This rank's parameters (its shards of them, when sharded) and persistent buffers, by
+        their names in the full model."""
+        if self.sharding is not None:
+            return {**self.sharding.local_state_dict(cast_to_cpu), PARTIAL_KEY: True}
         result: dict[str, Any] = {
             name: (t.detach().cpu() if cast_to_cpu else t.detach())
             for name, t, _ in self._state_tensors(local_only=True)
@@ -540,6 +568,8 @@ class DistributedModel(nn.Module):
     ) -> dict[str, Any]:
         """The full model's state, gathered from the pipeline; every pipeline rank must call it."""
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
+        if self.sharding is not None:
+            return self.sharding.full_state_dict()
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop(PARTIAL_KEY)
         st = self._state
@@ -560,6 +590,9 @@ class DistributedModel(nn.Module):
         partial one is kept and applied once this rank knows its share."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
         values = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        if self.sharding is not None:
+            self.sharding.load(values, partial, strict)
+            return None
         if self._runtime is None:
             if partial or self._delayed():  # nothing to load into yet
                 self._pending_loads.append((values, strict, not partial))
@@ -607,3 +640,15 @@ class DistributedModel(nn.Module):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+
+
+def _scaled(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
+) -> list[torch.Tensor | None]:
+    """The gradients of ``outputs`` for ``backward``, multiplied by the microbatch ``scale``."""
+    if scale is None:
+        return grads
+    return [
+        (torch.ones_like(out) if g is None else g) * scale
+        for out, g in zip(outputs, grads, strict=True)
+    ]

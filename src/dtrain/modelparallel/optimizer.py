@@ -23,16 +23,21 @@ rank's GPU, so the first ``step()`` places every state again beside its paramete
 
 from __future__ import annotations
 
+import functools
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
 from dtrain.modelparallel.precision import FP16_STATES, LossScaler
 from dtrain.sealed import all_gather_objects
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def DistributedOptimizer(
@@ -72,9 +77,12 @@ def DistributedOptimizer(
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
+        if model.sharding is not None:
+            model.sharding.clip_gradients()  # sdp_gradient_clipping, as SMP's sharded step
+        run = original_step if adapter.zero is None else adapter.zero.step
         if half is None:
-            return original_step(*args, **kwargs)
-        return half.step(lambda: original_step(*args, **kwargs))
+            return run(*args, **kwargs)
+        return half.step(lambda: run(*args, **kwargs))
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         original_zero_grad(set_to_none)
@@ -105,6 +113,8 @@ class _Adapter:
         self.pruned = False
         self.pending_fp16: dict[str, Any] | None = None
         """fp16 states loaded before the masters existed."""
+        self.zero: ZeroRedundancyOptimizer | None = None
+        """With ``shard_optimizer_state``, what steps and holds the state (see :meth:`_shard`)."""
 
     def prune(self) -> None:
         """Keep only the local parameters (their fp32 masters for a half model), once the model
@@ -132,6 +142,41 @@ class _Adapter:
         if half is not None and self.pending_fp16 is not None:
             half.load_masters(self.pending_fp16, self.names)
             self.pending_fp16 = None
+        st = state.current()
+        if st.config["shard_optimizer_state"] and st.dp_size > 1:
+            self._shard(st.dp_process_group)
+
+    def _shard(self, group: dist.ProcessGroup) -> None:
+        """``shard_optimizer_state``: torch's ``ZeroRedundancyOptimizer`` over this rank's
+        parameters and its data-parallel ``group``, with the script's optimizer class and
+        options. Each replica keeps the state of, and steps, its share of the parameters
+        (whole ones, balanced by size) and broadcasts them to the others. The script's
+        optimizer object stays what the script holds: its ``param_groups`` become ZeRO's, so
+        learning-rate schedulers still reach every step; state loaded before the first step
+        moves into ZeRO's for the parameters this rank steps."""
+        # Imported here: torch.distributed.optim scripts its functional optimizers on import.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = self.optimizer
+        first, *others = optimizer.param_groups
+        options = {key: first[key] for key in optimizer.defaults if key in first}
+        zero = ZeroRedundancyOptimizer(
+            first["params"], type(optimizer), process_group=group, **options
+        )
+        for other in others:
+            zero.add_param_group(dict(other))
+        stepped = {id(p) for g in zero.optim.param_groups for p in g["params"]}
+        for param, values in optimizer.state.items():
+            if id(param) in stepped:
+                zero.optim.state[param] = values
+        optimizer.state.clear()
+        optimizer.param_groups = zero.param_groups
+        self.zero = zero
+
+    @property
+    def _holder(self) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state: ZeRO's local one, or the script's."""
+        return self.optimizer if self.zero is None else self.zero.optim
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients the optimizer steps to a global norm over every partition;
@@ -172,17 +217,33 @@ class _Adapter:
             options = {k: v for k, v in group.items() if k != "params"}
             options["params"] = [self.names[id(p)] for p in group["params"] if id(p) in local]
             groups.append(options)
-        states = {
-            self.names[id(p)]: _to_cpu(s) for p, s in self.optimizer.state.items() if id(p) in local
+        return {"state": self._states(full=False), "param_groups": groups, PARTIAL_KEY: True}
+
+    def _states(self, full: bool) -> dict[str, dict[str, Any]]:
+        """This rank's parameters' states by name, on the CPU; of a sharded parameter its
+        shard, or (``full``) the whole state, gathered (every rank calls it)."""
+        local = self._stepped_ids()
+        holder = self._holder
+        sharding = self.model.sharding
+        saved = _on_cpu if sharding is None else functools.partial(sharding.saved, full=full)
+        return {
+            self.names[id(p)]: {k: saved(v) for k, v in holder.state[p].items()}
+            for group in holder.param_groups
+            for p in group["params"]
+            if id(p) in local and p in holder.state
         }
-        return {"state": states, "param_groups": groups, PARTIAL_KEY: True}
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole pipeline's optimizer state; every pipeline rank must call it."""
+        """The whole model's optimizer state, gathered; every pipeline rank (every rank, with
+        ``shard_optimizer_state``) must call it."""
         local = self.local_state_dict()
         st = state.current()
+        if self.model.sharding is not None:
+            local["state"] = self._states(full=True)
         parts = [local]
-        if self.model.partitioned and st.pp_size > 1:
+        if self.zero is not None:
+            parts = all_gather_objects(local, st.object_groups["world"], st.seals)
+        elif self.model.partitioned and st.pp_size > 1:
             parts = all_gather_objects(local, st.pp_message_group, st.seals)
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
@@ -195,12 +256,14 @@ class _Adapter:
             for index, group in enumerate(part["param_groups"]):
                 if index == len(merged["param_groups"]):
                     merged["param_groups"].append({**group, "params": []})
-                merged["param_groups"][index]["params"].extend(group["params"])
+                names = merged["param_groups"][index]["params"]
+                names.extend(name for name in group["params"] if name not in names)
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full or partial state saved by :meth:`state_dict`/:meth:`local_state_dict`."""
         self.prune()
+        partial = bool(state_dict.get(PARTIAL_KEY, False))
         by_name = {
             self.names[id(p)]: (p, g) for g in self.optimizer.param_groups for p in g["params"]
         }
@@ -208,10 +271,18 @@ class _Adapter:
             self.optimizer.param_groups, state_dict["param_groups"], strict=True
         ):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        holder = self._holder
+        stepped = {id(p) for g in holder.param_groups for p in g["params"]}
         for name, saved_state in state_dict["state"].items():
-            if name in by_name:
+            if name in by_name and id(by_name[name][0]) in stepped:
                 param, group = by_name[name]
-                self.optimizer.state[param] = placed(param, saved_state, group)
+                if self.model.sharding is not None:
+                    as_shard = self.model.sharding.as_shard
+                    saved_state = {
+                        k: as_shard(param, name, v, partial) if _is_state_tensor(k, v) else v
+                        for k, v in saved_state.items()
+                    }
+                holder.state[param] = placed(param, saved_state, group)
         half = self.model.half_precision
         if FP16_STATES in state_dict and half is not None:
             half.scaler.load_state_dict(state_dict[FP16_STATES]["loss_scaler"])
@@ -245,5 +316,10 @@ def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -
     return result
 
 
-def _to_cpu(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+def _on_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _is_state_tensor(key: str, value: Any) -> bool:
+    """Whether an optimizer state value is shaped like its parameter (not ``step``)."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() > 0

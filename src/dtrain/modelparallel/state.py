@@ -7,6 +7,7 @@ so the rest of the runtime asks :func:`current` instead of recomputing ranks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtrain.config.modelparallel import (
     MP_PARAMETER_ALIASES,
@@ -98,6 +100,11 @@ class MPState:
     owns_world: bool = field(repr=False)
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
+    sharding_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """With ``sharded_data_parallel_degree`` above 1, FSDP2's mesh over this rank's
+    data-parallel group: its last dimension is a group of that many neighbouring ranks, which
+    shard; a first one (when the degree is below the data-parallel degree) the ranks holding
+    the same shard in the other groups, which replicate (MiCS, FSDP2's HSDP)."""
 
 
 _state: MPState | None = None
@@ -524,6 +531,15 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
     messaging = maker.mine(pipelines, "gloo", fresh=True, idle=True)
+    sharding_mesh = None
+    if values["sharded_data_parallel_degree"] > 1:
+        sharding_mesh = _sharding_mesh(
+            maker,
+            topology.all_groups("dp"),
+            values["sharded_data_parallel_degree"],
+            backend,
+            device.type,
+        )
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,
@@ -560,4 +576,36 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         seals=Seals(job_key(), me),
         owns_world=owns_world,
         created_groups=tuple(maker.created),
+        sharding_mesh=sharding_mesh,
+    )
+
+
+_MESHES = itertools.count()
+"""Numbers the sharding meshes this process makes (see :func:`_sharding_mesh`)."""
+
+
+def _sharding_mesh(
+    maker: _GroupMaker, dp_groups: list[list[int]], degree: int, backend: str, device_type: str
+) -> DeviceMesh:
+    """FSDP2's mesh for ``sharded_data_parallel_degree`` ``degree``: each data-parallel group
+    cut into groups of ``degree`` consecutive ranks (neighbours, so on one host where they
+    fit), which shard; ranks at the same place in those groups replicate.
+
+    The dimensions' names are new for every mesh: torch's DTensor caches its sharding
+    decisions by spec, and specs compare meshes by layout and names, not by process group, so
+    an equal mesh made after ``smp.shutdown`` would get tensors on the destroyed groups of
+    the first one."""
+    n = next(_MESHES)
+    shards = [group[i : i + degree] for group in dp_groups for i in range(0, len(group), degree)]
+    shard_group = maker.mine(shards, backend)
+    if len(dp_groups[0]) == degree:
+        return DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=(f"shard{n}",))
+    replicas = [group[i::degree] for group in dp_groups for i in range(degree)]
+    replicate_group = maker.mine(replicas, backend)
+    mine = next(group for group in dp_groups if maker.rank in group)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=torch.tensor(mine).view(-1, degree),
+        mesh_dim_names=(f"replicate{n}", f"shard{n}"),
     )

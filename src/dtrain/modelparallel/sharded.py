@@ -1,0 +1,279 @@
+"""Sharded data parallelism (``sharded_data_parallel_degree`` > 1) on PyTorch FSDP2.
+
+SMP v1 shards parameters, gradients and optimizer state MiCS-style: over groups of
+``sharded_data_parallel_degree`` data-parallel ranks, replicated across the groups. That is
+``torch.distributed.fsdp.fully_shard`` over the mesh ``smp.init`` built
+(``MPState.sharding_mesh``): 1-D when the degree is the data-parallel degree (FSDP), 2-D
+otherwise (HSDP: reduce-scatter within the group, all-reduce across groups).
+
+The module is sharded when ``smp.DistributedModel`` wraps it (SMP's pipeline-less path also
+synchronised the parameters at wrap time), so the optimizer the script then creates from
+``model.parameters()`` holds the sharded parameters (DTensors) and allocates state for this
+rank's shards only.
+
+**Units.** ``fully_shard`` is applied bottom-up to the submodules :func:`shard_units` chooses
+(Hugging Face blocks, submodules of at least ``sdp_param_persistence_threshold`` parameters),
+then to the root, which keeps the rest; a unit's parameters are gathered together before its
+forward (and again before its backward) and freed after.
+
+**Steps.** The step body runs once per microbatch on every rank, one microbatch after the
+other: FSDP2 tracks one forward and backward at a time. Each microbatch's backward
+reduce-scatters its gradients into the sharded ones, so the step ends with them averaged over
+the data-parallel group and averaged (or summed) over microbatches, as pipelines do. A
+failure on one rank leaves the others waiting in a collective until the process group's
+timeout (``DTRAIN_MP_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dtrain.modelparallel import deferred
+from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
+from dtrain.modelparallel.executor import MicrobatchResult
+from dtrain.modelparallel.state import MPState
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def shard_units(root: nn.Module, threshold: int) -> list[nn.Module]:
+    """The submodules that become FSDP2 units, each before any unit containing it.
+
+    A submodule is a unit when at least ``threshold`` of its parameters lie outside the units
+    below it. Hugging Face blocks (``root._no_split_modules``) and torch.nn's own modules
+    other than containers are atomic: a unit whole, or none of their submodules is one
+    (``MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``, so that
+    unit's parameters would never be gathered); a block is a unit whatever its size. Never
+    a unit: a module that is not called (``ModuleList``, ``ModuleDict``: FSDP2 gathers a
+    unit's parameters around its forward) or that shares a parameter with a module outside
+    its subtree (FSDP2 must manage a shared parameter in one unit).
+    """
+    blocks = set(getattr(root, "_no_split_modules", None) or ())
+    holders: dict[int, list[str]] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append(prefix)
+
+    def self_contained(prefix: str, module: nn.Module) -> bool:
+        inside = (prefix, f"{prefix}.")
+        return all(
+            holder == prefix or holder.startswith(inside[1])
+            for param in module.parameters()
+            for holder in holders[id(param)]
+        )
+
+    units: list[nn.Module] = []
+
+    def visit(prefix: str, module: nn.Module) -> int:
+        """Parameters (elements) of ``module`` outside the units found below it."""
+        block = type(module).__name__ in blocks
+        atomic = block or (
+            type(module).__module__.startswith("torch.nn.") and not isinstance(module, CONTAINERS)
+        )
+        if atomic:
+            loose = sum(p.numel() for p in module.parameters())
+        else:
+            loose = sum(p.numel() for p in module.parameters(recurse=False))
+            for name, child in module.named_children():
+                loose += visit(f"{prefix}.{name}" if prefix else name, child)
+        if (
+            module is not root
+            and loose > 0
+            and (block or loose >= threshold)
+            and type(module).forward is not nn.Module.forward
+            and self_contained(prefix, module)
+        ):
+            units.append(module)
+            return 0
+        return loose
+
+    visit("", root)
+    return units
+
+
+class ShardedModel:
+    """The sharded side of a ``DistributedModel``: shards the module, runs steps, clips
+    gradients and converts state dicts between full, partial and sharded."""
+
+    def __init__(self, module: nn.Module, st: MPState) -> None:
+        mesh = st.sharding_mesh
+        assert mesh is not None, "smp.init builds the mesh when the degree is above 1"
+        self.module = module
+        self.device = st.device
+        self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
+        self._world = st.world_process_group
+        self._shard_group = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last
+        self._stepping = False
+        self.stepped = False
+        """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
+        claimed: set[int] = set()
+        units = shard_units(module, st.config["sdp_param_persistence_threshold"])
+        for unit in [*units, module]:
+            managed = [m for m in unit.modules() if id(m) not in claimed]
+            claimed.update(id(m) for m in managed)
+            self._prepare(managed)
+            fully_shard(unit, mesh=mesh)
+
+    def _prepare(self, modules: list[nn.Module]) -> None:
+        """Make the tensors one unit manages (the parameters and buffers of ``modules``, the
+        unit's submodules outside the units below it) rank 0's on every rank, on this rank's
+        device, right before the unit is sharded.
+
+        This is the one place a unit's tensors exist whole: a model created without memory
+        (``smp.delay_param_initialization``) is made here, unit by unit, with its eager values
+        (:mod:`.deferred`, from rank 0's random states), so that no rank ever holds more than
+        one unsharded unit beside the shards.
+        """
+        tensors = [
+            tensor
+            for module in modules
+            for table in (module._parameters, module._buffers)
+            for tensor in table.values()
+            if tensor is not None and not isinstance(tensor, DTensor)
+        ]
+        with torch.no_grad():
+            deferred.materialize(tensors, self.device)
+            for tensor in tensors:
+                data = tensor.data.to(self.device)
+                dist.broadcast(data, src=0, group=self._world)
+                tensor.data = data
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def require_step(self, what: str) -> None:
+        if not self._stepping:
+            raise NotInStepError(
+                f"{what} was used outside an @smp.step function: call the model and "
+                "model.backward inside the function decorated with @smp.step"
+            )
+
+    def run_step(
+        self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
+    ) -> list[MicrobatchResult]:
+        """The step body for each microbatch in turn, on this rank's device."""
+        body = make_body(self.device)
+        self.stepped = self._stepping = True
+        try:
+            return [(True, body(mb)) for mb in range(count)]
+        except BaseException:
+            root = self.module
+            assert isinstance(root, FSDPModule)
+            root.reset_iter_state()
+            raise
+        finally:
+            self._stepping = False
+
+    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        self.require_step("model.backward")
+        torch.autograd.backward(outputs, grads)
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Scale the gradients so that their global L2 norm (over every shard) is at most
+        ``sdp_gradient_clipping``, as ``torch.nn.utils.clip_grad_norm_`` does in one process;
+        returns the norm before clipping (None when clipping is off or nothing has a
+        gradient)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.max_grad_norm <= 0 or not grads:
+            return None
+        squares = torch.stack([torch.linalg.vector_norm(_local(g)) for g in grads]).square()
+        total = squares.sum()
+        dist.all_reduce(total, group=self._shard_group)  # shards differ; replicas agree
+        norm = total.sqrt()
+        coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).item()
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient)
+        return norm
+
+    # --- state dicts -------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank (gathered: every rank must call it)."""
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return {name: value.detach().cpu() for name, value in full.items()}
+
+    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's shards of the parameters (and every buffer), by their full names."""
+        result = {}
+        for name, value in self.module.state_dict().items():
+            local = _local(value)
+            result[name] = local.detach().cpu() if cast_to_cpu else local.detach()
+        return result
+
+    def load(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
+        """Load a full state dict (every rank keeps its shards of it) or this rank's partial
+        one, saved by :meth:`local_state_dict` with the same degrees."""
+        if not partial:
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(self.module, values, options=options)
+            return
+        mine = self.module.state_dict()
+        missing = sorted(set(mine) - set(values))
+        unexpected = sorted(set(values) - set(mine))
+        if strict and (missing or unexpected):
+            raise ModelParallelError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                if name in values:
+                    local = _local(tensor)
+                    local.copy_(_same_shape(name, local, values[name]))
+
+    @staticmethod
+    def as_shard(param: DTensor, name: str, value: torch.Tensor, partial: bool) -> DTensor:
+        """An optimizer state tensor for sharded ``param``: ``value`` is this rank's shard
+        (``partial``) or the whole tensor, of which this rank keeps its shard."""
+        if isinstance(value, DTensor):
+            return value.to(param.dtype) if value.is_floating_point() else value
+        value = value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
+        if partial:
+            local = _same_shape(name, param.to_local(), value)
+            return DTensor.from_local(
+                local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            )
+        if value.shape != param.shape:
+            raise ModelParallelError(
+                f"optimizer load_state_dict: state of {name!r} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}"
+            )
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+
+    @staticmethod
+    def saved(value: Any, full: bool) -> Any:
+        """A state value as saved: a sharded tensor's shard, or (``full``, a collective: every
+        rank calls it in the same order) the whole tensor; on the CPU."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, DTensor):
+            value = value.full_tensor() if full else value.to_local()
+        return value.detach().cpu()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard if sharded."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _same_shape(name: str, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if value.shape != local.shape:
+        raise ModelParallelError(
+            f"load_state_dict: {name!r} has shape {tuple(value.shape)} in the partial state "
+            f"dict but this rank's shard has shape {tuple(local.shape)}: partial states load "
+            "only with the sharded_data_parallel_degree they were saved with; save a full "
+            "one (partial=False) to change it"
+        )
+    return value
