@@ -7,8 +7,10 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   memory (``optimize: memory``, SMP's memory weight 0.8). Peak RSS of each rank
   (``ru_maxrss``: everything the process held, torch itself included) over the peak of one
   process training the same model on the same batch (with the ranks' heap setting,
-  :mod:`dtrain.modelparallel.heap`), each layout in a fresh world: pipelines of 2 and 4 with
-  the model created eagerly on every rank (what scripts without
+  :mod:`dtrain.modelparallel.heap`), each layout in a fresh world: sharded data parallelism
+  of degree 2 (FSDP2; each rank trains on half the batch) with the model created eagerly and
+  without memory (made unit by unit as it is sharded); pipelines of 2 and 4 with the model
+  created eagerly on every rank (what scripts without
   ``smp.delay_param_initialization`` get), created without memory, and created without memory
   with every block's activations checkpointed (``smp.set_activation_checkpointing``): a
   pipeline holds the activations of the microbatches in flight while it holds gradients too,
@@ -81,15 +83,19 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
 
         params = list(model.parameters())
     else:
-        smp.init(
-            {
+        if args.sharded:  # each rank trains on its rows of the global batch
+            rows = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
+            data = [(tokens[rows], targets[rows]) for tokens, targets in data]
+            config = {"ddp": True, "sharded_data_parallel_degree": world}
+        else:
+            config = {
                 "pipeline_parallel_degree": world,
                 "microbatches": args.microbatches,
                 "pipeline": "interleaved",
                 "auto_partition": True,
                 "optimize": args.optimize,
             }
-        )
+        smp.init(config)
         module = build(shape, args.delayed)
         if args.checkpointed:
             for block in module.blocks:
@@ -117,8 +123,8 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
         elapsed = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-    if not params:
-        params = list(dist_model.local_parameters())
+    if not params:  # sharded: this rank's shards
+        params = [getattr(p, "_local_tensor", p) for p in dist_model.local_parameters()]
     return {
         "rank": rank,
         "step_seconds": times,
@@ -144,7 +150,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False}
-    values.update({"checkpointed": False, **changes})
+    values.update({"checkpointed": False, "sharded": False, **changes})
     return argparse.Namespace(**{**vars(args), **values})
 
 
@@ -152,6 +158,8 @@ def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
 
 MEMORY_LAYOUTS = (
     ("one process", 1, False, False, False),
+    ("sdp=2 eager", 2, False, False, False),
+    ("sdp=2 delayed", 2, False, True, False),
     ("pp=2 eager", 2, True, False, False),
     ("pp=2 delayed", 2, True, True, False),
     ("pp=2 delayed+ckpt", 2, True, True, True),
@@ -170,6 +178,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
             args,
             world=world,
             pipeline=pipeline,
+            sharded=label.startswith("sdp"),
             delayed=delayed,
             checkpointed=checkpointed,
             variant_shape="218m",

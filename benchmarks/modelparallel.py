@@ -19,15 +19,6 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   2-process worlds, alternating.
 * ``memory``: per-rank parameter, gradient and optimizer bytes and peak RSS of the pipeline
   against one process training the whole model.
-* ``sharded``: peak RSS of each rank training an LM with sharded data parallelism
-  (``sharded_data_parallel_degree`` = ``--sdp-degree`` ranks, FSDP2, AdamW, 2 steps on the
-  global batch) over the peak of one process training the same LM on the same batches, the
-  two measured in the same run (target <= 0.65 for 2 ranks). The LM is
-  ``--sdp-layers`` pre-norm blocks of width ``--sdp-width`` (feed-forward 4x, heads of 64)
-  and a vocabulary of ``--sdp-vocab``; the defaults make a small one to check that it runs,
-  ``--sdp-layers 16 --sdp-width 1024 --sdp-vocab 32768`` the issue's 218M-parameter one;
-  ``--sdp-delayed`` creates it inside ``smp.delay_param_initialization()`` on the sharded
-  ranks (made unit by unit as it is sharded).
 * ``busy``: a 30M-parameter GPT-2 (``examples/modelparallel/gpt.py``: 8 layers, width 512,
   8 heads, sequence 128, vocabulary 8192, its head tied to the embedding), global batch 16 in
   8 microbatches, auto-partitioned on 2 ranks: the share of each step each rank computes
@@ -70,7 +61,6 @@ from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.jobkey import KEY_ENV
-from dtrain.modelparallel import heap
 from dtrain.modelparallel.options import SPLIT_ENV
 from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
@@ -435,79 +425,6 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
     return {"single_process": single, "pipeline_ranks": pipeline}
 
 
-# --- scenario: sharded -------------------------------------------------------------------------
-
-
-def sharded_lm(args: argparse.Namespace) -> TransformerLM:
-    width = args.sdp_width
-    return TransformerLM(
-        vocab=args.sdp_vocab, d_model=width, heads=max(1, width // 64), ff=4 * width,
-        layers=args.sdp_layers, seq=SEQ,
-    )  # fmt: skip
-
-
-def sharded_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
-    """2 AdamW steps on the global batch: in one process (``single``), or on this rank's rows
-    with the model sharded over every rank; this rank's peak RSS."""
-    world = 1 if args.variant == "single" else args.sdp_degree
-    init_world(rank, world, port)
-    data = batches(2, args.sdp_vocab)
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    if args.variant == "single":
-        heap.keep_large_blocks_returnable()  # as smp.init does for the sharded ranks
-        model: nn.Module = sharded_lm(args)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for tokens, targets in data:
-            optimizer.zero_grad(set_to_none=True)
-            model(tokens, targets).backward()
-            optimizer.step()
-    else:
-        smp.init({"ddp": True, "sharded_data_parallel_degree": world})
-        with smp.delay_param_initialization(enabled=args.sdp_delayed):
-            lm = sharded_lm(args)
-        model = smp.DistributedModel(lm)
-        optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        @smp.step
-        def train_step(model: smp.DistributedModel, tokens: torch.Tensor, targets: Any) -> Any:
-            loss = model(tokens, targets)
-            model.backward(loss)
-            return loss
-
-        for tokens, targets in data:
-            optimizer.zero_grad(set_to_none=True)
-            train_step(model, tokens[rows], targets[rows])
-            optimizer.step()
-    row = {
-        "rank": rank,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "parameters": sum(p.numel() for p in model.parameters()),  # sharded: this rank's
-    }
-    rows_of: list[Any] = [None] * world
-    dist.all_gather_object(rows_of, row)
-    if rank == 0:
-        results.put(rows_of)
-    if args.variant != "single":
-        smp.shutdown()
-    dist.destroy_process_group()
-
-
-def run_sharded(args: argparse.Namespace) -> dict[str, Any]:
-    single = spawn(sharded_worker, 1, argparse.Namespace(**vars(args), variant="single"))
-    ranks = spawn(
-        sharded_worker, args.sdp_degree, argparse.Namespace(**vars(args), variant="sharded")
-    )
-    peak = single[0]["peak_rss_mib"]
-    return {
-        "parameters": single[0]["parameters"],
-        "degree": args.sdp_degree,
-        "delayed": args.sdp_delayed,
-        "single_process": single,
-        "sharded_ranks": ranks,
-        "peak_ratio": max(row["peak_rss_mib"] for row in ranks) / peak,
-    }
-
-
 # --- scenario: busy ----------------------------------------------------------------------------
 
 GPT_30M = {"layers": 8, "dim": 512, "heads": 8, "max_length": 128, "vocab_size": 8192}
@@ -658,22 +575,10 @@ def memory_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def sharded_table(r: dict[str, Any]) -> str:
-    lines = [
-        f"sharded data parallel {r['degree']}{' (delayed)' if r['delayed'] else ''}: peak RSS "
-        f"MiB, {r['parameters'] / 1e6:.1f}M parameters",
-        f"  single     {r['single_process'][0]['peak_rss_mib']:8.1f}",
-    ]
-    lines += [f"  rank {row['rank']:<5} {row['peak_rss_mib']:8.1f}" for row in r["sharded_ranks"]]
-    lines.append(f"  largest rank / single {r['peak_ratio']:.3f}   (target <= 0.65 for 2 ranks)")
-    return "\n".join(lines)
-
-
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "pipeline": pipeline_table,
     "unbalanced": unbalanced_table,
     "memory": memory_table,
-    "sharded": sharded_table,
     "busy": busy_table,
 }
 
@@ -719,7 +624,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--scenario",
-        choices=("pipeline", "unbalanced", "memory", "sharded", "busy", "all"),
+        choices=("pipeline", "unbalanced", "memory", "busy", "all"),
         default="all",
     )
     parser.add_argument("--microbatches", type=int, default=8)
@@ -728,13 +633,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
-    parser.add_argument("--sdp-degree", type=int, default=2)
-    parser.add_argument("--sdp-layers", type=int, default=4)
-    parser.add_argument("--sdp-width", type=int, default=256)
-    parser.add_argument("--sdp-vocab", type=int, default=1024)
-    parser.add_argument(
-        "--sdp-delayed", action="store_true", help="sharded ranks create the LM delayed"
-    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
@@ -742,7 +640,6 @@ def main() -> None:
         "pipeline": run_pipeline,
         "unbalanced": run_unbalanced,
         "memory": run_memory,
-        "sharded": run_sharded,
         "busy": run_busy,
     }
     report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
