@@ -143,9 +143,16 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
     dist.all_gather_object(rows, row)
     if rank == 0:
         results.put(rows)
+        results.close()
+        results.join_thread()  # delivered before this process leaves
     if smp.is_initialized():
         smp.shutdown()
     dist.destroy_process_group()
+    # Leave as dtrain's rank runner does (dtrain.launch.entry): the interpreter's teardown,
+    # where gloo's threads may abort the process (once in a few runs here), never runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
