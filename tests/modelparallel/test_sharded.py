@@ -26,6 +26,7 @@ from dtrain.errors import ConfigError
 from dtrain.modelparallel.sharded import shard_units
 from tests.modelparallel import equivalence, hf_cases
 from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.test_equivalence import assert_equivalent
 
 GLOBAL_BATCH = 8
 LR = 0.1
@@ -179,16 +180,6 @@ def train_runs(runs: list[Run], steps: int) -> list[Trained]:
         smp.shutdown()
     dist.destroy_process_group()
     return results
-
-
-def assert_equivalent(got: Trained, expected: Trained, what: str) -> None:
-    losses, reference_losses = torch.tensor(got.losses), torch.tensor(expected.losses)
-    relative = ((losses - reference_losses).abs() / reference_losses.abs()).max().item()
-    assert relative <= 1e-5, f"{what}: losses {got.losses} vs {expected.losses}"
-    assert got.params.keys() == expected.params.keys(), what
-    for name, value in expected.params.items():
-        diff = (got.params[name] - value).abs().max().item()
-        assert diff <= 1e-5, f"{what}: parameter {name} differs by {diff:.3g}"
 
 
 @pytest.mark.parametrize(
