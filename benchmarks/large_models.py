@@ -257,6 +257,14 @@ def join_capped_cgroup(rank: int, cap: int) -> None:
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
+def remove_cgroup(group: Path) -> None:
+    """Remove ``group`` once the killed processes in it are gone."""
+    deadline = time.monotonic() + 30
+    while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    group.rmdir()
+
+
 def trains(args: argparse.Namespace, world: int, layers: int) -> bool:
     chosen = variant(
         args,
@@ -276,7 +284,7 @@ def trains(args: argparse.Namespace, world: int, layers: int) -> bool:
         return False
     finally:
         for group in CGROUP.glob(f"dtrain-bench-{os.getpid()}-*"):
-            group.rmdir()
+            remove_cgroup(group)
     print(f"  {world} rank(s), {layers} blocks: trained", file=sys.stderr)
     return True
 
