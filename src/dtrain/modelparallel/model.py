@@ -380,9 +380,9 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             deferred.materialize(mine, st.device)
             for tensor in self._all_tensors():
-                if tensor.is_meta:  # created without memory, and another rank's
-                    continue
-                if id(tensor) in local:
+                if tensor.is_meta:  # created without memory, another rank's: as eager ones
+                    deferred.swap_in(tensor, torch.empty(0, dtype=tensor.dtype, device=st.device))
+                elif id(tensor) in local:
                     tensor.data = tensor.data.to(st.device)
                 else:  # another rank owns it: free the memory, keep the object
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=st.device)
