@@ -502,3 +502,57 @@ def test_offloading_trains_like_one_process_on_the_gpu(
     torch.testing.assert_close(got.losses, expected.losses, rtol=1e-4, atol=1e-6)
     for name, value in expected.params.items():
         torch.testing.assert_close(got.params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(0.0) for _ in range(4))
+
+    def forward(self, h: Tensor) -> Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class _Wrapped(nn.Module):
+    """``body``, a plain module of four blocks called once, is most of the model: free, the
+    planner splits it between two partitions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, DIM)
+        self.body = _Body()
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(self.inp(x)))
+
+
+def _owners_of_body(marked: bool) -> list[int]:
+    dist.init_process_group("gloo")
+    init_smp(2, "interleaved", 2, auto=True)
+    module = _Wrapped()
+    if marked:
+        set_activation_checkpointing(module.body)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    train_step(model, *_batch(0))
+    plan = model.partition_plan()
+    smp.shutdown()
+    dist.destroy_process_group()
+    return [plan.owner(f"body.blocks.{i}") for i in range(4)]
+
+
+def test_the_planner_keeps_a_marked_module_on_one_partition() -> None:
+    """Checkpointed as one region, ``body`` cannot span partitions: unmarked, the plan splits
+    it; marked, it stays whole and the step runs."""
+    assert len(set(run_ranks(2, _owners_of_body, False, timeout=120)[0])) == 2
+    assert len(set(run_ranks(2, _owners_of_body, True, timeout=120)[0])) == 1

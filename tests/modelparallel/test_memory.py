@@ -281,19 +281,19 @@ def test_a_job_on_a_gpu_that_is_too_small_fails_before_its_first_step(
     st = job_state("cuda:0", microbatches=2)
     fake_gpu["free"] = 40_000
     with pytest.raises(MemoryLimitError) as error:
-        fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {})
+        fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {}, ())
     message = str(error.value)
     assert "more than the 39.1 KiB free on GPU cuda:0 (of 80.0 GiB)" in message
     assert "A layout that fits: partitions 2 -> 4" in message
     fake_gpu["free"] = 1 << 30
-    checked = fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {})
+    checked = fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {}, ())
     assert checked.memory_settings == MemorySettings(
         optimizer="adam", microbatches=2, active_microbatches=2
     )
     # The CPU has no such figure: the plan comes back with its memory, unchecked.
     fake_gpu["free"] = 0
     monkeypatch.setattr(fit.state, "current_optimizer", lambda: None)
-    on_cpu = fit.check_device_memory(plan, profile, job_state("cpu"), nn.Linear(1, 1), {})
+    on_cpu = fit.check_device_memory(plan, profile, job_state("cpu"), nn.Linear(1, 1), {}, ())
     assert on_cpu.peak_memory[0].optimizer == 0  # no optimizer registered: none counted
 
 

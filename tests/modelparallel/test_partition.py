@@ -367,6 +367,14 @@ def test_big_modules_split_small_ones_stay_whole_idle_ones_inherit() -> None:
     assert plan.owner("enc.a") != plan.owner("enc.b")  # only possible because enc was split
 
 
+def test_a_module_kept_whole_is_not_split() -> None:
+    """``enc`` is split when free (above); named in ``whole`` (a module checkpointed as one
+    region) it and its children share a partition."""
+    plan = auto_plan(nested_profile(), 3, memory_weight=0.0, whole={"enc"})
+    assert plan.owner("enc.a") == plan.owner("enc.b") == plan.owner("enc")
+    assert plan.modules["enc.a"].placement == "inherited"
+
+
 # --- real models -----------------------------------------------------------------------------
 
 

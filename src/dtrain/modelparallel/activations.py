@@ -95,6 +95,16 @@ def _model_modules() -> set[int] | None:
     return {id(m) for m in model.module.modules()}
 
 
+def kept_whole(root: nn.Module) -> set[str]:
+    """Names of ``root``'s marked modules other than ``nn.Sequential`` ones: each is
+    checkpointed as one region, so the automatic planner keeps it on one partition (a
+    Sequential's strategy groups only children on one partition)."""
+    names = {id(m): name for name, m in root.named_modules()}
+    with _lock:
+        marked = [m for m in _marks if id(m) in names and not isinstance(m, nn.Sequential)]
+    return {names[id(m)] for m in marked}
+
+
 def set_activation_checkpointing(
     module: nn.Module,
     preserve_rng_state: bool = True,

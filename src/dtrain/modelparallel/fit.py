@@ -13,7 +13,7 @@ different schedule or a finer split of the batch do not.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,7 @@ def fit_layout(
     partitions: int,
     memory_weight: float,
     fixed: Mapping[str, int] | None = None,
+    whole: Collection[str] = (),
     max_partitions: int = MAX_PARTITIONS,
     max_microbatches: int = MAX_MICROBATCHES,
     batch_size: int | None = None,
@@ -75,7 +76,7 @@ def fit_layout(
     most = max(candidate.microbatches for candidate, _ in variants)
     searched = f"up to {max(partitions, max_partitions)} partitions and {most} microbatches"
     for count in range(partitions, max(partitions, max_partitions) + 1):
-        plan = auto_plan(profile, count, memory_weight=memory_weight, fixed=fixed)
+        plan = auto_plan(profile, count, memory_weight=memory_weight, fixed=fixed, whole=whole)
         if count > partitions and len(set(plan.owners.values())) < count:
             # The model has no more parts to place: more partitions would stay empty.
             searched = f"up to {count - 1} partitions (the model has no more parts to place)"
@@ -140,6 +141,7 @@ def check_memory(
     *,
     memory_weight: float,
     fixed: Mapping[str, int] | None = None,
+    whole: Collection[str] = (),
     limit_name: str = "allowed per rank",
     max_partitions: int = MAX_PARTITIONS,
     max_microbatches: int = MAX_MICROBATCHES,
@@ -174,6 +176,7 @@ def check_memory(
         partitions=plan.partitions,
         memory_weight=memory_weight,
         fixed=fixed,
+        whole=whole,
         max_partitions=max_partitions,
         max_microbatches=max_microbatches,
         batch_size=batch_size,
@@ -215,6 +218,7 @@ def check_device_memory(
     st: MPState,
     module: nn.Module,
     fixed: Mapping[str, int],
+    whole: Collection[str],
 ) -> PartitionPlan:
     """A job's plan with its memory, for its config and the optimizer it registered (see
     :meth:`MemorySettings.of_job`); on a GPU, checked against the memory free on the rank's
@@ -232,6 +236,7 @@ def check_device_memory(
             available_device_memory(st.device, module),
             memory_weight=st.config["memory_weight"],
             fixed=fixed,
+            whole=whole,
             limit_name=f"free on GPU {st.device} (of {format_size(total)})",
         )
     return plan

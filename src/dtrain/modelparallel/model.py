@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel import deferred, fit, placement, solo, state
+from dtrain.modelparallel import activations, deferred, fit, placement, solo, state
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
@@ -339,10 +339,15 @@ class DistributedModel(nn.Module):
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
+        whole = activations.kept_whole(self.module)
         plan = auto_plan(
-            self._profile, st.pp_size, memory_weight=st.config["memory_weight"], fixed=fixed
+            self._profile,
+            st.pp_size,
+            memory_weight=st.config["memory_weight"],
+            fixed=fixed,
+            whole=whole,
         )
-        return fit.check_device_memory(plan, self._profile, st, self.module, fixed)
+        return fit.check_device_memory(plan, self._profile, st, self.module, fixed, whole)
 
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""

@@ -48,7 +48,7 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -362,9 +362,12 @@ def auto_plan(
     *,
     memory_weight: float,
     fixed: Mapping[str, int] | None = None,
+    whole: Collection[str] = (),
     bandwidth: float = DEFAULT_BANDWIDTH,
 ) -> PartitionPlan:
-    """Place every module so that the costliest partition costs as little as possible."""
+    """Place every module so that the costliest partition costs as little as possible; the
+    modules named in ``whole`` (checkpointed as one region) are never split unless a module
+    below them is fixed."""
     fixed = dict(fixed or {})
     _check_weights(memory_weight, bandwidth)
     _check_placements(profile, partitions, fixed)
@@ -374,7 +377,7 @@ def auto_plan(
             "keeps it on partition 0, where the step runs"
         )
     model = _CostModel(profile, memory_weight, bandwidth)
-    atoms = _Atoms(profile, model, partitions, fixed)
+    atoms = _Atoms(profile, model, partitions, fixed, set(whole))
     free = sorted((u for u in atoms.units if u.pin is None), key=lambda u: u.position)
     owners = {name: u.pin for u in atoms.units if u.pin is not None for name in u.members}
     for k, segment in enumerate(_best_segments(free, atoms, model, partitions)):
@@ -610,10 +613,16 @@ class _Atoms:
     and how each module got its place."""
 
     def __init__(
-        self, profile: ModelProfile, model: _CostModel, partitions: int, fixed: dict[str, int]
+        self,
+        profile: ModelProfile,
+        model: _CostModel,
+        partitions: int,
+        fixed: dict[str, int],
+        whole: set[str],
     ) -> None:
         self.profile = profile
         self.fixed = fixed
+        self.whole = whole
         self.cost = {name: model.cost(model.time[name], model.memory[name]) for name in model.time}
         self.share = sum(self.cost.values()) / partitions
         self.units: list[_Unit] = []
@@ -659,7 +668,7 @@ class _Atoms:
             glue is None
             or stats.calls == 0
             or self._fixed_below[name]
-            or (stats.calls == 1 and (big or name in self._tied_out))
+            or (stats.calls == 1 and name not in self.whole and (big or name in self._tied_out))
         )
         for child in stats.children:
             if split:
