@@ -80,7 +80,7 @@ class _Ref:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Op:
     func: torch._ops.OpOverload
     args: Any
@@ -110,7 +110,6 @@ class Recording:
         self.ops: list[_Op] = []
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.random_states: list[_RandomState] = []
-        self.nbytes: dict[int, int] = {}
         self._scratch_storages: list[torch.UntypedStorage] = []
         """Reused by every random operation's scratch tensors: allocating one per operation
         leaves the allocator's heap holding as much as the whole model."""
@@ -127,11 +126,14 @@ class Recording:
                     "was used in this one; create the whole model in one block"
                 )
             self.storages[key] = tensor.untyped_storage()
-            self.nbytes[key] = tensor.untyped_storage().nbytes()
             _RECORDINGS[key] = self
         return _Ref.of(tensor)
 
-    def record(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
+    def record(
+        self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any, random: bool
+    ) -> None:
+        """Log ``func``; a ``random`` one replays from the generator state saved last (by
+        :meth:`advance_random`)."""
         reads: set[int] = set()
 
         def read(value: Any) -> Any:
@@ -150,8 +152,9 @@ class Recording:
             lambda v: self._ref(v) if isinstance(v, Tensor) and v.is_meta else None, out
         )
         writes.update(ref.key for ref in tree_flatten(outputs)[0] if isinstance(ref, _Ref))
+        state = len(self.random_states) - 1 if random else None
         self.ops.append(
-            _Op(func, args_rec, kwargs_rec, outputs, frozenset(reads), frozenset(writes), None)
+            _Op(func, args_rec, kwargs_rec, outputs, frozenset(reads), frozenset(writes), state)
         )
 
     def advance_random(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
@@ -180,8 +183,8 @@ class Recording:
         refs = [_Ref.of(t) for t in targets]
         needed = self._slice({ref.key for ref in refs})
         real: dict[int, torch.UntypedStorage] = {}
-        saved = {id(rs.generator): (rs.generator, rs.generator.get_state()) for rs in
-                 self.random_states}  # fmt: skip
+        generators = {id(rs.generator): rs.generator for rs in self.random_states}.values()
+        saved = [(generator, generator.get_state()) for generator in generators]
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -189,7 +192,7 @@ class Recording:
                 self._run(op, real)
         finally:
             torch.set_default_dtype(previous)
-            for generator, state in saved.values():
+            for generator, state in saved:
                 generator.set_state(state)
         missing = [ref for ref in refs if ref.key not in real]
         if missing:
@@ -218,7 +221,7 @@ class Recording:
         def arg(value: Any) -> Any:
             if isinstance(value, _Ref):
                 if value.key not in real:  # read before any recorded write: uninitialised
-                    nbytes = self.nbytes[value.key]
+                    nbytes = self.storages[value.key].nbytes()
                     real[value.key] = torch.UntypedStorage(nbytes, device=self.device)
                 return self._view(value, real)
             if isinstance(value, torch.device) and value == META:
@@ -322,9 +325,7 @@ class _Recorder(TorchDispatchMode):
             self.recording.advance_random(func, args, kwargs)
         meta_args, meta_kwargs = _on_meta(func, args, kwargs)
         out = func(*meta_args, **meta_kwargs)
-        self.recording.record(func, args, kwargs, out)
-        if random:
-            self.recording.ops[-1].random = len(self.recording.random_states) - 1
+        self.recording.record(func, args, kwargs, out, random)
         return out
 
     def _creation_device(self, device: torch.device | None) -> bool:
@@ -347,7 +348,12 @@ def _on_meta(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> tuple[Any, 
                 "into a tensor created outside the model's memory-free creation; create that "
                 "tensor inside the block too"
             )
-    return tree_map_only(Tensor, lambda t: t if t.is_meta else t.detach().to(META), (args, kwargs))
+    return meta_twins((args, kwargs))
+
+
+def meta_twins(tree: Any) -> Any:
+    """``tree`` with each real tensor replaced by a meta tensor of its shape and dtype."""
+    return tree_map_only(Tensor, lambda t: t if t.is_meta else t.detach().to(META), tree)
 
 
 def is_factory(func: torch._ops.OpOverload, flat: list[Any]) -> bool:
@@ -414,7 +420,7 @@ def materialize(tensors: Iterable[Tensor], device: torch.device) -> None:
     """Make the deferred ``tensors`` real on ``device``, in place (the same Python objects, so
     an optimizer made before keeps them); tensors already real are left alone."""
     pending = list({id(t): t for t in tensors if t.is_meta}.values())
-    by_recording: dict[int, list[Tensor]] = {}
+    by_recording: dict[int, tuple[Recording, list[Tensor]]] = {}
     for tensor in pending:
         recording = _RECORDINGS.get(storage_key(tensor))
         if recording is None:
@@ -423,9 +429,9 @@ def materialize(tensors: Iterable[Tensor], device: torch.device) -> None:
                 "but was not made inside smp.delay_param_initialization(): it was replaced or "
                 "created after the block; do that inside it"
             )
-        by_recording.setdefault(recording.index, []).append(tensor)
-    for group in by_recording.values():
-        values = _RECORDINGS[storage_key(group[0])].replay(group)
+        by_recording.setdefault(recording.index, (recording, []))[1].append(tensor)
+    for recording, group in by_recording.values():
+        values = recording.replay(group)
         for tensor, value in zip(group, values, strict=True):
             swap_in(tensor, value.to(device))
 

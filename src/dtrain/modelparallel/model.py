@@ -39,8 +39,9 @@ from dtrain.modelparallel.profile import (
     ModelProfile,
     Snapshot,
     moved_to,
+    outputs_without_memory,
     profile_module,
-    traced_without_memory,
+    profile_without_memory,
 )
 from dtrain.modelparallel.remote import RemoteValue, materialize
 from dtrain.modelparallel.runtime import PipelineRuntime
@@ -150,9 +151,9 @@ class DistributedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._tracing.is_set():
             if self._delayed():
-                profile, outputs = traced_without_memory(self.module, args, kwargs)
-                self._profile = self._profile or profile
-                return outputs
+                if self._profile is None:
+                    self._profile = profile_without_memory(self.module, args, kwargs)
+                return outputs_without_memory(self.module, args, kwargs)
             if self._profile is None:
                 self._profile = profile_module(self.module, args, kwargs)
             with torch.no_grad():

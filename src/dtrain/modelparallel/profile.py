@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtrain.modelparallel.deferred import META, is_factory, swap_in
+from dtrain.modelparallel.deferred import META, is_factory, meta_twins, swap_in
 
 FORMAT_VERSION = 1
 
@@ -442,22 +442,20 @@ def profile_without_memory(
         return profile_module(module, args, kwargs, repeats=0)
 
 
-def traced_without_memory(
+def outputs_without_memory(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> tuple[ModelProfile, Any]:
-    """:func:`profile_without_memory`, and the model's outputs, those computed on the meta
-    device as zeros of their shapes on the arguments' device, so that the step's own code
-    around the model goes on."""
+) -> Any:
+    """The outputs of a model created partly or wholly without memory, run as in
+    :func:`profile_without_memory`: those computed on the meta device as zeros of their shapes
+    on the arguments' device, so that the step's own code around the model goes on."""
     device = _real_device((args, kwargs))
-    profile = profile_without_memory(module, args, kwargs)
     with on_meta(module), _MixedOnMeta(device), torch.no_grad():
         outputs = module(*args, **kwargs)
-    zeros = tree_map_only(
+    return tree_map_only(
         Tensor,
         lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
         outputs,
     )
-    return profile, zeros
 
 
 def _real_device(tree: Any) -> torch.device:
@@ -483,9 +481,7 @@ class _MixedOnMeta(TorchDispatchMode):
         if is_factory(func, flat) and kwargs.get("device") == META:
             kwargs["device"] = self.device
         elif any(isinstance(v, Tensor) and v.is_meta for v in flat):
-            args, kwargs = tree_map_only(
-                Tensor, lambda t: t if t.is_meta else t.detach().to(META), (args, kwargs)
-            )
+            args, kwargs = meta_twins((args, kwargs))
             if kwargs.get("device") is not None:  # ``meta_tensor.to(device)`` stays meta
                 kwargs["device"] = META
         return func(*args, **kwargs)
