@@ -8,7 +8,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -251,8 +251,8 @@ def _run(spec: Any, quiet: bool) -> int:
 def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
     from dtrain.jobs.store import STATUSES, JobStore, spec_dict
 
-    if status is not None and status not in STATUSES:
-        raise ConfigError("--status", status, ", ".join(STATUSES), did_you_mean(status, STATUSES))
+    if status is not None:
+        _check_choice("--status", status, STATUSES)
     if most < 0:
         raise ConfigError("--max", most, "an integer >= 0 (0: every job)")
     records = [
@@ -379,25 +379,19 @@ def _example_inputs(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (value if isinstance(value, tuple) else (value,)), {}
 
 
+def _check_choice(flag: str, value: str, allowed: Collection[str]) -> None:
+    """``value`` is one of ``allowed``, or a ``ConfigError`` listing them (and a near miss)."""
+    if value not in allowed:
+        raise ConfigError(flag, value, ", ".join(allowed), did_you_mean(value, allowed))
+
+
 def _memory_settings(args: argparse.Namespace) -> Any:
     """The ``dtrain plan`` flags that decide memory per partition, checked for their form."""
     from dtrain.modelparallel.memory import OPTIMIZER_STATES, MemorySettings
     from dtrain.modelparallel.policy import PIPELINES
 
-    if args.pipeline not in PIPELINES:
-        raise ConfigError(
-            "--pipeline",
-            args.pipeline,
-            ", ".join(PIPELINES),
-            did_you_mean(args.pipeline, PIPELINES),
-        )
-    if args.optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(
-            "--optimizer",
-            args.optimizer,
-            ", ".join(OPTIMIZER_STATES),
-            did_you_mean(args.optimizer, OPTIMIZER_STATES),
-        )
+    _check_choice("--pipeline", args.pipeline, PIPELINES)
+    _check_choice("--optimizer", args.optimizer, OPTIMIZER_STATES)
     if args.microbatches < 1:
         raise ConfigError("--microbatches", args.microbatches, "an integer >= 1")
     active = args.active_microbatches
