@@ -78,6 +78,19 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-local-path", help="checkpoint directory shared by the hosts")
     run.add_argument("--metric-definitions", default="[]", help='JSON [{"Name":..., "Regex":...}]')
     run.add_argument(
+        "--tensorboard-output-path",
+        metavar="URI",
+        help="copy the job's TensorBoard events (metrics and the ranks' own) to "
+        "URI/<job>/tensorboard-output: a path, file:// or s3:// "
+        "(TensorBoardOutputConfig.S3OutputPath)",
+    )
+    run.add_argument(
+        "--tensorboard-local-path",
+        metavar="PATH",
+        help="where ranks write TensorBoard events, under /opt/ml (default "
+        "/opt/ml/output/tensorboard; TensorBoardOutputConfig.LocalPath)",
+    )
+    run.add_argument(
         "--environment", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
     )
     run.add_argument(
@@ -135,6 +148,9 @@ def _build_parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser("metrics", help="a job's metric time series")
     metrics.add_argument("name")
     metrics.add_argument("--plot", metavar="OUT.png", help="write a plot of every metric")
+    metrics.add_argument(
+        "--format", help="table (default), csv or json: one row or object per sample, for scripts"
+    )
 
     plan = commands.add_parser("plan", help="profile a model and print its partition plan")
     plan.add_argument(
@@ -231,7 +247,18 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         cluster=args.cluster,
         secret_file=args.secret_file,
         join_timeout=args.join_timeout,
+        tensorboard_output_config=_tensorboard_config(args),
     )
+
+
+def _tensorboard_config(args: argparse.Namespace) -> dict[str, str] | None:
+    """The ``--tensorboard-*`` flags as SageMaker's ``TensorBoardOutputConfig``, if any is given."""
+    config = {
+        "S3OutputPath": args.tensorboard_output_path,
+        "LocalPath": args.tensorboard_local_path,
+    }
+    config = {key: value for key, value in config.items() if value is not None}
+    return config or None
 
 
 def _run(spec: Any, quiet: bool) -> int:
@@ -312,21 +339,21 @@ def _agent(args: argparse.Namespace) -> int:
     return run_agent(controller, secret, args.address, args.host, args.connect_timeout)
 
 
-def _metrics(name: str, plot: str | None) -> int:
-    from dtrain.jobs.metrics import plot_metrics
+def _metrics(name: str, plot: str | None, form: str | None) -> int:
+    from dtrain.jobs.metrics import METRIC_FORMATS, format_metrics, plot_metrics
     from dtrain.jobs.store import JobStore
 
+    if form is not None:
+        _check_choice("--format", form, METRIC_FORMATS)
     store = JobStore()
     store.get(name)  # an unknown job is an error, not an empty table
     samples = store.metrics(name)
-    print(f"{'METRIC':24} {'STEP':>6} {'VALUE':>14}")
-    for sample in samples:
-        print(f"{sample.name:24} {sample.step:>6} {sample.value:>14.6g}")
+    sys.stdout.write(format_metrics(samples, form or "table"))
     if plot:
         if not samples:
             raise DtrainError(f"job {name} has no metrics to plot (see --metric-definitions)")
         plot_metrics(samples, plot, title=name)
-        print(f"plot written to {plot}")
+        print(f"plot written to {plot}", file=sys.stderr if form else sys.stdout)
     return EXIT_OK
 
 
@@ -551,7 +578,7 @@ def _main(argv: list[str]) -> int:
             print(f"{record.name}: {record.status}")
             return EXIT_OK
         if args.command == "metrics":
-            return _metrics(args.name, args.plot)
+            return _metrics(args.name, args.plot, args.format)
         if args.command == "plan":
             return _plan(args)
     except DtrainError as error:

@@ -28,7 +28,7 @@ AWS_ONLY_ARGUMENTS = frozenset(
     {
         "role", "sagemaker_session", "framework_version", "py_version", "image_uri",
         "debugger_hook_config", "disable_profiler", "profiler_config", "rules",
-        "tensorboard_output_config", "volume_size", "volume_kms_key", "output_kms_key", "tags",
+        "volume_size", "volume_kms_key", "output_kms_key", "tags",
         "subnets", "security_group_ids", "use_spot_instances", "max_wait", "checkpoint_s3_uri",
         "code_location", "container_log_level", "dependencies", "git_config",
         "enable_network_isolation", "encrypt_inter_container_traffic", "enable_sagemaker_metrics",
@@ -71,6 +71,36 @@ class TrainingInput:
 
     def channel(self, name: str) -> ChannelSpec:
         return ChannelSpec(name, self.s3_data, self.distribution, self.content_type)
+
+
+class TensorBoardOutputConfig:
+    """Where a job's TensorBoard events go, as SageMaker's ``sagemaker.debugger``
+    ``TensorBoardOutputConfig``: ``s3_output_path`` (a path, ``file://`` or ``s3://`` here) and
+    the ranks' folder ``container_local_output_path`` (default ``/opt/ml/output/tensorboard``)."""
+
+    def __init__(self, s3_output_path: str, container_local_output_path: str | None = None) -> None:
+        self.s3_output_path = s3_output_path
+        self.container_local_output_path = container_local_output_path
+
+    def _to_request_dict(self) -> dict[str, str]:
+        """CreateTrainingJob's ``TensorBoardOutputConfig``."""
+        request = {"S3OutputPath": self.s3_output_path}
+        if self.container_local_output_path is not None:
+            request["LocalPath"] = self.container_local_output_path
+        return request
+
+
+def _tensorboard_request(config: Any) -> dict[str, str] | None:
+    """``tensorboard_output_config`` as a request dict: ours, the SageMaker SDK's own object (it
+    has the same attributes), or the dict itself."""
+    if config is None or isinstance(config, Mapping):
+        return None if config is None else dict(config)
+    if not hasattr(config, "s3_output_path"):
+        raise ConfigError(
+            "tensorboard_output_config", config, "a TensorBoardOutputConfig or a dict"
+        )
+    local = getattr(config, "container_local_output_path", None)
+    return TensorBoardOutputConfig(config.s3_output_path, local)._to_request_dict()
 
 
 def _channels(inputs: str | TrainingInput | Mapping[str, str | TrainingInput] | None) -> tuple:
@@ -188,6 +218,7 @@ class PyTorch:
         cluster: str = "local",
         secret_file: str | None = None,
         join_timeout: float = 600.0,
+        tensorboard_output_config: TensorBoardOutputConfig | Mapping[str, str] | None = None,
         **aws_only: Any,
     ) -> None:
         unknown = sorted(set(aws_only) - AWS_ONLY_ARGUMENTS)
@@ -219,6 +250,7 @@ class PyTorch:
         self.cluster = cluster
         self.secret_file = secret_file
         self.join_timeout = join_timeout
+        self.tensorboard_output_config = _tensorboard_request(tensorboard_output_config)
         self.latest_training_job: TrainingJob | None = None
 
     @staticmethod
@@ -254,6 +286,7 @@ class PyTorch:
             cluster=self.cluster,
             secret_file=self.secret_file,
             join_timeout=self.join_timeout,
+            tensorboard_output_config=self.tensorboard_output_config,
         )
 
     def fit(

@@ -12,15 +12,19 @@ import os
 import re
 import shutil
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import fsspec.core
 from fsspec import AbstractFileSystem
+from fsspec.callbacks import Callback
+from tqdm import tqdm
 
 from dtrain.errors import ConfigError, DtrainError, UnknownKeyError, did_you_mean
 from dtrain.jobs.spec import SHARDING_TYPES, ChannelSpec
+from dtrain.progress import byte_bar
 
 # SageMaker's ChannelName: 1-64 of these characters. Names made only of dots are refused too:
 # the name becomes a directory under input/data, and "." or ".." would escape it.
@@ -188,22 +192,47 @@ def materialize_channel(
     targets = [dest_dir / key for key in keys]
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
-    if keys and remote:
-        try:
-            fs.get([sources[key] for key in keys], [str(target) for target in targets])
-        except OSError as error:
-            raise DtrainError(
-                f"channel {channel.name}: cannot download {channel.uri}: {error}"
-            ) from error
-    else:
-        for key, target in zip(keys, targets, strict=True):
+    paths = [sources[key] for key in keys]
+    total = None if remote else sum(map(os.path.getsize, paths))  # S3 sizes: a request each
+    with byte_bar(f"channel {channel.name}", total, sys.stderr) as bar:
+        if keys and remote:
             try:
-                shutil.copyfile(sources[key], target)
+                fs.get(paths, [str(target) for target in targets], callback=_BarCallback(bar))
             except OSError as error:
                 raise DtrainError(
-                    f"channel {channel.name}: cannot copy {sources[key]}: {error}"
-                ) from None
+                    f"channel {channel.name}: cannot download {channel.uri}: {error}"
+                ) from error
+        else:
+            for path, target in zip(paths, targets, strict=True):
+                try:
+                    shutil.copyfile(path, target)
+                except OSError as error:
+                    raise DtrainError(
+                        f"channel {channel.name}: cannot copy {path}: {error}"
+                    ) from None
+                bar.update(os.path.getsize(target))
     return targets
+
+
+class _BarCallback(Callback):
+    """fsspec's report of a many-file download, as bytes on one bar: each file's transfer
+    (a branch) adds what it moves."""
+
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__()
+        self._bar = bar
+
+    def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:
+        return _BytesCallback(self._bar)
+
+
+class _BytesCallback(Callback):
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__()
+        self._bar = bar
+
+    def relative_update(self, inc: int = 1) -> None:
+        self._bar.update(inc)
 
 
 def _check_key(channel: ChannelSpec, key: str) -> None:

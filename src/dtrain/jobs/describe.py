@@ -84,4 +84,6 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
     }
     if spec.distribution:
         description["Distribution"] = spec.distribution
+    if spec.tensorboard_output_config:
+        description["TensorBoardOutputConfig"] = spec.tensorboard_output_config
     return description

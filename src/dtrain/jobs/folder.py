@@ -169,6 +169,11 @@ class JobFolder:
         """What the controller said: statuses, hosts joining, refused connections."""
         return self.logs_dir / "controller.log"
 
+    @property
+    def tensorboard_dir(self) -> Path:
+        """TensorBoard runs: ``metrics/`` and each host's (:mod:`dtrain.jobs.tensorboard`)."""
+        return self.root / "tensorboard"
+
     def agent_log_file(self, host: str) -> Path:
         return self.logs_dir / f"agent-{host}.log"
 

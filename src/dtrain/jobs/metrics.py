@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import datetime
+import io
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +148,31 @@ def plot_metrics(samples: Sequence[MetricSample], path: str | Path, title: str) 
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
     figure.savefig(path)
+
+
+METRIC_FORMATS = ("table", "csv", "json")
+
+
+def format_metrics(samples: Sequence[MetricSample], form: str) -> str:
+    """``dtrain metrics`` output: an aligned table for people, or CSV / JSON for scripts, one
+    row or object per sample with ``metric, step, value, timestamp`` (seconds since the epoch)."""
+    if form == "table":
+        rows = [f"{'METRIC':24} {'STEP':>6} {'VALUE':>14}\n"]
+        rows += [f"{s.name:24} {s.step:>6} {s.value:>14.6g}\n" for s in samples]
+        return "".join(rows)
+    records = [
+        {"metric": s.name, "step": s.step, "value": s.value, "timestamp": s.timestamp}
+        for s in samples
+    ]
+    if form == "json":
+        return json.dumps(records, indent=2) + "\n"
+    if form == "csv":
+        text = io.StringIO()
+        writer = csv.DictWriter(text, ["metric", "step", "value", "timestamp"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        return text.getvalue()
+    raise ConfigError("--format", form, ", ".join(METRIC_FORMATS))
 
 
 def final_metric_data_list(samples: Sequence[MetricSample]) -> list[dict[str, Any]]:

@@ -49,6 +49,8 @@ class JobSpec:
     """The job's secret, which joining agents must prove (``join://`` clusters)."""
     join_timeout: float = 600.0
     """How long the controller waits for every host's agent to join."""
+    tensorboard_output_config: dict[str, str] | None = None
+    """SageMaker's ``TensorBoardOutputConfig`` (``S3OutputPath``, ``LocalPath``), if given."""
     key_salt: str = ""
     """Random, made when the job is submitted: the ranks' keys are this job's own even where
     other jobs share its secret (:mod:`dtrain.sealed`)."""

@@ -211,6 +211,8 @@ class Agent:
         self.ranks: LocalRanks | None = None
         self.attempt = 0
         self.folder: HostFolder | None = None
+        self.tensorboard_dir: Path | None = None
+        """The host's ``TensorBoardOutputConfig.LocalPath`` (from ``prepare``)."""
         self.store: RendezvousStore | None = None
         self.address = connection.sock.getsockname()[0]
         self._signalled: str | None = None
@@ -301,8 +303,12 @@ class Agent:
             if self.ranks is not None and fields["attempt"] == self.attempt:
                 self.ranks.stop()
         elif kind == "send":
-            assert self.folder is not None
-            folder = {"model": self.folder.model_dir, "output": self.folder.output_data_dir}
+            assert self.folder is not None and self.tensorboard_dir is not None
+            folder = {
+                "model": self.folder.model_dir,
+                "output": self.folder.output_data_dir,
+                "tensorboard": self.tensorboard_dir,
+            }
             send_folder(self.connection, fields["stream"], folder[fields["stream"]])
         else:
             raise DtrainError(f"the agent does not know the order {kind!r}")
@@ -324,6 +330,8 @@ class Agent:
             folder.code_dir.mkdir()
             unpack(code, folder.code_dir)
             make_private_dirs(Path(fields["checkpoint_dir"]))
+            self.tensorboard_dir = Path(fields["tensorboard_dir"])
+            make_private_dirs(self.tensorboard_dir)
         except (OSError, tarfile.TarError) as error:
             raise DtrainError(f"cannot lay out {root} on {self.address}: {error}") from None
         finally:

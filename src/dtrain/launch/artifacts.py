@@ -15,15 +15,17 @@ from typing import IO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from tqdm.utils import CallbackIOWrapper
 
 from dtrain.errors import ConfigError
 from dtrain.jobs.folder import dtrain_home, make_private_dirs
+from dtrain.progress import byte_bar
 
 OUTPUT_SCHEMES = ("file", "s3")
 
 
-def resolve_output_path(output_path: str | None) -> str:
-    """The output path as a URL.
+def resolve_output_path(output_path: str | None, key: str = "output_path") -> str:
+    """The output path (the value of ``key``) as a URL.
 
     Default ``file://$DTRAIN_HOME/output`` (SageMaker's is an S3 bucket).
     """
@@ -33,7 +35,7 @@ def resolve_output_path(output_path: str | None) -> str:
         return Path(output_path).expanduser().resolve().as_uri()
     scheme = output_path.split("://", 1)[0]
     if scheme not in OUTPUT_SCHEMES:
-        raise ConfigError("output_path", output_path, "a local path, a file:// URL or an s3:// URL")
+        raise ConfigError(key, output_path, "a local path, a file:// URL or an s3:// URL")
     return output_path.rstrip("/")
 
 
@@ -67,18 +69,23 @@ def _write_whole(url: str) -> Iterator[IO[bytes]]:
 
 
 def upload_artifacts(
-    job_name: str, output_url: str, collect: Callable[[str, tarfile.TarFile], None]
+    job_name: str,
+    output_url: str,
+    collect: Callable[[str, tarfile.TarFile], None],
+    console: IO[str] | None = None,
 ) -> str:
     """Write ``<output>/<job>/output/{model,output}.tar.gz``; returns the model artifact URL.
 
     ``collect(stream, tar)`` adds every host's ``model/`` (stream ``model``) or ``output/data``
-    (stream ``output``) to ``tar`` as they arrive: nothing is staged on disk.
+    (stream ``output``) to ``tar`` as they arrive: nothing is staged on disk. Each archive's
+    bytes, as written, show on a bar where ``console`` is a terminal.
     """
     prefix = f"{output_url}/{job_name}/output"
     for stream in ("model", "output"):
         with (
             _write_whole(f"{prefix}/{stream}.tar.gz") as handle,
-            tarfile.open(fileobj=handle, mode="w|gz") as tar,
+            byte_bar(f"{stream}.tar.gz", None, console) as bar,
+            tarfile.open(fileobj=CallbackIOWrapper(bar.update, handle), mode="w|gz") as tar,
         ):
             collect(stream, tar)
     return f"{prefix}/model.tar.gz"

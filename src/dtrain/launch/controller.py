@@ -14,13 +14,14 @@ import socket
 import tarfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dtrain.errors import DtrainError
 from dtrain.launch.clusters.base import Cluster
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.links import Event, Joined, Link, Links, Lost, Received
 from dtrain.launch.outcome import Attempt, Failure, Outcome, rank_failure
-from dtrain.launch.transfer import ChunkReader, repack
+from dtrain.launch.transfer import ChunkReader, repack, unpack
 from dtrain.launch.wire import Connection, ConnectionClosed, Message, ProtocolError, shown
 
 STOP_CONFIRM_LIMIT = 15.0
@@ -192,6 +193,7 @@ class Controller:
                 host_count=len(plan.hosts),
                 environment=plan.spec.environment,
                 checkpoint_dir=str(plan.checkpoint_dir(index)),
+                tensorboard_dir=str(plan.tensorboard_dir(index)),
                 again=hosts is not None,
                 job_name=plan.spec.job_name,
                 key_salt=plan.spec.key_salt,
@@ -294,18 +296,32 @@ class Controller:
         """
         seen: set[str] = set()
         for name in hosts:
-            link = self.hosts[name]
-            if link.gone:
-                raise DtrainError(f"cannot collect {stream}/ from {name}: it was lost")
-            reader = link.streams[stream] = ChunkReader(check=check)
-            link.connection.send("send", stream=stream)
-            try:
-                repack(reader, target, seen)
-                reader.drain()  # the stream's padding and end follow the archive's last member
-            except (ConnectionClosed, ProtocolError, tarfile.TarError) as error:
-                raise DtrainError(f"cannot collect {stream}/ from {name}: {error}") from None
-            finally:
-                del link.streams[stream]
+            self._receive(stream, name, check, lambda reader: repack(reader, target, seen))
+
+    def fetch(self, stream: str, host: str, folder: Path, check: Callable[[], None]) -> None:
+        """Unpack ``host``'s ``stream`` folder (``tensorboard``) into ``folder``."""
+        self._receive(stream, host, check, lambda reader: unpack(reader, folder))
+
+    def _receive(
+        self,
+        stream: str,
+        name: str,
+        check: Callable[[], None],
+        consume: Callable[[ChunkReader], None],
+    ) -> None:
+        """Ask host ``name`` for its ``stream`` folder and hand the tar stream to ``consume``."""
+        link = self.hosts[name]
+        if link.gone:
+            raise DtrainError(f"cannot collect {stream}/ from {name}: it was lost")
+        reader = link.streams[stream] = ChunkReader(check=check)
+        link.connection.send("send", stream=stream)
+        try:
+            consume(reader)
+            reader.drain()  # the stream's padding and end follow the archive's last member
+        except (ConnectionClosed, ProtocolError, tarfile.TarError) as error:
+            raise DtrainError(f"cannot collect {stream}/ from {name}: {error}") from None
+        finally:
+            del link.streams[stream]
 
     def close(self) -> None:
         """Dismiss every agent (each ends its ranks and exits) and stop listening."""

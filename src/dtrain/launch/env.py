@@ -23,6 +23,7 @@ from dtrain.jobs.hyperparameters import (
     user_hyperparameters,
 )
 from dtrain.jobs.spec import JobSpec
+from dtrain.jobs.tensorboard import host_tensorboard_dir
 
 INSTANCE_GROUP = "homogeneousCluster"
 
@@ -193,6 +194,12 @@ class LaunchPlan:
             return Path(self.spec.checkpoint_local_path)
         return self.host_folder(host_index).checkpoints_dir
 
+    def tensorboard_dir(self, host_index: int) -> Path:
+        """The host's ``TensorBoardOutputConfig.LocalPath``, collected when the job ends."""
+        return host_tensorboard_dir(
+            self.host_folder(host_index), self.spec.tensorboard_output_config
+        )
+
     def rank_env(self, rank: int, master_port: int, attempt: int) -> dict[str, str]:
         """What global ``rank`` is told, over its agent's environment: the job's, then ours."""
         host_index = self.host_index(rank)
@@ -234,6 +241,7 @@ class LaunchPlan:
             "DTRAIN_JOB_NAME": self.spec.job_name,
             "DTRAIN_JOB_DIR": str(folder.root.parent.parent),
             "DTRAIN_CHECKPOINT_DIR": str(self.checkpoint_dir(host_index)),
+            "DTRAIN_TENSORBOARD_DIR": str(self.tensorboard_dir(host_index)),
             "SM_USER_ARGS": env_value(self.arguments),
             "SM_TRAINING_ENV": env_value(training_env),
             "SM_FRAMEWORK_PARAMS": env_value(framework_parameters(self.hyperparameters)),

@@ -43,6 +43,12 @@ from dtrain.jobs.limits import (
 from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
+from dtrain.jobs.tensorboard import (
+    METRICS_RUN,
+    MetricEvents,
+    publish,
+    validate_tensorboard_output_config,
+)
 from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
 from dtrain.launch.clusters import AgentJob, Cluster, parse_cluster
 from dtrain.launch.controller import Controller, JobStopped
@@ -103,6 +109,8 @@ class PreparedJob:
     hyperparameters: dict[str, Any]
     output_url: str
     cluster: Cluster
+    tensorboard_url: str | None
+    """Where the job's TensorBoard runs are copied (``TensorBoardOutputConfig.S3OutputPath``)."""
 
 
 def _check_code(spec: JobSpec) -> None:
@@ -169,9 +177,32 @@ def prepare(spec: JobSpec) -> PreparedJob:
     output_url = resolve_output_path(spec.output_path)
     if output_url.startswith("file://"):  # the controller writes the archives here
         check_private_folder("output_path", url2pathname(urlparse(output_url).path))
-    job = PreparedJob(spec, plan, hyperparameters, output_url, cluster)
+    job = PreparedJob(
+        spec,
+        plan,
+        hyperparameters,
+        output_url,
+        cluster,
+        _tensorboard_url(spec.tensorboard_output_config),
+    )
     _check_rank_size(job)
     return job
+
+
+def _tensorboard_url(config: dict[str, str] | None) -> str | None:
+    """``TensorBoardOutputConfig.S3OutputPath`` as a URL, checked as the output path is."""
+    if config is None:
+        return None
+    validate_tensorboard_output_config(config)
+    if config.get("S3OutputPath") is None:
+        return None
+    key = "tensorboard_output_config.S3OutputPath"
+    url = resolve_output_path(config["S3OutputPath"], key)
+    if url.startswith("s3://"):
+        check_s3_ready(key, url)
+    else:
+        check_private_folder(key, url2pathname(urlparse(url).path))
+    return url
 
 
 def _check_values(spec: JobSpec, local: bool) -> None:
@@ -260,6 +291,7 @@ class JobRun:
         self.folder = JobFolder.for_job(self.name)
         self.started = time.monotonic()
         self.extractor = MetricExtractor(validate_metric_definitions(job.spec.metric_definitions))
+        self.metric_events = MetricEvents(self.folder.tensorboard_dir / METRICS_RUN)
         self._console_lock = threading.Lock()
         self._logs: dict[tuple[int, int], TextIO] = {}
         self._signalled: str | None = None
@@ -342,6 +374,7 @@ class JobRun:
             self._restore_signal_handlers(previous)
             for log in self._logs.values():
                 log.close()
+            self.metric_events.close()
             with self._console_lock:
                 self._journal.close()
                 self._journal = None
@@ -412,6 +445,7 @@ class JobRun:
         if rank == 0:
             samples = [sample for line in lines for sample in self.extractor.feed(line)]
             self.store.add_metrics(self.name, samples)
+            self.metric_events.add(samples)
 
     def _plan(self, hosts: list[Host]) -> LaunchPlan:
         """The launch plan for the hosts that joined, and their record in the store."""
@@ -475,6 +509,7 @@ class JobRun:
             failure_file = self.folder.host(index).failure_file
             failure_file.parent.mkdir(parents=True, exist_ok=True)
             failure_file.write_text(f"{failure.reason}\n\n{failure.tail}\n")
+        self._collect_tensorboard(controller, plan)
         artifacts = None
         if outcome.status in (COMPLETED, STOPPED):
             self.transition("Uploading", "Uploading generated training model")
@@ -483,6 +518,7 @@ class JobRun:
                 self.name,
                 self.job.output_url,
                 lambda stream, target: controller.collect(stream, plan.host_names, target, check),
+                self.console,
             )
         self._end(
             outcome.status,
@@ -491,6 +527,28 @@ class JobRun:
             failure_reason=outcome.failure.reason if outcome.failure else None,
             model_artifacts=artifacts,
         )
+
+    def _collect_tensorboard(self, controller: Controller, plan: LaunchPlan) -> None:
+        """Each host's TensorBoard events into ``tensorboard/<host>/``, whatever the outcome
+        (a failed job's curves are what one looks at), then to ``S3OutputPath`` if given.
+
+        A host that cannot send its events (lost) is named on the console, and the job goes on:
+        its status is decided by its ranks.
+        """
+        check = self._new_stop_check()
+        for name in plan.host_names:
+            try:
+                controller.fetch("tensorboard", name, self.folder.tensorboard_dir / name, check)
+            except DtrainError as error:
+                self.say(f"TensorBoard events not collected: {error}")
+        url = self.job.tensorboard_url
+        if url is not None and self.folder.tensorboard_dir.is_dir():
+            try:
+                copied = publish(self.folder.tensorboard_dir, url, self.name)
+            except OSError as error:
+                self.say(f"TensorBoard events not copied to {url}: {error}")
+            else:
+                self.say(f"TensorBoard events copied to {copied}")
 
     def _end(self, status: str, secondary: str, message: str, **columns: Any) -> None:
         self.store.update(

@@ -46,7 +46,7 @@ from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -162,7 +162,9 @@ RANK_ENVIRONMENTS = Check(
     ),
 )
 CODE_STREAM = Check("'code'", lambda value: value == "code")
-RESULT_STREAM = Check("'model' or 'output'", lambda value: value in ("model", "output"))
+RESULT_STREAM = Check(
+    "'model', 'output' or 'tensorboard'", lambda value: value in ("model", "output", "tensorboard")
+)
 
 Fields = Mapping[str, Check]
 Protocol = Mapping[str, Fields]
@@ -184,6 +186,7 @@ FROM_CONTROLLER: Protocol = {
         "host_count": COUNT,
         "environment": TEXT_MAP,
         "checkpoint_dir": TEXT,
+        "tensorboard_dir": TEXT,
         "again": FLAG,
         "job_name": TEXT,
         "key_salt": NONCE,
