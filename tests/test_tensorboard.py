@@ -30,6 +30,8 @@ class Job:
     name: str
     folder: Path
     published: Path
+    console: str
+    """What ``dtrain run`` printed to a pipe (standard output and error)."""
 
 
 def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
@@ -43,6 +45,8 @@ def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
 def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
     home = tmp_path_factory.mktemp("home")
     published = tmp_path_factory.mktemp("tensorboard-out")
+    data = tmp_path_factory.mktemp("data")
+    (data / "part-0.csv").write_text("1,2\n")
     result = dtrain(
         "run",
         "tensorboard_writer.py",
@@ -60,11 +64,12 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
         DEFINITIONS,
         "--tensorboard-output-path",
         str(published),
-        "--quiet",
+        "--channel",
+        f"train={data}",
         home=home,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return Job(home, "tb", home / "jobs" / "tb", published)
+    return Job(home, "tb", home / "jobs" / "tb", published, result.stdout + result.stderr)
 
 
 def test_metric_definitions_become_scalars(job: Job) -> None:
@@ -87,6 +92,16 @@ def test_events_are_copied_to_the_output_path(job: Job) -> None:
     assert _scalars(copy / "algo-2" / "rank1", "rank/value")[-1] == (3, 13.0)
     described = json.loads(dtrain("describe", job.name, home=job.home).stdout)
     assert described["TensorBoardOutputConfig"] == {"S3OutputPath": str(job.published)}
+
+
+def test_a_pipe_gets_no_progress_bars_or_status_lines(job: Job) -> None:
+    assert "\r" not in job.console
+    assert "tar.gz:" not in job.console
+    agent_log = (job.folder / "logs" / "agent-algo-1.log").read_text()
+    assert "channel train" not in agent_log and "\r" not in agent_log
+    assert "[algo-1,0]: loss=1.0000" in job.console  # the console itself is there
+    lines = [line for line in job.console.splitlines() if line.startswith("[dtrain tb ")]
+    assert not [line for line in lines if "] Training: " in line and "attempt" not in line]
 
 
 def test_metrics_as_csv_and_json(job: Job) -> None:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -276,28 +277,32 @@ def _run(spec: Any, quiet: bool) -> int:
 
 
 def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
+    from dtrain.jobs.live import RATE_WINDOW, format_elapsed, latest
     from dtrain.jobs.store import STATUSES, JobStore, spec_dict
 
     if status is not None:
         _check_choice("--status", status, STATUSES)
     if most < 0:
         raise ConfigError("--max", most, "an integer >= 0 (0: every job)")
+    store = JobStore()
     records = [
         record
-        for record in JobStore().list()
+        for record in store.list()
         if status in (None, record.status) and (name_contains or "") in record.name
     ]
     shown = records[:most] if most else records
-    rows = [("NAME", "STATUS", "SECONDARY", "CREATED", "SECONDS", "LAYOUT")]
+    rows = [("NAME", "STATUS", "SECONDARY", "CREATED", "ELAPSED", "LAYOUT", "LATEST")]
     for record in shown:
         spec = spec_dict(record)
-        end = record.end_time
-        seconds = f"{end - record.start_time:.0f}" if end and record.start_time else "-"
+        end = record.end_time or (None if record.is_terminal else time.time())
+        elapsed = format_elapsed(end - record.start_time) if end and record.start_time else "-"
         created = datetime.datetime.fromtimestamp(record.creation_time).strftime(
             "%Y-%m-%d %H:%M:%S"
         )
         layout = f"{spec['instance_count']}x{spec['processes_per_host'] or 'auto'}"
-        rows.append((record.name, record.status, record.secondary_status, created, seconds, layout))
+        last = latest(store.recent_metrics(record.name, RATE_WINDOW))
+        row = (record.name, record.status, record.secondary_status, created, elapsed, layout)
+        rows.append((*row, str(last) if last else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(

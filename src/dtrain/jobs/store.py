@@ -264,6 +264,24 @@ class JobStore:
             ).fetchall()
         return [MetricSample(**dict(row)) for row in rows]
 
+    def recent_metrics(self, name: str, count: int) -> list[MetricSample]:
+        """The last ``count`` samples, in step order, of the metric the job sampled last: what
+        ``dtrain jobs`` shows of a job, read without its whole history."""
+        with self._connect() as db:
+            last = db.execute(
+                "SELECT name FROM metrics WHERE job = ? ORDER BY timestamp DESC, rowid DESC"
+                " LIMIT 1",
+                (name,),
+            ).fetchone()
+            if last is None:
+                return []
+            rows = db.execute(
+                "SELECT name, value, timestamp, step FROM metrics WHERE job = ? AND name = ?"
+                " ORDER BY step DESC LIMIT ?",
+                (name, last["name"], count),
+            ).fetchall()
+        return [MetricSample(**dict(row)) for row in reversed(rows)]
+
 
 def spec_dict(record: JobRecord) -> dict[str, Any]:
     return json.loads(record.spec)

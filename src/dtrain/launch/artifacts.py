@@ -85,7 +85,9 @@ def upload_artifacts(
         with (
             _write_whole(f"{prefix}/{stream}.tar.gz") as handle,
             byte_bar(f"{stream}.tar.gz", None, console) as bar,
-            tarfile.open(fileobj=CallbackIOWrapper(bar.update, handle), mode="w|gz") as tar,
+            tarfile.open(
+                fileobj=CallbackIOWrapper(bar.update, handle, "write"), mode="w|gz"
+            ) as tar,
         ):
             collect(stream, tar)
     return f"{prefix}/model.tar.gz"

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ from dtrain.jobs.limits import (
     check_seconds,
     check_writable_folder,
 )
-from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
+from dtrain.jobs.live import RATE_WINDOW, latest
+from dtrain.jobs.metrics import MetricExtractor, MetricSample, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
 from dtrain.jobs.tensorboard import (
@@ -57,6 +59,7 @@ from dtrain.launch.machine import visible_gpus
 from dtrain.launch.outcome import Attempt, Outcome
 from dtrain.launch.transfer import files_under, send_folder
 from dtrain.launch.wire import Connection
+from dtrain.progress import Ticker
 from dtrain.topology import host_name
 
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
@@ -280,6 +283,9 @@ def _code_filter(spec: JobSpec) -> tuple[Path, Any]:
 class JobRun:
     """Runs one prepared job, recording every status change in the store."""
 
+    STATUS_EVERY = 15.0
+    """Seconds between the status lines (latest metric, step rate) a terminal gets in training."""
+
     def __init__(
         self, job: PreparedJob, store: JobStore, console: TextIO | None = sys.stdout
     ) -> None:
@@ -292,6 +298,9 @@ class JobRun:
         self.started = time.monotonic()
         self.extractor = MetricExtractor(validate_metric_definitions(job.spec.metric_definitions))
         self.metric_events = MetricEvents(self.folder.tensorboard_dir / METRICS_RUN)
+        self._recent: dict[str, deque[MetricSample]] = {}  # each metric's last samples
+        self._recent_lock = threading.Lock()
+        self._secondary = "Starting"
         self._console_lock = threading.Lock()
         self._logs: dict[tuple[int, int], TextIO] = {}
         self._signalled: str | None = None
@@ -301,10 +310,13 @@ class JobRun:
         self._stop_requested = False
         self._training_since: float | None = None  # --max-run counts from the first training
 
+    def _stamp(self) -> str:
+        """Time since the job was submitted, as each console line shows it."""
+        return time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - self.started))
+
     def say(self, message: str) -> None:
         """To the console (unless quiet) and, always, to the job's ``logs/controller.log``."""
-        elapsed = time.monotonic() - self.started
-        stamp = time.strftime("%H:%M:%S", time.gmtime(elapsed))
+        stamp = self._stamp()
         with self._console_lock:
             if self._journal is not None:
                 now = datetime.datetime.now().isoformat(timespec="milliseconds")
@@ -316,7 +328,21 @@ class JobRun:
 
     def transition(self, secondary: str, message: str, **columns: Any) -> None:
         self.store.update(self.name, secondary_status=secondary, message=message, **columns)
+        self._secondary = secondary
         self.say(f"{secondary}: {message}")
+
+    def _say_status(self) -> None:
+        """A training job's latest metric and step rate, to the console only (a terminal's: see
+        :class:`~dtrain.progress.Ticker`); the log has the lines they come from."""
+        if self._secondary != "Training" or self.console is None:
+            return
+        with self._recent_lock:
+            now = latest([sample for samples in self._recent.values() for sample in samples])
+        with self._console_lock:
+            self.console.write(
+                f"[dtrain {self.name} {self._stamp()}] Training: {now or 'no metric yet'}\n"
+            )
+            self.console.flush()
 
     def run(self) -> JobRecord:
         spec = self.job.spec
@@ -339,6 +365,8 @@ class JobRun:
         controller = Controller(
             listener, secret, cluster, self._on_output, self.say, self._should_stop
         )
+        ticker = Ticker(self.console, self.STATUS_EVERY, self._say_status)
+        ticker.start()
         try:
             create_private_file(self.folder.spec_file)
             self.folder.spec_file.write_text(spec.to_json())
@@ -369,6 +397,7 @@ class JobRun:
                 self._end(FAILED, "Failed", reason, failure_reason=reason)
             raise
         finally:
+            ticker.stop()
             controller.close()
             cluster.close()
             self._restore_signal_handlers(previous)
@@ -446,6 +475,9 @@ class JobRun:
             samples = [sample for line in lines for sample in self.extractor.feed(line)]
             self.store.add_metrics(self.name, samples)
             self.metric_events.add(samples)
+            with self._recent_lock:
+                for sample in samples:
+                    self._recent.setdefault(sample.name, deque(maxlen=RATE_WINDOW)).append(sample)
 
     def _plan(self, hosts: list[Host]) -> LaunchPlan:
         """The launch plan for the hosts that joined, and their record in the store."""

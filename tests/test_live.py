@@ -1,0 +1,177 @@
+"""Live progress: step rates, status lines and byte bars on a terminal, silence elsewhere.
+
+No real terminal is needed: a stream that says it is one (``isatty``) stands for it.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from dtrain.jobs.channels import materialize_channel
+from dtrain.jobs.live import format_elapsed, format_rate, latest, step_rate
+from dtrain.jobs.metrics import MetricSample
+from dtrain.jobs.spec import ChannelSpec, JobSpec
+from dtrain.launch.artifacts import upload_artifacts
+from dtrain.launch.job import JobRun, run_job
+from dtrain.progress import Ticker, byte_bar, is_terminal
+from tests.conftest import JOB_SCRIPTS, dtrain
+
+
+class Terminal(io.StringIO):
+    """What a terminal is to dtrain: a text stream whose ``isatty`` is true."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _samples(name: str, times: list[float]) -> list[MetricSample]:
+    return [MetricSample(name, 1.0 / (i + 1), t, i) for i, t in enumerate(times)]
+
+
+# --- step rate -----------------------------------------------------------------------------------
+
+
+def test_step_rate_is_steps_over_seconds_of_the_recent_window() -> None:
+    assert step_rate(_samples("loss", [100.0, 100.5, 101.0, 101.5, 102.0])) == pytest.approx(2.0)
+    # Only the last `window` samples count: a slow start does not hide today's speed.
+    slow_then_fast = _samples("loss", [0.0, 50.0, 100.0, 100.1, 100.2, 100.3])
+    assert step_rate(slow_then_fast, window=4) == pytest.approx(10.0)
+    assert step_rate(list(reversed(slow_then_fast)), window=4) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("times", [[], [5.0], [5.0, 5.0, 5.0]])
+def test_no_step_rate_without_two_samples_apart_in_time(times: list[float]) -> None:
+    assert step_rate(_samples("loss", times)) is None
+
+
+def test_latest_is_the_last_sample_with_its_own_metrics_rate() -> None:
+    samples = _samples("loss", [0.0, 1.0, 2.0]) + _samples("acc", [0.5, 2.5])
+    found = latest(samples)
+    assert found is not None
+    assert (found.sample.name, found.sample.step) == ("acc", 1)
+    assert found.rate == pytest.approx(0.5)
+    assert str(found) == "acc=0.5 (30 steps/min)"
+    assert latest([]) is None
+
+
+def test_formats() -> None:
+    assert format_rate(2.5) == "2.5 steps/s"
+    assert format_rate(0.1) == "6 steps/min"
+    assert [format_elapsed(s) for s in (0, 42.9, 185, 7385)] == ["0s", "42s", "3m05s", "2h03m05s"]
+
+
+# --- terminal or not -----------------------------------------------------------------------------
+
+
+def test_is_terminal() -> None:
+    closed = io.StringIO()
+    closed.close()  # its isatty raises ValueError
+    assert [is_terminal(s) for s in (Terminal(), io.StringIO(), None, closed)] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+
+
+def test_a_bar_shows_sizes_on_a_terminal_and_nothing_elsewhere() -> None:
+    terminal, pipe = Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        with byte_bar("channel train", 3 * 1024 * 1024, stream) as bar:
+            bar.update(3 * 1024 * 1024)
+    assert "channel train: 100%" in terminal.getvalue()
+    assert "3.00M/3.00M" in terminal.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_a_ticker_ticks_only_for_a_terminal() -> None:
+    ticked = threading.Event()
+    with Ticker(Terminal(), 0.01, ticked.set) as ticker:
+        assert ticker.running
+        assert ticked.wait(10)
+    assert not ticker.running
+    calls: list[int] = []
+    with Ticker(io.StringIO(), 0.01, lambda: calls.append(1)) as quiet:
+        assert not quiet.running  # no thread at all, so no tick can come later either
+    assert calls == []
+
+
+def test_channel_copies_show_a_bar_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a.bin", "b.bin"):
+        (data / name).write_bytes(b"x" * 2048)
+    channel = ChannelSpec("train", str(data))
+    monkeypatch.setattr("sys.stderr", terminal := Terminal())
+    materialize_channel(channel, tmp_path / "on-terminal", 0, 1)
+    assert "channel train: 100%" in terminal.getvalue()
+    assert "4.00k/4.00k" in terminal.getvalue()
+    monkeypatch.setattr("sys.stderr", pipe := io.StringIO())
+    materialize_channel(channel, tmp_path / "on-pipe", 0, 1)
+    assert pipe.getvalue() == ""
+
+
+def test_uploads_show_the_archives_bytes_on_a_terminal(tmp_path: Path) -> None:
+    def collect(stream: str, tar: tarfile.TarFile) -> None:
+        member = tarfile.TarInfo(f"{stream}.bin")
+        member.size = 4096
+        tar.addfile(member, io.BytesIO(b"\0" * 4096))
+
+    terminal, pipe = Terminal(), io.StringIO()
+    upload_artifacts("job", (tmp_path / "a").as_uri(), collect, terminal)
+    upload_artifacts("job", (tmp_path / "b").as_uri(), collect, pipe)
+    shown = terminal.getvalue()
+    archive = (tmp_path / "a" / "job" / "output" / "model.tar.gz").stat().st_size
+    assert f"model.tar.gz: {archive:.1f}B" in shown and "output.tar.gz:" in shown
+    assert pipe.getvalue() == ""
+    assert (tmp_path / "b" / "job" / "output" / "model.tar.gz").is_file()
+
+
+# --- a running job -------------------------------------------------------------------------------
+
+
+class _Watcher(Terminal):
+    """A terminal that creates ``marker`` once a status line with the loss has been shown."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def write(self, text: str) -> int:
+        if "] Training: loss=" in text:
+            self.marker.touch()
+        return super().write(text)
+
+
+def test_a_terminal_sees_the_latest_metric_while_a_job_trains(
+    tmp_path: Path, dtrain_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "seen"
+    console = _Watcher(marker)
+    monkeypatch.setattr(JobRun, "STATUS_EVERY", 0.2)
+    spec = JobSpec(
+        entry_point="reports_loss.py",
+        job_name="live",
+        source_dir=str(JOB_SCRIPTS),
+        instance_type="local_cpu",
+        metric_definitions=({"Name": "loss", "Regex": "loss=([0-9.]+)"},),
+        environment={"WAIT_FOR": str(marker)},
+    )
+    record = run_job(spec, console=console)
+    assert record.status == "Completed", record.failure_reason
+    status = [line for line in console.getvalue().splitlines() if "] Training: loss=" in line]
+    assert status and "steps/s" in status[-1]
+    # `dtrain jobs` shows the job's elapsed time and its latest metric with its rate.
+    listed = dtrain("jobs", home=dtrain_home).stdout.splitlines()
+    assert listed[0].split() == [
+        "NAME", "STATUS", "SECONDARY", "CREATED", "ELAPSED", "LAYOUT", "LATEST"
+    ]  # fmt: skip
+    row = next(line for line in listed if line.startswith("live "))
+    assert "loss=" in row and "steps/s" in row and " 1x1 " in row
