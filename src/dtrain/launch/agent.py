@@ -303,15 +303,18 @@ class Agent:
             if self.ranks is not None and fields["attempt"] == self.attempt:
                 self.ranks.stop()
         elif kind == "send":
-            assert self.folder is not None and self.tensorboard_dir is not None
-            folder = {
-                "model": self.folder.model_dir,
-                "output": self.folder.output_data_dir,
-                "tensorboard": self.tensorboard_dir,
-            }
-            send_folder(self.connection, fields["stream"], folder[fields["stream"]])
+            send_folder(self.connection, fields["stream"], self._result_folder(fields["stream"]))
         else:
             raise DtrainError(f"the agent does not know the order {kind!r}")
+
+    def _result_folder(self, stream: str) -> Path:
+        """The folder a ``send`` order asks for: ``model/``, ``output/data`` or the host's
+        TensorBoard ``LocalPath``."""
+        assert self.folder is not None
+        if stream == "tensorboard":
+            assert self.tensorboard_dir is not None
+            return self.tensorboard_dir
+        return {"model": self.folder.model_dir, "output": self.folder.output_data_dir}[stream]
 
     def _prepare(self, fields: dict[str, Any]) -> None:
         """Lay out the host's folder: configuration, code, and this host's share of each channel."""
