@@ -267,8 +267,12 @@ def test_s3_sharded_materialize(bucket: str, tmp_path: Path) -> None:
     seen: list[str] = []
     for host in range(2):
         dest = tmp_path / f"algo-{host + 1}" / "input" / "data" / "train"
-        written = materialize_channel(channel, dest, host, 2)
+        reports: list[tuple[int, int | None, bool]] = []
+        written = materialize_channel(channel, dest, host, 2, lambda *r, to=reports: to.append(r))
         assert len(written) == 2
+        size = sum(path.stat().st_size for path in written)  # counted as the bytes arrive
+        assert reports[-1] == (size, size, True)
+        assert [r[1] for r in reports[:-1]] == [None] * (len(reports) - 1)
         for path in written:
             key = path.relative_to(dest).as_posix()
             assert not path.is_symlink()

@@ -101,21 +101,16 @@ def test_a_ticker_ticks_only_for_a_terminal() -> None:
     assert calls == []
 
 
-def test_channel_copies_show_a_bar_on_a_terminal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_channel_copies_report_their_bytes(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
     for name in ("a.bin", "b.bin"):
         (data / name).write_bytes(b"x" * 2048)
-    channel = ChannelSpec("train", str(data))
-    monkeypatch.setattr("sys.stderr", terminal := Terminal())
-    materialize_channel(channel, tmp_path / "on-terminal", 0, 1)
-    assert "channel train: 100%" in terminal.getvalue()
-    assert "4.00k/4.00k" in terminal.getvalue()
-    monkeypatch.setattr("sys.stderr", pipe := io.StringIO())
-    materialize_channel(channel, tmp_path / "on-pipe", 0, 1)
-    assert pipe.getvalue() == ""
+    reports: list[tuple[int, int | None, bool]] = []
+    materialize_channel(
+        ChannelSpec("train", str(data)), tmp_path / "copy", 0, 1, lambda *r: reports.append(r)
+    )
+    assert reports == [(2048, 4096, False), (4096, 4096, False), (4096, 4096, True)]
 
 
 def test_uploads_show_the_archives_bytes_on_a_terminal(tmp_path: Path) -> None:
@@ -155,6 +150,9 @@ def test_a_terminal_sees_the_latest_metric_while_a_job_trains(
 ) -> None:
     marker = tmp_path / "seen"
     console = _Watcher(marker)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part-0.bin").write_bytes(b"x" * 3 * 1024)
     monkeypatch.setattr(JobRun, "STATUS_EVERY", 0.2)
     spec = JobSpec(
         entry_point="reports_loss.py",
@@ -163,11 +161,16 @@ def test_a_terminal_sees_the_latest_metric_while_a_job_trains(
         instance_type="local_cpu",
         metric_definitions=({"Name": "loss", "Regex": "loss=([0-9.]+)"},),
         environment={"WAIT_FOR": str(marker)},
+        channels=(ChannelSpec("train", str(data)),),
     )
     record = run_job(spec, console=console)
     assert record.status == "Completed", record.failure_reason
-    status = [line for line in console.getvalue().splitlines() if "] Training: loss=" in line]
+    shown = console.getvalue()
+    status = [line for line in shown.splitlines() if "] Training: loss=" in line]
     assert status and "steps/s" in status[-1]
+    # The host's copy of its channel, and the uploads, on bars with their sizes.
+    assert "algo-1 train: 100%" in shown and "3.00k/3.00k" in shown
+    assert "model.tar.gz:" in shown
     # `dtrain jobs` shows the job's elapsed time and its latest metric with its rate.
     listed = dtrain("jobs", home=dtrain_home).stdout.splitlines()
     assert listed[0].split() == [

@@ -12,19 +12,16 @@ import os
 import re
 import shutil
 import stat
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import fsspec.core
 from fsspec import AbstractFileSystem
 from fsspec.callbacks import Callback
-from tqdm import tqdm
 
 from dtrain.errors import ConfigError, DtrainError, UnknownKeyError, did_you_mean
 from dtrain.jobs.spec import SHARDING_TYPES, ChannelSpec
-from dtrain.progress import byte_bar
 
 # SageMaker's ChannelName: 1-64 of these characters. Names made only of dots are refused too:
 # the name becomes a directory under input/data, and "." or ".." would escape it.
@@ -171,9 +168,17 @@ def shard_files(
 
 
 def materialize_channel(
-    channel: ChannelSpec, dest_dir: Path, host_index: int, num_hosts: int
+    channel: ChannelSpec,
+    dest_dir: Path,
+    host_index: int,
+    num_hosts: int,
+    copied: Callable[[int, int | None, bool], None] = lambda done, total, final: None,
 ) -> list[Path]:
     """Fill ``dest_dir`` (a host's ``input/data/<name>``) with that host's files; return them.
+
+    ``copied(done, total, final)`` hears the bytes copied so far as they grow, of ``total``
+    (``None`` for S3, whose sizes would cost a request each), and once more with ``final`` at
+    the end.
 
     Relative paths under the URI are kept. Every file is a copy (local files copied, remote ones
     downloaded), as SageMaker's File mode hands out copies: a job can write into its channel
@@ -193,46 +198,51 @@ def materialize_channel(
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
     paths = [sources[key] for key in keys]
-    total = None if remote else sum(map(os.path.getsize, paths))  # S3 sizes: a request each
-    with byte_bar(f"channel {channel.name}", total, sys.stderr) as bar:
-        if keys and remote:
+    total = None if remote else sum(map(os.path.getsize, paths))
+    done = 0
+
+    def add(size: int) -> None:
+        nonlocal done
+        done += size
+        copied(done, total, False)
+
+    if keys and remote:
+        try:
+            fs.get(paths, [str(target) for target in targets], callback=_Download(add))
+        except OSError as error:
+            raise DtrainError(
+                f"channel {channel.name}: cannot download {channel.uri}: {error}"
+            ) from error
+    else:
+        for path, target in zip(paths, targets, strict=True):
             try:
-                fs.get(paths, [str(target) for target in targets], callback=_BarCallback(bar))
+                shutil.copyfile(path, target)
             except OSError as error:
-                raise DtrainError(
-                    f"channel {channel.name}: cannot download {channel.uri}: {error}"
-                ) from error
-        else:
-            for path, target in zip(paths, targets, strict=True):
-                try:
-                    shutil.copyfile(path, target)
-                except OSError as error:
-                    raise DtrainError(
-                        f"channel {channel.name}: cannot copy {path}: {error}"
-                    ) from None
-                bar.update(os.path.getsize(target))
+                raise DtrainError(f"channel {channel.name}: cannot copy {path}: {error}") from None
+            add(os.path.getsize(target))
+    copied(done, done, True)
     return targets
 
 
-class _BarCallback(Callback):
-    """fsspec's report of a many-file download, as bytes on one bar: each file's transfer
-    (a branch) adds what it moves."""
+class _Download(Callback):
+    """fsspec's report of a many-file download, as bytes: each file's transfer (a branch) adds
+    what it moves to ``add``; the download's own count (files done) is left out."""
 
-    def __init__(self, bar: tqdm) -> None:
+    def __init__(self, add: Callable[[int], None]) -> None:
         super().__init__()
-        self._bar = bar
+        self._add = add
 
     def branched(self, path_1: str, path_2: str, **kwargs: Any) -> Callback:
-        return _BytesCallback(self._bar)
+        return _FileBytes(self._add)
 
 
-class _BytesCallback(Callback):
-    def __init__(self, bar: tqdm) -> None:
+class _FileBytes(Callback):
+    def __init__(self, add: Callable[[int], None]) -> None:
         super().__init__()
-        self._bar = bar
+        self._add = add
 
     def relative_update(self, inc: int = 1) -> None:
-        self._bar.update(inc)
+        self._add(inc)
 
 
 def _check_key(channel: ChannelSpec, key: str) -> None:

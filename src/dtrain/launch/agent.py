@@ -64,6 +64,7 @@ RETRY_INTERVAL_LIMIT = 2.0
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""
 OUTBOX_LIMIT = 100_000
+COPY_REPORT_INTERVAL = 0.25
 """Output lines waiting to be sent before a rank's writes block: backpressure, never loss."""
 
 
@@ -346,11 +347,32 @@ class Agent:
             spec = ChannelSpec(**channel)
             try:
                 materialize_channel(
-                    spec, folder.channel_dir(spec.name), fields["host_index"], fields["host_count"]
+                    spec,
+                    folder.channel_dir(spec.name),
+                    fields["host_index"],
+                    fields["host_count"],
+                    self._copy_reports(spec.name, fields["progress"]),
                 )
             except DtrainError as error:
                 raise DtrainError(f"{error} (on {self.address})") from None
         self.connection.send("prepared")
+
+    def _copy_reports(self, channel: str, wanted: bool) -> Callable[[int, int | None, bool], None]:
+        """Tell the controller, at most 4 times a second and once at the end, how much of
+        ``channel`` this host has copied, if it ``wanted`` it: for the bars of a person watching
+        ``dtrain run`` on a terminal."""
+        last = 0.0
+
+        def report(done: int, total: int | None, final: bool) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if wanted and (final or now - last >= COPY_REPORT_INTERVAL):
+                last = now
+                self.connection.send(
+                    "copied", channel=channel, done=done, total=total or 0, final=final
+                )
+
+        return report
 
     def _open_store(self, attempt: int) -> None:
         """Host the attempt's rendezvous store on this host's job address, on a fresh port,

@@ -38,7 +38,9 @@ class JobStopped(DtrainError):
 
 
 class Controller:
-    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines)``."""
+    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines)``;
+    ``on_copied(host, channel, done, total, final)``, if given, hears the hosts' channel copies
+    (:func:`~dtrain.jobs.channels.materialize_channel`; total 0: not known)."""
 
     def __init__(
         self,
@@ -48,10 +50,12 @@ class Controller:
         on_output: Callable[[str, int, int, list[str]], None],
         say: Callable[[str], None],
         should_stop: Callable[[], tuple[str, str] | None],
+        on_copied: Callable[[str, str, int, int, bool], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.say = say
         self.should_stop = should_stop
+        self.on_copied = on_copied
         self.links = Links(listener, secret, on_output, say)
         self.hosts = self.links.by_name
 
@@ -165,6 +169,11 @@ class Controller:
                     )
                 if event.message.kind == kind and name in hosts:
                     replies[name] = event.message
+                if event.message.kind == "copied" and self.on_copied is not None and name:
+                    copied = event.message
+                    self.on_copied(
+                        name, copied["channel"], copied["done"], copied["total"], copied["final"]
+                    )
         return replies
 
     def prepare(
@@ -194,6 +203,7 @@ class Controller:
                 environment=plan.spec.environment,
                 checkpoint_dir=str(plan.checkpoint_dir(index)),
                 tensorboard_dir=str(plan.tensorboard_dir(index)),
+                progress=self.on_copied is not None,
                 again=hosts is not None,
                 job_name=plan.spec.job_name,
                 key_salt=plan.spec.key_salt,

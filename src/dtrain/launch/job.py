@@ -58,8 +58,8 @@ from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import visible_gpus
 from dtrain.launch.outcome import Attempt, Outcome
 from dtrain.launch.transfer import files_under, send_folder
-from dtrain.launch.wire import Connection
-from dtrain.progress import Ticker
+from dtrain.launch.wire import Connection, shown
+from dtrain.progress import Ticker, byte_bar, is_terminal
 from dtrain.topology import host_name
 
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
@@ -301,6 +301,7 @@ class JobRun:
         self._recent: dict[str, deque[MetricSample]] = {}  # each metric's last samples
         self._recent_lock = threading.Lock()
         self._secondary = "Starting"
+        self._copy_bars: dict[tuple[str, str], Any] = {}  # (host, channel): its tqdm bar
         self._console_lock = threading.Lock()
         self._logs: dict[tuple[int, int], TextIO] = {}
         self._signalled: str | None = None
@@ -363,7 +364,13 @@ class JobRun:
         self._journal = self.folder.controller_log_file.open("a", encoding="utf-8")
         previous = self._install_signal_handlers()
         controller = Controller(
-            listener, secret, cluster, self._on_output, self.say, self._should_stop
+            listener,
+            secret,
+            cluster,
+            self._on_output,
+            self.say,
+            self._should_stop,
+            self._on_copied if is_terminal(self.console) else None,
         )
         ticker = Ticker(self.console, self.STATUS_EVERY, self._say_status)
         ticker.start()
@@ -398,6 +405,8 @@ class JobRun:
             raise
         finally:
             ticker.stop()
+            for bar in self._copy_bars.values():
+                bar.close()
             controller.close()
             cluster.close()
             self._restore_signal_handlers(previous)
@@ -478,6 +487,21 @@ class JobRun:
             with self._recent_lock:
                 for sample in samples:
                     self._recent.setdefault(sample.name, deque(maxlen=RATE_WINDOW)).append(sample)
+
+    def _on_copied(self, host: str, channel: str, done: int, total: int, final: bool) -> None:
+        """A bar per host and channel while the hosts copy their channels (on a terminal only:
+        agents report their copies only then)."""
+        key = (host, channel)
+        bar = self._copy_bars.get(key)
+        if bar is None:
+            description = f"{host} {shown(channel, 64)}"
+            bar = self._copy_bars[key] = byte_bar(description, total or None, self.console)
+        if final:
+            bar.total = done
+        bar.update(done - bar.n)
+        if final:
+            bar.close()
+            del self._copy_bars[key]
 
     def _plan(self, hosts: list[Host]) -> LaunchPlan:
         """The launch plan for the hosts that joined, and their record in the store."""
