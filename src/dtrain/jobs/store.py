@@ -234,10 +234,14 @@ class JobStore:
         return [Transition(**dict(row)) for row in rows]
 
     def add_metrics(self, name: str, samples: Iterable[MetricSample]) -> None:
+        """One transaction for the batch: in autocommit each row was its own, a sync to disk
+        each (16 s for 20,000 rows here, all of it on the thread reading a host's output)."""
         rows = [(name, s.name, s.step, s.value, s.timestamp) for s in samples]
         if rows:
             with self._connect() as db:
+                db.execute("BEGIN")
                 db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
+                db.execute("COMMIT")
 
     def set_hosts(self, name: str, hosts: list[dict[str, Any]]) -> None:
         """The job's hosts as their agents reported them (name, address, interface, ...)."""
