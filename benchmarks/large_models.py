@@ -95,6 +95,8 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
                 "auto_partition": True,
                 "optimize": args.optimize,
             }
+            if args.active_microbatches:
+                config["active_microbatches"] = args.active_microbatches
         smp.init(config)
         module = build(shape, args.delayed)
         if args.checkpointed:
@@ -332,6 +334,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=(*TABLES, "all"), default="all")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--active-microbatches",
+        type=int,
+        default=0,
+        help="pipelines: microbatches in flight (default: SMP's, pipeline degree + 2)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (speed)")
     parser.add_argument("--warmup", type=int, default=2)
