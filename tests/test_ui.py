@@ -75,6 +75,8 @@ def _make_job(store: JobStore, home: Path, name: str, status: str | None) -> Job
         json.dumps({"partitions": 1, "owners": {"": 0}, "stages": [{"cost": 0.01}]})
     )
     host.model_dir.mkdir(parents=True)
+    host.code_dir.mkdir(parents=True)
+    (host.code_dir / "train.py").write_text("print('training')\n")
     (host.model_dir / "model.pt").write_bytes(b"weights")
     host.channel_dir("training").mkdir(parents=True)
     (host.channel_dir("training") / "data.csv").write_text("1,2\n")
@@ -126,6 +128,7 @@ def test_job_page_and_detail(client: FlaskClient) -> None:
     assert "hunter2" not in json.dumps(detail)
     files = [f["path"] for f in detail["files"]]
     assert "hosts/algo-1/model/model.pt" in files and "logs/attempt-1/rank0.log" in files
+    assert files[-1] == "hosts/algo-1/code/train.py"  # what the job made comes first
     assert "spec.json" not in files
     assert not any("/input/data/" in path for path in files)
 

@@ -46,6 +46,12 @@ def _channel_copies(relative: PurePosixPath) -> bool:
     return len(parts) >= 4 and parts[0] == "hosts" and parts[2:4] == ("input", "data")
 
 
+def _submitted(relative: PurePosixPath) -> bool:
+    """A host's copy of the job's code or configuration: listed after what the job made."""
+    parts = relative.parts
+    return len(parts) >= 3 and parts[0] == "hosts" and parts[2] in ("code", "input")
+
+
 def _job_files(root: Path) -> Iterator[tuple[PurePosixPath, os.stat_result]]:
     """Regular files of the job folder (symbolic links not followed), channel copies left out."""
     for folder, dirs, files in os.walk(root):
@@ -164,11 +170,15 @@ def job_detail(store: JobStore, name: str) -> dict[str, Any]:
     # Names only: values are often credentials, and the page may be seen by others.
     description["Environment"] = sorted(description["Environment"])
     logs, host_ranks = _ranks(record, spec)
-    files = []
+    found = []
     for relative, info in _job_files(Path(record.folder)):
-        if len(files) == MAX_LISTED_FILES:
+        if len(found) == MAX_LISTED_FILES * 10:
             break
-        files.append({"path": str(relative), "size": info.st_size, "modified": info.st_mtime})
+        found.append((_submitted(relative), str(relative), info))
+    files = [
+        {"path": path, "size": info.st_size, "modified": info.st_mtime}
+        for _, path, info in sorted(found, key=lambda entry: entry[:2])[:MAX_LISTED_FILES]
+    ]
     return {
         "description": description,
         "status": record.status,
@@ -178,7 +188,7 @@ def job_detail(store: JobStore, name: str) -> dict[str, Any]:
         "logs": logs,
         "host_ranks": host_ranks,
         "files": files,
-        "files_truncated": len(files) == MAX_LISTED_FILES,
+        "files_truncated": len(found) > MAX_LISTED_FILES,
     }
 
 

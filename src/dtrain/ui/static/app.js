@@ -153,11 +153,23 @@ function chooseLog(value) {
   refreshLog();
 }
 
-async function refreshLog() {
-  const [attempt, rank] = logSource === "controller" ? ["", ""] : logSource.split(":");
+let logFetch = null;  // the read under way: {source, promise}
+
+function refreshLog() {
+  // One read of a log at a time: two from the same offset would show its lines twice.
+  if (logFetch && logFetch.source === logSource) return logFetch.promise;
+  const source = logSource;
+  const promise = appendLog(source).finally(() => {
+    if (logFetch && logFetch.promise === promise) logFetch = null;
+  });
+  logFetch = { source, promise };
+  return promise;
+}
+
+async function appendLog(source) {
+  const [attempt, rank] = source === "controller" ? ["", ""] : source.split(":");
   const params = new URLSearchParams({ attempt, rank });
   if (logOffset !== null) params.set("offset", logOffset);
-  const source = logSource;
   const chunk = await getJSON(`${api}/logs?${params}`);
   if (source !== logSource) return;  // another log was chosen meanwhile
   logOffset = chunk.offset;
