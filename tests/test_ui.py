@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
+import waitress
+from flask import Flask
 from flask.testing import FlaskClient
 
 from dtrain.cli import main
@@ -277,3 +281,51 @@ def test_a_port_in_use_is_refused(dtrain_home: Path, capsys: pytest.CaptureFixtu
         port = taken.getsockname()[1]
         assert main(["ui", "--port", str(port)]) == 2
     assert f"--port: got {port}" in capsys.readouterr().err
+
+
+class _Server:
+    """Stands in for waitress's server: records the application, listens nowhere."""
+
+    effective_port = 8470
+    apps: ClassVar[list[Flask]] = []
+
+    def __init__(self, app: Flask, **options: object) -> None:
+        self.apps.append(app)
+
+    def run(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.1", "::"])
+def test_beyond_loopback_a_token_is_made_and_required(
+    host: str,
+    dtrain_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(waitress, "create_server", _Server)
+    assert main(["ui", "--host", host]) == 0
+    printed = capsys.readouterr().out
+    token = re.search(r"/\?token=(\S+)", printed)
+    assert token and len(token.group(1)) >= 32, printed
+    client = _Server.apps[-1].test_client()
+    assert client.get("/api/jobs").status_code == 403
+    assert client.get(f"/api/jobs?token={token.group(1)}").status_code == 200
+
+
+def test_a_given_token_is_required_on_loopback_too(
+    dtrain_home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(waitress, "create_server", _Server)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    assert main(["ui", "--token-file", str(tmp_path / "token")]) == 0
+    assert f"http://127.0.0.1:8470/?token={TOKEN}" in capsys.readouterr().out
+    client = _Server.apps[-1].test_client()
+    assert client.get("/api/jobs").status_code == 403
+    assert client.get("/api/jobs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
