@@ -236,6 +236,8 @@ function planTable(plan) {
   return table;
 }
 
+const KINDS = { F: "forward", B: "backward", I: "input gradients", W: "weight gradients" };
+
 function timelineSvg(events) {
   const NS = "http://www.w3.org/2000/svg";
   const rows = [...new Set(events.map((e) => e.row))].sort();
@@ -245,7 +247,7 @@ function timelineSvg(events) {
   const scale = (width - label - 10) / Math.max(end - start, 1);
   const cats = [...new Set(events.map((e) => e.cat))].sort();
   const svg = document.createElementNS(NS, "svg");
-  const height = rows.length * rowHeight + 24;
+  const height = rows.length * rowHeight + 44;
   for (const [key, value] of Object.entries({ class: "timeline", width, height,
     viewBox: `0 0 ${width} ${height}` })) svg.setAttribute(key, value);
   const add = (tag, attrs, text) => {
@@ -265,8 +267,14 @@ function timelineSvg(events) {
       { textContent: `${e.name}: ${(e.dur / 1000).toFixed(3)} ms` }));
     if (w > 18) add("text", { x: x + 3, y: y + 14, fill: "#fff" }, e.name);
   }
-  add("text", { x: label, y: height - 6 }, "0 ms");
-  add("text", { x: width - 90, y: height - 6 }, `${((end - start) / 1000).toFixed(2)} ms`);
+  const axis = rows.length * rowHeight + 14;
+  add("text", { x: label, y: axis }, "0 ms");
+  add("text", { x: width - 90, y: axis }, `${((end - start) / 1000).toFixed(2)} ms`);
+  cats.forEach((cat, i) => {
+    const x = label + i * 150;
+    add("rect", { x, y: height - 16, width: 12, height: 12, fill: COLOURS[i % COLOURS.length] });
+    add("text", { x: x + 16, y: height - 6 }, KINDS[cat] || cat || "other");
+  });
   return svg;
 }
 
