@@ -137,11 +137,15 @@ def test_job_page_and_detail(client: FlaskClient) -> None:
     assert not any("/input/data/" in path for path in files)
 
 
-def test_logs_tail_offsets_and_partial_lines(client: FlaskClient) -> None:
+def test_logs_tail_offsets_and_partial_lines(client: FlaskClient, dtrain_home: Path) -> None:
     running = client.get("/api/jobs/running/logs?rank=0&attempt=1").get_json()
     assert running["text"].startswith("step=0 loss=1\n") and "partial" not in running["text"]
     again = client.get(f"/api/jobs/running/logs?rank=0&attempt=1&offset={running['offset']}")
     assert again.get_json()["text"] == ""  # half a line waits for its end while the job runs
+    with (dtrain_home / "jobs" / "running" / "logs" / "attempt-1" / "rank0.log").open("a") as log:
+        log.write(" line\nstep=1 loss=0.5\n")
+    grown = client.get(f"/api/jobs/running/logs?rank=0&attempt=1&offset={running['offset']}")
+    assert grown.get_json()["text"] == "partial line\nstep=1 loss=0.5\n"
     done = client.get("/api/jobs/done/logs?rank=0&attempt=1").get_json()
     assert done["text"].endswith("partial") and done["offset"] == done["size"]
     assert client.get("/api/jobs/done/logs").get_json()["text"] == "Training: attempt 1\n"
