@@ -201,6 +201,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
     plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
+
+    ui = commands.add_parser("ui", help="serve a read-only web view of the jobs")
+    ui.add_argument("--port", type=int, default=8470, help="default 8470; 0 picks a free port")
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1); any other needs a token, made and "
+        "printed unless --token-file gives it",
+    )
+    ui.add_argument(
+        "--token-file", help="file holding the token every request must carry (- reads stdin)"
+    )
     return parser
 
 
@@ -554,6 +566,10 @@ def _main(argv: list[str]) -> int:
             return _metrics(args.name, args.plot)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "ui":
+            from dtrain.ui.serve import serve
+
+            return serve(args.host, args.port, args.token_file, sys.stdout)
     except DtrainError as error:
         print(f"dtrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
