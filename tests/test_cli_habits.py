@@ -18,6 +18,7 @@ import pytest
 from dtrain.cli import _parse, main, spec_from_args
 from dtrain.errors import ConfigError
 from dtrain.jobs.cleanup import parse_duration
+from dtrain.jobs.describe import describe
 from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobStore
@@ -275,6 +276,9 @@ def test_a_detached_module_job_gets_its_script_arguments(finished: tuple[Path, s
         spec = JobSpec.from_json(record.spec)
         assert spec.module and spec.entry_point == "pkg.show_args"
         assert spec.script_args == tuple(SCRIPT_ARGS)
+        algorithm = describe(store, "habits")["AlgorithmSpecification"]
+        assert algorithm["EntryPoint"] == "-m pkg.show_args"
+        assert algorithm["ContainerArguments"] == SCRIPT_ARGS
         log = (home / "jobs" / "habits" / "logs" / "controller.log").read_text()
         assert "Completed: Training job completed" in log
         assert "dtrain: job habits Completed; model: file://" in log  # the controller's output
