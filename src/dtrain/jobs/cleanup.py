@@ -66,6 +66,7 @@ def job_folder(record: JobRecord) -> Path:
 def remove(store: JobStore, record: JobRecord) -> int:
     """Delete a finished job's folder, then its records; the bytes freed."""
     folder = job_folder(record)
+    _await_controller(record)
     size = folder_size(folder)
     try:
         shutil.rmtree(folder)
@@ -75,6 +76,24 @@ def remove(store: JobStore, record: JobRecord) -> int:
         raise DtrainError(f"could not remove job {record.name}'s folder: {error}") from None
     store.delete(record.name)
     return size
+
+
+def _await_controller(record: JobRecord) -> None:
+    """A job that just ended may still have its controller closing its agents, whose logs are in
+    its folder: wait for it to exit. Only then: a process id seen long after may be another's."""
+    pid = record.supervisor_pid
+    deadline = (record.end_time or 0.0) + STOP_WAIT
+    while pid is not None and time.time() < deadline and _running(pid):
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """The process runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
 
 
 def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRecord]:
