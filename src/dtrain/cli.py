@@ -71,7 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="run a script as a training job and wait for it",
+        help="run a script or module as a training job and wait for it (or --detach)",
         usage="dtrain run [FLAGS] (SCRIPT | -m MODULE) [-- SCRIPT_ARGS...]",
         epilog="Arguments after -- go to the script on every rank, after the hyperparameters' "
         "(--key value), so that argparse lets them win.",
@@ -296,8 +296,10 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     from dtrain.launch.job import default_job_name
 
     if (args.entry_point is None) == (args.module is None):
-        given = "both" if args.module else "neither"
-        raise ConfigError("entry_point", given, "a script, or -m MODULE (one of them)")
+        given = f"{args.entry_point} and -m {args.module}" if args.module else "neither"
+        raise ConfigError(
+            "SCRIPT or -m MODULE", given, "one of them, e.g. train.py or -m pkg.train"
+        )
     entry = args.module or args.entry_point
     base = args.module.rpartition(".")[2] if args.module else Path(entry).stem
     return JobSpec(
@@ -348,8 +350,8 @@ def _submit(spec: Any, quiet: bool, detach: bool) -> int:
     if not detached.started:
         sys.stderr.write(detached.said)
         return detached.status or EXIT_FAILED
-    print(spec.job_name)
     name = spec.job_name
+    print(name)
     print(
         f"dtrain: job {name} runs in the background: dtrain logs -f {name} follows it, "
         f"dtrain stop {name} stops it",

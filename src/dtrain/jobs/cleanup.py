@@ -9,6 +9,7 @@ host folders of agents on other machines (``join://`` and ``ray://`` clusters).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -99,7 +100,7 @@ def _running(pid: int) -> bool:
 def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRecord]:
     """The jobs of ``names``, every one known and, without ``force``, finished; else an error
     before anything is removed. With ``force``, running jobs are stopped and waited for."""
-    records = [store.get(name) for name in names]  # an unknown name: did you mean
+    records = [store.get(name) for name in dict.fromkeys(names)]  # unknown: did you mean
     running = [record for record in records if not record.is_terminal]
     if running and not force:
         listed = ", ".join(f"{r.name} ({r.status})" for r in running)
@@ -109,7 +110,8 @@ def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRec
         )
     for record in running:
         if record.status == IN_PROGRESS:
-            store.request_stop(record.name)
+            with contextlib.suppress(DtrainError):  # it ended meanwhile
+                store.request_stop(record.name)
     return [_ended(store, record.name) if not record.is_terminal else record for record in records]
 
 
