@@ -41,6 +41,23 @@ def _key_value(flag: str, text: str) -> tuple[str, str]:
     return key, value
 
 
+class _Version(argparse.Action):
+    """``--version``: dtrain's, torch's and Python's versions, read from the installed packages'
+    metadata when asked for (importing torch takes seconds)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, help="print the versions of dtrain, torch and Python"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import version
+
+        python = ".".join(map(str, sys.version_info[:3]))
+        print(f"dtrain {version('dtrain')} (torch {version('torch')}, Python {python})")
+        parser.exit()
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtrain",
@@ -49,10 +66,29 @@ def _build_parser() -> argparse.ArgumentParser:
             "or across machines."
         ),
     )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run a script as a training job and wait for it")
-    run.add_argument("entry_point", help="the training script (relative to --source-dir if given)")
+    run = commands.add_parser(
+        "run",
+        help="run a script or module as a training job and wait for it (or --detach)",
+        usage="dtrain run [FLAGS] (SCRIPT | -m MODULE) [-- SCRIPT_ARGS...]",
+        epilog="Arguments after -- go to the script on every rank, after the hyperparameters' "
+        "(--key value), so that argparse lets them win.",
+    )
+    run.add_argument(
+        "entry_point",
+        nargs="?",
+        metavar="SCRIPT",
+        help="the training script (relative to --source-dir if given)",
+    )
+    run.add_argument(
+        "-m",
+        "--module",
+        metavar="MODULE",
+        help="run a module of --source-dir as `python -m` does (e.g. pkg.train), not a script",
+    )
+    run.set_defaults(script_args=[])
     run.add_argument("--instance-count", type=int, default=1, help="hosts algo-1..N")
     run.add_argument("--processes-per-host", type=int, help="default: GPUs per host, else 1")
     run.add_argument("--instance-type", default="local", help="local, local_cpu or local_gpu")
@@ -93,6 +129,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--join-timeout", type=float, default=600.0, help="seconds to wait for every host to join"
     )
     run.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+    _add_detach(run)
 
     agent = commands.add_parser("agent", help="run one machine's share of a job")
     agent.add_argument(
@@ -131,6 +168,25 @@ def _build_parser() -> argparse.ArgumentParser:
 
     stop = commands.add_parser("stop", help="stop a running job")
     stop.add_argument("name")
+
+    rerun = commands.add_parser("rerun", help="run a job's spec again, under a new name")
+    rerun.add_argument("name")
+    rerun.add_argument("--job-name", help="default: the old name's base and a new timestamp")
+    rerun.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+    _add_detach(rerun)
+
+    rm = commands.add_parser("rm", help="delete finished jobs: their folders and records")
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.add_argument("--force", action="store_true", help="stop running jobs first")
+
+    prune = commands.add_parser("prune", help="delete the jobs that finished long ago")
+    prune.add_argument(
+        "--older-than",
+        required=True,
+        metavar="DURATION",
+        help="jobs that ended this long ago or more: 7d, 12h, 1d12h, 30m, ...",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="list them, delete nothing")
 
     metrics = commands.add_parser("metrics", help="a job's metric time series")
     metrics.add_argument("name")
@@ -216,6 +272,34 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_detach(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the job in the background, print its name and return "
+        "(dtrain logs -f NAME follows it, dtrain stop NAME stops it)",
+    )
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; what follows ``--`` is ``dtrain run``'s script's."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = _build_parser()
+    args, unknown = parser.parse_known_args(argv[:split])
+    if unknown:
+        hint = (
+            " (arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1)"
+            if args.command == "run"
+            else ""
+        )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if split < len(argv):
+        if args.command != "run":
+            parser.error(f"dtrain {args.command} takes no arguments after --")
+        args.script_args = argv[split + 1 :]
+    return args
+
+
 def spec_from_args(args: argparse.Namespace) -> Any:
     """The ``dtrain run`` flags as a :class:`JobSpec`, every value checked for its form."""
     from dtrain.config.distribution import load_distribution
@@ -223,10 +307,18 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     from dtrain.jobs.spec import JobSpec
     from dtrain.launch.job import default_job_name
 
-    entry = Path(args.entry_point)
+    if (args.entry_point is None) == (args.module is None):
+        given = f"{args.entry_point} and -m {args.module}" if args.module else "neither"
+        raise ConfigError(
+            "SCRIPT or -m MODULE", given, "one of them, e.g. train.py or -m pkg.train"
+        )
+    entry = args.module or args.entry_point
+    base = args.module.rpartition(".")[2] if args.module else Path(entry).stem
     return JobSpec(
-        entry_point=args.entry_point,
-        job_name=args.job_name or default_job_name(args.base_job_name or entry.stem),
+        entry_point=entry,
+        module=args.module is not None,
+        script_args=tuple(args.script_args),
+        job_name=args.job_name or default_job_name(args.base_job_name or base),
         instance_count=args.instance_count,
         processes_per_host=args.processes_per_host,
         instance_type=args.instance_type,
@@ -246,11 +338,11 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def _run(spec: Any, quiet: bool) -> int:
+def _run(spec: Any, quiet: bool, on_folder: Callable[[Any], None] | None = None) -> int:
     from dtrain.launch.job import run_job
 
     try:
-        record = run_job(spec, console=None if quiet else sys.stdout)
+        record = run_job(spec, console=None if quiet else sys.stdout, on_folder=on_folder)
     except KeyboardInterrupt:
         return EXIT_STOPPED
     if record.failure_reason:
@@ -258,6 +350,59 @@ def _run(spec: Any, quiet: bool) -> int:
     if record.model_artifacts:
         print(f"dtrain: job {record.name} {record.status}; model: {record.model_artifacts}")
     return EXIT_CODES[record.status]
+
+
+def _submit(spec: Any, quiet: bool, detach: bool) -> int:
+    """Run ``spec`` here to its end, or detached: its name on standard output, at once."""
+    if not detach:
+        return _run(spec, quiet)
+    from dtrain.launch.submit import start_detached
+
+    detached = start_detached(spec)
+    if not detached.started:
+        sys.stderr.write(detached.said)
+        return detached.status or EXIT_FAILED
+    name = spec.job_name
+    print(name)
+    print(
+        f"dtrain: job {name} runs in the background: dtrain logs -f {name} follows it, "
+        f"dtrain stop {name} stops it",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    from dtrain.jobs.store import JobStore
+    from dtrain.launch.submit import rerun_spec
+
+    spec = rerun_spec(JobStore().get(args.name), args.job_name)
+    return _submit(spec, args.quiet, args.detach)
+
+
+def _rm(names: list[str], force: bool) -> int:
+    from dtrain.jobs.cleanup import mebibytes, removable, remove
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    for record in removable(store, names, force):
+        print(f"removed {record.name} ({record.status}, {mebibytes(remove(store, record))})")
+    return EXIT_OK
+
+
+def _prune(older_than: str, dry_run: bool) -> int:
+    from dtrain.jobs.cleanup import mebibytes, parse_duration, prune
+    from dtrain.jobs.store import JobStore
+
+    total = count = 0
+    verb = "would remove" if dry_run else "removed"
+    for record, size in prune(JobStore(), parse_duration("--older-than", older_than), dry_run):
+        ended = datetime.datetime.fromtimestamp(record.end_time or record.creation_time)
+        print(f"{verb} {record.name} ({record.status} {ended:%Y-%m-%d %H:%M}, {mebibytes(size)})")
+        total, count = total + size, count + 1
+    freed = "would free" if dry_run else "freed"
+    print(f"{count} job(s) ended more than {older_than} ago; {freed} {mebibytes(total)}")
+    return EXIT_OK
 
 
 def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
@@ -519,11 +664,18 @@ def _run_spec(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="dtrain run-spec")
     parser.add_argument("spec_file")
     parser.add_argument("--remove", action="store_true", help="delete the spec file once read")
+    parser.add_argument(
+        "--detached", action="store_true", help="output to the job folder once it exists"
+    )
     args = parser.parse_args(argv)
     spec_file = Path(args.spec_file)
     spec = JobSpec.from_json(spec_file.read_text())
     if args.remove:
         spec_file.unlink()
+    if args.detached:
+        from dtrain.launch.submit import into_job_folder
+
+        return _run(spec, quiet=True, on_folder=into_job_folder)
     return _run(spec, quiet=False)
 
 
@@ -538,12 +690,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _build_parser().parse_args(argv) if argv[:1] != ["run-spec"] else None
+    args = _parse(argv) if argv[:1] != ["run-spec"] else None
     try:
         if args is None:
             return _run_spec(argv[1:])
         if args.command == "run":
-            return _run(spec_from_args(args), args.quiet)
+            return _submit(spec_from_args(args), args.quiet, args.detach)
+        if args.command == "rerun":
+            return _rerun(args)
+        if args.command == "rm":
+            return _rm(args.names, args.force)
+        if args.command == "prune":
+            return _prune(args.older_than, args.dry_run)
         if args.command == "jobs":
             return _jobs(args.status, args.name_contains, args.max)
         if args.command == "describe":

@@ -224,6 +224,15 @@ class JobStore:
         )
         return self.get(record.name)
 
+    def delete(self, name: str) -> None:
+        """Forget a job: its row, status transitions, metrics and hosts, all or none."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+            for table in ("transitions", "metrics", "hosts"):
+                db.execute(f"DELETE FROM {table} WHERE job = ?", (name,))
+            db.execute("COMMIT")
+
     def transitions(self, name: str) -> list[Transition]:
         with self._connect() as db:
             rows = db.execute(
