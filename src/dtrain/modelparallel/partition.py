@@ -331,10 +331,10 @@ class PartitionPlan:
                 "partitions only this way"
             )
         band, *rest = self.cut_choice
-        parts = [f"{self.possible_cuts} ways to cut {self.placeable} placeable parts"]
+        parts = [f"{self.possible_cuts:,} ways to cut {self.placeable} placeable parts"]
         timed = "" if self.profiled else "; times estimated from operation counts"
         parts.append(
-            f"{band.cuts} within the noise band (largest partition cost at most "
+            f"{band.cuts:,} within the noise band (largest partition cost at most "
             f"{band.limit:.3f}: {band.tolerance:.0%} over the least, {band.least:.3f}{timed})"
         )
         left = band.cuts
@@ -342,14 +342,14 @@ class PartitionPlan:
             if left == 1:
                 break
             if step.cuts < left:
-                parts.append(f"{step.cuts} of them with {_describe_step(step)}")
+                parts.append(f"{step.cuts:,} of them with {_describe_step(step)}")
             left = step.cuts
         if band.cuts == 1:
             verdict = "the predicted times decided"
         elif left == 1:
             verdict = "that decided"
         else:
-            verdict = f"{left} tie on every measure: the one with the earliest cuts was taken"
+            verdict = f"{left:,} tie on every measure: the one with the earliest cuts was taken"
         return f"why this cut: {'; '.join(parts)}; {verdict}"
 
     def _memory_table(self) -> list[str]:
@@ -867,9 +867,9 @@ def _best_segments(
         least, bounds = _min_max_cuts(n, partitions, gap, measures[name], allowed)
         limit = least * (1 + tolerance)
         limits.append((measures[name], limit))
-        steps.append(
-            CutStep(name, tolerance, least, limit, _count_cuts(n, partitions, gap, allowed))
-        )
+        # One cut left stays the only one: each later step keeps the cut it finds.
+        left = 1 if steps and steps[-1].cuts == 1 else _count_cuts(n, partitions, gap, allowed)
+        steps.append(CutStep(name, tolerance, least, limit, left))
     return [free[left:right] for left, right in itertools.pairwise(bounds)], possible, steps
 
 
@@ -1027,7 +1027,11 @@ def _describe_step(step: CutStep) -> str:
     if step.measure == "traffic":
         least = format_size(int(step.least))
         return f"the least traffic of the busiest partition ({least} in and out)"
-    return f"the least largest partition cost ({step.least:.3f}{more})"
+    if step.tolerance:
+        return (
+            f"a largest partition cost up to {step.tolerance:.0%} over the least ({step.least:.3f})"
+        )
+    return f"exactly the least largest partition cost ({step.least:.3f})"
 
 
 def _prefix(values: list[Any]) -> list[Any]:
