@@ -255,8 +255,25 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         help="most partitions the layout proposed by --memory-per-rank may have (default 8)",
     )
+    plan.add_argument(
+        "--depth",
+        type=int,
+        metavar="N",
+        help="show N levels of the module tree, folding deeper modules into their row "
+        "(default: fold below each unit the planner placed)",
+    )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
-    plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
+    plan.add_argument(
+        "--png",
+        metavar="OUT.png",
+        help="draw each partition's predicted time, operations and peak memory (matplotlib)",
+    )
+    plan.add_argument(
+        "--dot",
+        metavar="OUT.dot",
+        help="write the plan as Graphviz text (rendering it needs Graphviz, which dtrain does "
+        "not install; --png draws without it)",
+    )
 
     ui = commands.add_parser("ui", help="serve a read-only web view of the jobs")
     ui.add_argument("--port", type=int, default=8470, help="default 8470; 0 picks a free port")
@@ -586,6 +603,7 @@ def _plan(args: argparse.Namespace) -> int:
     from dtrain.modelparallel.memory import parse_size
     from dtrain.modelparallel.partition import auto_plan
     from dtrain.modelparallel.placement import manual_placements
+    from dtrain.modelparallel.planview import StageProgress, draw_plan
     from dtrain.modelparallel.profile import (
         DEFAULT_REPEATS,
         profile_module,
@@ -595,6 +613,8 @@ def _plan(args: argparse.Namespace) -> int:
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
         raise ConfigError("--partitions", args.partitions, "an integer >= 1")
+    if args.depth is not None and args.depth < 0:
+        raise ConfigError("--depth", args.depth, "an integer >= 0 (0: the root's row only)")
     if not 0.0 <= args.memory_weight <= 1.0:
         raise ConfigError("--memory-weight", args.memory_weight, "a number from 0 to 1")
     if repeats < 1:
@@ -610,33 +630,48 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--max-partitions", max_partitions, f"an integer >= --partitions ({args.partitions})"
         )
-    files: dict[Path, ModuleType] = {}
-    model_file, factory = _load_function("FILE:FACTORY", args.model, files)
-    _, sample = _load_function("--input", args.input, files, default_file=model_file)
-    with delay_param_initialization(enabled=args.without_memory):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        returned = type(model).__name__
-        raise ConfigError(
-            "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
-        )
-    inputs, kwargs = _example_inputs(sample())
-    # As a job plans: the same profile (repeats; from shapes and operation counts for a model
-    # made without memory) and smp.partition placements as constraints.
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        profile = profile_without_memory(model, inputs, kwargs)
-    else:
-        profile = profile_module(model, inputs, kwargs, repeats=repeats)
-    fixed = manual_placements(model)
-    plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
-    plan = plan.with_memory(settings)
-    print(plan.table())
+    progress = StageProgress()
+    try:
+        progress.stage("importing the model file")
+        files: dict[Path, ModuleType] = {}
+        model_file, factory = _load_function("FILE:FACTORY", args.model, files)
+        _, sample = _load_function("--input", args.input, files, default_file=model_file)
+        progress.stage("creating the model")
+        with delay_param_initialization(enabled=args.without_memory):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            returned = type(model).__name__
+            raise ConfigError(
+                "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
+            )
+        inputs, kwargs = _example_inputs(sample())
+        # As a job plans: the same profile (repeats; from shapes and operation counts for a
+        # model made without memory) and smp.partition placements as constraints.
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            profile = profile_without_memory(model, inputs, kwargs, progress=progress.passes)
+        else:
+            profile = profile_module(
+                model, inputs, kwargs, repeats=repeats, progress=progress.passes
+            )
+        progress.stage("planning")
+        fixed = manual_placements(model)
+        plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
+        plan = plan.with_memory(settings)
+    finally:
+        progress.done()
+    print(plan.table(args.depth, folded=args.depth is None))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         print(f"plan written to {args.json}")
+    if args.png:
+        draw_plan(plan, args.png, title=f"{args.model}: {args.partitions} partitions")
+        print(f"drawing written to {args.png}")
     if args.dot:
         Path(args.dot).write_text(plan.to_dot())
-        print(f"graph written to {args.dot} (render: dot -Tsvg {args.dot} -o plan.svg)")
+        print(
+            f"graph written to {args.dot}: rendering it needs Graphviz, which dtrain does not "
+            f"install (dot -Tsvg {args.dot} -o plan.svg); --png draws the plan without it"
+        )
     if limit is not None:
         samples = _batch_size(inputs, kwargs)
         try:
