@@ -95,6 +95,8 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
                 "auto_partition": True,
                 "optimize": args.optimize,
             }
+            if args.active_microbatches:
+                config["active_microbatches"] = args.active_microbatches
         smp.init(config)
         module = build(shape, args.delayed)
         if args.checkpointed:
@@ -115,11 +117,12 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
             optimizer.step()
 
         params = []
-    times = []
+    times, cpu_times = [], []
     for index in range(args.steps):
         dist.barrier()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         step(index)
+        cpu_times.append(time.process_time() - began_cpu)
         elapsed = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
@@ -128,6 +131,7 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
     return {
         "rank": rank,
         "step_seconds": times,
+        "step_cpu_seconds": cpu_times,  # this rank's, all its threads
         "parameter_bytes": tensor_bytes(params),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -221,6 +225,7 @@ def memory_table(r: dict[str, Any]) -> str:
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     medians: dict[str, list[float]] = {"eager": [], "delayed": []}
+    cpu: dict[str, list[list[float]]] = {"eager": [], "delayed": []}
     for _ in range(args.repeats):
         for label in ("eager", "delayed"):
             chosen = variant(
@@ -234,8 +239,12 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
             )
             rows = spawn(worker, 2, chosen)
             medians[label].append(statistics.median(rows[0]["step_seconds"][args.warmup :]))
+            cpu[label].append(
+                [statistics.median(row["step_cpu_seconds"][args.warmup :]) for row in rows]
+            )
     eager, delayed = (statistics.median(medians[k]) for k in ("eager", "delayed"))
-    return {"world_medians": medians, "eager_s": eager, "delayed_s": delayed,
+    return {"world_medians": medians, "world_cpu_medians": cpu, "eager_s": eager,
+            "delayed_s": delayed,
             "delayed_over_eager": delayed / eager}  # fmt: skip
 
 
@@ -332,6 +341,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=(*TABLES, "all"), default="all")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--active-microbatches",
+        type=int,
+        default=0,
+        help="pipelines: microbatches in flight (default: SMP's, pipeline degree + 2)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (speed)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -49,13 +49,17 @@ def test_no_step_rate_without_two_samples_apart_in_time(times: list[float]) -> N
     assert step_rate(_samples("loss", times)) is None
 
 
-def test_latest_is_the_last_sample_with_its_own_metrics_rate() -> None:
+def test_latest_is_the_busiest_metrics_last_sample_and_rate() -> None:
+    # A loss each step, an accuracy each epoch: the loss counts the steps, even when the
+    # accuracy came last.
     samples = _samples("loss", [0.0, 1.0, 2.0]) + _samples("acc", [0.5, 2.5])
     found = latest(samples)
     assert found is not None
-    assert (found.sample.name, found.sample.step) == ("acc", 1)
-    assert found.rate == pytest.approx(0.5)
-    assert str(found) == "acc=0.5 (30 steps/min)"
+    assert (found.sample.name, found.sample.step) == ("loss", 2)
+    assert found.rate == pytest.approx(1.0)
+    assert str(found) == "loss=0.3333 (1 steps/s)"
+    slow = latest(_samples("acc", [0.0, 10.0]))
+    assert slow is not None and str(slow) == "acc=0.5 (6 steps/min)"
     assert latest([]) is None
 
 

@@ -42,6 +42,23 @@ def _key_value(flag: str, text: str) -> tuple[str, str]:
     return key, value
 
 
+class _Version(argparse.Action):
+    """``--version``: dtrain's, torch's and Python's versions, read from the installed packages'
+    metadata when asked for (importing torch takes seconds)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, help="print the versions of dtrain, torch and Python"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import version
+
+        python = ".".join(map(str, sys.version_info[:3]))
+        print(f"dtrain {version('dtrain')} (torch {version('torch')}, Python {python})")
+        parser.exit()
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtrain",
@@ -50,10 +67,29 @@ def _build_parser() -> argparse.ArgumentParser:
             "or across machines."
         ),
     )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run a script as a training job and wait for it")
-    run.add_argument("entry_point", help="the training script (relative to --source-dir if given)")
+    run = commands.add_parser(
+        "run",
+        help="run a script or module as a training job and wait for it (or --detach)",
+        usage="dtrain run [FLAGS] (SCRIPT | -m MODULE) [-- SCRIPT_ARGS...]",
+        epilog="Arguments after -- go to the script on every rank, after the hyperparameters' "
+        "(--key value), so that argparse lets them win.",
+    )
+    run.add_argument(
+        "entry_point",
+        nargs="?",
+        metavar="SCRIPT",
+        help="the training script (relative to --source-dir if given)",
+    )
+    run.add_argument(
+        "-m",
+        "--module",
+        metavar="MODULE",
+        help="run a module of --source-dir as `python -m` does (e.g. pkg.train), not a script",
+    )
+    run.set_defaults(script_args=[])
     run.add_argument("--instance-count", type=int, default=1, help="hosts algo-1..N")
     run.add_argument("--processes-per-host", type=int, help="default: GPUs per host, else 1")
     run.add_argument("--instance-type", default="local", help="local, local_cpu or local_gpu")
@@ -107,6 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--join-timeout", type=float, default=600.0, help="seconds to wait for every host to join"
     )
     run.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+    _add_detach(run)
 
     agent = commands.add_parser("agent", help="run one machine's share of a job")
     agent.add_argument(
@@ -145,6 +182,25 @@ def _build_parser() -> argparse.ArgumentParser:
 
     stop = commands.add_parser("stop", help="stop a running job")
     stop.add_argument("name")
+
+    rerun = commands.add_parser("rerun", help="run a job's spec again, under a new name")
+    rerun.add_argument("name")
+    rerun.add_argument("--job-name", help="default: the old name's base and a new timestamp")
+    rerun.add_argument("--quiet", action="store_true", help="do not mirror rank output")
+    _add_detach(rerun)
+
+    rm = commands.add_parser("rm", help="delete finished jobs: their folders and records")
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.add_argument("--force", action="store_true", help="stop running jobs first")
+
+    prune = commands.add_parser("prune", help="delete the jobs that finished long ago")
+    prune.add_argument(
+        "--older-than",
+        required=True,
+        metavar="DURATION",
+        help="jobs that ended this long ago or more: 7d, 12h, 1d12h, 30m, ...",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="list them, delete nothing")
 
     metrics = commands.add_parser("metrics", help="a job's metric time series")
     metrics.add_argument("name")
@@ -216,9 +272,66 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         help="most partitions the layout proposed by --memory-per-rank may have (default 8)",
     )
+    plan.add_argument(
+        "--depth",
+        type=int,
+        metavar="N",
+        help="show N levels of the module tree, folding deeper modules into their row "
+        "(default: fold below each unit the planner placed)",
+    )
     plan.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
-    plan.add_argument("--dot", metavar="OUT.dot", help="write the plan as Graphviz text")
+    plan.add_argument(
+        "--png",
+        metavar="OUT.png",
+        help="draw each partition's predicted time, operations and peak memory (matplotlib)",
+    )
+    plan.add_argument(
+        "--dot",
+        metavar="OUT.dot",
+        help="write the plan as Graphviz text (rendering it needs Graphviz, which dtrain does "
+        "not install; --png draws without it)",
+    )
+
+    ui = commands.add_parser("ui", help="serve a read-only web view of the jobs")
+    ui.add_argument("--port", type=int, default=8470, help="default 8470; 0 picks a free port")
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1); any other needs a token, made and "
+        "printed unless --token-file gives it",
+    )
+    ui.add_argument(
+        "--token-file", help="file holding the token every request must carry (- reads stdin)"
+    )
     return parser
+
+
+def _add_detach(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the job in the background, print its name and return "
+        "(dtrain logs -f NAME follows it, dtrain stop NAME stops it)",
+    )
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; what follows ``--`` is ``dtrain run``'s script's."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = _build_parser()
+    args, unknown = parser.parse_known_args(argv[:split])
+    if unknown:
+        hint = (
+            " (arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1)"
+            if args.command == "run"
+            else ""
+        )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if split < len(argv):
+        if args.command != "run":
+            parser.error(f"dtrain {args.command} takes no arguments after --")
+        args.script_args = argv[split + 1 :]
+    return args
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
@@ -228,10 +341,18 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     from dtrain.jobs.spec import JobSpec
     from dtrain.launch.job import default_job_name
 
-    entry = Path(args.entry_point)
+    if (args.entry_point is None) == (args.module is None):
+        given = f"{args.entry_point} and -m {args.module}" if args.module else "neither"
+        raise ConfigError(
+            "SCRIPT or -m MODULE", given, "one of them, e.g. train.py or -m pkg.train"
+        )
+    entry = args.module or args.entry_point
+    base = args.module.rpartition(".")[2] if args.module else Path(entry).stem
     return JobSpec(
-        entry_point=args.entry_point,
-        job_name=args.job_name or default_job_name(args.base_job_name or entry.stem),
+        entry_point=entry,
+        module=args.module is not None,
+        script_args=tuple(args.script_args),
+        job_name=args.job_name or default_job_name(args.base_job_name or base),
         instance_count=args.instance_count,
         processes_per_host=args.processes_per_host,
         instance_type=args.instance_type,
@@ -262,11 +383,11 @@ def _tensorboard_config(args: argparse.Namespace) -> dict[str, str] | None:
     return config or None
 
 
-def _run(spec: Any, quiet: bool) -> int:
+def _run(spec: Any, quiet: bool, on_folder: Callable[[Any], None] | None = None) -> int:
     from dtrain.launch.job import run_job
 
     try:
-        record = run_job(spec, console=None if quiet else sys.stdout)
+        record = run_job(spec, console=None if quiet else sys.stdout, on_folder=on_folder)
     except KeyboardInterrupt:
         return EXIT_STOPPED
     if record.failure_reason:
@@ -274,6 +395,59 @@ def _run(spec: Any, quiet: bool) -> int:
     if record.model_artifacts:
         print(f"dtrain: job {record.name} {record.status}; model: {record.model_artifacts}")
     return EXIT_CODES[record.status]
+
+
+def _submit(spec: Any, quiet: bool, detach: bool) -> int:
+    """Run ``spec`` here to its end, or detached: its name on standard output, at once."""
+    if not detach:
+        return _run(spec, quiet)
+    from dtrain.launch.submit import start_detached
+
+    detached = start_detached(spec)
+    if not detached.started:
+        sys.stderr.write(detached.said)
+        return detached.status or EXIT_FAILED
+    name = spec.job_name
+    print(name)
+    print(
+        f"dtrain: job {name} runs in the background: dtrain logs -f {name} follows it, "
+        f"dtrain stop {name} stops it",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    from dtrain.jobs.store import JobStore
+    from dtrain.launch.submit import rerun_spec
+
+    spec = rerun_spec(JobStore().get(args.name), args.job_name)
+    return _submit(spec, args.quiet, args.detach)
+
+
+def _rm(names: list[str], force: bool) -> int:
+    from dtrain.jobs.cleanup import mebibytes, removable, remove
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    for record in removable(store, names, force):
+        print(f"removed {record.name} ({record.status}, {mebibytes(remove(store, record))})")
+    return EXIT_OK
+
+
+def _prune(older_than: str, dry_run: bool) -> int:
+    from dtrain.jobs.cleanup import mebibytes, parse_duration, prune
+    from dtrain.jobs.store import JobStore
+
+    total = count = 0
+    verb = "would remove" if dry_run else "removed"
+    for record, size in prune(JobStore(), parse_duration("--older-than", older_than), dry_run):
+        ended = datetime.datetime.fromtimestamp(record.end_time or record.creation_time)
+        print(f"{verb} {record.name} ({record.status} {ended:%Y-%m-%d %H:%M}, {mebibytes(size)})")
+        total, count = total + size, count + 1
+    freed = "would free" if dry_run else "freed"
+    print(f"{count} job(s) ended more than {older_than} ago; {freed} {mebibytes(total)}")
+    return EXIT_OK
 
 
 def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
@@ -461,6 +635,7 @@ def _plan(args: argparse.Namespace) -> int:
     from dtrain.modelparallel.memory import parse_size
     from dtrain.modelparallel.partition import auto_plan
     from dtrain.modelparallel.placement import manual_placements
+    from dtrain.modelparallel.planview import StageProgress, draw_plan
     from dtrain.modelparallel.profile import (
         DEFAULT_REPEATS,
         profile_module,
@@ -470,6 +645,8 @@ def _plan(args: argparse.Namespace) -> int:
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
         raise ConfigError("--partitions", args.partitions, "an integer >= 1")
+    if args.depth is not None and args.depth < 0:
+        raise ConfigError("--depth", args.depth, "an integer >= 0 (0: the root's row only)")
     if not 0.0 <= args.memory_weight <= 1.0:
         raise ConfigError("--memory-weight", args.memory_weight, "a number from 0 to 1")
     if repeats < 1:
@@ -485,33 +662,48 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--max-partitions", max_partitions, f"an integer >= --partitions ({args.partitions})"
         )
-    files: dict[Path, ModuleType] = {}
-    model_file, factory = _load_function("FILE:FACTORY", args.model, files)
-    _, sample = _load_function("--input", args.input, files, default_file=model_file)
-    with delay_param_initialization(enabled=args.without_memory):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        returned = type(model).__name__
-        raise ConfigError(
-            "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
-        )
-    inputs, kwargs = _example_inputs(sample())
-    # As a job plans: the same profile (repeats; from shapes and operation counts for a model
-    # made without memory) and smp.partition placements as constraints.
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        profile = profile_without_memory(model, inputs, kwargs)
-    else:
-        profile = profile_module(model, inputs, kwargs, repeats=repeats)
-    fixed = manual_placements(model)
-    plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
-    plan = plan.with_memory(settings)
-    print(plan.table())
+    progress = StageProgress()
+    try:
+        progress.stage("importing the model file")
+        files: dict[Path, ModuleType] = {}
+        model_file, factory = _load_function("FILE:FACTORY", args.model, files)
+        _, sample = _load_function("--input", args.input, files, default_file=model_file)
+        progress.stage("creating the model")
+        with delay_param_initialization(enabled=args.without_memory):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            returned = type(model).__name__
+            raise ConfigError(
+                "FILE:FACTORY", args.model, f"a function returning an nn.Module, not {returned}"
+            )
+        inputs, kwargs = _example_inputs(sample())
+        # As a job plans: the same profile (repeats; from shapes and operation counts for a
+        # model made without memory) and smp.partition placements as constraints.
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            profile = profile_without_memory(model, inputs, kwargs, progress=progress.passes)
+        else:
+            profile = profile_module(
+                model, inputs, kwargs, repeats=repeats, progress=progress.passes
+            )
+        progress.stage("planning")
+        fixed = manual_placements(model)
+        plan = auto_plan(profile, args.partitions, memory_weight=args.memory_weight, fixed=fixed)
+        plan = plan.with_memory(settings)
+    finally:
+        progress.done()
+    print(plan.table(args.depth, folded=args.depth is None))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         print(f"plan written to {args.json}")
+    if args.png:
+        draw_plan(plan, args.png, title=f"{args.model}: {args.partitions} partitions")
+        print(f"drawing written to {args.png}")
     if args.dot:
         Path(args.dot).write_text(plan.to_dot())
-        print(f"graph written to {args.dot} (render: dot -Tsvg {args.dot} -o plan.svg)")
+        print(
+            f"graph written to {args.dot}: rendering it needs Graphviz, which dtrain does not "
+            f"install (dot -Tsvg {args.dot} -o plan.svg); --png draws the plan without it"
+        )
     if limit is not None:
         samples = _batch_size(inputs, kwargs)
         try:
@@ -539,11 +731,18 @@ def _run_spec(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="dtrain run-spec")
     parser.add_argument("spec_file")
     parser.add_argument("--remove", action="store_true", help="delete the spec file once read")
+    parser.add_argument(
+        "--detached", action="store_true", help="output to the job folder once it exists"
+    )
     args = parser.parse_args(argv)
     spec_file = Path(args.spec_file)
     spec = JobSpec.from_json(spec_file.read_text())
     if args.remove:
         spec_file.unlink()
+    if args.detached:
+        from dtrain.launch.submit import into_job_folder
+
+        return _run(spec, quiet=True, on_folder=into_job_folder)
     return _run(spec, quiet=False)
 
 
@@ -558,12 +757,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _build_parser().parse_args(argv) if argv[:1] != ["run-spec"] else None
+    args = _parse(argv) if argv[:1] != ["run-spec"] else None
     try:
         if args is None:
             return _run_spec(argv[1:])
         if args.command == "run":
-            return _run(spec_from_args(args), args.quiet)
+            return _submit(spec_from_args(args), args.quiet, args.detach)
+        if args.command == "rerun":
+            return _rerun(args)
+        if args.command == "rm":
+            return _rm(args.names, args.force)
+        if args.command == "prune":
+            return _prune(args.older_than, args.dry_run)
         if args.command == "jobs":
             return _jobs(args.status, args.name_contains, args.max)
         if args.command == "describe":
@@ -586,6 +791,10 @@ def _main(argv: list[str]) -> int:
             return _metrics(args.name, args.plot, args.format)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "ui":
+            from dtrain.ui.serve import serve
+
+            return serve(args.host, args.port, args.token_file, sys.stdout)
     except DtrainError as error:
         print(f"dtrain: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -12,16 +12,15 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, DtrainError, JobFailedError, did_you_mean
-from dtrain.jobs.folder import dtrain_home
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.launch.job import default_job_name, prepare, validate_instance_type
+from dtrain.launch.submit import spec_command
 
 # Arguments of SageMaker's EstimatorBase/Framework/PyTorch that only mean something on AWS.
 AWS_ONLY_ARGUMENTS = frozenset(
@@ -303,9 +302,7 @@ class PyTorch:
         """
         spec = self._spec(inputs, job_name)
         prepare(spec)
-        spec_file = Path(tempfile.mkstemp(prefix="spec-", suffix=".json", dir=dtrain_home())[1])
-        spec_file.write_text(spec.to_json())
-        command = [sys.executable, "-m", "dtrain.cli", "run-spec", "--remove", str(spec_file)]
+        command = spec_command(spec)
         show_logs = logs not in (False, "None")
         if wait:
             process = subprocess.Popen(

@@ -31,7 +31,8 @@ def test_smp_script_trains_as_a_two_host_hybrid_job(dtrain_home: Path, tmp_path:
         "run", "train_smp.py", "--source-dir", str(EXAMPLES), "--job-name", "smp-hybrid",
         "--instance-count", "2", "--processes-per-host", "2", "--instance-type", "local_cpu",
         "--distribution", json.dumps(distribution), "--hyperparameters", '{"steps": 8}',
-        "--output-path", str(tmp_path / "out"), home=dtrain_home, timeout=280,
+        "--output-path", str(tmp_path / "out"), "--environment", "DTRAIN_MP_TRACE=trace.json",
+        home=dtrain_home, timeout=280,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [
@@ -47,6 +48,13 @@ def test_smp_script_trains_as_a_two_host_hybrid_job(dtrain_home: Path, tmp_path:
         tar.extract("model.pt", tmp_path, filter="data")
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert any(name.startswith("blocks.3.") for name in state)  # gathered from partition 1
+
+    # The script never asked for a trace: the environment did, and it came back with the output.
+    with tarfile.open(artifact.with_name("output.tar.gz")) as tar:
+        tar.extract("trace.json", tmp_path, filter="data")
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    kinds = {(e["pid"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {(0, "F"), (0, "SEND"), (0, "WAIT"), (1, "RECV"), (1, "F")} <= kinds
 
 
 FAILING_SCRIPT = """

@@ -238,9 +238,10 @@ def test_checkpoints_round_trip_and_change_layout(tmp_path: Path) -> None:
         assert value["exp_avg"].shape == leader["full"][name].shape, name
 
     trace = json.loads((tmp_path / "timeline.json").read_text())
-    rows = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    ranks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert rows == {0, 1} and kinds == {"F", "B", "I", "W"}  # the last backward split
+    assert ranks == {0, 1}
+    assert kinds - {"SEND", "RECV", "WAIT"} == {"F", "B", "I", "W"}  # the last backward split
 
 
 def _timelines(pipeline: str, microbatches: int, active: int) -> list[Any]:

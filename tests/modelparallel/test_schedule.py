@@ -386,13 +386,16 @@ def test_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
     trace = json.loads(path.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == 2 * 3 * 4  # compute only by default
-    assert {(e["tid"], e["name"]) for e in spans} == {
+    assert {(e["pid"], e["name"]) for e in spans} == {
         (stage, f"{kind}{mb}") for stage in range(3) for kind in "FB" for mb in range(4)
     }
-    f0_last = next(e for e in spans if e["tid"] == 2 and e["name"] == "F0")
+    f0_last = next(e for e in spans if e["pid"] == 2 and e["name"] == "F0")
     assert (f0_last["ts"], f0_last["dur"]) == (2e6, 1e6)
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    metadata = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    names = {e["pid"]: e["args"]["name"] for e in metadata if e["name"] == "process_name"}
     assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    rows = {e["args"]["name"] for e in metadata if e["name"] == "thread_name"}
+    assert rows == {"compute"}  # one row per rank: its computations never overlap
 
 
 def test_timeline_can_include_communication() -> None:

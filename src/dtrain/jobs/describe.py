@@ -41,8 +41,9 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
         "HyperParameters": {k: json.dumps(v) for k, v in spec.hyperparameters.items()},
         "AlgorithmSpecification": {
             "TrainingInputMode": "File",
-            "EntryPoint": spec.entry_point,
+            "EntryPoint": f"-m {spec.entry_point}" if spec.module else spec.entry_point,
             "SourceDir": spec.source_dir,
+            "ContainerArguments": list(spec.script_args),
         },
         "ResourceConfig": {
             "InstanceType": spec.instance_type,

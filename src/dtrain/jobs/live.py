@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from dtrain.jobs.metrics import MetricSample
 
-RATE_WINDOW = 10
+RATE_WINDOW = 20
 """Samples the step rate is measured over: recent enough to show a slowdown, enough to smooth
 one slow step."""
 
 
 @dataclass(frozen=True)
 class Latest:
-    """The latest sample of a job, with its metric's recent step rate (steps per second)."""
+    """The last sample of a job's busiest metric, with its recent step rate (steps per second)."""
 
     sample: MetricSample
     rate: float | None
@@ -45,10 +45,16 @@ def step_rate(samples: Sequence[MetricSample], window: int = RATE_WINDOW) -> flo
 
 
 def latest(samples: Sequence[MetricSample]) -> Latest | None:
-    """The sample captured last, and the step rate of its metric; ``None`` without samples."""
+    """The last sample of the metric logged most often, and its step rate; ``None`` without
+    samples.
+
+    The busiest metric counts the script's steps (a loss each step, not an accuracy each epoch).
+    A sample's step is its metric's count so far, so the last samples of each metric are enough
+    to find it (``dtrain run`` keeps only those).
+    """
     if not samples:
         return None
-    last = max(samples, key=lambda sample: (sample.timestamp, sample.step))
+    last = max(samples, key=lambda sample: (sample.step, sample.name))
     return Latest(last, step_rate([s for s in samples if s.name == last.name]))
 
 

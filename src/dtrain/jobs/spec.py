@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 SHARDING_TYPES = ("FullyReplicated", "ShardedByS3Key")
 
@@ -29,6 +30,7 @@ class JobSpec:
     """A training job request, before validation turns it into a launch plan."""
 
     entry_point: str
+    """The script (a path, relative to ``source_dir`` if given) or, with ``module``, a module."""
     job_name: str
     instance_count: int = 1
     processes_per_host: int | None = None
@@ -54,6 +56,10 @@ class JobSpec:
     key_salt: str = ""
     """Random, made when the job is submitted: the ranks' keys are this job's own even where
     other jobs share its secret (:mod:`dtrain.sealed`)."""
+    module: bool = False
+    """``entry_point`` names a module of ``source_dir``, run as ``python -m`` runs it."""
+    script_args: tuple[str, ...] = ()
+    """Arguments for the script after the hyperparameters' (``dtrain run ... -- ARGS``)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -63,4 +69,45 @@ class JobSpec:
         data = json.loads(text)
         data["channels"] = tuple(ChannelSpec(**c) for c in data.get("channels", ()))
         data["metric_definitions"] = tuple(data.get("metric_definitions", ()))
+        data["script_args"] = tuple(data.get("script_args", ()))
         return cls(**data)
+
+    def with_absolute_paths(self) -> JobSpec:
+        """The spec with its local paths made absolute, so that it means the same from any
+        folder (``dtrain rerun``). Channels and the checkpoint folder are paths on each host:
+        only a local job's, whose hosts share this folder, are made absolute."""
+        local = self.cluster == "local"
+        return dataclasses.replace(
+            self,
+            entry_point=(
+                self.entry_point if self.source_dir or self.module else _absolute(self.entry_point)
+            ),
+            source_dir=_absolute(self.source_dir),
+            output_path=_absolute(self.output_path),
+            secret_file=_absolute(self.secret_file),
+            channels=tuple(
+                dataclasses.replace(c, uri=_absolute(c.uri)) if local else c for c in self.channels
+            ),
+            checkpoint_local_path=(
+                _absolute(self.checkpoint_local_path) if local else self.checkpoint_local_path
+            ),
+            tensorboard_output_config=_absolute_output(self.tensorboard_output_config),
+        )
+
+
+_Path = TypeVar("_Path", str, None)
+
+
+def _absolute(path: _Path) -> _Path:
+    """A local path made absolute; URIs (``s3://``, ``file://``) and ``None`` stay as they are."""
+    if path is None or "://" in path:
+        return path
+    return os.path.abspath(path)
+
+
+def _absolute_output(config: dict[str, str] | None) -> dict[str, str] | None:
+    """``TensorBoardOutputConfig`` with its ``S3OutputPath`` absolute (the controller writes
+    there); its ``LocalPath`` is a path on the hosts, under ``/opt/ml``."""
+    if not config or not config.get("S3OutputPath"):
+        return config
+    return {**config, "S3OutputPath": _absolute(config["S3OutputPath"])}

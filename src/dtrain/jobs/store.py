@@ -224,6 +224,15 @@ class JobStore:
         )
         return self.get(record.name)
 
+    def delete(self, name: str) -> None:
+        """Forget a job: its row, status transitions, metrics and hosts, all or none."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+            for table in ("transitions", "metrics", "hosts"):
+                db.execute(f"DELETE FROM {table} WHERE job = ?", (name,))
+            db.execute("COMMIT")
+
     def transitions(self, name: str) -> list[Transition]:
         with self._connect() as db:
             rows = db.execute(
@@ -269,12 +278,13 @@ class JobStore:
         return [MetricSample(**dict(row)) for row in rows]
 
     def recent_metrics(self, name: str, count: int) -> list[MetricSample]:
-        """The last ``count`` samples, in step order, of the metric the job sampled last: what
-        ``dtrain jobs`` shows of a job, read without its whole history."""
+        """The last ``count`` samples, in step order, of the job's metric logged most often:
+        what ``dtrain jobs`` shows of a job (:func:`dtrain.jobs.live.latest`), read without its
+        whole history."""
         with self._connect() as db:
             last = db.execute(
-                "SELECT name FROM metrics WHERE job = ? ORDER BY timestamp DESC, rowid DESC"
-                " LIMIT 1",
+                "SELECT name, MAX(step) AS steps FROM metrics WHERE job = ? GROUP BY name"
+                " ORDER BY steps DESC, name DESC LIMIT 1",
                 (name,),
             ).fetchone()
             if last is None:

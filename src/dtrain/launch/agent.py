@@ -68,12 +68,16 @@ COPY_REPORT_INTERVAL = 0.25
 """Output lines waiting to be sent before a rank's writes block: backpressure, never loss."""
 
 
-def entry_command(entry_point: str) -> list[str]:
-    """How SageMaker's toolkit starts an entry point: Python files with this agent's Python,
-    through :mod:`dtrain.launch.entry` (as ``python script.py`` would, without the interpreter
-    shutdown that can abort a finished rank)."""
+def entry_command(entry_point: str, module: bool) -> list[str]:
+    """How SageMaker's toolkit starts an entry point: Python files (and ``module``, a module of
+    the code) with this agent's Python, through :mod:`dtrain.launch.entry` (as ``python script.py``
+    or ``python -m module`` would, without the interpreter shutdown that can abort a finished
+    rank)."""
+    runner = [sys.executable, "-u", "-m", "dtrain.launch.entry"]
+    if module:
+        return [*runner, "-m", entry_point]
     if entry_point.endswith(".py"):
-        return [sys.executable, "-u", "-m", "dtrain.launch.entry", entry_point]
+        return [*runner, entry_point]
     if entry_point.endswith(".sh"):
         return ["/bin/sh", entry_point]
     return [f"./{entry_point}"]
@@ -390,7 +394,7 @@ class Agent:
         assert self.folder is not None
         self._end_ranks()
         self.attempt = fields["attempt"]
-        argv = [*entry_command(fields["entry_point"]), *fields["arguments"]]
+        argv = [*entry_command(fields["entry_point"], fields["module"]), *fields["arguments"]]
         launches = []
         for rank, contract in fields["ranks"].items():
             env = {**os.environ, **contract, MARKER: self.marker}

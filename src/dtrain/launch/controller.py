@@ -233,6 +233,7 @@ class Controller:
                 "start",
                 attempt=attempt.number,
                 entry_point=plan.entry_point_name,
+                module=plan.spec.module,
                 arguments=plan.arguments,
                 ranks={
                     str(rank): plan.rank_env(rank, master_port, attempt.number)

@@ -113,8 +113,16 @@ class LaunchPlan:
         return Path(self.spec.entry_point).name
 
     @property
+    def module_name(self) -> str:
+        """The toolkit's ``module_name``: the script's name without ``.py``, or the module."""
+        return self.spec.entry_point if self.spec.module else Path(self.entry_point_name).stem
+
+    @property
     def arguments(self) -> list[str]:
-        return to_cmd_args(self.hyperparameters)
+        """The script's arguments: the hyperparameters' (as SageMaker's toolkit passes them),
+        then ``script_args`` (as torchrun passes what follows the script), which argparse lets
+        win over a hyperparameter of the same name."""
+        return [*to_cmd_args(self.hyperparameters), *self.spec.script_args]
 
     def resource_config(self, host_index: int) -> dict[str, Any]:
         return {
@@ -177,7 +185,7 @@ class LaunchPlan:
             "master_hostname": self.host_names[0],
             "model_dir": str(folder.model_dir),
             "module_dir": str(folder.code_dir),
-            "module_name": Path(self.entry_point_name).stem,
+            "module_name": self.module_name,
             "network_interface_name": host.interface,
             "num_cpus": host.cpus,
             "num_gpus": self.gpus_per_host,

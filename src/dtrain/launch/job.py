@@ -43,6 +43,7 @@ from dtrain.jobs.limits import (
 )
 from dtrain.jobs.live import RATE_WINDOW, latest
 from dtrain.jobs.metrics import MetricExtractor, MetricSample, validate_metric_definitions
+from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
 from dtrain.jobs.tensorboard import (
@@ -117,16 +118,19 @@ class PreparedJob:
 
 
 def _check_code(spec: JobSpec) -> None:
-    """The entry point exists (inside ``source_dir`` if given), and no link leaves the code.
+    """The entry point exists (inside ``source_dir`` if given; a module there, with ``-m``), and
+    no link leaves the code.
 
     The code travels to every host as it is, links as links: a link to a file outside the source
     dir would not exist there, or would expose that file to the job.
     """
+    if spec.module and spec.source_dir is None:
+        raise ConfigError("source_dir", None, "the folder holding the -m module, e.g. '.'")
     if spec.source_dir is not None:
         source = Path(spec.source_dir)
         if not source.is_dir():
             raise ConfigError("source_dir", spec.source_dir, "an existing directory")
-        entry = source / spec.entry_point
+        entry = module_file(source, spec.entry_point) if spec.module else source / spec.entry_point
         if Path(spec.entry_point).is_absolute() or not _holds(source.resolve(), entry.resolve()):
             raise ConfigError(
                 "entry_point", spec.entry_point, "a path relative to source_dir, inside it"
@@ -218,6 +222,7 @@ def _check_values(spec: JobSpec, local: bool) -> None:
     check_names("hyperparameters", spec.hyperparameters, "hyperparameter")
     check_nesting("hyperparameters", spec.hyperparameters)
     check_no_nul("hyperparameters", spec.hyperparameters)
+    check_no_nul("script_args", spec.script_args)
     check_nesting("distribution", spec.distribution)
     if spec.output_path and spec.output_path.startswith("s3://"):
         check_s3_ready("output_path", spec.output_path)
@@ -287,12 +292,18 @@ class JobRun:
     """Seconds between the status lines (latest metric, step rate) a terminal gets in training."""
 
     def __init__(
-        self, job: PreparedJob, store: JobStore, console: TextIO | None = sys.stdout
+        self,
+        job: PreparedJob,
+        store: JobStore,
+        console: TextIO | None = sys.stdout,
+        on_folder: Callable[[JobFolder], None] | None = None,
     ) -> None:
-        salted = dataclasses.replace(job.spec, key_salt=secrets.token_hex(16))
+        """``on_folder`` is called once the job is recorded and its ``logs/`` exists."""
+        salted = dataclasses.replace(job.spec.with_absolute_paths(), key_salt=secrets.token_hex(16))
         self.job = dataclasses.replace(job, spec=salted)
         self.store = store
         self.console = console
+        self.on_folder = on_folder
         self.name = job.spec.job_name
         self.folder = JobFolder.for_job(self.name)
         self.started = time.monotonic()
@@ -361,6 +372,8 @@ class JobRun:
         self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
         self.folder.logs_dir.mkdir(parents=True)
+        if self.on_folder is not None:
+            self.on_folder(self.folder)
         self._journal = self.folder.controller_log_file.open("a", encoding="utf-8")
         previous = self._install_signal_handlers()
         controller = Controller(
@@ -619,8 +632,11 @@ class JobRun:
 
 
 def run_job(
-    spec: JobSpec, store: JobStore | None = None, console: TextIO | None = sys.stdout
+    spec: JobSpec,
+    store: JobStore | None = None,
+    console: TextIO | None = sys.stdout,
+    on_folder: Callable[[JobFolder], None] | None = None,
 ) -> JobRecord:
     """Validate, then run ``spec`` to its end in this process (its controller)."""
     prepared = prepare(spec)
-    return JobRun(prepared, store or JobStore(), console).run()
+    return JobRun(prepared, store or JobStore(), console, on_folder).run()

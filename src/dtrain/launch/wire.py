@@ -46,7 +46,7 @@ from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -199,6 +199,7 @@ FROM_CONTROLLER: Protocol = {
     "start": {
         "attempt": COUNT,
         "entry_point": TEXT,
+        "module": FLAG,
         "arguments": TEXTS,
         "ranks": RANK_ENVIRONMENTS,
         "defaults": TEXT_MAP,

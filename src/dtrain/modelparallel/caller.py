@@ -237,8 +237,14 @@ class RemoteCaller:
             raise
 
     def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
-        """A reply, giving the compute token away meanwhile."""
-        with self.executor.waiting(), self.waits.waiting(pending.peer, pending.request.describe()):
+        """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline)."""
+        request = pending.request
+        what = f"{request.kind} {request.module}".rstrip() + f" from rank {pending.peer}"
+        with (
+            self.executor.waiting(),
+            self.waits.waiting(pending.peer, request.describe()),
+            self.executor.recorder.span("WAIT", request.microbatch, what, pending.peer),
+        ):
             return pending.wait(self.group.timeout, self.group.rank)
 
     def forget(self, record: CallRecord) -> None:

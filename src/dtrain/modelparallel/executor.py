@@ -30,7 +30,8 @@ its action is the rank's current one in the plan. The leader's forward of a micr
 its task first waits for another rank or turns to its backward, its backward when the task ends;
 the runtime ends the other ranks' actions (:meth:`Executor.end_action`).
 
-Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank).
+Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank), in the
+rank's :class:`TimelineRecorder`, where the transport records its sends and receives too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.order import PlanOrder
 from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
-from dtrain.modelparallel.timeline import TimelineEvent
+from dtrain.modelparallel.timeline import TimelineEvent, TimelineRecorder
 from dtrain.modelparallel.workers import WorkerPool
 
 Role = Literal["main", "leader", "serve"]
@@ -142,10 +143,9 @@ class Executor:
         """Dispatched tasks not waiting for the token yet: their key and place in line."""
         self._seq: Iterator[int] = itertools.count()
         self._local = threading.local()
-        self._events: list[TimelineEvent] = []
+        self.recorder = TimelineRecorder(pp_rank)
         self._leader_step: _LeaderStep | None = None
         self._progress = time.monotonic()
-        self._clock_offset = time.time() - time.perf_counter()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
         self._weights_owed: list[tuple[int, int]] = []
@@ -275,16 +275,8 @@ class Executor:
     def _record(self, task: Task) -> None:
         """The holder's computation up to now, as a timeline event."""
         if task.role != "main" and task.recording:
-            self._events.append(
-                TimelineEvent(
-                    self.pp_rank,
-                    task.phase,
-                    task.microbatch,
-                    task.started,
-                    self._now(),
-                    task.name or f"{task.phase}{task.microbatch}",
-                )
-            )
+            name = task.name or f"{task.phase}{task.microbatch}"
+            self.recorder.add(task.phase, task.microbatch, task.started, name)
 
     def _yield_if_urgent(self, task: Task) -> None:
         """A task holding the token between computations gives it to a more urgent waiter
@@ -350,7 +342,7 @@ class Executor:
 
     def _now(self) -> float:
         """Wall-clock seconds from a monotonic clock, comparable across processes."""
-        return time.perf_counter() + self._clock_offset
+        return self.recorder.now()
 
     # --- tasks -------------------------------------------------------------------------------
 
@@ -646,11 +638,10 @@ class Executor:
 
     # --- timeline ----------------------------------------------------------------------------
 
-    def timeline(self) -> list[TimelineEvent]:
-        """The work this rank computed since the last :meth:`clear_timeline`."""
-        with self._cv:
-            return list(self._events)
+    def timeline(self, communication: bool = False) -> list[TimelineEvent]:
+        """The work this rank computed since the last :meth:`clear_timeline` (with
+        ``communication``, also its sends, receives and waits)."""
+        return self.recorder.events(communication)
 
     def clear_timeline(self) -> None:
-        with self._cv:
-            self._events.clear()
+        self.recorder.clear()

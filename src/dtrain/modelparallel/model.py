@@ -251,6 +251,9 @@ class DistributedModel(nn.Module):
                 self._reduce_gradients(list(self.local_parameters()))
             else:
                 self.half_precision.after_backward(self._reduce_gradients)
+            trace = self._state.options.trace
+            if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
+                self.export_timeline(trace)
         return outcomes
 
     # --- partitioning ------------------------------------------------------------------------
@@ -626,15 +629,18 @@ class DistributedModel(nn.Module):
 
     # --- timeline ----------------------------------------------------------------------------
 
-    def timeline(self) -> list[TimelineEvent]:
-        """What this rank computed in the last step (pp rank as the row)."""
-        return [] if self._runtime is None else self._runtime.executor.timeline()
+    def timeline(self, communication: bool = False) -> list[TimelineEvent]:
+        """What this rank computed in the last step (pp rank as the row); with
+        ``communication``, also its sends, receives and waits for replies."""
+        if self._runtime is None:
+            return []
+        return self._runtime.executor.timeline(communication)
 
     def export_timeline(self, path: str) -> None:
-        """Chrome trace JSON of the last step of the whole pipeline; every pipeline rank calls
-        it, the leader writes the file."""
+        """Chrome trace JSON of the last step of the whole pipeline, computations and
+        communication; every pipeline rank calls it, the leader writes the file."""
         st = self._state
-        events = self.timeline()
+        events = self.timeline(communication=True)
         if st.pp_size > 1:
             parts = all_gather_objects(events, st.pp_message_group, st.seals)
             events = [event for part in parts for event in (part or [])]

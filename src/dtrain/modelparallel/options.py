@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from dtrain.errors import ConfigError
 
@@ -18,6 +19,7 @@ TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
 DEFER_ENV = "DTRAIN_MP_DEFER"
 SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
 STALL_ENV = "DTRAIN_MP_STALL_REPORT"
+TRACE_ENV = "DTRAIN_MP_TRACE"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -36,6 +38,10 @@ class RuntimeOptions:
     stall_report: float = 60.0
     """Seconds of silence after which every rank reports what it waits for (see
     :mod:`.stall`); the wait itself goes on until ``timeout``."""
+    trace: str = ""
+    """Where the first pipeline's leader writes the Chrome trace of the last step, after every
+    step (``""``: nowhere); a relative path is taken in the job's output data folder
+    (``SM_OUTPUT_DATA_DIR``), so that it comes back with the job's output."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> RuntimeOptions:
@@ -45,7 +51,23 @@ class RuntimeOptions:
             defer=_switch(environ, DEFER_ENV, defaults.defer),
             split_backward=_switch(environ, SPLIT_ENV, defaults.split_backward),
             stall_report=_seconds(environ, STALL_ENV, defaults.stall_report),
+            trace=_trace_path(environ),
         )
+
+
+def _trace_path(environ: Mapping[str, str]) -> str:
+    """``DTRAIN_MP_TRACE`` as an absolute path in an existing folder (or ``""``)."""
+    raw = environ.get(TRACE_ENV, "").strip()
+    if not raw:
+        return ""
+    path = Path(environ.get("SM_OUTPUT_DATA_DIR") or ".", raw).absolute()
+    if not path.parent.is_dir() or path.is_dir():
+        raise ConfigError(
+            TRACE_ENV,
+            raw,
+            f"a file in an existing folder ({path} is a folder, or its folder does not exist)",
+        )
+    return str(path)
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:

@@ -140,6 +140,21 @@ class StageCost:
         return self.compute_time + self.comm_time
 
 
+@dataclass(frozen=True)
+class CutStep:
+    """One step of :func:`auto_plan`'s choice of a cut (see ``_CUT_CHOICE``): the least largest
+    partition value of ``measure`` among the cuts still allowed, the limit it set and how many
+    cuts were left within it."""
+
+    measure: str
+    """``cost``, ``flops``, ``memory`` or ``traffic``."""
+    tolerance: float
+    least: float
+    limit: float
+    cuts: int
+    """Cuts allowed by this step and every step before it."""
+
+
 @dataclass
 class PartitionPlan:
     """Module → partition for every module of the model, with the costs behind it."""
@@ -157,6 +172,12 @@ class PartitionPlan:
     warnings: list[str] = field(default_factory=list)
     memory_settings: MemorySettings | None = None
     """What the stages' ``peak_memory`` assumes (``None`` until :meth:`with_memory`)."""
+    placeable: int = 0
+    """Parts :func:`auto_plan` cut into partitions (units not pinned by a constraint)."""
+    possible_cuts: int = 0
+    """Cuts of those parts there were to choose from."""
+    cut_choice: list[CutStep] = field(default_factory=list)
+    """How :func:`auto_plan` chose the cut, step by step (empty for other plans)."""
 
     def owner(self, name: str) -> int:
         """Partition owning module ``name`` (``""`` is the root)."""
@@ -209,21 +230,31 @@ class PartitionPlan:
             )
         return peaks  # type: ignore[return-value]
 
-    def table(self) -> str:
-        """Human-readable plan: one row per module, then one per partition."""
+    def table(self, depth: int | None = None, *, folded: bool = False) -> str:
+        """Human-readable plan: one row per module, then one per partition.
+
+        ``depth`` shows that many levels of the module tree below the root; ``folded`` ends
+        each branch at the first module whose whole subtree follows it (the units the planner
+        placed). A row that stands for modules below it adds theirs in and says how many
+        (``+N``); its ``part`` lists every partition they are on."""
         rows = [("module", "type", "placement", "part", "params", "compute ms", "memory", "cost")]
-        for name, entry in self.modules.items():
+        for name, members in self._shown_rows(depth, folded).items():
+            entry = self.modules[name]
             label = "  " * (name.count(".") + 1) + name.rpartition(".")[2] if name else "(root)"
+            if len(members) > 1:
+                label += f" (+{len(members) - 1})"
+            parts = sorted({self.owners[member] for member in members})
+            entries = [self.modules[member] for member in members]
             rows.append(
                 (
                     label,
                     entry.type,
                     entry.placement,
-                    str(self.owners[name]),
-                    _count(entry.param_count),
-                    f"{entry.compute_time * 1e3:.3f}" if self.profiled else "-",
-                    format_size(entry.memory_bytes),
-                    f"{entry.cost:.3f}" if self.profiled else "-",
+                    ",".join(map(str, parts)),
+                    format_count(sum(e.param_count for e in entries)),
+                    f"{sum(e.compute_time for e in entries) * 1e3:.3f}" if self.profiled else "-",
+                    format_size(sum(e.memory_bytes for e in entries)),
+                    f"{sum(e.cost for e in entries):.3f}" if self.profiled else "-",
                 )
             )
         lines = _columns(rows, left=3)
@@ -260,8 +291,66 @@ class PartitionPlan:
             for q, sent in enumerate(row):
                 if sent:
                     lines.append(f"traffic {p} -> {q}: {format_size(sent)} per forward pass")
+        why = self.why()
+        if why:
+            lines.append(why)
         lines.extend(f"warning: {warning}" for warning in self.warnings)
         return "\n".join(lines)
+
+    def _shown_rows(self, depth: int | None, folded: bool) -> dict[str, list[str]]:
+        """The modules :meth:`table` shows, each with the modules its row stands for (itself
+        first, then the hidden modules below it)."""
+        names = list(self.modules)
+        shown: dict[str, list[str]] = {}
+        hidden_under: str | None = None
+        for index, name in enumerate(names):
+            if hidden_under is not None and _within(name, hidden_under) and name != hidden_under:
+                shown[hidden_under].append(name)
+                continue
+            hidden_under = None
+            shown[name] = [name]
+            below = [n for n in names[index + 1 :] if _within(n, name)] if name else names[1:]
+            level = name.count(".") + 1 if name else 0
+            at_depth = depth is not None and level >= depth
+            follows = folded and all(
+                self.modules[n].placement == "inherited" and self.owners[n] == self.owners[name]
+                for n in below
+            )
+            if below and (at_depth or follows):
+                hidden_under = name
+        return shown
+
+    def why(self) -> str | None:
+        """Why :func:`auto_plan` chose this cut, from the numbers that decided it: how many cuts
+        the noise band left, and which exact count then narrowed them to this one."""
+        if not self.cut_choice or self.partitions == 1:
+            return None
+        if self.possible_cuts == 1:
+            return (
+                f"why this cut: {self.placeable} placeable parts go on {self.partitions} "
+                "partitions only this way"
+            )
+        band, *rest = self.cut_choice
+        parts = [f"{self.possible_cuts:,} ways to cut {self.placeable} placeable parts"]
+        timed = "" if self.profiled else "; times estimated from operation counts"
+        parts.append(
+            f"{band.cuts:,} within the noise band (largest partition cost at most "
+            f"{band.limit:.3f}: {band.tolerance:.0%} over the least, {band.least:.3f}{timed})"
+        )
+        left = band.cuts
+        for step in rest:
+            if left == 1:
+                break
+            if step.cuts < left:
+                parts.append(f"{step.cuts:,} of them with {_describe_step(step)}")
+            left = step.cuts
+        if band.cuts == 1:
+            verdict = "the predicted times decided"
+        elif left == 1:
+            verdict = "that decided"
+        else:
+            verdict = f"{left:,} tie on every measure: the one with the earliest cuts was taken"
+        return f"why this cut: {'; '.join(parts)}; {verdict}"
 
     def _memory_table(self) -> list[str]:
         """One row per partition: its peak memory by kind, and what the figures assume."""
@@ -304,12 +393,14 @@ class PartitionPlan:
             timing = f"\\n{stage.time * 1e3:.3f} ms, cost {stage.cost:.3f}" if self.profiled else ""
             if stage.peak_memory is not None:
                 timing += f"\\npeak memory {format_size(stage.peak_memory.total)}"
-            lines.append(f'  p{k} [label="partition {k}{timing}", fillcolor="{_colour(k)}"];')
+            lines.append(
+                f'  p{k} [label="partition {k}{timing}", fillcolor="{partition_colour(k)}"];'
+            )
         for name in shown:
             entry = self.modules[name]
             parts = (name or "(root)", entry.type, entry.placement)
             label = "\\n".join(_dot_escape(part) for part in parts)
-            colour = _colour(self.owners[name])
+            colour = partition_colour(self.owners[name])
             lines.append(f'  {ids[name]} [label="{label}", fillcolor="{colour}"];')
         for name in shown:
             ancestor = name
@@ -340,6 +431,7 @@ class PartitionPlan:
             modules=modules,
             stages=stages,
             memory_settings=None if settings is None else MemorySettings(**settings),
+            cut_choice=[CutStep(**row) for row in data.pop("cut_choice", [])],
             **data,
         )
 
@@ -380,7 +472,8 @@ def auto_plan(
     atoms = _Atoms(profile, model, partitions, fixed, set(whole))
     free = sorted((u for u in atoms.units if u.pin is None), key=lambda u: u.position)
     owners = {name: u.pin for u in atoms.units if u.pin is not None for name in u.members}
-    for k, segment in enumerate(_best_segments(free, atoms, model, partitions)):
+    segments, possible, choice = _best_segments(free, atoms, model, partitions)
+    for k, segment in enumerate(segments):
         for unit in segment:
             owners.update(dict.fromkeys(unit.members, k))
     empty = [k for k in range(partitions) if k not in owners.values()]
@@ -392,7 +485,7 @@ def auto_plan(
         if empty
         else []
     )
-    return costed_plan(
+    plan = costed_plan(
         profile,
         partitions,
         owners,
@@ -401,6 +494,7 @@ def auto_plan(
         placements=atoms.labels,
         warnings=warnings,
     )
+    return dataclasses.replace(plan, placeable=len(free), possible_cuts=possible, cut_choice=choice)
 
 
 def manual_plan(
@@ -745,9 +839,10 @@ torch does not count, all zero, is left to memory)."""
 
 def _best_segments(
     free: list[_Unit], atoms: _Atoms, model: _CostModel, partitions: int
-) -> list[list[_Unit]]:
+) -> tuple[list[list[_Unit]], int, list[CutStep]]:
     """Step 3 of :func:`auto_plan`: contiguous segments of ``free``, segment ``k`` on partition
-    ``k`` (pinned units count where they are pinned), chosen by the steps of ``_CUT_CHOICE``.
+    ``k`` (pinned units count where they are pinned), chosen by the steps of ``_CUT_CHOICE``;
+    with how many cuts there were and what each step left.
 
     Every segment is non-empty when there are at least as many free units as partitions.
     """
@@ -765,11 +860,32 @@ def _best_segments(
     def allowed(k: int, left: int, right: int) -> bool:
         return all(measure(k, left, right) <= limit for measure, limit in limits)
 
+    possible = _count_cuts(n, partitions, gap, allowed)
     bounds: list[int] = []
+    steps: list[CutStep] = []
     for name, tolerance in _CUT_CHOICE:
         least, bounds = _min_max_cuts(n, partitions, gap, measures[name], allowed)
-        limits.append((measures[name], least * (1 + tolerance)))
-    return [free[left:right] for left, right in itertools.pairwise(bounds)]
+        limit = least * (1 + tolerance)
+        limits.append((measures[name], limit))
+        # One cut left stays the only one: each later step keeps the cut it finds.
+        left = 1 if steps and steps[-1].cuts == 1 else _count_cuts(n, partitions, gap, allowed)
+        steps.append(CutStep(name, tolerance, least, limit, left))
+    return [free[left:right] for left, right in itertools.pairwise(bounds)], possible, steps
+
+
+def _count_cuts(n: int, partitions: int, gap: int, allowed: Callable[[int, int, int], bool]) -> int:
+    """How many cuts :func:`_min_max_cuts` chooses among: every segment ``allowed``."""
+    ways = [[0] * (n + 1) for _ in range(partitions)]
+    for right in range(gap, n + 1):
+        ways[0][right] = int(allowed(0, 0, right))
+    for k in range(1, partitions):
+        for right in range(n + 1):
+            ways[k][right] = sum(
+                ways[k - 1][left]
+                for left in range(right - gap + 1)
+                if ways[k - 1][left] and allowed(k, left, right)
+            )
+    return ways[-1][n]
 
 
 def _min_max_cuts(
@@ -900,6 +1016,24 @@ class _StageCosts:
 # Formatting
 
 
+def _describe_step(step: CutStep) -> str:
+    """A step of the cut's choice after the noise band, in words, with its deciding number."""
+    more = f", or up to {step.tolerance:.0%} more" if step.tolerance else ""
+    if step.measure == "flops":
+        least = format_count(int(step.least))
+        return f"the most even forward operations ({least} on the largest partition{more})"
+    if step.measure == "memory":
+        return f"the least memory on the largest partition ({format_size(int(step.least))})"
+    if step.measure == "traffic":
+        least = format_size(int(step.least))
+        return f"the least traffic of the busiest partition ({least} in and out)"
+    if step.tolerance:
+        return (
+            f"a largest partition cost up to {step.tolerance:.0%} over the least ({step.least:.3f})"
+        )
+    return f"exactly the least largest partition cost ({step.least:.3f})"
+
+
 def _prefix(values: list[Any]) -> list[Any]:
     """``sums[i]`` is the sum of ``values[:i]``."""
     return list(itertools.accumulate(values, initial=0))
@@ -917,14 +1051,16 @@ def _columns(rows: list[tuple[str, ...]], left: int) -> list[str]:
     ]
 
 
-def _count(count: int) -> str:
+def format_count(count: int) -> str:
+    """``1.2M``: a count of parameters or operations, short."""
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if count >= scale:
             return f"{count / scale:.1f}{suffix}"
     return str(count)
 
 
-def _colour(partition: int) -> str:
+def partition_colour(partition: int) -> str:
+    """The colour of ``partition`` in drawings (the Graphviz text, the PNG)."""
     return _PALETTE[partition % len(_PALETTE)]
 
 

@@ -190,8 +190,12 @@ def profile_module(
     repeats: int = DEFAULT_REPEATS,
     loss_fn: Callable[[Any], Tensor] | None = None,
     backward: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> ModelProfile:
     """Profile ``module(*args, **kwargs)`` and a backward pass, per module.
+
+    ``progress(done, total, what)`` is told before each pass (``total`` is ``repeats + 1``)
+    and once all are done, for a caller that shows how far a long profile is.
 
     The backward starts from ``loss_fn(outputs)`` if given, else from the sum of every floating
     tensor in the outputs that requires grad (the gradient values do not matter for timing). With
@@ -221,9 +225,11 @@ def profile_module(
             )
         )
     passes: list[_Pass] = []
+    report = progress or (lambda done, total, what: None)
     try:
         with torch.enable_grad():
             # Structure pass: calls, sizes and operations; also the warm-up.
+            report(0, repeats + 1, "structure pass")
             snapshot.reset()
             recorder.start_structure(inputs)
             with FlopCounterMode(display=False) as counter:
@@ -237,7 +243,8 @@ def profile_module(
             del outputs, loss
             recorder.end_structure()
 
-            for _ in range(repeats):
+            for index in range(repeats):
+                report(index + 1, repeats + 1, f"timed pass {index + 1} of {repeats}")
                 snapshot.reset()
                 recorder.start_timed()
                 recorder.sync()
@@ -250,6 +257,7 @@ def profile_module(
                 timing = recorder.timed_backward(loss) if loss is not None else None
                 del outputs, loss
                 passes.append(recorder.end_timed(forward, timing))
+            report(repeats + 1, repeats + 1, "profiled")
     finally:
         recorder.mode = _OFF
         for handle in handles:
@@ -432,14 +440,17 @@ def on_meta(module: nn.Module) -> Iterator[None]:
 
 
 def profile_without_memory(
-    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> ModelProfile:
     """The structure profile (calls, sizes, operation counts; no times) of a model created
     partly or wholly without memory, run on the meta device where its tensors are involved
     (:class:`_MixedOnMeta`)."""
     kwargs = dict(kwargs or {})
     with on_meta(module), _MixedOnMeta(_real_device((args, kwargs))):
-        return profile_module(module, args, kwargs, repeats=0)
+        return profile_module(module, args, kwargs, repeats=0, progress=progress)
 
 
 def outputs_without_memory(

@@ -120,6 +120,7 @@ class PipelineRuntime:
                 group.device,
                 group.timeout,
                 self._dispatcher.put,
+                recorder=self.executor.recorder,
             )
         parts = RankParts(group, self.transport, self.executor, modules, owners)
         self.caller = RemoteCaller(parts, options.defer, self.waits)

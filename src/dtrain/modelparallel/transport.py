@@ -73,6 +73,7 @@ from dtrain.modelparallel.errors import (
     ModelParallelError,
     RemoteError,
 )
+from dtrain.modelparallel.timeline import TimelineRecorder
 from dtrain.sealed import SEAL_BYTES, ForgedMessageError, Seals, job_key, pickled
 from dtrain.streams import SideStream
 
@@ -283,12 +284,15 @@ class Transport:
         on_messages: Callable[[list[tuple[Message, list[torch.Tensor]]]], None],
         first_send_bytes: int = FIRST_SEND_BYTES,
         key: bytes | None = None,
+        recorder: TimelineRecorder | None = None,
     ) -> None:
         """``message_group`` is a gloo group of the pipeline; ``device`` is where this rank
         computes (received GPU tensors land there); ``key`` seals the headers
         (:mod:`dtrain.sealed`; default: the job's), each stream as the next from this rank to
-        its peer, so that a stream replayed, reordered or sent elsewhere is refused."""
+        its peer, so that a stream replayed, reordered or sent elsewhere is refused;
+        ``recorder`` gets every stream sent and received as a ``SEND`` or ``RECV`` event."""
         self.rank = rank
+        self._recorder = recorder
         self.peers = [p for p in peers if p != rank]
         self.timeout = timeout
         self.last_activity = time.monotonic()
@@ -333,6 +337,7 @@ class Transport:
         self._send_now(dst, items)
 
     def _send_now(self, dst: int, items: list[tuple[Message, list[torch.Tensor]]]) -> None:
+        started = self._recorder.now() if self._recorder is not None else 0.0
         messages = [message for message, _ in items]
         distinct: list[tuple[torch.Tensor, TensorMeta]] = []
         slots: dict[int, int] = {}  # id of a tensor without gradient → its slot
@@ -391,6 +396,7 @@ class Transport:
                 self._finish(previous)
             works = [dist.isend(part, dst=dst, group=self._group, tag=tag) for part, tag in parts]
             self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _ in parts])
+        self._record("SEND", messages, started, dst, end, "to")
 
     def _finish(self, sent: _Sent) -> None:
         """Wait for a stream's sends; a failed or overdue one fails the transport (and raises)."""
@@ -458,6 +464,7 @@ class Transport:
         self, src: int, first: torch.Tensor, copies: SideStream
     ) -> list[tuple[Message, list[torch.Tensor]]]:
         dist.recv(first, src=src, group=self._group, tag=_TAG_HEADER)
+        arrived = self._recorder.now() if self._recorder is not None else 0.0
         lengths = first[: 2 * _LENGTH_BYTES].numpy().tobytes()
         header_end = 2 * _LENGTH_BYTES + int.from_bytes(lengths[:_LENGTH_BYTES], "little")
         data_bytes = int.from_bytes(lengths[_LENGTH_BYTES:], "little")
@@ -484,7 +491,20 @@ class Transport:
             copies.synchronize()  # before the buffer takes the next stream
         for tensor in on_gpu:
             copies.used_on_current(tensor)
+        self._record("RECV", messages, arrived, src, end, "from")
         return [(message, [distinct[meta.slot] for meta in message.meta]) for message in messages]
+
+    def _record(
+        self, kind: str, messages: list[Message], start: float, peer: int, nbytes: int, way: str
+    ) -> None:
+        """A stream sent or received, for the timeline: named after its first message."""
+        if self._recorder is None:
+            return
+        first = messages[0]
+        name = f"{first.kind} {first.module}".rstrip() + f" {way} rank {peer}"
+        if len(messages) > 1:
+            name += f" (+{len(messages) - 1} messages)"
+        self._recorder.add(kind, first.microbatch, start, name, peer, nbytes)
 
     def _whole(self, first: torch.Tensor, src: int, end: int) -> torch.Tensor:
         """A stream of ``end`` bytes: its ``first`` part and the rest, received now."""

@@ -1,0 +1,142 @@
+"""``dtrain rm`` and ``dtrain prune``: a job's folder and its records go when it is not wanted.
+
+A job folder only grows: every rank's log of every attempt and, under ``hosts/``, each simulated
+host's copy of the code and of its share of every channel, its model and its checkpoints.
+Removing a job deletes that folder and the job's rows in the store; what the job wrote elsewhere
+stays: the model archives under its output path, a ``--checkpoint-local-path`` folder, and the
+host folders of agents on other machines (``join://`` and ``ray://`` clusters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.jobs.folder import JobFolder
+from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore
+
+STOP_WAIT = 60.0
+"""Seconds ``rm --force`` waits for a job it stopped to end (ranks get 3 s, then the upload)."""
+_UNITS = {"s": 1, "m": 60, "h": 60 * 60, "d": 24 * 60 * 60, "w": 7 * 24 * 60 * 60}
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhdw])+")
+_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """``7d``, ``12h``, ``1d12h``, ``90m``, ``30s``, ``2w`` in seconds."""
+    if not _DURATION.fullmatch(text):
+        raise ConfigError(
+            flag, text, "a duration such as 7d, 12h, 1d12h, 30m or 45s (units s m h d w)"
+        )
+    return sum(float(count) * _UNITS[unit] for count, unit in _PART.findall(text))
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes of the files under ``folder``, links not followed."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # a job still writing
+                continue
+    return total
+
+
+def mebibytes(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def job_folder(record: JobRecord) -> Path:
+    """The job's folder, which must be ``$DTRAIN_HOME/jobs/<name>``: nothing else is removed."""
+    folder = JobFolder.for_job(record.name).root
+    if Path(record.folder) != folder:
+        raise DtrainError(
+            f"job {record.name}'s folder is recorded as {record.folder}, not {folder} "
+            "(was DTRAIN_HOME moved?); remove it by hand"
+        )
+    return folder
+
+
+def remove(store: JobStore, record: JobRecord) -> int:
+    """Delete a finished job's folder, then its records; the bytes freed."""
+    folder = job_folder(record)
+    _await_controller(record)
+    size = folder_size(folder)
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise DtrainError(f"could not remove job {record.name}'s folder: {error}") from None
+    store.delete(record.name)
+    return size
+
+
+def _await_controller(record: JobRecord) -> None:
+    """A job that just ended may still have its controller closing its agents, whose logs are in
+    its folder: wait for it to exit. Only then: a process id seen long after may be another's."""
+    pid = record.supervisor_pid
+    deadline = (record.end_time or 0.0) + STOP_WAIT
+    while pid is not None and time.time() < deadline and _running(pid):
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """The process runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRecord]:
+    """The jobs of ``names``, every one known and, without ``force``, finished; else an error
+    before anything is removed. With ``force``, running jobs are stopped and waited for."""
+    records = [store.get(name) for name in dict.fromkeys(names)]  # unknown: did you mean
+    running = [record for record in records if not record.is_terminal]
+    if running and not force:
+        listed = ", ".join(f"{r.name} ({r.status})" for r in running)
+        raise DtrainError(
+            f"not finished: {listed}; stop it first (dtrain stop NAME), or add --force, "
+            "which stops it"
+        )
+    for record in running:
+        if record.status == IN_PROGRESS:
+            with contextlib.suppress(DtrainError):  # it ended meanwhile
+                store.request_stop(record.name)
+    return [_ended(store, record.name) if not record.is_terminal else record for record in records]
+
+
+def _ended(store: JobStore, name: str) -> JobRecord:
+    deadline = time.monotonic() + STOP_WAIT
+    while True:
+        record = store.get(name)
+        if record.is_terminal:
+            return record
+        if time.monotonic() > deadline:
+            raise DtrainError(
+                f"job {name} is still {record.status} after {STOP_WAIT:g} s; "
+                "run dtrain rm again once it has stopped"
+            )
+        time.sleep(0.2)
+
+
+def prune(store: JobStore, older_than: float, dry_run: bool) -> Iterator[tuple[JobRecord, int]]:
+    """Each finished job that ended more than ``older_than`` seconds ago, oldest first, and the
+    bytes its removal freed (or, ``dry_run``, would free)."""
+    cutoff = time.time() - older_than
+    found = [
+        record
+        for record in store.list()
+        if record.is_terminal and (record.end_time or record.creation_time) <= cutoff
+    ]
+    for record in sorted(found, key=lambda record: record.end_time or record.creation_time):
+        yield record, folder_size(job_folder(record)) if dry_run else remove(store, record)

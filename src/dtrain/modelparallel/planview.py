@@ -1,0 +1,200 @@
+"""Plans people can look at: ``dtrain plan --png`` and the progress of its profiling.
+
+The drawing is made with matplotlib's Agg canvas (no display, no Graphviz): one row per
+partition, its predicted time (compute and traffic) or, for a plan made without times, its
+forward operations, beside its peak memory by kind (:mod:`.memory`), with the planner's reason
+for the cut underneath. :func:`figure_data` is what is drawn, kept apart so that it can be
+checked without looking at pixels.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from dtrain.modelparallel.memory import format_size
+from dtrain.modelparallel.partition import PartitionPlan, format_count, partition_colour
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations")
+"""The peak-memory columns of the text plan, in its order."""
+
+_MEMBERS_SHOWN = 4
+"""Modules named in a partition's label before the rest are counted instead."""
+
+
+@dataclass(frozen=True)
+class PartitionBar:
+    """What the drawing shows of one partition."""
+
+    partition: int
+    label: str
+    """The modules the planner placed there (its units), shortened."""
+    compute_ms: float
+    comm_ms: float
+    flops: int
+    memory: dict[str, int]
+    """Peak memory by kind (:data:`MEMORY_KINDS`) once the plan knows it, else the planner's
+    memory (``3 x parameters + buffers + activations``) as ``planner``."""
+
+
+@dataclass(frozen=True)
+class PlanFigure:
+    title: str
+    timed: bool
+    """The plan has predicted times (else its partitions are drawn by operations)."""
+    bars: list[PartitionBar]
+    why: str | None
+
+
+def figure_data(plan: PartitionPlan, title: str = "") -> PlanFigure:
+    """The numbers :func:`draw_plan` draws, straight from the plan."""
+    bars = []
+    for k, stage in enumerate(plan.stages):
+        placed = [
+            name or "(root)"
+            for name, entry in plan.modules.items()
+            if plan.owners[name] == k and entry.placement != "inherited"
+        ]
+        peak = stage.peak_memory
+        memory = (
+            {"planner": stage.memory_bytes}
+            if peak is None
+            else {
+                "params": peak.params,
+                "grads": peak.grads,
+                "optimizer": peak.master + peak.optimizer,
+                "buffers": peak.buffers,
+                "activations": peak.activations,
+            }
+        )
+        bars.append(
+            PartitionBar(
+                partition=k,
+                label=_members_label(placed),
+                compute_ms=stage.compute_time * 1e3,
+                comm_ms=stage.comm_time * 1e3,
+                flops=stage.flops,
+                memory=memory,
+            )
+        )
+    heading = title or f"partition plan: {plan.partitions} partitions"
+    return PlanFigure(heading, plan.profiled, bars, plan.why())
+
+
+def _members_label(names: list[str]) -> str:
+    if not names:
+        return "(empty)"
+    if len(names) <= _MEMBERS_SHOWN:
+        return ", ".join(names)
+    return f"{', '.join(names[:2])} ... {names[-1]} ({len(names)} units)"
+
+
+def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
+    """Write the plan as a PNG (or any format matplotlib infers from ``path``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    data = figure_data(plan, title)
+    rows = len(data.bars)
+    figure = Figure(figsize=(12, 1.6 + 0.7 * rows), layout="constrained")
+    FigureCanvasAgg(figure)  # headless: no display or pyplot global state needed
+    figure.suptitle(data.title)
+    work, memory = figure.subplots(1, 2, sharey=True)
+    ys = list(range(rows))
+    labels = [f"partition {bar.partition}\n{_wrapped(bar.label)}" for bar in data.bars]
+    colours = [partition_colour(bar.partition) for bar in data.bars]
+    if data.timed:
+        compute = [bar.compute_ms for bar in data.bars]
+        work.barh(ys, compute, color=colours, edgecolor="black", label="compute")
+        work.barh(
+            ys, [bar.comm_ms for bar in data.bars], left=compute, color="#bbbbbb", hatch="//",
+            edgecolor="black", label="traffic",
+        )  # fmt: skip
+        work.set_xlabel("predicted ms per microbatch (forward + backward)")
+        for y, bar in zip(ys, data.bars, strict=True):
+            total = bar.compute_ms + bar.comm_ms
+            work.annotate(
+                f" {total:.1f} ms, {format_count(bar.flops)} ops", (total, y), va="center",
+                fontsize=8,
+            )  # fmt: skip
+        _legend_above(work)
+    else:
+        flops = [bar.flops for bar in data.bars]
+        work.barh(ys, flops, color=colours, edgecolor="black")
+        work.set_xlabel("forward operations (no times: planned from operation counts)")
+        for y, value in zip(ys, flops, strict=True):
+            work.annotate(f" {format_count(value)}", (value, y), va="center", fontsize=8)
+    work.set_yticks(ys, labels, fontsize=8)
+    work.invert_yaxis()  # partition 0 on top
+    work.margins(x=0.25)
+    left = [0] * rows
+    kinds = list(data.bars[0].memory) if data.bars else []
+    for kind, colour in zip(kinds, _MEMORY_COLOURS, strict=False):
+        widths = [bar.memory[kind] / 2**20 for bar in data.bars]
+        memory.barh(ys, widths, left=left, color=colour, edgecolor="black", label=kind)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for y, bar in zip(ys, data.bars, strict=True):
+        total = sum(bar.memory.values())
+        memory.annotate(f" {format_size(total)}", (total / 2**20, y), va="center", fontsize=8)
+    peak = "peak memory in training" if kinds != ["planner"] else "planner memory"
+    memory.set_xlabel(f"{peak}, MiB")
+    _legend_above(memory)
+    memory.margins(x=0.25)
+    for ax in (work, memory):
+        ax.grid(True, axis="x", alpha=0.3)
+    if data.why:
+        figure.supxlabel(textwrap.fill(data.why, 160), fontsize=8, ha="left", x=0.01)
+    figure.savefig(path, dpi=100)
+
+
+_MEMORY_COLOURS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974")
+
+
+def _legend_above(ax: Any) -> None:
+    """A legend in one row over the axes, where it hides no bar or figure."""
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=5, fontsize=8, frameon=False)
+
+
+def _wrapped(text: str) -> str:
+    return textwrap.fill(text, 34)
+
+
+class StageProgress:
+    """What a long ``dtrain plan`` is doing, on one line of a terminal rewritten in place
+    (a bar over the profiling passes, the seconds so far); nothing when the stream is not a
+    terminal (a pipe, a log file), so that output stays clean."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.live = self.stream.isatty()
+        self._start = time.monotonic()
+        self._shown = False
+
+    def stage(self, what: str) -> None:
+        """A stage without passes: importing, creating the model, planning."""
+        self._show(f"{what} ...")
+
+    def passes(self, done: int, total: int, what: str) -> None:
+        """Profiling: ``done`` of ``total`` passes (the callback of ``profile_module``)."""
+        width = 20
+        filled = width * done // max(total, 1)
+        self._show(f"profiling [{'#' * filled}{'.' * (width - filled)}] {what}")
+
+    def done(self) -> None:
+        """Clear the line before the plan is printed."""
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+    def _show(self, text: str) -> None:
+        if not self.live:
+            return
+        elapsed = time.monotonic() - self._start
+        self.stream.write(f"\r\x1b[Kdtrain plan: {text} ({elapsed:.1f} s)")
+        self.stream.flush()
+        self._shown = True

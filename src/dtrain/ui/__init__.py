@@ -1,0 +1,1 @@
+"""``dtrain ui``: a read-only web view of the job store (jobs, logs, metrics, plans, files)."""
