@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dtrain.errors import ConfigError
 from dtrain.estimator import PyTorch, TensorBoardOutputConfig
 from dtrain.jobs.metrics import MetricSample
+from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.tensorboard import MetricEvents, local_path
 from tests.conftest import JOB_SCRIPTS, dtrain
 
@@ -158,6 +159,16 @@ def test_metric_events_keep_steps_and_wall_times(tmp_path: Path) -> None:
     assert found == [(1000.0, 0, 0.5), (1001.5, 1, 0.75)]
 
 
+def test_rerun_specs_keep_the_output_path_absolute(tmp_path: Path) -> None:
+    local = JobSpec("t.py", "tb", tensorboard_output_config={"S3OutputPath": "out/tb"})
+    assert local.with_absolute_paths().tensorboard_output_config == {
+        "S3OutputPath": str(Path("out/tb").resolve())
+    }
+    remote = {"S3OutputPath": "s3://bucket/tb", "LocalPath": "/opt/ml/tb"}
+    spec = JobSpec("t.py", "tb", tensorboard_output_config=remote)
+    assert spec.with_absolute_paths().tensorboard_output_config == remote
+
+
 def test_estimator_passes_the_sdk_config_on() -> None:
     config = TensorBoardOutputConfig("s3://bucket/tb", container_local_output_path="/opt/ml/tb")
     estimator = PyTorch("train.py", tensorboard_output_config=config)
@@ -166,3 +177,7 @@ def test_estimator_passes_the_sdk_config_on() -> None:
         "S3OutputPath": "s3://bucket/tb",
         "LocalPath": "/opt/ml/tb",
     }
+    as_dict = PyTorch("train.py", tensorboard_output_config={"S3OutputPath": "out/tb"})
+    assert as_dict._spec(None, "tb-dict").tensorboard_output_config == {"S3OutputPath": "out/tb"}
+    with pytest.raises(ConfigError, match="tensorboard_output_config"):
+        PyTorch("train.py", tensorboard_output_config="s3://bucket/tb")
