@@ -11,7 +11,8 @@ to ``S3OutputPath``. dtrain keeps both as TensorBoard runs in the job folder, so
     each host's ``LocalPath`` as its ranks left it, collected when the job ends.
 
 With ``S3OutputPath`` given, that folder is then copied to
-``<S3OutputPath>/<job>/tensorboard-output/``, where SageMaker puts a job's TensorBoard data.
+``<S3OutputPath>/<job>/tensorboard-output/``: a folder per job, so that jobs sharing an output
+path, as SageMaker users share a bucket, do not mix their runs.
 """
 
 from __future__ import annotations
