@@ -71,6 +71,8 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     assert info["ResourceConfig"] == {
         "InstanceType": "local_cpu", "InstanceCount": 2, "ProcessesPerHost": 2,
     }  # fmt: skip
+    assert info["OutputDataConfig"]["S3OutputPath"] == (dtrain_home / "output").as_uri()
+    assert info["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == str(data)
     start = datetime.fromisoformat(info["TrainingStartTime"])
     assert start <= datetime.fromisoformat(info["TrainingEndTime"])
 
@@ -218,6 +220,7 @@ def test_two_jobs_at_once_and_dtrain_stop(dtrain_home: Path) -> None:
         assert jobs.count("InProgress") == 2
         stopped = dtrain("stop", "first", home=dtrain_home)
         assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout == "Stopping first ...\nfirst: Stopped\n"  # it waited for the end
         assert first.wait(timeout=30) == 3
         assert describe(dtrain_home, "first")["TrainingJobStatus"] == "Stopped"
         assert describe(dtrain_home, "second")["TrainingJobStatus"] == "InProgress"

@@ -64,8 +64,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--channel",
         action="append",
         default=[],
-        metavar="NAME=URI",
-        help="input channel: local path, file:// or s3:// (repeatable)",
+        metavar="NAME=URI[,OPTION=VALUE]",
+        help="input channel: local path, file:// or s3:// (repeatable); options "
+        "distribution=ShardedByS3Key|FullyReplicated (each host gets its share of the files, or "
+        "all of them: the default) and content_type=TYPE",
     )
     run.add_argument("--source-dir", help="directory copied as the job's code (cwd of each rank)")
     run.add_argument("--job-name", help="default: <base-job-name>-<timestamp>")
@@ -129,7 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--follow", "-f", action="store_true", help="keep printing until the job ends"
     )
 
-    stop = commands.add_parser("stop", help="stop a running job")
+    stop = commands.add_parser("stop", help="stop a running job and wait until it has stopped")
     stop.add_argument("name")
 
     metrics = commands.add_parser("metrics", help="a job's metric time series")
@@ -302,6 +304,26 @@ def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int
     return EXIT_OK
 
 
+def _stop(name: str, poll_interval: float = 0.2) -> int:
+    """As ``docker stop`` does: ask, say so, and return once the job has ended (its ranks
+    stopped, what ``model/`` held uploaded), printing the status it ended in."""
+    import time
+
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    store.request_stop(name)
+    print(f"Stopping {name} ...", flush=True)
+    try:
+        while not (record := store.get(name)).is_terminal:
+            time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        print(f"dtrain: {name} is still stopping (see dtrain jobs)", file=sys.stderr)
+        return EXIT_STOPPED
+    print(f"{name}: {record.status}")
+    return EXIT_OK
+
+
 def _agent(args: argparse.Namespace) -> int:
     from dtrain.launch.agent import run_agent
     from dtrain.launch.netif import parse_endpoint
@@ -331,6 +353,8 @@ def _metrics(name: str, plot: str | None) -> int:
 
 
 def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
+    from dtrain.compat import shim_pythonpath_entry
+
     if path.suffix != ".py" or not path.is_file():
         raise ConfigError(flag, spec, f"FILE:FUNCTION naming an existing Python file ({path})")
     module_spec = importlib.util.spec_from_file_location(f"_dtrain_plan_{path.stem}", path)
@@ -339,6 +363,9 @@ def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
     sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
     folder = str(path.parent.resolve())
     sys.path.insert(0, folder)  # so the file can import its neighbours
+    shim = shim_pythonpath_entry()
+    if shim is not None and shim not in sys.path:
+        sys.path.append(shim)  # `import smdistributed...` works as it does in a job; stays
     try:
         module_spec.loader.exec_module(module)
     finally:
@@ -545,11 +572,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "agent":
             return _agent(args)
         if args.command == "stop":
-            from dtrain.jobs.store import JobStore
-
-            record = JobStore().request_stop(args.name)
-            print(f"{record.name}: {record.status}")
-            return EXIT_OK
+            return _stop(args.name)
         if args.command == "metrics":
             return _metrics(args.name, args.plot)
         if args.command == "plan":

@@ -158,8 +158,11 @@ class JobStore:
         supervisor_pid: int | None = None,
         model_artifacts: str | None = None,
     ) -> None:
-        """Change the given columns; a new secondary status is also recorded as a transition."""
+        """Change the given columns; a new secondary status is also recorded as a transition,
+        starting at ``end_time`` when that is given (a job's last transition ends with the job,
+        not before it starts)."""
         now = time.time()
+        transition_start = now if end_time is None else end_time
         columns: dict[str, Any] = {
             "status": status,
             "secondary_status": secondary_status,
@@ -177,7 +180,7 @@ class JobStore:
             if secondary_status is not None:
                 db.execute(
                     "INSERT INTO transitions VALUES (?, ?, ?, ?)",
-                    (name, secondary_status, now, message),
+                    (name, secondary_status, transition_start, message),
                 )
 
     def request_stop(self, name: str) -> JobRecord:

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from dtrain.config.distribution import DistributionPlan, resolve_distribution
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError, DtrainError, did_you_mean
 from dtrain.jobs.channels import validate_channels
 from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, create_private_file, dtrain_home
 from dtrain.jobs.limits import (
@@ -124,7 +124,11 @@ def _check_code(spec: JobSpec) -> None:
         entry = Path(spec.entry_point)
     if not entry.is_file():
         where = f" inside source_dir {spec.source_dir!r}" if spec.source_dir else ""
-        raise ConfigError("entry_point", spec.entry_point, f"an existing file{where}")
+        parent = entry.parent
+        near = [path.name for path in parent.iterdir() if path.is_file()] if parent.is_dir() else []
+        found = did_you_mean(entry.name, near)
+        suggestion = str(Path(spec.entry_point).with_name(found)) if found else None
+        raise ConfigError("entry_point", spec.entry_point, f"an existing file{where}", suggestion)
     folder, skip = _code_filter(spec)
     root = Path(os.path.realpath(folder))
     for path in files_under(folder, skip):
@@ -295,9 +299,12 @@ class JobRun:
         cluster = self.job.cluster
         listener = cluster.open(spec.instance_count)  # a bad address or cluster: no record yet
         secret = cluster.secret()
-        # Record the resolved layout, so `dtrain jobs` and `describe` show what actually ran.
+        # Record the resolved layout and output path, so `dtrain jobs` and `describe` show what
+        # actually ran.
         resolved = dataclasses.replace(
-            spec, processes_per_host=self.job.distribution.processes_per_host
+            spec,
+            processes_per_host=self.job.distribution.processes_per_host,
+            output_path=self.job.output_url,
         )
         self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
