@@ -123,13 +123,19 @@ def _build_parser() -> argparse.ArgumentParser:
     describe = commands.add_parser("describe", help="a job as DescribeTrainingJob JSON")
     describe.add_argument("name")
 
-    logs = commands.add_parser("logs", help="print a job's logs")
+    logs = commands.add_parser(
+        "logs", help="print a job's logs, every rank's interleaved in time, [host,rank] first"
+    )
     logs.add_argument("name")
-    logs.add_argument("--rank", type=int, help="only this rank")
+    logs.add_argument("--rank", type=int, help="only this (global) rank")
     logs.add_argument("--attempt", type=int, help="only this attempt (default: every attempt)")
     logs.add_argument(
         "--follow", "-f", action="store_true", help="keep printing until the job ends"
     )
+    logs.add_argument(
+        "--timestamps", "-t", action="store_true", help="each line after its UTC time"
+    )
+    logs.add_argument("--tail", "-n", type=int, metavar="N", help="only the last N lines")
 
     stop = commands.add_parser("stop", help="stop a running job and wait until it has stopped")
     stop.add_argument("name")
@@ -283,11 +289,14 @@ def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
     return EXIT_OK
 
 
-def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int:
+def _logs(args: argparse.Namespace) -> int:
     from dtrain.jobs.folder import JobFolder
     from dtrain.jobs.logs import labelled_logs, print_logs, rank_logs
     from dtrain.jobs.store import JobStore
 
+    name, rank, attempt = args.name, args.rank, args.attempt
+    if args.tail is not None and args.tail < 0:
+        raise ConfigError("--tail", args.tail, "an integer >= 0")
     store = JobStore()
     record = store.get(name)
     folder = JobFolder(Path(record.folder))
@@ -295,12 +304,19 @@ def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int
     def files() -> list[tuple[str, Path]]:
         return labelled_logs(folder.logs_dir, rank, attempt)
 
-    if (rank is not None or attempt is not None) and not follow and not files():
+    if (rank is not None or attempt is not None) and not args.follow and not files():
         found = rank_logs(folder.logs_dir)
         key, value = ("--rank", rank) if rank is not None else ("--attempt", attempt)
         available = ", ".join(f"attempt {a} rank {r}" for a, r, _ in found) or "none yet"
         raise ConfigError(key, value, f"a rank and attempt of job {name} (logs: {available})")
-    print_logs(files, sys.stdout, follow=follow, finished=lambda: store.get(name).is_terminal)
+    print_logs(
+        files,
+        sys.stdout,
+        follow=args.follow,
+        finished=lambda: store.get(name).is_terminal,
+        timestamps=args.timestamps,
+        tail=args.tail,
+    )
     return EXIT_OK
 
 
@@ -568,7 +584,7 @@ def _main(argv: list[str]) -> int:
             print(json.dumps(describe(JobStore(), args.name), indent=2))
             return EXIT_OK
         if args.command == "logs":
-            return _logs(args.name, args.rank, args.attempt, args.follow)
+            return _logs(args)
         if args.command == "agent":
             return _agent(args)
         if args.command == "stop":

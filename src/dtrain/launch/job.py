@@ -40,11 +40,13 @@ from dtrain.jobs.limits import (
     check_seconds,
     check_writable_folder,
 )
+from dtrain.jobs.logs import RankLogWriter, rank_label
 from dtrain.jobs.metrics import MetricExtractor, validate_metric_definitions
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import COMPLETED, FAILED, STOPPED, STOPPING, JobRecord, JobStore
 from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
 from dtrain.launch.clusters import AgentJob, Cluster, parse_cluster
+from dtrain.launch.console import Console
 from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import visible_gpus
@@ -259,13 +261,13 @@ class JobRun:
         salted = dataclasses.replace(job.spec, key_salt=secrets.token_hex(16))
         self.job = dataclasses.replace(job, spec=salted)
         self.store = store
-        self.console = console
+        self.console = Console(console) if console is not None else None
         self.name = job.spec.job_name
         self.folder = JobFolder.for_job(self.name)
         self.started = time.monotonic()
         self.extractor = MetricExtractor(validate_metric_definitions(job.spec.metric_definitions))
         self._console_lock = threading.Lock()
-        self._logs: dict[tuple[int, int], TextIO] = {}
+        self._logs = RankLogWriter(self.folder.logs_dir)
         self._signalled: str | None = None
         self._signals = 0
         self._journal: TextIO | None = None
@@ -283,8 +285,7 @@ class JobRun:
                 self._journal.write(f"{now} {message}\n")
                 self._journal.flush()
             if self.console is not None:
-                self.console.write(f"[dtrain {self.name} {stamp}] {message}\n")
-                self.console.flush()
+                self.console.write([f"[dtrain {self.name} {stamp}] {message}"])
 
     def transition(self, secondary: str, message: str, **columns: Any) -> None:
         self.store.update(self.name, secondary_status=secondary, message=message, **columns)
@@ -347,8 +348,7 @@ class JobRun:
             controller.close()
             cluster.close()
             self._restore_signal_handlers(previous)
-            for log in self._logs.values():
-                log.close()
+            self._logs.close()
             with self._console_lock:
                 self._journal.close()
                 self._journal = None
@@ -401,23 +401,20 @@ class JobRun:
 
         return check
 
-    def _on_output(self, host: str, attempt: int, rank: int, lines: list[str]) -> None:
+    def _on_output(
+        self, host: str, attempt: int, rank: int, lines: list[list[Any]], frame: str | None
+    ) -> None:
         """Rank output as it arrives (one reader thread per host): log, console, metrics."""
-        log = self._logs.get((attempt, rank))
-        if log is None:
-            path = self.folder.log_file(rank, attempt)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log = self._logs[attempt, rank] = path.open("a", encoding="utf-8")
-        text = "".join(line + "\n" for line in lines)
-        log.write(text)
-        log.flush()
+        self._logs.write(attempt, rank, [(when, line) for when, line in lines])
         if self.console is not None:
-            prefix = f"[{host},{rank}]: "
-            with self._console_lock:
-                self.console.write("".join(prefix + line + "\n" for line in lines))
-                self.console.flush()
+            label = rank_label(host, rank)
+            self.console.write(
+                (f"{label}: {line}" for _, line in lines),
+                owner=rank,
+                frame=f"{label}: {frame}" if frame is not None else None,
+            )
         if rank == 0:
-            samples = [sample for line in lines for sample in self.extractor.feed(line)]
+            samples = [sample for _, line in lines for sample in self.extractor.feed(line)]
             self.store.add_metrics(self.name, samples)
 
     def _plan(self, hosts: list[Host]) -> LaunchPlan:
@@ -467,6 +464,10 @@ class JobRun:
             if self._training_since is None:
                 self._training_since = time.monotonic()
             layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
+            self._logs.start_attempt(
+                number,
+                {rank: plan.host_names[plan.host_index(rank)] for rank in range(plan.world_size)},
+            )
             self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
             outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
             controller.close_store(number, plan.hosts[0].name)
