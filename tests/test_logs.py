@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.logs import RankLogWriter, labelled_logs, print_logs, stamp
 
 T = 1_764_000_000.0  # 2025-11-24T16:00:00Z
@@ -24,14 +25,15 @@ def printed(logs: Path, **options: object) -> list[str]:
 @pytest.fixture
 def logs(tmp_path: Path) -> Path:
     """Attempt 1 on two hosts (rank 2 silent) and a retry of rank 0."""
-    writer = RankLogWriter(tmp_path)
+    folder = JobFolder(tmp_path)
+    writer = RankLogWriter(folder)
     writer.start_attempt(1, {0: "algo-1", 1: "algo-1", 2: "algo-2"})
     writer.write(1, 1, [(T + 0.2, "one: second"), (T + 0.4, "one: fourth")])
     writer.write(1, 0, [(T + 0.1, "zero: first"), (T + 0.3, "zero: third")])
     writer.start_attempt(2, {0: "algo-1"})
     writer.write(2, 0, [(T + 5, "retried")])
     writer.close()
-    return tmp_path
+    return folder.logs_dir
 
 
 def test_every_rank_has_a_log_from_its_start(logs: Path) -> None:
@@ -79,7 +81,7 @@ def test_logs_from_before_the_timestamps_still_print(tmp_path: Path) -> None:
 def test_following_prints_a_line_once_it_has_settled(logs: Path) -> None:
     """While the job runs, a line younger than the settling time waits (a line of another
     host read at the same moment may still be on its way); the last pass prints the rest."""
-    writer = RankLogWriter(logs)
+    writer = RankLogWriter(JobFolder(logs.parent))
     writer.write(1, 2, [(T + 0.25, "two: late but early")])
     writer.write(2, 0, [(9e9, "from the future")])
     writer.close()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from dtrain.jobs.folder import JobFolder
+
 RANKS_FILE = "ranks.json"
 SETTLE_SECONDS = 0.5
 """While following, a line is printed once this old: a line of another host read at the same time
@@ -91,16 +93,13 @@ def labelled_logs(
 class RankLogWriter:
     """The controller's side: opens every rank's log when its attempt starts, appends lines."""
 
-    def __init__(self, logs_dir: Path) -> None:
-        self.logs_dir = logs_dir
+    def __init__(self, folder: JobFolder) -> None:
+        self.folder = folder
         self._files: dict[tuple[int, int], TextIO] = {}
-
-    def _path(self, attempt: int, rank: int) -> Path:
-        return self.logs_dir / f"attempt-{attempt}" / f"rank{rank}.log"
 
     def start_attempt(self, attempt: int, hosts: Mapping[int, str]) -> None:
         """Every rank's (empty) log and the hosts of the ranks, before any rank starts."""
-        folder = self.logs_dir / f"attempt-{attempt}"
+        folder = self.folder.attempt_logs_dir(attempt)
         folder.mkdir(parents=True, exist_ok=True)
         folder.joinpath(RANKS_FILE).write_text(json.dumps({str(r): h for r, h in hosts.items()}))
         for rank in hosts:
@@ -109,7 +108,7 @@ class RankLogWriter:
     def _open(self, attempt: int, rank: int) -> TextIO:
         log = self._files.get((attempt, rank))
         if log is None:
-            path = self._path(attempt, rank)
+            path = self.folder.log_file(rank, attempt)
             path.parent.mkdir(parents=True, exist_ok=True)
             log = self._files[attempt, rank] = path.open("a", encoding="utf-8")
         return log

@@ -267,7 +267,7 @@ class JobRun:
         self.started = time.monotonic()
         self.extractor = MetricExtractor(validate_metric_definitions(job.spec.metric_definitions))
         self._console_lock = threading.Lock()
-        self._logs = RankLogWriter(self.folder.logs_dir)
+        self._logs = RankLogWriter(self.folder)
         self._signalled: str | None = None
         self._signals = 0
         self._journal: TextIO | None = None
