@@ -169,7 +169,8 @@ def test_an_impostor_controller_is_found_out_before_the_agent_tells_anything(
 def test_an_agent_of_another_version_is_told_to_install_the_same() -> None:
     controller, agent = tcp_pair()
     controller.send("challenge", nonce="0" * 32, version=1)
-    with pytest.raises(AuthenticationError, match="speaks protocol 1, this dtrain 2: install"):
+    mismatch = f"speaks protocol 1, this dtrain {PROTOCOL_VERSION}: install"
+    with pytest.raises(AuthenticationError, match=mismatch):
         join_controller(agent, SECRET, facts())
 
 

@@ -46,7 +46,8 @@ from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: rank output carries each line's time and the progress line being drawn."""
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
