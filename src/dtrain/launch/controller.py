@@ -14,6 +14,7 @@ import socket
 import tarfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from dtrain.errors import DtrainError
 from dtrain.launch.clusters.base import Cluster
@@ -37,14 +38,15 @@ class JobStopped(DtrainError):
 
 
 class Controller:
-    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines)``."""
+    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines,
+    frame)`` gets ``[time, line]`` pairs and the rank's progress line being drawn."""
 
     def __init__(
         self,
         listener: socket.socket,
         secret: bytes,
         cluster: Cluster,
-        on_output: Callable[[str, int, int, list[str]], None],
+        on_output: Callable[[str, int, int, list[list[Any]], str | None], None],
         say: Callable[[str], None],
         should_stop: Callable[[], tuple[str, str] | None],
     ) -> None:
