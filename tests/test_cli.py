@@ -96,3 +96,26 @@ def test_the_command_line_is_tidy(tmp_path: Path) -> None:
     assert "tidy" not in dtrain("jobs", "--status", "Completed", home=home).stdout
     wrong = dtrain("jobs", "--status", "Complete", home=home)
     assert wrong.returncode == 2 and "did you mean 'Completed'" in wrong.stderr
+
+
+def test_channel_help_names_the_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "distribution=ShardedByS3Key|FullyReplicated" in help_text
+
+
+def test_readme_run_example_shards_like_make_demo() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme[readme.index("dtrain run train.py") :].split("\n\n", 1)[0]
+    assert "--channel training=out/demo-data,distribution=ShardedByS3Key" in example
+
+
+def test_a_misspelled_entry_point_gets_a_suggestion(
+    capsys: pytest.CaptureFixture[str], dtrain_home: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "train.py").write_text("")
+    assert main(["run", "trian.py", "--source-dir", str(tmp_path)]) == 2
+    assert "(did you mean 'train.py'?)" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "nowhere" / "trian.py")]) == 2
+    assert "entry_point" in capsys.readouterr().err

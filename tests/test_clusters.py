@@ -393,5 +393,5 @@ def test_a_retry_after_a_killed_rank_ends_as_an_uninterrupted_run(
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5)  # type: ignore[index]
     first = dtrain("logs", "retried-joined", "--attempt", "1", home=cluster.home).stdout
     second = dtrain("logs", "retried-joined", "--attempt", "2", home=cluster.home).stdout
-    assert "resumed" not in first and "[rank 0]: resumed after step 1" in second
+    assert "resumed" not in first and "[algo-1,0]: resumed after step 1" in second
     assert processes_of_job("retried-joined") == []

@@ -136,7 +136,8 @@ def test_a_chatty_job_loses_no_line_and_no_metric(
         home=dtrain_home, timeout=60,
     )  # fmt: skip
     assert result.returncode == (1 if fails else 0), result.stderr
-    log = (dtrain_home / "jobs/chatty/logs/attempt-1/rank0.log").read_text().splitlines()
+    stamped = (dtrain_home / "jobs/chatty/logs/attempt-1/rank0.log").read_text().splitlines()
+    log = [line.split(" ", 1)[1] for line in stamped]
     assert log[:20001] == [f"step={i} loss={1.0 / (i + 1):.6f}" for i in range(20000)] + [
         "last line"
     ]

@@ -71,6 +71,8 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
     assert info["ResourceConfig"] == {
         "InstanceType": "local_cpu", "InstanceCount": 2, "ProcessesPerHost": 2,
     }  # fmt: skip
+    assert info["OutputDataConfig"]["S3OutputPath"] == (dtrain_home / "output").as_uri()
+    assert info["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == str(data)
     start = datetime.fromisoformat(info["TrainingStartTime"])
     assert start <= datetime.fromisoformat(info["TrainingEndTime"])
 
@@ -136,6 +138,11 @@ def test_good_job_two_hosts_two_processes(dtrain_home: Path, tmp_path: Path) -> 
 
     logs = dtrain("logs", "good", "--rank", "2", home=dtrain_home)
     assert logs.returncode == 0 and "step=0 loss=102.0000" in logs.stdout
+    interleaved = dtrain("logs", "good", "--timestamps", home=dtrain_home).stdout.splitlines()
+    stamps = [line.split(" ", 1)[0] for line in interleaved]
+    assert stamps == sorted(stamps)  # every rank's lines, in time order
+    labels = {line.split(" ", 2)[1] for line in interleaved}
+    assert labels == {"[algo-1,0]:", "[algo-1,1]:", "[algo-2,2]:", "[algo-2,3]:"}
     jobs = dtrain("jobs", home=dtrain_home)
     assert "good" in jobs.stdout and "Completed" in jobs.stdout
     plot = tmp_path / "metrics.png"
@@ -218,6 +225,7 @@ def test_two_jobs_at_once_and_dtrain_stop(dtrain_home: Path) -> None:
         assert jobs.count("InProgress") == 2
         stopped = dtrain("stop", "first", home=dtrain_home)
         assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout == "Stopping first ...\nfirst: Stopped\n"  # it waited for the end
         assert first.wait(timeout=30) == 3
         assert describe(dtrain_home, "first")["TrainingJobStatus"] == "Stopped"
         assert describe(dtrain_home, "second")["TrainingJobStatus"] == "InProgress"
@@ -292,7 +300,7 @@ def test_logs_follow_until_the_job_ends(dtrain_home: Path) -> None:
         _wait_for_training(dtrain_home, "followed")
         follow = dtrain("logs", "followed", "--follow", home=dtrain_home, timeout=60)
         assert follow.returncode == 0
-        assert follow.stdout.startswith("[rank 0]: started")
+        assert follow.stdout.startswith("[algo-1,0]: started")
         assert job.wait(timeout=30) == 3
         final = dtrain("logs", "followed", "--rank", "0", home=dtrain_home).stdout
         assert final.count("\n") == follow.stdout.count("\n")

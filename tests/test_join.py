@@ -233,5 +233,5 @@ def test_a_lost_host_is_replaced_for_the_retry(dtrain_home: Path, tmp_path: Path
     assert info["Hosts"][0]["AgentPid"] == first[0]["AgentPid"]  # the survivor stayed
     assert info["Hosts"][1]["AgentPid"] != first[1]["AgentPid"]
     logs = dtrain("logs", "replaced", "--attempt", "2", home=dtrain_home).stdout
-    assert "[rank 1]: attempt 2 on algo-2" in logs
+    assert "[algo-2,1]: attempt 2 on algo-2" in logs
     assert processes_of_job("replaced") == []

@@ -24,10 +24,22 @@ from dtrain.ui.app import TOKEN_COOKIE, create_app
 TOKEN = "t" * 32
 TRACE = {
     "traceEvents": [
+        # as the pipeline writes it: a process per rank, a row (thread) per kind of work
+        {"name": "F0", "cat": "F", "ph": "X", "pid": 1, "tid": 0, "ts": 600.0, "dur": 400.0},
+        {"name": "send", "cat": "SEND", "ph": "X", "pid": 0, "tid": 1, "ts": 500.0, "dur": 9.0},
         {"name": "F0", "cat": "F", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 500.0},
-        {"name": "F0", "cat": "F", "ph": "X", "pid": 0, "tid": 1, "ts": 600.0, "dur": 400.0},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "rank 1"}},
+        *(
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": name}}
+            for rank, name in ((0, "rank 0"), (1, "rank 1"))
+        ),
+        {"name": "process_sort_index", "ph": "M", "pid": 1, "args": {"sort_index": 1}},
+        {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
+        *(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+            for rank in (0, 1)
+            for tid, name in ((0, "compute"), (1, "send"))
+        ),
+        {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": 1, "args": {"sort_index": 101}},
     ],
     "displayTimeUnit": "ms",
 }
@@ -174,8 +186,9 @@ def test_plans_and_timelines_found_and_read(client: FlaskClient) -> None:
     assert kinds["plan-text"]["text"] == "\n".join(PLAN_TABLE)
     trace = client.get(f"/api/jobs/done/view?path={kinds['trace']['path']}").get_json()
     assert [(e["row"], e["name"], e["dur"]) for e in trace["events"]] == [
-        ("rank 0", "F0", 500.0),
-        ("rank 1", "F0", 400.0),
+        ("rank 0 compute", "F0", 500.0),
+        ("rank 0 send", "send", 9.0),
+        ("rank 1 compute", "F0", 400.0),
     ]
     plan = client.get(f"/api/jobs/done/view?path={kinds['plan']['path']}").get_json()
     assert plan["plan"]["partitions"] == 1

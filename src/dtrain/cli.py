@@ -101,8 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--channel",
         action="append",
         default=[],
-        metavar="NAME=URI",
-        help="input channel: local path, file:// or s3:// (repeatable)",
+        metavar="NAME=URI[,OPTION=VALUE]",
+        help="input channel: local path, file:// or s3:// (repeatable); options "
+        "distribution=ShardedByS3Key|FullyReplicated (each host gets its share of the files, or "
+        "all of them: the default) and content_type=TYPE",
     )
     run.add_argument("--source-dir", help="directory copied as the job's code (cwd of each rank)")
     run.add_argument("--job-name", help="default: <base-job-name>-<timestamp>")
@@ -172,15 +174,21 @@ def _build_parser() -> argparse.ArgumentParser:
     describe = commands.add_parser("describe", help="a job as DescribeTrainingJob JSON")
     describe.add_argument("name")
 
-    logs = commands.add_parser("logs", help="print a job's logs")
+    logs = commands.add_parser(
+        "logs", help="print a job's logs, every rank's interleaved in time, [host,rank] first"
+    )
     logs.add_argument("name")
-    logs.add_argument("--rank", type=int, help="only this rank")
+    logs.add_argument("--rank", type=int, help="only this (global) rank")
     logs.add_argument("--attempt", type=int, help="only this attempt (default: every attempt)")
     logs.add_argument(
         "--follow", "-f", action="store_true", help="keep printing until the job ends"
     )
+    logs.add_argument(
+        "--timestamps", "-t", action="store_true", help="each line after its UTC time"
+    )
+    logs.add_argument("--tail", "-n", type=int, metavar="N", help="only the last N lines")
 
-    stop = commands.add_parser("stop", help="stop a running job")
+    stop = commands.add_parser("stop", help="stop a running job and wait until it has stopped")
     stop.add_argument("name")
 
     rerun = commands.add_parser("rerun", help="run a job's spec again, under a new name")
@@ -487,11 +495,14 @@ def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
     return EXIT_OK
 
 
-def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int:
+def _logs(args: argparse.Namespace) -> int:
     from dtrain.jobs.folder import JobFolder
     from dtrain.jobs.logs import labelled_logs, print_logs, rank_logs
     from dtrain.jobs.store import JobStore
 
+    name, rank, attempt = args.name, args.rank, args.attempt
+    if args.tail is not None and args.tail < 0:
+        raise ConfigError("--tail", args.tail, "an integer >= 0")
     store = JobStore()
     record = store.get(name)
     folder = JobFolder(Path(record.folder))
@@ -499,12 +510,39 @@ def _logs(name: str, rank: int | None, attempt: int | None, follow: bool) -> int
     def files() -> list[tuple[str, Path]]:
         return labelled_logs(folder.logs_dir, rank, attempt)
 
-    if (rank is not None or attempt is not None) and not follow and not files():
+    if (rank is not None or attempt is not None) and not args.follow and not files():
         found = rank_logs(folder.logs_dir)
         key, value = ("--rank", rank) if rank is not None else ("--attempt", attempt)
         available = ", ".join(f"attempt {a} rank {r}" for a, r, _ in found) or "none yet"
         raise ConfigError(key, value, f"a rank and attempt of job {name} (logs: {available})")
-    print_logs(files, sys.stdout, follow=follow, finished=lambda: store.get(name).is_terminal)
+    print_logs(
+        files,
+        sys.stdout,
+        follow=args.follow,
+        finished=lambda: store.get(name).is_terminal,
+        timestamps=args.timestamps,
+        tail=args.tail,
+    )
+    return EXIT_OK
+
+
+def _stop(name: str, poll_interval: float = 0.2) -> int:
+    """As ``docker stop`` does: ask, say so, and return once the job has ended (its ranks
+    stopped, what ``model/`` held uploaded), printing the status it ended in."""
+    import time
+
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    store.request_stop(name)
+    print(f"Stopping {name} ...", flush=True)
+    try:
+        while not (record := store.get(name)).is_terminal:
+            time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        print(f"dtrain: {name} is still stopping (see dtrain jobs)", file=sys.stderr)
+        return EXIT_STOPPED
+    print(f"{name}: {record.status}")
     return EXIT_OK
 
 
@@ -537,6 +575,8 @@ def _metrics(name: str, plot: str | None, form: str | None) -> int:
 
 
 def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
+    from dtrain.compat import shim_pythonpath_entry
+
     if path.suffix != ".py" or not path.is_file():
         raise ConfigError(flag, spec, f"FILE:FUNCTION naming an existing Python file ({path})")
     module_spec = importlib.util.spec_from_file_location(f"_dtrain_plan_{path.stem}", path)
@@ -545,6 +585,9 @@ def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
     sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
     folder = str(path.parent.resolve())
     sys.path.insert(0, folder)  # so the file can import its neighbours
+    shim = shim_pythonpath_entry()
+    if shim is not None and shim not in sys.path:
+        sys.path.append(shim)  # `import smdistributed...` works as it does in a job; stays
     try:
         module_spec.loader.exec_module(module)
     finally:
@@ -778,15 +821,11 @@ def _main(argv: list[str]) -> int:
             print(json.dumps(describe(JobStore(), args.name), indent=2))
             return EXIT_OK
         if args.command == "logs":
-            return _logs(args.name, args.rank, args.attempt, args.follow)
+            return _logs(args)
         if args.command == "agent":
             return _agent(args)
         if args.command == "stop":
-            from dtrain.jobs.store import JobStore
-
-            record = JobStore().request_stop(args.name)
-            print(f"{record.name}: {record.status}")
-            return EXIT_OK
+            return _stop(args.name)
         if args.command == "metrics":
             return _metrics(args.name, args.plot, args.format)
         if args.command == "plan":

@@ -82,7 +82,8 @@ def controller(tmp_path: Path) -> tuple[Controller, list[tuple[str, int, list[st
     output: list[tuple[str, int, list[str]]] = []
     said: list[str] = []
     started = Controller(
-        listener, SECRET, NoEngine(), lambda h, a, r, lines: output.append((h, r, lines)),
+        listener, SECRET, NoEngine(),
+        lambda h, a, r, lines, frame: output.append((h, r, [line for _, line in lines])),
         said.append, lambda: None,
     )  # fmt: skip
     yield started, output
@@ -124,7 +125,9 @@ def test_the_first_failure_stops_the_other_host_and_names_the_root_cause(
 
     def failing(agent: FakeAgent, message: Message) -> None:
         if message.kind == "start":
-            agent.connection.send("output", attempt=1, rank=0, lines=["step 0", "Traceback"])
+            agent.connection.send(
+                "output", attempt=1, rank=0, lines=[[0, "step 0"], [0, "Traceback"]], frame=None
+            )
             agent.exited(1, 0, 1, "Traceback (most recent call last):\nValueError: boom")
             agent.connection.send("done", attempt=1)
 

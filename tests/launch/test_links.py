@@ -165,11 +165,17 @@ def test_failed_accepts_are_retried(door: Callable[..., Door]) -> None:
     ("report", "expected"),
     [
         (
-            {"kind": "output", "attempt": "/../../x", "rank": 0, "lines": ["written anywhere"]},
+            {
+                "kind": "output",
+                "attempt": "/../../x",
+                "rank": 0,
+                "lines": [[0, "anywhere"]],
+                "frame": None,
+            },
             "'output' with attempt = '/../../x'; allowed: an integer >= 0",
         ),
         (
-            {"kind": "output", "attempt": 1, "rank": 7, "lines": ["another host's"]},
+            {"kind": "output", "attempt": 1, "rank": 7, "lines": [[0, "another's"]], "frame": None},
             "'output' for rank 7 of attempt 1, which this host does not run",
         ),
         (

@@ -41,13 +41,13 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_messages_keep_fields_and_payload_in_order() -> None:
     controller, agent = admitted_pair()
-    agent.send("output", attempt=1, rank=3, lines=["a", "ü"])
+    agent.send("output", attempt=1, rank=3, lines=[[1.5, "a"], [2, "ü"]], frame=None)
     agent.send("chunk", b"\x00" * 100_000, stream="model")
     first, second = controller.receive(), controller.receive()
     assert (first.kind, first["rank"], first["lines"], first.payload) == (
         "output",
         3,
-        ["a", "ü"],
+        [[1.5, "a"], [2, "ü"]],
         b"",
     )
     assert (second.kind, second["stream"], len(second.payload)) == ("chunk", "model", 100_000)
@@ -83,7 +83,8 @@ HELLO = {"kind": "hello", "version": PROTOCOL_VERSION, "nonce": "0" * 32, "proof
         ({"kind": "hello"}, "hello' with version = nothing"),
         ({**HELLO, "version": "2"}, "version = '2'; allowed: an integer"),
         ({"kind": "\x1b[31mred"}, r"unknown kind '\\x1b\[31mred'"),
-        ({"kind": "output", "attempt": 1, "rank": 0, "lines": []}, "'output' where 'hello'"),
+        ({"kind": "output", "attempt": 1, "rank": 0, "lines": [], "frame": None},
+         "'output' where 'hello'"),
     ],
 )  # fmt: skip
 def test_garbage_in_the_handshake_is_refused_cleanly(frame: dict | bytes, expected: str) -> None:

@@ -141,6 +141,25 @@ def _mark(module: nn.Module, setup: Setup) -> None:
         set_activation_checkpointing(module.get_submodule(name), **dict(kwargs))
 
 
+def _train_steps(model: smp.DistributedModel, device: str) -> list[float]:
+    """``STEPS`` SGD steps of ``model`` on the batches, moved to ``device``; the losses."""
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = (t.to(device) for t in _batch(step))
+        losses.append(float(train_step(model, x, y).reduce_mean()))
+        optimizer.step()
+    return losses
+
+
 def _train_setups(setups: list[Setup]) -> list[Trained | None]:
     """On every rank of pp=2: train each setup in turn; pp rank 0 returns ``Trained``."""
     dist.init_process_group("gloo")
@@ -156,19 +175,7 @@ def _train_setups(setups: list[Setup]) -> list[Trained | None]:
         model = smp.DistributedModel(module)
         if setup.marks_after_wrapping:
             _mark(module, setup)
-        optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-        @smp.step
-        def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-            loss = F.mse_loss(model(x), y)
-            model.backward(loss)
-            return loss
-
-        losses = []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            losses.append(float(train_step(model, *_batch(step)).reduce_mean()))
-            optimizer.step()
+        losses = _train_steps(model, "cpu")
         params = model.state_dict()
         plan = model.partition_plan()
         owned = {
@@ -469,20 +476,7 @@ def _offloading(offload: bool) -> dict[str, Any]:
     for name in ("first", "seq", "second"):
         set_activation_checkpointing(module.get_submodule(name))
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x, y = (t.cuda() for t in _batch(step))
-        losses.append(float(train_step(model, x, y).reduce_mean()))
-        optimizer.step()
+    losses = _train_steps(model, "cuda")
     trained = Trained(losses, {k: v.cpu() for k, v in model.state_dict().items()})
     smp.shutdown()
     return {"trained": trained, "offloaded": offloaded}

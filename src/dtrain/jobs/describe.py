@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 from typing import Any
 
+from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.metrics import final_metric_data_list
-from dtrain.jobs.spec import JobSpec
+from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
 
 
@@ -15,6 +17,31 @@ def _iso(timestamp: float | None) -> str | None:
     if timestamp is None:
         return None
     return datetime.datetime.fromtimestamp(timestamp, tz=datetime.timezone.utc).isoformat()
+
+
+def _input_channel(channel: ChannelSpec) -> dict[str, Any]:
+    """SageMaker's ``Channel`` shape; the URI may also be a local path or ``file://`` URL."""
+    return {
+        "ChannelName": channel.name,
+        "DataSource": {
+            "S3DataSource": {
+                "S3DataType": "S3Prefix",
+                "S3Uri": channel.uri,
+                "S3DataDistributionType": channel.distribution,
+            }
+        },
+        "ContentType": channel.content_type,
+        "InputMode": channel.input_mode,
+    }
+
+
+def _default_checkpoints(record: JobRecord, spec: JobSpec) -> str:
+    """Where the hosts kept checkpoints when no ``checkpoint_local_path`` was given: each its
+    own ``checkpoints`` folder (``algo-*`` stands for every host of a multi-host job)."""
+    folder = JobFolder(Path(record.folder))
+    if spec.instance_count == 1:
+        return str(folder.host(0).checkpoints_dir)
+    return str(folder.root / "hosts" / "algo-*" / "checkpoints")
 
 
 def describe(store: JobStore, name: str) -> dict[str, Any]:
@@ -62,15 +89,11 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
             for host in store.hosts(name)
         ],
         "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
-        "InputDataConfig": [
-            {
-                "ChannelName": c.name,
-                "DataSource": {"Uri": c.uri, "S3DataDistributionType": c.distribution},
-            }
-            for c in spec.channels
-        ],
+        "InputDataConfig": [_input_channel(channel) for channel in spec.channels],
         "OutputDataConfig": {"S3OutputPath": spec.output_path},
-        "CheckpointConfig": {"LocalPath": spec.checkpoint_local_path},
+        "CheckpointConfig": {
+            "LocalPath": spec.checkpoint_local_path or _default_checkpoints(record, spec)
+        },
         "Environment": spec.environment,
         "RetryStrategy": {"MaximumRetryAttempts": spec.max_retry_attempts},
         "CreationTime": _iso(record.creation_time),

@@ -132,24 +132,38 @@ def join(
 
 
 class _Outbox:
-    """Output lines of every rank, waiting for the main loop to send them in batches."""
+    """Output of every rank, waiting for the main loop to send it in batches: lines with the time
+    each was read, and each rank's progress line being drawn, when it changed."""
 
     def __init__(self) -> None:
-        self._lines: list[tuple[int, str]] = []
+        self._lines: list[tuple[int, float, str]] = []
+        self._frames: dict[int, str | None] = {}
+        self._sent_frames: dict[int, str | None] = {}
         self._room = threading.Condition()
 
     def put(self, rank: int, line: str) -> None:
+        now = time.time()
         with self._room:
             self._room.wait_for(lambda: len(self._lines) < OUTBOX_LIMIT)
-            self._lines.append((rank, line))
+            self._lines.append((rank, now, line))
 
-    def take(self) -> dict[int, list[str]]:
+    def frame(self, rank: int, frame: str | None) -> None:
+        with self._room:
+            self._frames[rank] = frame
+
+    def take(self) -> dict[int, tuple[list[tuple[float, str]], str | None]]:
+        """Per rank with news: its ``[time, line]`` pairs and its progress line."""
         with self._room:
             lines, self._lines = self._lines, []
+            frames = dict(self._frames)
             self._room.notify_all()
-        batches: dict[int, list[str]] = {}
-        for rank, line in lines:
-            batches.setdefault(rank, []).append(line)
+        batches: dict[int, tuple[list[tuple[float, str]], str | None]] = {}
+        for rank, when, line in lines:
+            batches.setdefault(rank, ([], frames.get(rank)))[0].append((when, line))
+        for rank, frame in frames.items():
+            if frame != self._sent_frames.get(rank):
+                batches.setdefault(rank, ([], frame))
+        self._sent_frames = frames
         return batches
 
 
@@ -406,7 +420,9 @@ class Agent:
             # A wrapper script's `python` must be the job's interpreter, not whichever is first.
             env["PATH"] = os.pathsep.join(filter(None, (INTERPRETER_DIR, env.get("PATH"))))
             launches.append(RankLaunch(int(rank), argv, env, self.folder.code_dir))
-        ranks = LocalRanks(launches, self.outbox.put, spare=[self.keeper])
+        ranks = LocalRanks(
+            launches, self.outbox.put, spare=[self.keeper], on_frame=self.outbox.frame
+        )
         try:
             ranks.start()
         except OSError as error:
@@ -415,8 +431,10 @@ class Agent:
         self.ranks = ranks
 
     def _send_output(self) -> None:
-        for rank, lines in self.outbox.take().items():
-            self.connection.send("output", attempt=self.attempt, rank=rank, lines=lines)
+        for rank, (lines, frame) in self.outbox.take().items():
+            self.connection.send(
+                "output", attempt=self.attempt, rank=rank, lines=lines, frame=frame
+            )
 
     def _report_exits(self) -> None:
         if self.ranks is None:

@@ -15,6 +15,7 @@ import tarfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from dtrain.errors import DtrainError
 from dtrain.launch.clusters.base import Cluster
@@ -38,7 +39,8 @@ class JobStopped(DtrainError):
 
 
 class Controller:
-    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines)``;
+    """Listens on ``listener`` for the job's agents; ``on_output(host, attempt, rank, lines,
+    frame)`` gets ``[time, line]`` pairs and the rank's progress line being drawn;
     ``on_copied(host, channel, done, total, final)``, if given, hears the hosts' channel copies
     (:func:`~dtrain.jobs.channels.materialize_channel`; total 0: not known)."""
 
@@ -47,7 +49,7 @@ class Controller:
         listener: socket.socket,
         secret: bytes,
         cluster: Cluster,
-        on_output: Callable[[str, int, int, list[str]], None],
+        on_output: Callable[[str, int, int, list[list[Any]], str | None], None],
         say: Callable[[str], None],
         should_stop: Callable[[], tuple[str, str] | None],
         on_copied: Callable[[str, str, int, int, bool], None] | None = None,

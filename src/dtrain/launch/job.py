@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from dtrain.config.distribution import DistributionPlan, resolve_distribution
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError, DtrainError, did_you_mean
 from dtrain.jobs.channels import validate_channels
 from dtrain.jobs.folder import JOB_NAME_PATTERN, JobFolder, create_private_file, dtrain_home
 from dtrain.jobs.limits import (
@@ -42,6 +42,7 @@ from dtrain.jobs.limits import (
     check_writable_folder,
 )
 from dtrain.jobs.live import RATE_WINDOW, latest
+from dtrain.jobs.logs import RankLogWriter, rank_label
 from dtrain.jobs.metrics import MetricExtractor, MetricSample, validate_metric_definitions
 from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import JobSpec
@@ -54,6 +55,7 @@ from dtrain.jobs.tensorboard import (
 )
 from dtrain.launch.artifacts import resolve_output_path, upload_artifacts
 from dtrain.launch.clusters import AgentJob, Cluster, parse_cluster
+from dtrain.launch.console import Console
 from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import Host, LaunchPlan
 from dtrain.launch.machine import visible_gpus
@@ -139,7 +141,11 @@ def _check_code(spec: JobSpec) -> None:
         entry = Path(spec.entry_point)
     if not entry.is_file():
         where = f" inside source_dir {spec.source_dir!r}" if spec.source_dir else ""
-        raise ConfigError("entry_point", spec.entry_point, f"an existing file{where}")
+        parent = entry.parent
+        near = [path.name for path in parent.iterdir() if path.is_file()] if parent.is_dir() else []
+        found = did_you_mean(entry.name, near)
+        suggestion = str(Path(spec.entry_point).with_name(found)) if found else None
+        raise ConfigError("entry_point", spec.entry_point, f"an existing file{where}", suggestion)
     folder, skip = _code_filter(spec)
     root = Path(os.path.realpath(folder))
     for path in files_under(folder, skip):
@@ -302,7 +308,9 @@ class JobRun:
         salted = dataclasses.replace(job.spec.with_absolute_paths(), key_salt=secrets.token_hex(16))
         self.job = dataclasses.replace(job, spec=salted)
         self.store = store
-        self.console = console
+        self.console = Console(console) if console is not None else None
+        self.terminal = console if is_terminal(console) else None
+        """The console's stream where a person watches it: progress bars and status lines."""
         self.on_folder = on_folder
         self.name = job.spec.job_name
         self.folder = JobFolder.for_job(self.name)
@@ -314,7 +322,7 @@ class JobRun:
         self._secondary = "Starting"
         self._copy_bars: dict[tuple[str, str], Any] = {}  # (host, channel): its tqdm bar
         self._console_lock = threading.Lock()
-        self._logs: dict[tuple[int, int], TextIO] = {}
+        self._logs = RankLogWriter(self.folder)
         self._signalled: str | None = None
         self._signals = 0
         self._journal: TextIO | None = None
@@ -335,8 +343,7 @@ class JobRun:
                 self._journal.write(f"{now} {message}\n")
                 self._journal.flush()
             if self.console is not None:
-                self.console.write(f"[dtrain {self.name} {stamp}] {message}\n")
-                self.console.flush()
+                self.console.write([f"[dtrain {self.name} {stamp}] {message}"])
 
     def transition(self, secondary: str, message: str, **columns: Any) -> None:
         self.store.update(self.name, secondary_status=secondary, message=message, **columns)
@@ -350,11 +357,9 @@ class JobRun:
             return
         with self._recent_lock:
             now = latest([sample for samples in self._recent.values() for sample in samples])
-        with self._console_lock:
-            self.console.write(
-                f"[dtrain {self.name} {self._stamp()}] Training: {now or 'no metric yet'}\n"
-            )
-            self.console.flush()
+        self.console.write(
+            [f"[dtrain {self.name} {self._stamp()}] Training: {now or 'no metric yet'}"]
+        )
 
     def run(self) -> JobRecord:
         spec = self.job.spec
@@ -365,9 +370,12 @@ class JobRun:
         cluster = self.job.cluster
         listener = cluster.open(spec.instance_count)  # a bad address or cluster: no record yet
         secret = cluster.secret()
-        # Record the resolved layout, so `dtrain jobs` and `describe` show what actually ran.
+        # Record the resolved layout and output path, so `dtrain jobs` and `describe` show what
+        # actually ran.
         resolved = dataclasses.replace(
-            spec, processes_per_host=self.job.distribution.processes_per_host
+            spec,
+            processes_per_host=self.job.distribution.processes_per_host,
+            output_path=self.job.output_url,
         )
         self.store.create(self.name, resolved.to_json(), self.folder.root)
         self.store.update(self.name, supervisor_pid=os.getpid(), start_time=time.time())
@@ -383,9 +391,9 @@ class JobRun:
             self._on_output,
             self.say,
             self._should_stop,
-            self._on_copied if is_terminal(self.console) else None,
+            self._on_copied if self.terminal else None,
         )
-        ticker = Ticker(self.console, self.STATUS_EVERY, self._say_status)
+        ticker = Ticker(self.terminal, self.STATUS_EVERY, self._say_status)
         ticker.start()
         try:
             create_private_file(self.folder.spec_file)
@@ -423,8 +431,7 @@ class JobRun:
             controller.close()
             cluster.close()
             self._restore_signal_handlers(previous)
-            for log in self._logs.values():
-                log.close()
+            self._logs.close()
             self.metric_events.close()
             with self._console_lock:
                 self._journal.close()
@@ -478,23 +485,20 @@ class JobRun:
 
         return check
 
-    def _on_output(self, host: str, attempt: int, rank: int, lines: list[str]) -> None:
+    def _on_output(
+        self, host: str, attempt: int, rank: int, lines: list[list[Any]], frame: str | None
+    ) -> None:
         """Rank output as it arrives (one reader thread per host): log, console, metrics."""
-        log = self._logs.get((attempt, rank))
-        if log is None:
-            path = self.folder.log_file(rank, attempt)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log = self._logs[attempt, rank] = path.open("a", encoding="utf-8")
-        text = "".join(line + "\n" for line in lines)
-        log.write(text)
-        log.flush()
+        self._logs.write(attempt, rank, [(when, line) for when, line in lines])
         if self.console is not None:
-            prefix = f"[{host},{rank}]: "
-            with self._console_lock:
-                self.console.write("".join(prefix + line + "\n" for line in lines))
-                self.console.flush()
+            label = rank_label(host, rank)
+            self.console.write(
+                (f"{label}: {line}" for _, line in lines),
+                owner=rank,
+                frame=f"{label}: {frame}" if frame is not None else None,
+            )
         if rank == 0:
-            samples = [sample for line in lines for sample in self.extractor.feed(line)]
+            samples = [sample for _, line in lines for sample in self.extractor.feed(line)]
             self.store.add_metrics(self.name, samples)
             self.metric_events.add(samples)
             with self._recent_lock:
@@ -508,7 +512,7 @@ class JobRun:
         bar = self._copy_bars.get(key)
         if bar is None:
             description = f"{host} {shown(channel, 64)}"
-            bar = self._copy_bars[key] = byte_bar(description, total or None, self.console)
+            bar = self._copy_bars[key] = byte_bar(description, total or None, self.terminal)
         if final:
             bar.total = done
         bar.update(done - bar.n)
@@ -563,6 +567,10 @@ class JobRun:
             if self._training_since is None:
                 self._training_since = time.monotonic()
             layout = f"{len(plan.hosts)} host(s) x {plan.processes_per_host} process(es)"
+            self._logs.start_attempt(
+                number,
+                {rank: plan.host_names[plan.host_index(rank)] for rank in range(plan.world_size)},
+            )
             self.transition("Training", f"Training on {layout}, attempt {number} of {attempts}")
             outcome = controller.run_attempt(Attempt(number, tuple(plan.host_names)), plan, port)
             controller.close_store(number, plan.hosts[0].name)
@@ -587,7 +595,7 @@ class JobRun:
                 self.name,
                 self.job.output_url,
                 lambda stream, target: controller.collect(stream, plan.host_names, target, check),
-                self.console,
+                self.terminal,
             )
         self._end(
             outcome.status,

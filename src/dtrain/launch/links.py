@@ -115,13 +115,14 @@ class _Notices:
 
 
 class Links:
-    """The agents admitted on ``listener``; ``on_output(host, attempt, rank, lines)``."""
+    """The agents admitted on ``listener``; ``on_output(host, attempt, rank, lines, frame)``
+    (``[time, line]`` pairs and the rank's progress line being drawn)."""
 
     def __init__(
         self,
         listener: socket.socket,
         secret: bytes,
-        on_output: Callable[[str, int, int, list[str]], None],
+        on_output: Callable[[str, int, int, list[list[Any]], str | None], None],
         say: Callable[[str], None],
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_handshakes: int = MAX_HANDSHAKES,
@@ -200,7 +201,13 @@ class Links:
                     self._check_report(link, message)
                 if message.kind == "output":
                     assert link.name is not None  # only named hosts are started
-                    self.on_output(link.name, message["attempt"], message["rank"], message["lines"])
+                    self.on_output(
+                        link.name,
+                        message["attempt"],
+                        message["rank"],
+                        message["lines"],
+                        message["frame"],
+                    )
                 elif message.kind in ("chunk", "end"):
                     stream = link.streams.get(message["stream"])
                     if stream is None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.launch.lines import live_frame, settle, split_lines
 from dtrain.launch.outcome import TRACEBACK_HEAD, error_tail
 from dtrain.launch.processes import die_with_parent, kill_tree
 
@@ -65,10 +66,12 @@ class _Rank:
 
 
 class LocalRanks:
-    """Starts the host's ranks and watches them; ``on_line(rank, line)`` gets every output line.
+    """Starts the host's ranks and watches them; ``on_line(rank, line)`` gets every output line
+    (a progress line once, as it ended: :func:`settle`), ``on_frame(rank, frame)`` the progress
+    line being drawn after each read (``None``: none).
 
     ``start`` and ``stop`` belong to one thread that outlives the ranks (their parent-death
-    signal follows that thread); ``on_line`` is called from one reader thread per rank.
+    signal follows that thread); the callbacks are called from one reader thread per rank.
     """
 
     def __init__(
@@ -77,9 +80,11 @@ class LocalRanks:
         on_line: Callable[[int, str], None],
         grace: float = 3.0,
         spare: Sequence[int] = (),
+        on_frame: Callable[[int, str | None], None] = lambda rank, frame: None,
     ) -> None:
         self.launches = list(launches)
         self.on_line = on_line
+        self.on_frame = on_frame
         self.grace = grace
         self.spare = list(spare)  # children of this process that are not the ranks' (the keeper)
         self._ranks: list[_Rank] = []
@@ -115,14 +120,16 @@ class LocalRanks:
             rank.waiting = False
             if not chunk:
                 break
-            *lines, partial = (partial + chunk).split(b"\n")
+            lines, partial = split_lines(partial, chunk)
             for line in lines:
                 self._take(rank, line)
+            self.on_frame(rank.launch.rank, live_frame(partial))
         if partial:
             self._take(rank, partial)
+            self.on_frame(rank.launch.rank, None)
 
     def _take(self, rank: _Rank, raw: bytes) -> None:
-        line = raw.decode("utf-8", errors="replace")
+        line = settle(raw.decode("utf-8", errors="replace"))
         now = time.time()
         if line == TRACEBACK_HEAD:
             rank.traceback_time = now

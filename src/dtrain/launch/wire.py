@@ -47,6 +47,9 @@ from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
 
 PROTOCOL_VERSION = 4
+"""3: the start message names a module entry point (-m); rank output carries each line's time
+and the progress line being drawn. 4: hosts collect their TensorBoard events and report their
+channel copies."""
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -136,6 +139,20 @@ TEXTS = Check(
     "a list of strings",
     lambda value: isinstance(value, list) and all(isinstance(item, str) for item in value),
 )
+TIMED_TEXTS = Check(
+    "a list of [time, string] pairs",
+    lambda value: (
+        isinstance(value, list)
+        and all(
+            isinstance(item, list)
+            and len(item) == 2
+            and type(item[0]) in (int, float)
+            and isinstance(item[1], str)
+            for item in value
+        )
+    ),
+)
+TEXT_OR_NULL = Check("a string or null", lambda value: value is None or isinstance(value, str))
 TEXT_MAP = Check("an object of strings", _is_text_map)
 NONCE = Check(f"{2 * NONCE_BYTES} hex digits", _matches(f"[0-9a-f]{{{2 * NONCE_BYTES}}}"))
 PROOF = Check("64 hex digits", _matches("[0-9a-f]{64}"))
@@ -225,7 +242,7 @@ FROM_AGENT: Protocol = {
     "copied": {"channel": TEXT, "done": COUNT, "total": COUNT, "final": FLAG},
     "prepared": {},
     "store": {"attempt": COUNT, "port": PORT},
-    "output": {"attempt": COUNT, "rank": COUNT, "lines": TEXTS},
+    "output": {"attempt": COUNT, "rank": COUNT, "lines": TIMED_TEXTS, "frame": TEXT_OR_NULL},
     "exited": {
         "attempt": COUNT,
         "rank": COUNT,

@@ -446,6 +446,17 @@ def swap_in(tensor: Tensor, value: Tensor) -> None:
     torch.utils.swap_tensors(tensor, value)
 
 
+def empty_in_place(tensor: Tensor, device: torch.device) -> None:
+    """Make ``tensor`` (eager or created without memory) an empty tensor on ``device``,
+    keeping the Python object, its dtype and its kind: another rank's share, as every rank's
+    model holds it."""
+    empty = torch.empty(0, dtype=tensor.dtype, device=device)
+    if tensor.is_meta:  # .data cannot leave meta
+        swap_in(tensor, empty)
+    else:
+        tensor.data = empty
+
+
 def sync_random_states(
     recordings: list[Recording], exchange: Callable[[list[Tensor]], list[Tensor]]
 ) -> None:

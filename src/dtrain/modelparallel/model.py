@@ -389,12 +389,10 @@ class DistributedModel(nn.Module):
         with torch.no_grad():
             deferred.materialize(mine, st.device)
             for tensor in self._all_tensors():
-                if tensor.is_meta:  # created without memory, another rank's: as eager ones
-                    deferred.swap_in(tensor, torch.empty(0, dtype=tensor.dtype, device=st.device))
-                elif id(tensor) in local:
+                if id(tensor) in local:
                     tensor.data = tensor.data.to(st.device)
                 else:  # another rank owns it: free the memory, keep the object
-                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=st.device)
+                    deferred.empty_in_place(tensor, st.device)
         self._cast_to_half()
         group = PipelineGroup(
             rank=st.rank,

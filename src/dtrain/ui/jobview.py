@@ -11,7 +11,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -265,30 +265,62 @@ def read_view(record: JobRecord, relative: str) -> dict[str, Any] | None:
 
 
 def _trace_slices(events: list[Any]) -> list[dict[str, Any]]:
-    """The complete events (``"ph": "X"``) of a Chrome trace, with their row's name."""
-    names = {
-        (event.get("pid"), event.get("tid")): str(event.get("args", {}).get("name", ""))
-        for event in events
-        if isinstance(event, dict) and event.get("ph") == "M" and event.get("name") == "thread_name"
-    }
-    slices = []
+    """The complete events (``"ph": "X"``) of a Chrome trace, each with its row's name (its
+    process's and thread's, as ``rank 0 send``), in the rows' order (their sort indices, as
+    Perfetto shows them)."""
+    metadata = [e for e in events if isinstance(e, dict) and e.get("ph") == "M"]
+
+    def table(kind: str, key: Callable[[dict[str, Any]], Any]) -> dict[Any, Any]:
+        """``kind`` metadata by ``key``: its name or sort index."""
+        field = "sort_index" if kind.endswith("sort_index") else "name"
+        return {key(e): e.get("args", {}).get(field) for e in metadata if e.get("name") == kind}
+
+    def thread(e: dict[str, Any]) -> tuple[Any, Any]:
+        return (e.get("pid"), e.get("tid"))
+
+    def process(e: dict[str, Any]) -> Any:
+        return e.get("pid")
+
+    processes = table("process_name", process)
+    threads = table("thread_name", thread)
+    process_order = table("process_sort_index", process)
+    thread_order = table("thread_sort_index", thread)
+    slices: list[tuple[tuple[float, float, str], dict[str, Any]]] = []
     for event in events:
         if not isinstance(event, dict) or event.get("ph") != "X":
             continue
         start, duration = event.get("ts"), event.get("dur")
         if not isinstance(start, int | float) or not isinstance(duration, int | float):
             continue
-        row = (event.get("pid"), event.get("tid"))
-        slices.append(
-            {
-                "name": str(event.get("name", "")),
-                "cat": str(event.get("cat", "")),
-                "row": names.get(row) or f"{row[0]}/{row[1]}",
-                "ts": start,
-                "dur": duration,
-            }
+        row = thread(event)
+        label = " ".join(str(n) for n in (processes.get(row[0]), threads.get(row)) if n)
+        order = (
+            _number(process_order.get(row[0]), row[0]),
+            _number(thread_order.get(row), row[1]),
+            str(row),
         )
-    return slices
+        slices.append(
+            (
+                order,
+                {
+                    "name": str(event.get("name", "")),
+                    "cat": str(event.get("cat", "")),
+                    "row": label or f"{row[0]}/{row[1]}",
+                    "ts": start,
+                    "dur": duration,
+                },
+            )
+        )
+    slices.sort(key=lambda pair: pair[0])
+    return [slice_ for _, slice_ in slices]
+
+
+def _number(value: Any, otherwise: Any) -> float:
+    """A row's sort index; without one, its id (as trace viewers order them), else last."""
+    for candidate in (value, otherwise):
+        if isinstance(candidate, int | float):
+            return float(candidate)
+    return float("inf")
 
 
 @dataclass(frozen=True)

@@ -240,10 +240,10 @@ const KINDS = { F: "forward", B: "backward", I: "input gradients", W: "weight gr
 
 function timelineSvg(events) {
   const NS = "http://www.w3.org/2000/svg";
-  const rows = [...new Set(events.map((e) => e.row))].sort();
+  const rows = [...new Set(events.map((e) => e.row))]; // in the order the server sorted them
   const start = Math.min(...events.map((e) => e.ts));
   const end = Math.max(...events.map((e) => e.ts + e.dur));
-  const width = 1100, label = 70, rowHeight = 26;
+  const width = 1100, label = 130, rowHeight = 26;
   const scale = (width - label - 10) / Math.max(end - start, 1);
   const cats = [...new Set(events.map((e) => e.cat))].sort();
   const svg = document.createElementNS(NS, "svg");
