@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -66,7 +67,7 @@ def _make_job(store: JobStore, home: Path, name: str, status: str | None) -> Job
         environment={"AWS_SECRET_ACCESS_KEY": "hunter2"},
     )
     store.create(name, spec.to_json(), folder.root)
-    store.update(name, secondary_status="Training", message="Training", start_time=100.0)
+    store.update(name, secondary_status="Training", message="Training", start_time=time.time())
     store.set_hosts(
         name,
         [
@@ -97,7 +98,7 @@ def _make_job(store: JobStore, home: Path, name: str, status: str | None) -> Job
     host.channel_dir("training").mkdir(parents=True)
     (host.channel_dir("training") / "data.csv").write_text("1,2\n")
     if status is not None:
-        store.update(name, status=status, secondary_status=status, end_time=110.0)
+        store.update(name, status=status, secondary_status=status, end_time=time.time())
     return folder
 
 
@@ -147,6 +148,25 @@ def test_job_page_and_detail(client: FlaskClient) -> None:
     assert files[-1] == "hosts/algo-1/code/train.py"  # what the job made comes first
     assert "spec.json" not in files
     assert not any("/input/data/" in path for path in files)
+
+
+def test_logs_as_the_ranks_wrote_them_on_the_hosts_ranks_json_names(
+    store: JobStore, dtrain_home: Path
+) -> None:
+    """Lines are stored after their times (``dtrain.jobs.logs``); the page shows them as the
+    rank wrote them, and each rank on the host the attempt's ``ranks.json`` names."""
+    folder = _make_job(store, dtrain_home, "stamped", "Completed")
+    attempt = folder.attempt_logs_dir(1)
+    (attempt / "ranks.json").write_text(json.dumps({"0": "algo-2", "1": "algo-1"}))
+    folder.log_file(1, 1).write_text(
+        "2026-11-25T19:09:32.123456Z epoch 1\n2026-11-25T19:09:33.000001Z 2026 was a year\n"
+    )
+    client = create_app(store).test_client()
+    log = client.get("/api/jobs/stamped/logs?rank=1&attempt=1").get_json()
+    assert log["text"] == "epoch 1\n2026 was a year\n"
+    detail = client.get("/api/jobs/stamped").get_json()
+    assert detail["host_ranks"] == {"algo-2": [0], "algo-1": [1]}
+    assert [(r["rank"], r["host"]) for r in detail["logs"]] == [(0, "algo-2"), (1, "algo-1")]
 
 
 def test_logs_tail_offsets_and_partial_lines(client: FlaskClient, dtrain_home: Path) -> None:

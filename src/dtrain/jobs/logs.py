@@ -28,13 +28,20 @@ RANKS_FILE = "ranks.json"
 SETTLE_SECONDS = 0.5
 """While following, a line is printed once this old: a line of another host read at the same time
 may still be on its way, and would otherwise come out of order."""
-_STAMPED = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z) (.*)", re.DOTALL)
+_STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"
+_STAMPED = re.compile(rf"({_STAMP}) (.*)", re.DOTALL)
+_STAMPS = re.compile(rf"^{_STAMP} ", re.MULTILINE)
 
 
 def stamp(when: float) -> str:
     """``when`` as the fixed-width UTC time that starts a log line."""
     moment = datetime.datetime.fromtimestamp(when, tz=datetime.timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def unstamped(text: str) -> str:
+    """Whole lines of a rank's log as the rank wrote them, without their times."""
+    return _STAMPS.sub("", text)
 
 
 def rank_label(host: str | None, rank: int) -> str:
@@ -61,7 +68,8 @@ def rank_logs(logs_dir: Path, attempt: int | None = None) -> list[tuple[int, int
     ]
 
 
-def _hosts(attempt_dir: Path) -> dict[int, str]:
+def rank_hosts(attempt_dir: Path) -> dict[int, str]:
+    """Each rank's host in an attempt (empty for a job from before ``ranks.json``)."""
     try:
         hosts = json.loads(attempt_dir.joinpath(RANKS_FILE).read_text())
         return {int(rank): host for rank, host in hosts.items()}
@@ -83,7 +91,7 @@ def labelled_logs(
         if rank is not None:
             label = f"[{retry}]" if retry else ""
         else:
-            host = hosts.setdefault(path.parent, _hosts(path.parent)).get(each)
+            host = hosts.setdefault(path.parent, rank_hosts(path.parent)).get(each)
             label = rank_label(host, each)
             label = f"{label[:-1]} {retry}]" if retry else label
         files.append((label, path))

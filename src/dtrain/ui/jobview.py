@@ -19,7 +19,7 @@ from typing import Any
 from dtrain.jobs.describe import describe
 from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.live import latest
-from dtrain.jobs.logs import rank_logs
+from dtrain.jobs.logs import rank_hosts, rank_logs, unstamped
 from dtrain.jobs.metrics import MetricSample
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
@@ -132,29 +132,33 @@ def jobs_table(store: JobStore) -> list[dict[str, Any]]:
 
 
 def _ranks(record: JobRecord, spec: JobSpec) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
-    """The rank logs, each with the host it ran on, and each host's ranks.
-
-    Ranks are laid out host by host, ``processes_per_host`` each; where that was left to the
-    hosts (one per GPU), the highest rank logged tells how many there were.
-    """
+    """The rank logs, each with the host it ran on, and each host's ranks: as each attempt's
+    ``ranks.json`` says, or for a job from before it, laid out host by host,
+    ``processes_per_host`` each (where that was left to the hosts, one per GPU, the highest
+    rank logged tells how many there were)."""
     found = rank_logs(JobFolder(Path(record.folder)).logs_dir)
     per_host = spec.processes_per_host
     world = max((rank for _, rank, _ in found), default=-1) + 1
     if per_host is None and world and world % spec.instance_count == 0:
         per_host = world // spec.instance_count
+    recorded = {path.parent: rank_hosts(path.parent) for _, _, path in found}
+
+    def host_of(rank: int, path: Path) -> str | None:
+        return recorded[path.parent].get(rank) or (
+            host_name(rank // per_host) if per_host else None
+        )
+
     logs = [
-        {
-            "attempt": attempt,
-            "rank": rank,
-            "host": host_name(rank // per_host) if per_host else None,
-        }
-        for attempt, rank, _ in found
+        {"attempt": attempt, "rank": rank, "host": host_of(rank, path)}
+        for attempt, rank, path in found
     ]
-    hosts = {
-        host_name(h): list(range(h * per_host, (h + 1) * per_host))
-        for h in range(spec.instance_count if per_host else 0)
-    }
-    return logs, hosts
+    hosts: dict[str, list[int]] = {}
+    last = max((attempt for attempt, _, _ in found), default=None)
+    for attempt, rank, path in found:
+        host = host_of(rank, path)
+        if attempt == last and host is not None:
+            hosts.setdefault(host, []).append(rank)
+    return logs, dict(sorted(hosts.items(), key=lambda item: item[1]))
 
 
 def job_detail(store: JobStore, name: str) -> dict[str, Any]:
@@ -362,4 +366,5 @@ def read_log(path: Path, offset: int | None, whole_lines: bool) -> LogChunk:
             data = handle.read(LOG_CHUNK_BYTES)
     if whole_lines and not data.endswith(b"\n") and len(data) < LOG_CHUNK_BYTES:
         data = data[: data.rfind(b"\n") + 1]
-    return LogChunk(data.decode("utf-8", errors="replace"), start + len(data), size)
+    text = unstamped(data.decode("utf-8", errors="replace"))
+    return LogChunk(text, start + len(data), size)
