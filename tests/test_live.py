@@ -6,6 +6,7 @@ No real terminal is needed: a stream that says it is one (``isatty``) stands for
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 import threading
 from pathlib import Path
@@ -137,14 +138,14 @@ def test_uploads_show_the_archives_bytes_on_a_terminal(tmp_path: Path) -> None:
 
 
 class _Watcher(Terminal):
-    """A terminal that creates ``marker`` once a status line with the loss has been shown."""
+    """A terminal that creates ``marker`` once a status line has shown the loss and its rate."""
 
     def __init__(self, marker: Path) -> None:
         super().__init__()
         self.marker = marker
 
     def write(self, text: str) -> int:
-        if "] Training: loss=" in text:
+        if re.search(r"\] Training: loss=\S+ \([0-9.]+ steps/s\)", text):
             self.marker.touch()
         return super().write(text)
 
@@ -171,7 +172,7 @@ def test_a_terminal_sees_the_latest_metric_while_a_job_trains(
     assert record.status == "Completed", record.failure_reason
     shown = console.getvalue()
     status = [line for line in shown.splitlines() if "] Training: loss=" in line]
-    assert status and "steps/s" in status[-1]
+    assert status and status[-1].endswith(" steps/s)")
     # The host's copy of its channel, and the uploads, on bars with their sizes.
     assert "algo-1 train: 100%" in shown and "3.00k/3.00k" in shown
     assert "model.tar.gz:" in shown
