@@ -81,9 +81,9 @@ class Recipe:
     """Step whose loss is multiplied by 1e30 (an fp16 overflow)."""
     delayed: bool = False
     """Created inside ``smp.delay_param_initialization()``: each rank makes its own share."""
-    sharded: bool = False
-    """No pipeline: the ``dp`` ranks shard the model (``sharded_data_parallel_degree``), which
-    clips to ``clip`` in ``optimizer.step()``."""
+    sdp: int = 1
+    """``sharded_data_parallel_degree``; above 1 there is no pipeline: the ``dp`` ranks shard
+    the model in groups of ``sdp``, and ``optimizer.step()`` clips to ``clip``."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -148,14 +148,14 @@ def reference(recipe: Recipe) -> dict[str, Any]:
 
 def _init(recipe: Recipe, pp: int = 2) -> None:
     config: dict[str, Any] = {
-        "pipeline_parallel_degree": 1 if recipe.sharded else pp,
+        "pipeline_parallel_degree": 1 if recipe.sdp > 1 else pp,
         "microbatches": recipe.microbatches,
         "auto_partition": False,
         "default_partition": 0,
         "ddp": recipe.dp > 1,
     }
-    if recipe.sharded:
-        config["sharded_data_parallel_degree"] = recipe.dp
+    if recipe.sdp > 1:
+        config["sharded_data_parallel_degree"] = recipe.sdp
         config["sdp_param_persistence_threshold"] = 1000  # several units in the "lm" case
         config["sdp_gradient_clipping"] = recipe.clip or 0.0
     if recipe.dtype != "fp32":
@@ -168,7 +168,7 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
     case = CASES[recipe.case]
     with smp.delay_param_initialization(recipe.delayed):
         module = case.build()
-    for name in () if recipe.sharded else case.split:
+    for name in () if recipe.sdp > 1 else case.split:
         smp.set_partition(module.get_submodule(name), 1)
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(
@@ -187,7 +187,7 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         optimizer.zero_grad()
         batch = _rows(case.batch(index), smp.dp_rank(), smp.dp_size())
         loss = float(train_step(model, batch, index).reduce_mean())
-        if recipe.clip is not None and not recipe.sharded:
+        if recipe.clip is not None and recipe.sdp == 1:
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
         return loss
@@ -293,7 +293,7 @@ def test_clip_master_grads_with_bf16() -> None:
 
 
 def _train_sharded(recipe: Recipe) -> dict[str, Any]:
-    """The recipe sharded over its ``dp`` ranks: the losses, the whole model's state, the
+    """The recipe on its ``dp`` ranks, sharded: the losses, the whole model's state, the
     tensors the optimizer steps, and the dtypes seen inside forward (a linear layer's input and
     weight, once FSDP2 has gathered it) and leaving the model."""
     _init(recipe)
@@ -340,12 +340,17 @@ def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
 
 
 def test_bf16_sharded_trains_like_one_process_with_fp32_shards_as_masters() -> None:
-    recipe = Recipe("lm", "bf16", dp=2, clip=0.5, sharded=True)
+    recipe = Recipe("lm", "bf16", dp=2, clip=0.5, sdp=2)
     _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
 
 
+def test_bf16_hybrid_sharding_reduces_across_groups_in_fp32() -> None:
+    recipe = Recipe("lm", "bf16", steps=2, dp=4, sdp=2)  # shard groups [0, 1] and [2, 3]
+    _check_sharded(run_ranks(4, _train_sharded, recipe, timeout=120.0), recipe)
+
+
 def test_bf16_sharded_hugging_face_gpt2_created_without_memory() -> None:
-    recipe = Recipe("gpt2", "bf16", steps=2, dp=2, sharded=True, delayed=True)
+    recipe = Recipe("gpt2", "bf16", steps=2, dp=2, sdp=2, delayed=True)
     _check_sharded(run_ranks(2, _train_sharded, recipe, env=HF_ENV), recipe)
 
 
@@ -368,6 +373,7 @@ class _Shifted(nn.Module):
 def _sharded_bit16() -> dict[str, Any]:
     smp.init({"ddp": True, "bf16": True, "sharded_data_parallel_degree": 2})
     module = _Shifted()
+    module.linear.to(torch.bfloat16)  # created half: its masters are fp32 all the same
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
@@ -393,7 +399,8 @@ def _sharded_bit16() -> dict[str, Any]:
 
 def test_bf16_sharded_keeps_bit16_semantics() -> None:
     # Floating buffers bf16, floating inputs enter in bf16, outputs leave in fp32; the
-    # parameters are fp32 shards; sdp clips in optimizer.step(), not clip_master_grads.
+    # parameters are fp32 shards, even those created in bf16; sdp clips in optimizer.step(),
+    # not clip_master_grads.
     for got in run_ranks(2, _sharded_bit16):
         assert got["seen"] == [(torch.bfloat16,) * 3]
         assert got["out"] == {"out": torch.float32, "loss": torch.float32}
