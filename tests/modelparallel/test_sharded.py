@@ -6,7 +6,8 @@ random weights), gradient clipping at ``sdp_gradient_clipping`` active in every 
 reference clips with ``torch.nn.utils.clip_grad_norm_``). Losses agree to a relative 1e-5 and
 parameters to 1e-5. The layouts of a case run one after another in one world, a layout again
 after ``smp.shutdown`` too (an equal mesh must not pick up the destroyed groups of the first
-from torch's DTensor caches).
+from torch's DTensor caches). Checkpoints resume exactly, in fp32 and in bf16 (whose training
+against one process is tested in ``test_half_precision.py``).
 """
 
 from __future__ import annotations
@@ -260,8 +261,8 @@ def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float]
     return straight, resumed
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "full"])
 def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: bool) -> None:
     args = (str(tmp_path), partial, bf16)
     for straight, resumed in run_ranks(2, save_and_resume, *args, timeout=120):
