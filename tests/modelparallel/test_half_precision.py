@@ -81,6 +81,9 @@ class Recipe:
     """Step whose loss is multiplied by 1e30 (an fp16 overflow)."""
     delayed: bool = False
     """Created inside ``smp.delay_param_initialization()``: each rank makes its own share."""
+    sdp: int = 1
+    """``sharded_data_parallel_degree``; above 1 there is no pipeline: the ``dp`` ranks shard
+    the model in groups of ``sdp``, and ``optimizer.step()`` clips to ``clip``."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -145,12 +148,16 @@ def reference(recipe: Recipe) -> dict[str, Any]:
 
 def _init(recipe: Recipe, pp: int = 2) -> None:
     config: dict[str, Any] = {
-        "pipeline_parallel_degree": pp,
+        "pipeline_parallel_degree": 1 if recipe.sdp > 1 else pp,
         "microbatches": recipe.microbatches,
         "auto_partition": False,
         "default_partition": 0,
         "ddp": recipe.dp > 1,
     }
+    if recipe.sdp > 1:
+        config["sharded_data_parallel_degree"] = recipe.sdp
+        config["sdp_param_persistence_threshold"] = 1000  # several units in the "lm" case
+        config["sdp_gradient_clipping"] = recipe.clip or 0.0
     if recipe.dtype != "fp32":
         config[recipe.dtype] = True
     smp.init(config)
@@ -161,7 +168,7 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
     case = CASES[recipe.case]
     with smp.delay_param_initialization(recipe.delayed):
         module = case.build()
-    for name in case.split:
+    for name in () if recipe.sdp > 1 else case.split:
         smp.set_partition(module.get_submodule(name), 1)
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(
@@ -180,7 +187,7 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         optimizer.zero_grad()
         batch = _rows(case.batch(index), smp.dp_rank(), smp.dp_size())
         loss = float(train_step(model, batch, index).reduce_mean())
-        if recipe.clip is not None:
+        if recipe.clip is not None and recipe.sdp == 1:
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
         return loss
@@ -280,6 +287,130 @@ def test_fp16_static_loss_scale_and_clipping() -> None:
 def test_clip_master_grads_with_bf16() -> None:
     recipe = Recipe("lm", "bf16", steps=2, clip=0.1)
     _check(run_ranks(2, _train, recipe), recipe)
+
+
+# --- sharded data parallelism: FSDP2's mixed precision ------------------------------------------
+
+
+def _train_sharded(recipe: Recipe) -> dict[str, Any]:
+    """The recipe on its ``dp`` ranks, sharded: the losses, the whole model's state, the
+    tensors the optimizer steps, and the dtypes seen inside forward (a linear layer's input and
+    weight, once FSDP2 has gathered it) and leaving the model."""
+    _init(recipe)
+    model, optimizer, step = _pipeline(recipe)
+    inside: set[tuple[str, ...]] = set()
+    leaving: set[str] = set()
+    linear = next(m for m in model.module.modules() if isinstance(m, nn.Linear))
+    linear.register_forward_pre_hook(
+        lambda m, args: inside.add((str(args[0].dtype), str(m.weight.dtype)))
+    )
+    model.module.register_forward_hook(
+        lambda m, args, out: leaving.update(str(out[key].dtype) for key in ("logits", "loss"))
+    )
+    losses = [step(index) for index in range(recipe.steps)]
+    result = {
+        "losses": losses,
+        "model": model.state_dict(),
+        "stepped": {
+            f"{type(p).__name__} {p.dtype}" for g in optimizer.param_groups for p in g["params"]
+        },
+        "inside": inside,
+        "leaving": leaving,
+        "saved": sorted(optimizer.state_dict()),
+    }
+    smp.shutdown()
+    return result
+
+
+def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
+    expected = reference(recipe)
+    ulp = torch.finfo(torch.bfloat16).eps
+    for rank, got in enumerate(results):
+        assert got["losses"] == pytest.approx([s[rank] for s in expected["losses"]], rel=2 * ulp)
+        # The optimizer steps fp32 shards (the masters); forward computes in bf16 and the
+        # model's outputs leave in fp32; no "fp16_states": there are no other masters.
+        assert got["stepped"] == {"DTensor torch.float32"}
+        assert got["inside"] == {("torch.bfloat16",) * 2}
+        assert got["leaving"] == {"torch.float32"}
+        assert got["saved"] == ["param_groups", "state"]
+        for name, value in expected["masters"].items():
+            param = got["model"][name]
+            assert param.dtype == torch.float32, name
+            torch.testing.assert_close(param, value, rtol=0, atol=TOLERANCE["bf16"], msg=name)
+
+
+def test_bf16_sharded_trains_like_one_process_with_fp32_shards_as_masters() -> None:
+    recipe = Recipe("lm", "bf16", dp=2, clip=0.5, sdp=2)
+    _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
+
+
+def test_bf16_hybrid_sharding_reduces_across_groups_in_fp32() -> None:
+    recipe = Recipe("lm", "bf16", steps=2, dp=4, sdp=2)  # shard groups [0, 1] and [2, 3]
+    _check_sharded(run_ranks(4, _train_sharded, recipe, timeout=120.0), recipe)
+
+
+def test_bf16_sharded_hugging_face_gpt2_created_without_memory() -> None:
+    recipe = Recipe("gpt2", "bf16", steps=2, dp=2, sdp=2, delayed=True)
+    _check_sharded(run_ranks(2, _train_sharded, recipe, env=HF_ENV), recipe)
+
+
+class _Shifted(nn.Module):
+    """A linear layer plus a floating buffer, called with a floating input; records the
+    dtypes its forward sees (input, weight, buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.ones(4))
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        self.seen.append((x.dtype, self.linear.weight.dtype, self.shift.dtype))
+        out = self.linear(x) + self.shift
+        return {"out": out, "loss": out.square().mean()}
+
+
+def _sharded_bit16() -> dict[str, Any]:
+    smp.init({"ddp": True, "bf16": True, "sharded_data_parallel_degree": 2})
+    module = _Shifted()
+    module.linear.to(torch.bfloat16)  # created half: its masters are fp32 all the same
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor) -> dict[str, Tensor]:
+        out = model(x)
+        model.backward(out["loss"])
+        return out
+
+    out = train_step(model, torch.ones(2, 4))
+    with pytest.raises(ModelParallelError) as raised:
+        optimizer.clip_master_grads(1.0)
+    result = {
+        "seen": module.seen,
+        "out": {k: v.outputs[0].dtype for k, v in out.items()},
+        "state": {k: v.dtype for k, v in model.state_dict().items()},
+        "params": {type(p).__name__ for p in model.parameters()},
+        "clip": str(raised.value),
+    }
+    smp.shutdown()
+    return result
+
+
+def test_bf16_sharded_keeps_bit16_semantics() -> None:
+    # Floating buffers bf16, floating inputs enter in bf16, outputs leave in fp32; the
+    # parameters are fp32 shards, even those created in bf16; sdp clips in optimizer.step(),
+    # not clip_master_grads.
+    for got in run_ranks(2, _sharded_bit16):
+        assert got["seen"] == [(torch.bfloat16,) * 3]
+        assert got["out"] == {"out": torch.float32, "loss": torch.float32}
+        assert got["state"] == {
+            "linear.weight": torch.float32,
+            "linear.bias": torch.float32,
+            "shift": torch.bfloat16,
+        }
+        assert got["params"] == {"DTensor"}
+        assert "sdp_gradient_clipping" in got["clip"]
 
 
 def _dynamic() -> list[tuple[bool, float]]:

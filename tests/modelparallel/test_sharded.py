@@ -6,7 +6,8 @@ random weights), gradient clipping at ``sdp_gradient_clipping`` active in every 
 reference clips with ``torch.nn.utils.clip_grad_norm_``). Losses agree to a relative 1e-5 and
 parameters to 1e-5. The layouts of a case run one after another in one world, a layout again
 after ``smp.shutdown`` too (an equal mesh must not pick up the destroyed groups of the first
-from torch's DTensor caches).
+from torch's DTensor caches). Checkpoints resume exactly, in fp32 and in bf16 (whose training
+against one process is tested in ``test_half_precision.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Run:
     clip: float = CLIP
     delayed: bool = False
     """Created inside ``smp.delay_param_initialization()``: made unit by unit when sharded."""
+    bf16: bool = False
+    """SMP's ``bf16``: computing in bfloat16 from the fp32 shards."""
 
 
 @dataclass
@@ -101,6 +104,7 @@ def init(run: Run) -> None:
             "sharded_data_parallel_degree": run.degree,
             "sdp_param_persistence_threshold": run.threshold,
             "sdp_gradient_clipping": run.clip,
+            "bf16": run.bf16,
         }
     )
 
@@ -228,12 +232,12 @@ def test_sdp_gradient_clipping_zero_turns_clipping_off() -> None:
     assert_equivalent(got, reference("lm", 2, float("inf")), str(run))
 
 
-def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float]]:
+def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float], list[float]]:
     """Train 4 steps, saving after 2; then a new model resumes from the save and trains the
     last 2 again. The losses of steps 3 and 4 both times (the first time also evaluated
     without gradients before step 3)."""
     dist.init_process_group("gloo")
-    run = Run("lm", 2, microbatches=2)
+    run = Run("lm", 2, microbatches=2, bf16=bf16)
     init(run)
     first = Trainer(run.case, build(run.case))
     hooked: list[smp.DistributedModel] = []
@@ -257,16 +261,23 @@ def save_and_resume(folder: str, partial: bool) -> tuple[list[float], list[float
     return straight, resumed
 
 
-@pytest.mark.parametrize("partial", [True, False])
-def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool) -> None:
-    for straight, resumed in run_ranks(2, save_and_resume, str(tmp_path), partial, timeout=120):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "full"])
+def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: bool) -> None:
+    args = (str(tmp_path), partial, bf16)
+    for straight, resumed in run_ranks(2, save_and_resume, *args, timeout=120):
         assert straight[0] == pytest.approx(straight[1], rel=1e-6)  # evaluated, then trained
         assert resumed == pytest.approx(straight[1:], rel=1e-6)
-    files = sorted(p.name for p in (tmp_path / "two_partial").iterdir()) if partial else []
-    if partial:  # each shard of the group in its own file
+    if partial:  # each shard of the group in its own file; in bf16 no fp16_states files
+        files = sorted(p.name for p in (tmp_path / "two_partial").iterdir())
         assert files == [
             "model_0_0_0.pt", "model_0_0_1.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt"
         ]  # fmt: skip
+        saved = torch.load(tmp_path / "two_partial" / "model_0_0_0.pt", weights_only=True)
+    else:
+        saved = torch.load(tmp_path / "two", weights_only=True)
+    # The parameters are saved as the fp32 values the optimizer steps (the masters).
+    assert {v.dtype for k, v in saved.items() if k != "_smp_is_partial"} == {torch.float32}
 
 
 @pytest.mark.parametrize(
@@ -290,10 +301,16 @@ def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: s
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
 
 
-def test_half_precision_is_not_sharded_yet() -> None:
-    params = {"ddp": True, "bf16": True, "sharded_data_parallel_degree": 2}
-    with pytest.raises(ConfigError, match="degree: got 2; allowed: 1 with bf16=true: dtrain"):
+@pytest.mark.parametrize("key", ["fp16", "fp16_params"])
+def test_fp16_is_refused_with_sharding_pointing_to_bf16(key: str) -> None:
+    params = {"ddp": True, key: True, "sharded_data_parallel_degree": 2}
+    with pytest.raises(ConfigError) as raised:
         validate_mp_parameters(params, world_size=4)
+    assert str(raised.value).startswith(
+        f"parameters.{key}: got True; allowed: false with sharded_data_parallel_degree=2: "
+        "fp16 needs loss scaling of the sharded gradients"
+    )
+    assert "use bf16=true" in str(raised.value)
 
 
 def train_pipelines(shard_optimizer_state: bool, steps: int) -> Trained:

@@ -380,16 +380,17 @@ def _check_requires(values: Mapping[str, Any], where: str) -> None:
 
 
 def _check_sharding(values: Mapping[str, Any], where: str) -> None:
-    """Half-precision parameters keep fp32 masters that dtrain's sharded data parallelism
-    does not shard yet: refused rather than run unsharded."""
-    half = [name for name in ("fp16", "bf16", "fp16_params") if values[name]]
+    """fp16 would need the loss scaled and a step with an overflowing sharded gradient skipped,
+    which dtrain's sharded data parallelism does not do: refused rather than run unscaled.
+    bf16 has fp32's range and needs no scaling."""
+    fp16 = next((name for name in ("fp16", "fp16_params") if values[name]), None)
     degree = values["sharded_data_parallel_degree"]
-    if half and degree != 1:
+    if fp16 is not None and degree != 1:
         raise ConfigError(
-            f"{where}.sharded_data_parallel_degree",
-            degree,
-            f"1 with {half[0]}=true: dtrain does not yet shard half-precision parameters' "
-            "fp32 masters (use torch.autocast in the step for mixed precision)",
+            f"{where}.{fp16}",
+            True,
+            f"false with sharded_data_parallel_degree={degree}: fp16 needs loss scaling of the "
+            "sharded gradients, which dtrain does not implement; use bf16=true",
         )
 
 

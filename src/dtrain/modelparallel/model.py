@@ -129,17 +129,19 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
             OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
         )
+        sharded = self._state.config["sharded_data_parallel_degree"] > 1
         dtype = half_dtype(self._state.config)
         self.half_precision = (
             None
-            if dtype is None
+            if dtype is None or sharded
             else HalfParameters(dtype, self._state.device, self._state.world_process_group)
         )
-        """``fp16``/``bf16``: the half model's fp32 masters and loss scale (:mod:`.precision`)."""
+        """``fp16``/``bf16`` with pipelines: the half model's fp32 masters and loss scale
+        (:mod:`.precision`). A sharded model's fp32 shards are its masters (:mod:`.sharded`)."""
         self.sharding: ShardedModel | None = None
         """With ``sharded_data_parallel_degree`` above 1 the module is sharded now, and its
-        steps, gradients and state dicts go through :mod:`.sharded`."""
-        if self._state.config["sharded_data_parallel_degree"] > 1:
+        steps, gradients, precision and state dicts go through :mod:`.sharded`."""
+        if sharded:
             # Imported here: FSDP2 and DTensor take seconds to import, for sharded models only.
             from dtrain.modelparallel.sharded import ShardedModel
 

@@ -8,12 +8,14 @@ partitioning it drops the parameters other ranks own, so their state is never al
 State dicts are keyed by parameter *name* (not position), so a full optimizer state saved with
 one partitioning loads into another, and partial states merge without renumbering.
 
-With ``fp16``/``bf16`` (:mod:`.precision`) the optimizer steps the parameters' fp32 masters: at
-the first ``step()`` its param groups switch from the model's half parameters to their masters,
-the state dicts hold the optimizer's state of the masters plus the masters themselves and the
-loss scale under ``"fp16_states"`` (SMP's ``local_fp16_state_dict``), and a step that overflowed
-on any rank is skipped by every rank. The loss-scale arguments apply to fp16 models only; with
-bf16 or fp32 SMP ignores them, and so does this.
+With ``fp16``/``bf16`` and pipelines (:mod:`.precision`) the optimizer steps the parameters'
+fp32 masters: at the first ``step()`` its param groups switch from the model's half parameters
+to their masters, the state dicts hold the optimizer's state of the masters plus the masters
+themselves and the loss scale under ``"fp16_states"`` (SMP's ``local_fp16_state_dict``), and a
+step that overflowed on any rank is skipped by every rank. The loss-scale arguments apply to
+fp16 models only; with bf16 or fp32 SMP ignores them, and so does this. A sharded bf16 model
+(:mod:`.sharded`) keeps no masters apart: its parameters are the fp32 shards the optimizer
+steps, so its state dicts have no ``"fp16_states"``.
 
 State loaded before the first step (``smp.resume_from_checkpoint`` usually runs then) is placed
 beside its parameter as the parameter is then, on the CPU; partitioning moves parameters to the
@@ -183,6 +185,12 @@ class _Adapter:
         returns that norm (-1 after an fp16 overflow: the step will be skipped). Every rank
         calls it, after the step function."""
         self.prune()
+        if self.model.sharding is not None:
+            raise ModelParallelError(
+                "optimizer.clip_master_grads: with sharded_data_parallel_degree above 1, "
+                "optimizer.step() clips the gradients to sdp_gradient_clipping (smp.init's "
+                "parameter), as in SMP; leave the call out"
+            )
         half = self.model.half_precision
         if half is None:
             raise ModelParallelError(

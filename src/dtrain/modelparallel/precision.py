@@ -16,6 +16,9 @@ gradients do not vanish: ``model.backward(loss)`` multiplies by :class:`LossScal
 inf/NaN in any rank's gradients makes every rank skip that optimizer step (the flag is agreed over
 the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
 ``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
+
+This is the pipelines' half precision; a sharded model (:mod:`.sharded`) is bf16 on FSDP2's
+mixed precision, its fp32 shards the masters.
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ reduce-scatters its gradients into the sharded ones, so the step ends with them 
 the data-parallel group and averaged (or summed) over microbatches, as pipelines do. A
 failure on one rank leaves the others waiting in a collective until the process group's
 timeout (``DTRAIN_MP_TIMEOUT``).
+
+**bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers, inputs
+entering in half, outputs leaving in fp32, fp32 masters stepped by the optimizer) is FSDP2's
+mixed precision (:func:`mixed_precision`): the sharded parameters stay fp32 and are the
+masters, so the optimizer, clipping and state dicts see fp32 shards and no second copy is
+kept; each unit gathers them in bf16 to compute and reduce-scatters its gradients in fp32.
+Floating buffers, which FSDP2 leaves alone, become bf16 as the unit is made. fp16 is refused by
+``smp.init``: it would need the loss scaled and overflowing steps skipped.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain.modelparallel import deferred
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.executor import MicrobatchResult
+from dtrain.modelparallel.precision import half_dtype
 from dtrain.modelparallel.state import MPState
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -104,6 +113,22 @@ def shard_units(root: nn.Module, threshold: int) -> list[nn.Module]:
     return units
 
 
+def mixed_precision(dtype: torch.dtype | None, root: bool) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a unit of a model in ``dtype`` (``None``: fp32, no casts): parameters
+    gathered in ``dtype`` from their fp32 shards, gradients reduced (and accumulated over
+    microbatches) in fp32, floating inputs cast to ``dtype`` where each unit is entered (the
+    root's are the model's; deeper ones are activations in ``dtype`` already) and, at the
+    ``root``, the model's floating outputs cast to fp32, as SMP's Bit16 module does."""
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=dtype,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float32 if root else None,
+        cast_forward_inputs=True,
+    )
+
+
 class ShardedModel:
     """The sharded side of a ``DistributedModel``: shards the module, runs steps, clips
     gradients and converts state dicts between full, partial and sharded."""
@@ -113,19 +138,27 @@ class ShardedModel:
         assert mesh is not None, "smp.init builds the mesh when the degree is above 1"
         self.module = module
         self.device = st.device
+        self._mesh = mesh
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
         self._world = st.world_process_group
         self._shard_group = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last
         self._stepping = False
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
+        self.dtype = half_dtype(st.config)
+        """``bf16``'s compute dtype; ``None``: fp32."""
         claimed: set[int] = set()
-        units = shard_units(module, st.config["sdp_param_persistence_threshold"])
-        for unit in [*units, module]:
-            managed = [m for m in unit.modules() if id(m) not in claimed]
-            claimed.update(id(m) for m in managed)
-            self._prepare(managed)
-            fully_shard(unit, mesh=mesh)
+        for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
+            self._shard(unit, claimed, mixed_precision(self.dtype, root=False))
+        self._shard(module, claimed, mixed_precision(self.dtype, root=True))
+
+    def _shard(self, unit: nn.Module, claimed: set[int], policy: MixedPrecisionPolicy) -> None:
+        """Make ``unit``'s tensors outside the units sharded before it (``claimed``) and shard
+        it."""
+        managed = [m for m in unit.modules() if id(m) not in claimed]
+        claimed.update(id(m) for m in managed)
+        self._prepare(managed)
+        fully_shard(unit, mesh=self._mesh, mp_policy=policy)
 
     def _prepare(self, modules: list[nn.Module]) -> None:
         """Make the tensors one unit manages (the parameters and buffers of ``modules``, the
@@ -138,18 +171,26 @@ class ShardedModel:
         one unsharded unit beside the shards.
         """
         tensors = [
-            tensor
+            (tensor, table is module._buffers)
             for module in modules
             for table in (module._parameters, module._buffers)
             for tensor in table.values()
             if tensor is not None and not isinstance(tensor, DTensor)
         ]
         with torch.no_grad():
-            deferred.materialize(tensors, self.device)
-            for tensor in tensors:
+            deferred.materialize([tensor for tensor, _ in tensors], self.device)
+            for tensor, is_buffer in tensors:
                 data = tensor.data.to(self.device)
                 dist.broadcast(data, src=0, group=self._world)
-                tensor.data = data
+                tensor.data = self._kept(data, is_buffer)
+
+    def _kept(self, data: torch.Tensor, is_buffer: bool) -> torch.Tensor:
+        """``data`` in the dtype the model keeps it in: with ``bf16`` a floating parameter is
+        fp32 (its master, however the script created it) and a floating buffer bf16, as SMP's
+        Bit16 module keeps them."""
+        if self.dtype is None or not data.is_floating_point():
+            return data
+        return data.to(self.dtype if is_buffer else torch.float32)
 
     # --- steps -------------------------------------------------------------------------------
 
