@@ -336,6 +336,15 @@ class _Server:
         pass
 
 
+def _serve(
+    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[str, FlaskClient]:
+    """``dtrain ARGS`` with the server replaced: what it printed and a client of its app."""
+    monkeypatch.setattr(waitress, "create_server", _Server)
+    assert main(args) == 0
+    return capsys.readouterr().out, _Server.apps[-1].test_client()
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.1", "::"])
 def test_beyond_loopback_a_token_is_made_and_required(
     host: str,
@@ -343,12 +352,9 @@ def test_beyond_loopback_a_token_is_made_and_required(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(waitress, "create_server", _Server)
-    assert main(["ui", "--host", host]) == 0
-    printed = capsys.readouterr().out
+    printed, client = _serve(["ui", "--host", host], monkeypatch, capsys)
     token = re.search(r"/\?token=(\S+)", printed)
     assert token and len(token.group(1)) >= 32, printed
-    client = _Server.apps[-1].test_client()
     assert client.get("/api/jobs").status_code == 403
     assert client.get(f"/api/jobs?token={token.group(1)}").status_code == 200
 
@@ -359,10 +365,8 @@ def test_a_given_token_is_required_on_loopback_too(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(waitress, "create_server", _Server)
     (tmp_path / "token").write_text(TOKEN + "\n")
-    assert main(["ui", "--token-file", str(tmp_path / "token")]) == 0
-    assert f"http://127.0.0.1:8470/?token={TOKEN}" in capsys.readouterr().out
-    client = _Server.apps[-1].test_client()
+    printed, client = _serve(["ui", "--token-file", str(tmp_path / "token")], monkeypatch, capsys)
+    assert f"http://127.0.0.1:8470/?token={TOKEN}" in printed
     assert client.get("/api/jobs").status_code == 403
     assert client.get("/api/jobs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
