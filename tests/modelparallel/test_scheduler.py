@@ -178,7 +178,7 @@ def test_the_leader_admits_while_fewer_than_active_are_in_flight(
     core.begin_step()
     assert [core.admit() for _ in range(admitted)] == list(range(admitted))
     for mb in range(finished):
-        core.finished(mb)
+        core.finished(Work("leader", mb, "B"))
     assert core.in_flight == in_flight
     assert core.may_admit() is admit
     core.begin_step()  # the next step starts empty
@@ -203,7 +203,7 @@ def test_simple_holds_every_backward_until_every_forward_is_done(
     for mb in forwards:
         core.forward_done(mb)
     for mb in failed:
-        core.finished(mb)
+        core.finished(Work("leader", mb))
     assert core.backward_may_start() is may_start
 
 
@@ -270,3 +270,37 @@ def test_without_a_plan_ending_an_action_changes_nothing() -> None:
     core = _core()
     assert not core.end_action(0, "F", 0) and not core.end_microbatch(0, 0)
     assert not core.action_ended(0, "F", 0)
+
+
+# A plan order's shape: rank, work (role, phase+mb), actions ended -> where it cannot be ordered.
+OFF_PLAN = [
+    (0, "leader", "F0", [], None),
+    (0, "leader", "F0", [("F", 0)], "on partition 0 after microbatch 0 waited"),
+    (0, "serve", "F0", [], "on partition 0, called from another partition"),
+    (1, "serve", "F0", [], None),
+    (1, "serve", "F0", [("F", 0)], "on partition 1 after microbatch 0's forward here was over"),
+    (1, "serve", "I0", [("B", 0)], "microbatch 0's backward here was over"),
+]
+
+
+@pytest.mark.parametrize(("rank", "role", "work", "ended", "where"), OFF_PLAN)
+def test_work_a_plan_order_cannot_order_is_named(
+    rank: int, role: str, work: str, ended: list[tuple[str, int]], where: str | None
+) -> None:
+    core = Scheduler(SchedulePolicy("interleaved", 2, 2), plan=PLAN, rank=rank)
+    for phase, mb in ended:
+        core.end_action(0, phase, mb)
+    found = core.off_plan(_work(work, role))
+    assert (found is None) if where is None else (found is not None and where in found)
+    assert Scheduler(SchedulePolicy("interleaved", 2, 2)).off_plan(_work(work, role)) is None
+
+
+def test_the_leaders_forward_ends_when_it_waits_and_its_task_ends_the_rest() -> None:
+    core = _core(plan=(("F", 0), ("B", 0), ("W", 0)))
+    core.begin_step()
+    core.admit()
+    assert not core.waits(_work("F0"))  # a served forward's end is the leader's to say
+    assert core.waits(_work("F0", role="leader")) and core.order(0).describe() == "B0"
+    assert not core.waits(_work("B0", role="leader"))
+    core.finished(_work("B0", role="leader"))
+    assert core.order(0).describe() == "W0" and core.in_flight == 0

@@ -99,7 +99,7 @@ class Executor:
         self.policy = policy
         self.timeout = timeout
         self.main = Task("main")
-        self.core = Scheduler(policy, plan, self.main)
+        self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
         """Every decision; read and changed only with ``_cv`` held."""
         self._cv = threading.Condition()
         self._local = threading.local()
@@ -125,10 +125,6 @@ class Executor:
             if self.core.end_action(step, phase, microbatch):
                 self._progress = time.monotonic()
                 self._grant()
-
-    def action_ended(self, step: int, phase: str, microbatch: int) -> bool:
-        with self._cv:
-            return self.core.action_ended(step, phase, microbatch)
 
     def enqueue(self, task: Task) -> None:
         """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
@@ -306,8 +302,7 @@ class Executor:
     def _take(self, task: Task, name: str) -> None:
         """Hold the token to compute ``name``: kept from the task's last computation unless a
         more urgent task waits, else queued for; what the task queued is sent first."""
-        if self.core.plan is not None:
-            self._check_plan_shape(task, name)
+        self._check_plan_shape(task, name)
         if task.outbox:
             self.flush(task)
         if task.holding:
@@ -323,18 +318,11 @@ class Executor:
             self.core.resume(task)
 
     def _check_plan_shape(self, task: Task, name: str) -> None:
-        """A plan order runs each microbatch through the partitions in order; work that comes
-        back to partition 0 cannot be ordered so, and fails naming the module."""
-        mb = task.microbatch
-        over = task.role != "main" and self.action_ended(task.step, task.phase, mb)
-        if task.role == "leader" and task.phase == "F" and over:
-            where = f"on partition 0 after microbatch {mb} waited for another partition"
-        elif task.role == "serve" and self.pp_rank == 0:
-            where = "on partition 0, called from another partition"
-        elif task.role == "serve" and over:
-            what = "backward" if task.phase in ("B", "I") else "forward"
-            where = f"on partition {self.pp_rank} after microbatch {mb}'s {what} here was over"
-        else:
+        """Work that a plan order cannot order (:meth:`.Scheduler.off_plan`) fails naming the
+        module."""
+        with self._cv:
+            where = self.core.off_plan(task)
+        if where is None:
             return
         raise ModelParallelError(
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
@@ -403,8 +391,11 @@ class Executor:
         """Give the token away while the current task waits for another rank (or for another
         task's result); a sticky holder does not take it back afterwards."""
         task = self.current()
-        if task is not None and task.role == "leader" and task.phase == "F":
-            self.end_action(task.step, "F", task.microbatch)  # the forward left partition 0
+        if task is not None:
+            with self._cv:
+                if self.core.waits(task):
+                    self._progress = time.monotonic()
+                    self._grant()
         if task is None or not task.holding:
             yield
             return
@@ -470,11 +461,10 @@ class Executor:
             if task.holding:
                 self.release(task)
             self._local.task = previous
-            for phase in ("F", "B"):
-                self.end_action(task.step, phase, mb)
             with self._cv:
-                self.core.finished(mb)
+                self.core.finished(task)
                 self._progress = time.monotonic()
+                self._grant()
                 self._cv.notify_all()
 
     def start_backward(self) -> Task | None:

@@ -392,7 +392,7 @@ def _run_policy(
     """
     microbatches = policy.microbatches
     last = stages - 1
-    cores = [Scheduler(policy) for _ in range(stages)]
+    cores = [Scheduler(policy, rank=stage) for stage in range(stages)]
     leader = cores[0]
     leader.begin_step()
     # Work that will be ready: (time, order, stage, work).
@@ -442,7 +442,7 @@ def _run_policy(
         if stage > 0 and done.phase != "W":
             provide(mb, stage - 1, end + costs.comm, 1)
         if stage == 0:
-            leader.finished(mb)
+            leader.finished(done)
 
     now = 0.0
     while True:

@@ -89,11 +89,13 @@ class Scheduler:
         policy: SchedulePolicy,
         plan: tuple[tuple[str, int], ...] | None = None,
         main: Work | None = None,
+        rank: int = 0,
     ) -> None:
         """``plan`` (this rank's compute actions, in order) makes the token follow it; ``main``
         (the script's thread) outranks all work and, while it waits, lets only owed weight
-        halves go first."""
+        halves go first; ``rank`` is the pp rank (partition) this core schedules."""
         self.policy = policy
+        self.rank = rank
         self.plan = plan
         self.main = main
         self.holder: Work | None = None
@@ -234,6 +236,30 @@ class Scheduler:
     def action_ended(self, step: int, phase: str, microbatch: int) -> bool:
         return self.plan is not None and self.order(step).has_ended(phase, microbatch)
 
+    def waits(self, work: Work) -> bool:
+        """``work`` waits for another rank: a leader's forward has then left partition 0, and
+        its action is over. Whether a plan order moved on."""
+        if work.role == "leader" and work.phase == "F":
+            return self.end_action(work.step, "F", work.microbatch)
+        return False
+
+    def off_plan(self, work: Work) -> str | None:
+        """Where ``work`` would compute that a plan order cannot order (None: nowhere). The
+        plan runs each microbatch through the partitions in order, once forward and once back:
+        work that comes back to partition 0, or to an action already over, has no place in it."""
+        if self.plan is None or work.role == "main":
+            return None
+        mb = work.microbatch
+        over = self.action_ended(work.step, work.phase, mb)
+        if work.role == "leader" and work.phase == "F" and over:
+            return f"on partition 0 after microbatch {mb} waited for another partition"
+        if work.role == "serve" and self.rank == 0:
+            return "on partition 0, called from another partition"
+        if work.role == "serve" and over:
+            what = "backward" if work.phase in ("B", "I") else "forward"
+            return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
+        return None
+
     # --- weight halves -------------------------------------------------------------------------
 
     def owe(self, step: int, microbatch: int) -> None:
@@ -294,7 +320,10 @@ class Scheduler:
         """``simple`` holds every backward until every microbatch's forward is done."""
         return self.policy.backward_may_start(len(self.forwards_done))
 
-    def finished(self, microbatch: int) -> None:
-        """``microbatch``'s task is over (its forward too, if it failed before its backward)."""
-        self.forwards_done.add(microbatch)
+    def finished(self, work: Work) -> None:
+        """The leader's task ``work`` is over: its microbatch leaves the flight, and its forward
+        (done too, if it failed before its backward) and backward actions here end."""
+        self.forwards_done.add(work.microbatch)
         self.finished_count += 1
+        for phase in ("F", "B"):
+            self.end_action(work.step, phase, work.microbatch)
