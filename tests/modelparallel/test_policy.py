@@ -124,6 +124,24 @@ def test_the_main_task_waits_for_the_weight_halves_due() -> None:
     assert executor.main.granted.is_set() and not next_step.granted.is_set()
 
 
+def test_a_weight_half_that_fails_is_paid_and_the_main_task_goes_on() -> None:
+    """The half's task pays its debt however it ends: a failure fails the step, not the wait
+    for the token."""
+    executor = Executor(1, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
+    executor.release(executor.main)
+    weights = Task("serve", 1, "W", "layer")
+    executor.owe_weights(weights)
+    executor.enqueue(executor.main)
+    assert not executor.main.granted.is_set()
+
+    def fail() -> None:
+        raise RuntimeError("weights failed")
+
+    with pytest.raises(RuntimeError, match="weights failed"):
+        executor._weights_task(weights, fail)  # what run_weights runs on a pooled thread
+    assert executor.main.granted.is_set() and not executor.core.weights_owed
+
+
 def test_smps_rule_turns_a_bounded_simple_pipeline_into_interleaved() -> None:
     assert SchedulePolicy.for_config("simple", 8, 3).pipeline == "interleaved"
     assert SchedulePolicy.for_config("simple", 4, 6) == SchedulePolicy("simple", 4, 4)

@@ -95,7 +95,8 @@ def test_interleaved_one_active_alternates_on_every_rank() -> None:
 
 
 def test_one_stage_has_no_communication() -> None:
-    assert build_schedule("interleaved", 1, 3).actions == (rank(0, "F0 B0 F1 B1 F2 B2"),)
+    # The leader's backwards are terminal (nobody waits for them): forwards go first.
+    assert build_schedule("interleaved", 1, 3).actions == (rank(0, "F0 F1 F2 B0 B1 B2"),)
     assert build_schedule("simple", 1, 3, 3).actions == (rank(0, "F0 F1 F2 B0 B1 B2"),)
 
 
@@ -123,9 +124,10 @@ def test_in_flight_bound(pipeline: str, stages: int, microbatches: int, active: 
     if built.pipeline == "simple":
         assert peaks == (microbatches,) * stages
     else:
-        # The leader admits while fewer than active_microbatches are unfinished.
+        # The leader admits while fewer than active_microbatches are unfinished, and its
+        # backwards (terminal) yield to the forwards it admitted: it fills every slot.
         assert max(peaks) <= active
-        assert peaks[0] == min(active, microbatches, 1 + 3 * (stages - 1))
+        assert peaks[0] == min(active, microbatches)
 
 
 def test_simple_keeps_every_microbatch_in_flight() -> None:
@@ -476,6 +478,24 @@ def test_weight_halves_in_idle_time_end_the_step_sooner(
 def test_a_split_dearer_than_its_gain_is_not_made() -> None:
     costs = Costs.per_stage(2, split_overhead=1.0)  # each half as long as the whole
     assert build_schedule("interleaved", 2, 8, costs=costs).policy.split == (0, 0)
+
+
+def test_the_plan_ranks_only_the_leaders_backward_terminal_as_the_runtime_does() -> None:
+    """Regression: the planner ranked every action of stage 0 terminal, forwards included, so
+    with room to admit every microbatch it planned ``F0 F1 F2 F3 B0 F4 B1 ...`` where the
+    runtime's rule (only a leader backward is terminal, and it yields to forwards) runs every
+    forward first."""
+    built = build_schedule("interleaved", 2, 8, active_microbatches=8)
+    forwards, backwards = [f"F{mb}" for mb in range(8)], [f"B{mb}" for mb in range(8)]
+    assert [str(a) for a in built.compute_actions(0)] == forwards + backwards
+    assert [str(a) for a in build_schedule("interleaved", 2, 8).compute_actions(0)][:6] == [
+        "F0",
+        "F1",
+        "F2",
+        "F3",
+        "B0",
+        "F4",  # 4 in flight: F4 waits for B0's slot
+    ]
 
 
 def test_the_plan_is_what_the_policy_runs() -> None:

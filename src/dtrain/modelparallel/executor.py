@@ -12,9 +12,10 @@ task waits at every module boundary interleaved two microbatches module by modul
 delayed both on their way to the next partition and left it idle. Before a task waits, or
 computes, the requests it queued are sent (``flush``), so nothing queued waits on it.
 
-Which waiting task gets the token, whether the leader admits another microbatch and whether a
-backward may begin are the schedule policy's answers (:class:`~.policy.SchedulePolicy`): this
-module only asks them.
+Every decision (which waiting task gets the token, whether a holder keeps it, whether the leader
+admits another microbatch and whether a backward may begin) is the rank's
+:class:`~.scheduler.Scheduler`'s, the thread-free core the planner runs too: this module holds
+its lock, wakes the tasks it grants the token to and waits on its answers.
 
 The thread that runs the user's script is the *main* task: it holds the token outside steps, so a
 request that arrives early (the leader already started the next step) waits until this rank has
@@ -37,42 +38,31 @@ rank's :class:`TimelineRecorder`, where the transport records its sends and rece
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.order import PlanOrder
-from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
+from dtrain.modelparallel.policy import SchedulePolicy
+from dtrain.modelparallel.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent, TimelineRecorder
 from dtrain.modelparallel.workers import WorkerPool
 
-Role = Literal["main", "leader", "serve"]
 MicrobatchResult = tuple[bool, Any]
 """``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
 
 
 @dataclass(eq=False)
-class Task:
-    """One unit of work on this rank: the script's main thread, a microbatch, or a request."""
+class Task(Work):
+    """Work of this rank with the thread that runs it: its wake-up and what it sends."""
 
-    role: Role
-    microbatch: int = 0
-    phase: Phase = "F"
-    name: str = ""
-    step: int = 0
-    """The leader's step this work belongs to (sent with the task's requests)."""
     holding: bool = False
-    sticky: bool = False
-    """Holds the token between two computations: gives it up only to a more urgent task, or
-    when it waits for something."""
+    """The task's thread has woken up with the token (the scheduler's holder since then)."""
     recording: bool = True
     """The current holding period is computation (a timeline event), not the time between."""
     started: float = 0.0
@@ -82,30 +72,6 @@ class Task:
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
-    remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
-    """Per owner (pp rank), the outputs this task fetched onto its autograd graph whose
-    backward has not run yet: each will send the owner a backward request. A leader task's
-    backward with none left is *terminal*: no other rank waits for it."""
-
-    @property
-    def terminal(self) -> bool:
-        """A leader task's backward that no other rank waits for any more."""
-        return self.role == "leader" and self.phase == "B" and not any(self.remote_nodes.values())
-
-    def describe(self) -> str:
-        if self.role == "main":
-            return "the main thread (outside the step)"
-        what = "microbatch task" if self.role == "leader" else f"served {self.name!r}"
-        return f"{what} {self.phase}{self.microbatch}"
-
-
-@dataclass
-class _LeaderStep:
-    """Progress of the microbatch tasks of the step running on the leader."""
-
-    running: int = 0
-    finished: int = 0
-    forward_done: set[int] = field(default_factory=set)
 
 
 class Executor:
@@ -130,97 +96,41 @@ class Executor:
         self.pp_rank = pp_rank
         self.flush = flush
         self.forward_done = forward_done
-        self._plan = plan
-        self._orders: dict[int, PlanOrder] = {}
-        """The plan's order for each step under way (by the leader's step number)."""
         self.policy = policy
         self.timeout = timeout
         self.main = Task("main")
+        self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
+        """Every decision; read and changed only with ``_cv`` held."""
         self._cv = threading.Condition()
-        self._holder: Task | None = None
-        self._waiting: list[tuple[tuple[int, int], int, Task]] = []
-        self._announced: dict[Task, tuple[tuple[int, int], int]] = {}
-        """Dispatched tasks not waiting for the token yet: their key and place in line."""
-        self._seq: Iterator[int] = itertools.count()
         self._local = threading.local()
         self.recorder = TimelineRecorder(pp_rank)
-        self._leader_step: _LeaderStep | None = None
         self._progress = time.monotonic()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
-        self._weights_owed: list[tuple[int, int]] = []
-        """(step, microbatch) of each weight half deferred and not finished: the main task
-        waits for them."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
 
-    def _key(self, task: Task) -> tuple[int, int]:
-        if task.role == "main":
-            return MAIN_PRIORITY
-        return self.policy.priority(task.phase, task.microbatch, task.terminal)
-
-    def _eligible(self) -> list[tuple[tuple[int, int], int, Task]]:
-        """The waiters the token may go to: not one dispatched after an announced task at
-        least as urgent; while the main task waits and weight halves are due, only those; with
-        a plan order, only the current action's (call with the lock held)."""
-        waiting = self._waiting
-        if self._weights_owed and any(entry[2] is self.main for entry in waiting):
-            waiting = [entry for entry in waiting if entry[2].phase == "W"]
-        ahead = self._announced.values()
-        return [
-            entry
-            for entry in waiting
-            if self._in_turn(entry[2])
-            and not any(key <= entry[0] and seq < entry[1] for key, seq in ahead)
-        ]
-
-    def _in_turn(self, task: Task) -> bool:
-        """Whether the plan order (if any) lets ``task`` compute now (call with the lock held)."""
-        if self._plan is None or task.role == "main":
-            return True
-        return self._order(task.step).admits(task.phase, task.microbatch)
-
-    def _order(self, step: int) -> PlanOrder:
-        """The plan's order for ``step``; the orders of steps two or more before are dropped."""
-        assert self._plan is not None
-        order = self._orders.get(step)
-        if order is None:
-            order = self._orders[step] = PlanOrder.of(self._plan)
-            for old in [s for s in self._orders if s < step - 1]:
-                del self._orders[old]
-        return order
+    def _grant(self) -> None:
+        """Wake the task the core hands a free token to (call with the lock held)."""
+        task = self.core.grant()
+        if task is not None:
+            assert isinstance(task, Task)
+            task.granted.set()
 
     def end_action(self, step: int, phase: str, microbatch: int) -> None:
         """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
         order, the next one's tasks may compute."""
-        if self._plan is None:
-            return
         with self._cv:
-            self._order(step).end(phase, microbatch)
-            self._progress = time.monotonic()
-            self._grant()
-
-    def action_ended(self, step: int, phase: str, microbatch: int) -> bool:
-        with self._cv:
-            return self._plan is not None and self._order(step).has_ended(phase, microbatch)
-
-    def _grant(self) -> None:
-        """Give a free token to the most urgent eligible waiter (call with the lock held)."""
-        eligible = self._eligible() if self._holder is None else []
-        if eligible:
-            entry = min(eligible, key=lambda e: (e[0], e[1]))
-            self._waiting.remove(entry)
-            self._holder = entry[2]
-            entry[2].granted.set()
+            if self.core.end_action(step, phase, microbatch):
+                self._progress = time.monotonic()
+                self._grant()
 
     def enqueue(self, task: Task) -> None:
         """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
         with self._cv:
             task.granted.clear()
-            announced = self._announced.pop(task, None)
-            seq = next(self._seq) if announced is None else announced[1]
-            self._waiting.append((self._key(task), seq, task))
+            self.core.submit(task)
             self._grant()
 
     def announce(self, task: Task) -> None:
@@ -230,12 +140,12 @@ class Executor:
         order; a later microbatch's forward computed first changes what it leaves behind
         (BatchNorm's running statistics, the order of random numbers)."""
         with self._cv:
-            self._announced[task] = (self._key(task), next(self._seq))
+            self.core.announce(task)
 
     def _withdraw(self, task: Task) -> None:
         """An announced task that ends without asking for the token stops holding others up."""
         with self._cv:
-            if self._announced.pop(task, None) is not None:
+            if self.core.withdraw(task):
                 self._grant()
 
     def acquire(self, task: Task) -> None:
@@ -248,12 +158,13 @@ class Executor:
             self.flush(task)
         if not task.granted.wait(self.timeout):
             with self._cv:
-                if self._holder is not task:
-                    self._waiting = [e for e in self._waiting if e[2] is not task]
-                    holder = self._holder.describe() if self._holder else "nobody"
+                if self.core.holder is not task:
+                    self.core.drop(task)
+                    holder = self.core.holder
+                    held_by = holder.describe() if holder else "nobody"
                     raise CommunicationTimeoutError(
                         f"pp rank {self.pp_rank}: {task.describe()} waited {self.timeout:g} s "
-                        f"for the compute token, held by {holder}"
+                        f"for the compute token, held by {held_by}"
                     )
         with self._cv:
             task.holding = True
@@ -263,12 +174,9 @@ class Executor:
 
     def release(self, task: Task) -> None:
         with self._cv:
-            if self._holder is not task:
-                raise RuntimeError(f"{task.describe()} releases a compute token it does not hold")
+            self.core.release(task)
             self._record(task)
             task.holding = False
-            task.sticky = False
-            self._holder = None
             self._progress = time.monotonic()
             self._grant()
 
@@ -282,32 +190,29 @@ class Executor:
         """A task holding the token between computations gives it to a more urgent waiter
         (or gives it up: a plan order has moved on from the task's action)."""
         with self._cv:
-            if self._outranked(task):
+            if self.core.outranked(task):
                 self.release(task)
 
-    def _outranked(self, task: Task) -> bool:
-        """Whether the holder ``task`` should give the token up (call with the lock held)."""
-        key = self._key(task)
-        return not self._in_turn(task) or any(entry[0] < key for entry in self._eligible())
+    def _sticky(self, task: Task) -> bool:
+        with self._cv:
+            return task.holding and self.core.holder is task and self.core.sticky
 
     def activity(self) -> str:
         """What holds the token now, and for how long (for stall reports)."""
         with self._cv:
-            holder = self._holder
-            if holder is None:
+            holder = self.core.holder
+            if not isinstance(holder, Task):
                 return "nothing computes (the compute token is free)"
             held = self._now() - holder.started
-            waiting = len(self._waiting)
+            waiting = self.core.waiting
+            turn = ""
+            if self.core.plan is not None and holder.role != "main":
+                current = self.core.order(holder.step).describe()
+                turn = f"; in the plan's order it is the turn of {current}"
         what = holder.describe()
         if holder.role != "main":
             what += f" computing {holder.name!r}" if holder.recording else " between computations"
         held_for = f"has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
-        turn = ""
-        if self._plan is not None and holder.role != "main":
-            with self._cv:
-                turn = (
-                    f"; in the plan's order it is the turn of {self._order(holder.step).describe()}"
-                )
         return f"{what} {held_for}{turn}"
 
     @property
@@ -329,8 +234,7 @@ class Executor:
         wait until this rank has finished its own work (e.g. the optimizer step)."""
         with self._cv:
             self._main_reclaimed = True
-            queued = any(entry[2] is self.main for entry in self._waiting)
-            if self._holder is not self.main and not queued:
+            if self.core.holder is not self.main and not self.core.is_waiting(self.main):
                 self.enqueue(self.main)
 
     def resume_main(self) -> None:
@@ -353,8 +257,8 @@ class Executor:
         """
         task = getattr(self._local, "task", None)
         if task is None:
-            holder = self._holder
-            task = holder if holder is not None and holder.role != "main" else None
+            holder = self.core.holder
+            task = holder if isinstance(holder, Task) and holder.role != "main" else None
         return task
 
     @contextmanager
@@ -381,7 +285,7 @@ class Executor:
         (a module inside a module) runs as it is.
         """
         task = self.current()
-        if task is None or (task.holding and not task.sticky):
+        if task is None or (task.holding and not self._sticky(task)):
             yield
             return
         self._take(task, name)
@@ -392,14 +296,13 @@ class Executor:
                 with self._cv:
                     self._record(task)
                     task.recording = False
-                    task.sticky = True
+                    self.core.between(task)
                 self._yield_if_urgent(task)
 
     def _take(self, task: Task, name: str) -> None:
         """Hold the token to compute ``name``: kept from the task's last computation unless a
         more urgent task waits, else queued for; what the task queued is sent first."""
-        if self._plan is not None:
-            self._check_plan_shape(task, name)
+        self._check_plan_shape(task, name)
         if task.outbox:
             self.flush(task)
         if task.holding:
@@ -411,21 +314,15 @@ class Executor:
                 task.recording = True
         else:
             self.acquire(task)
-        task.sticky = False
+        with self._cv:
+            self.core.resume(task)
 
     def _check_plan_shape(self, task: Task, name: str) -> None:
-        """A plan order runs each microbatch through the partitions in order; work that comes
-        back to partition 0 cannot be ordered so, and fails naming the module."""
-        mb = task.microbatch
-        over = task.role != "main" and self.action_ended(task.step, task.phase, mb)
-        if task.role == "leader" and task.phase == "F" and over:
-            where = f"on partition 0 after microbatch {mb} waited for another partition"
-        elif task.role == "serve" and self.pp_rank == 0:
-            where = "on partition 0, called from another partition"
-        elif task.role == "serve" and over:
-            what = "backward" if task.phase in ("B", "I") else "forward"
-            where = f"on partition {self.pp_rank} after microbatch {mb}'s {what} here was over"
-        else:
+        """Work that a plan order cannot order (:meth:`.Scheduler.off_plan`) fails naming the
+        module."""
+        with self._cv:
+            where = self.core.off_plan(task)
+        if where is None:
             return
         raise ModelParallelError(
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
@@ -442,7 +339,7 @@ class Executor:
         if task is None or not task.holding:
             return
         with self._cv:
-            if not self._outranked(task):
+            if not self.core.outranked(task):
                 return
             self.release(task)  # records the work so far
         self.acquire(task)
@@ -452,7 +349,7 @@ class Executor:
         task waits for it. Owed before the backward replies, so that no end of the microbatch
         can be taken for the end of its weights."""
         with self._cv:
-            self._weights_owed.append((task.step, task.microbatch))
+            self.core.owe(task.step, task.microbatch)
 
     def run_weights(self, task: Task, run: Callable[[], None]) -> None:
         """Run the owed weight half ``task`` (``run``) when nothing more urgent waits."""
@@ -469,28 +366,24 @@ class Executor:
         """The owed weight half ``task`` has run (or failed): its action is over, and the main
         task may be next."""
         with self._cv:
-            self._weights_owed.remove((task.step, task.microbatch))
+            self.core.paid(task.step, task.microbatch)
             self._progress = time.monotonic()
             self._grant()
-        self.end_action(task.step, "W", task.microbatch)
 
     def end_microbatch(self, step: int, microbatch: int) -> None:
-        """The leader's task of ``microbatch`` is over: so are this rank's forward and
-        backward of it, and its weight half unless one is still owed."""
-        for phase in ("F", "B"):
-            self.end_action(step, phase, microbatch)
+        """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
         with self._cv:
-            owed = (step, microbatch) in self._weights_owed
-        if not owed:
-            self.end_action(step, "W", microbatch)
+            if self.core.end_microbatch(step, microbatch):
+                self._progress = time.monotonic()
+                self._grant()
 
     def step_aside(self) -> None:
         """The current task, holding the token between computations, is about to do other work
         (send a reply): any waiting task may compute meanwhile."""
         task = self.current()
-        if task is not None and task.holding and task.sticky:
+        if task is not None and task.holding:
             with self._cv:
-                if self._eligible():
+                if self.core.steps_aside(task):
                     self.release(task)
 
     @contextmanager
@@ -498,12 +391,15 @@ class Executor:
         """Give the token away while the current task waits for another rank (or for another
         task's result); a sticky holder does not take it back afterwards."""
         task = self.current()
-        if task is not None and task.role == "leader" and task.phase == "F":
-            self.end_action(task.step, "F", task.microbatch)  # the forward left partition 0
+        if task is not None:
+            with self._cv:
+                if self.core.waits(task):
+                    self._progress = time.monotonic()
+                    self._grant()
         if task is None or not task.holding:
             yield
             return
-        sticky = task.sticky
+        sticky = self._sticky(task)
         self.release(task)
         try:
             yield
@@ -521,26 +417,23 @@ class Executor:
         self, count: int, body: Callable[[int], Any], step_number: int = 0
     ) -> list[MicrobatchResult]:
         """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
-        step = _LeaderStep()
+        core = self.core
         outcomes: list[MicrobatchResult] = [(False, None)] * count
-        self._leader_step = step
+        with self._cv:
+            core.begin_step()
         self.release(self.main)
         try:
             for mb in range(count):
-                self._wait(
-                    lambda: self.policy.may_admit(step.running), f"a free slot for microbatch {mb}"
-                )
-                task = Task("leader", mb, step=step_number)
+                self._wait(core.may_admit, f"a free slot for microbatch {mb}")
                 with self._cv:
-                    step.running += 1
+                    task = Task("leader", core.admit(), step=step_number)
                 self.enqueue(task)  # here, not on its thread: the token goes in microbatch order
-                self._workers.submit(
-                    functools.partial(self._leader_task, task, body, outcomes, step)
-                )
-            self._wait(lambda: step.finished == count, "the microbatch tasks to finish")
+                self._workers.submit(functools.partial(self._leader_task, task, body, outcomes))
+            self._wait(lambda: core.finished_count == count, "the microbatch tasks to finish")
         finally:
             self.acquire(self.main)
-            self._leader_step = None
+            with self._cv:
+                core.end_step()
         return outcomes
 
     def _leader_task(
@@ -548,7 +441,6 @@ class Executor:
         task: Task,
         body: Callable[[int], Any],
         outcomes: list[MicrobatchResult],
-        step: _LeaderStep,
     ) -> None:
         """A microbatch's step body. Its task was queued for the token when it was admitted,
         so microbatches start in order: whichever thread the pool started first took the token
@@ -561,7 +453,7 @@ class Executor:
             self.await_token(task)
             with self._cv:  # held between computations, as after one (not a computation itself)
                 task.recording = False
-                task.sticky = True
+                self.core.between(task)
             outcomes[mb] = (True, body(mb))
         except BaseException as exc:
             outcomes[mb] = (False, exc)
@@ -569,13 +461,10 @@ class Executor:
             if task.holding:
                 self.release(task)
             self._local.task = previous
-            for phase in ("F", "B"):
-                self.end_action(task.step, phase, mb)
             with self._cv:
-                step.forward_done.add(mb)
-                step.running -= 1
-                step.finished += 1
+                self.core.finished(task)
                 self._progress = time.monotonic()
+                self._grant()
                 self._cv.notify_all()
 
     def start_backward(self) -> Task | None:
@@ -587,24 +476,25 @@ class Executor:
         (``None`` outside a microbatch task).
         """
         task = self.current()
-        step = self._leader_step
-        if task is None or task.role != "leader" or step is None:
+        if task is None or task.role != "leader" or not self.core.leading:
             return None
-        if task.holding and not task.sticky:  # called inside a computation
+        if task.holding and not self._sticky(task):  # called inside a computation
             self.release(task)
         if task.phase == "F":
             with self._cv:
-                step.forward_done.add(task.microbatch)
+                self.core.forward_done(task.microbatch)
                 self._cv.notify_all()
             self.end_action(task.step, "F", task.microbatch)
             self.forward_done(task)
             task.phase = "B"
-            if not self.policy.backward_may_start(len(step.forward_done)):
+            with self._cv:
+                held = not self.core.backward_may_start()
+            if held:
                 if task.holding:
                     self.release(task)
                 self.flush(task)
                 self._wait(
-                    lambda: self.policy.backward_may_start(len(step.forward_done)),
+                    self.core.backward_may_start,
                     f"every forward before backward {task.microbatch} ({self.policy.pipeline})",
                 )
         return task

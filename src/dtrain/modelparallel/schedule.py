@@ -13,8 +13,9 @@ idles waiting for the plan's next microbatch while another one is ready, so amon
 microbatches its order can differ from the plan's. Tests check recorded runs with :func:`check`.
 
 Which rules a schedule follows is its :class:`~.policy.SchedulePolicy`, the object the runtime
-asks too: it builds the plans here (admission, the backward hold, which backwards are split
-into ``I`` and ``W``) and the checker checks against it.
+asks too; the plans here are made by the runtime's own per-rank
+:class:`~.scheduler.Scheduler` (the token's choice, admission, the backward hold, the terminal
+rule), one per stage, and the checker checks against the policy.
 
 The two pipelines of SMP v1 (``pipeline`` parameter):
 
@@ -37,6 +38,7 @@ never blocks its rank; a receive waits until the matching send's message has arr
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import math
 import re
@@ -44,7 +46,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
-from dtrain.modelparallel.policy import SchedulePolicy, check_pipeline
+from dtrain.modelparallel.policy import Phase, SchedulePolicy, check_pipeline
+from dtrain.modelparallel.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent
 
 ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
@@ -379,96 +382,95 @@ def _run_policy(
     """Each rank's compute actions in the order the runtime runs them under ``policy``, and
     when the last one ends.
 
-    As the compute token does: a free rank starts the ready action the policy ranks first, or
-    waits until one is ready. The leader (stage 0) admits microbatches in order, at most
-    ``policy.active`` unfinished (a microbatch finishes with its backward on stage 0); the
-    last stage's backward request travels with the forward, or, in ``simple``, after every
-    forward (the leader sends it once each microbatch's forward has reached the last stage);
-    a gradient reaches the previous stage ``costs.comm`` after its (input) backward ends, an
-    activation the next stage ``costs.comm`` after its forward.
+    One :class:`~.scheduler.Scheduler` per stage, the runtime's own, decides: work asks it for
+    the token when it is ready, a free stage computes what it grants, and the leader (stage 0)
+    admits microbatches while it lets it (a microbatch finishes with its backward on stage 0).
+    What this adds is a model of times: an activation reaches the next stage ``costs.comm``
+    after its forward ends, a gradient the previous stage ``costs.comm`` after its (input)
+    backward; the last stage's backward request travels with the forward, and the leader's
+    hold (``simple``) counts a forward done once it has reached the last stage.
     """
     microbatches = policy.microbatches
     last = stages - 1
-    # What each stage may run, and from when: (kind, microbatch) -> time.
-    ready: list[dict[tuple[str, int], float]] = [{} for _ in range(stages)]
+    cores = [Scheduler(policy, rank=stage) for stage in range(stages)]
+    leader = cores[0]
+    leader.begin_step()
+    # Work that will be ready: (time, order, stage, work).
+    pending: list[tuple[float, int, int, Work]] = []
     # A backward needs its own forward (slot 0) and its gradient or, last stage, the leader's
     # request (slot 1): when each is there.
     needs: dict[tuple[int, int], list[float]] = {}
-    free_at = [0.0] * stages
+    requested: set[int] = set()
+    running: list[tuple[Work, float] | None] = [None] * stages
     order: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
-    leader_forwards: list[float] = []
-    arrived: list[float] = []  # when each microbatch's forward reached the last stage
-    finished: list[float] = []  # when each microbatch's backward on the leader ends
-    events: list[float] = [0.0]
+    ends = [0.0] * stages
+    counter = itertools.count()
 
-    def backward_kind(mb: int, stage: int) -> str:
-        return "I" if stage > 0 and policy.splits_backward(stage, mb) else "B"
+    def work(stage: int, phase: Phase, mb: int) -> Work:
+        return Work("leader" if stage == 0 else "serve", mb, phase)
 
-    def at(stage: int, action: tuple[str, int], time: float) -> None:
-        ready[stage][action] = time
-        heapq.heappush(events, time)
+    def at(stage: int, phase: Phase, mb: int, time: float) -> None:
+        heapq.heappush(pending, (time, next(counter), stage, work(stage, phase, mb)))
 
     def provide(mb: int, stage: int, time: float, slot: int) -> None:
         got = needs.setdefault((mb, stage), [math.inf, math.inf])
         got[slot] = time
         if max(got) < math.inf:
-            at(stage, (backward_kind(mb, stage), mb), max(got))
+            split = stage > 0 and policy.splits_backward(stage, mb)
+            at(stage, "I" if split else "B", mb, max(got))
 
-    def started(kind: str, mb: int, stage: int, end: float) -> None:
-        heapq.heappush(events, end)
-        if kind == "F":
+    def forward_arrived(mb: int, time: float) -> None:
+        """``mb``'s forward reached the last stage: once the leader's hold lets backwards
+        start, the backward requests of every arrived forward go out."""
+        leader.forward_done(mb)
+        if leader.backward_may_start():
+            for m in sorted(leader.forwards_done - requested):
+                requested.add(m)
+                provide(m, last, time, 1)
+
+    def ended(stage: int, done: Work, end: float) -> None:
+        mb = done.microbatch
+        if done.phase == "F":
             provide(mb, stage, end, 0)
             if stage < last:
-                at(stage + 1, ("F", mb), end + costs.comm)
-            if stage == 0:
-                leader_forwards.append(end)
-            if policy.backward_may_start(0):  # the last stage's request came with it
-                if stage == last:
-                    provide(mb, stage, end, 1)
-            elif stage == max(last - 1, 0):  # simple: every request after every forward
-                arrived.append(end + (costs.comm if stage < last else 0.0))
-                if len(arrived) == microbatches:
-                    for m in range(microbatches):
-                        provide(m, last, max(arrived), 1)
+                at(stage + 1, "F", mb, end + costs.comm)
+            if stage == max(last - 1, 0):
+                forward_arrived(mb, end + (costs.comm if stage < last else 0.0))
             return
-        if kind == "I":
-            at(stage, ("W", mb), end)
-        if stage > 0 and kind != "W":
+        if done.phase == "I":
+            at(stage, "W", mb, end)
+        if stage > 0 and done.phase != "W":
             provide(mb, stage - 1, end + costs.comm, 1)
         if stage == 0:
-            finished.append(end)
+            leader.finished(done)
 
-    remaining = stages * microbatches + sum(
-        1 + (backward_kind(mb, s) == "I") for s in range(stages) for mb in range(microbatches)
-    )
     now = 0.0
-    while remaining:
-        admitted = len(leader_forwards)
-        unfinished = admitted - sum(1 for end in finished if end <= now)
-        if admitted < microbatches and policy.may_admit(unfinished):
-            ready[0].setdefault(("F", admitted), now)
-        for stage in range(stages):
-            if free_at[stage] > now:
-                continue
-            candidates = [action for action, time in ready[stage].items() if time <= now]
-            if not candidates:
-                continue
-            # The first stage's backward is terminal: no stage waits for it.
-            kind, mb = min(
-                candidates,
-                key=lambda c: policy.priority(c[0], c[1], stage == 0),  # type: ignore[arg-type]
-            )
-            del ready[stage][(kind, mb)]
-            free_at[stage] = now + costs.of(kind, stage)
-            order[stage].append((kind, mb))
-            remaining -= 1
-            started(kind, mb, stage, free_at[stage])
-        while events and events[0] <= now:
-            heapq.heappop(events)
-        if remaining and not events:
-            raise ScheduleError(f"the {policy.pipeline} policy stalls: no rank can go on")
-        now = events[0] if events else now
-    return order, max(free_at, default=0.0)
+    while True:
+        for stage, core in enumerate(cores):
+            current = running[stage]
+            if current is not None and current[1] <= now:
+                running[stage] = None
+                core.release(current[0])
+                ended(stage, current[0], current[1])
+        while pending and pending[0][0] <= now:
+            _, _, stage, ready = heapq.heappop(pending)
+            cores[stage].submit(ready)
+        while leader.admitted < microbatches and leader.may_admit():
+            leader.submit(work(0, "F", leader.admit()))
+        for stage, core in enumerate(cores):
+            chosen = core.grant()
+            if chosen is not None:
+                end = now + costs.of(chosen.phase, stage)
+                running[stage] = (chosen, end)
+                order[stage].append((chosen.phase, chosen.microbatch))
+                ends[stage] = end
+        times = [r[1] for r in running if r is not None] + [p[0] for p in pending[:1]]
+        if not times:
+            break
+        now = max(now, min(times))
+    if leader.finished_count < microbatches or any(core.waiting for core in cores):
+        raise ScheduleError(f"the {policy.pipeline} policy stalls: no rank can go on")
+    return order, max(ends, default=0.0)
 
 
 def recorded_schedule(

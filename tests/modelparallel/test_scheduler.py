@@ -1,0 +1,306 @@
+"""The scheduling core's rules as tables: no threads, no processes, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.modelparallel.policy import SchedulePolicy
+from dtrain.modelparallel.scheduler import Scheduler, Work
+
+
+def _work(text: str, role: str = "serve", step: int = 0) -> Work:
+    """``"F2"`` -> a forward of microbatch 2."""
+    return Work(role, int(text[1:]), text[0], step=step)  # type: ignore[arg-type]
+
+
+def _core(pipeline: str = "interleaved", microbatches: int = 4, active: int = 4, **kw) -> Scheduler:
+    return Scheduler(SchedulePolicy(pipeline, microbatches, active), main=Work("main"), **kw)
+
+
+def _holding(core: Scheduler, text: str, role: str = "serve") -> Work:
+    """``core`` with ``text`` holding the token (granted from a free token)."""
+    work = _work(text, role)
+    core.submit(work)
+    assert core.grant() is work
+    return work
+
+
+# The terminal rule: role, phase, remote backwards still to come -> terminal.
+TERMINAL = [
+    ("leader", "B", 0, True),
+    ("leader", "B", 1, False),  # another rank still waits for a backward request from it
+    ("leader", "F", 0, False),  # a forward is never terminal (the planner's old mistake)
+    ("serve", "B", 0, False),
+    ("serve", "I", 0, False),
+    ("leader", "W", 0, False),
+]
+
+
+@pytest.mark.parametrize(("role", "phase", "remote", "terminal"), TERMINAL)
+def test_only_a_leader_backward_nobody_waits_for_is_terminal(
+    role: str, phase: str, remote: int, terminal: bool
+) -> None:
+    work = Work(role, 2, phase)  # type: ignore[arg-type]
+    work.remote_nodes[1] += remote
+    assert work.terminal is terminal
+
+
+# Holder between computations, waiting work -> gives the token up (outranked)?
+STICKY = [
+    ("interleaved", "F1", [], False),
+    ("interleaved", "F1", ["F2"], False),  # the next module of the same microbatch follows
+    ("interleaved", "F1", ["F0"], True),
+    ("interleaved", "F1", ["B3"], True),  # backward first
+    ("interleaved", "B1", ["F0"], False),
+    ("interleaved", "I1", ["W0"], False),  # a weight half waits for idle time
+    ("interleaved", "W1", ["F3"], True),
+    ("simple", "F1", ["B0"], False),  # simple: every forward first
+    ("simple", "B1", ["F3"], True),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "holder", "waiting", "outranked"), STICKY)
+def test_a_holder_keeps_the_token_unless_more_urgent_work_waits(
+    pipeline: str, holder: str, waiting: list[str], outranked: bool
+) -> None:
+    core = _core(pipeline)
+    work = _holding(core, holder)
+    core.between(work)
+    for text in waiting:
+        core.submit(_work(text))
+    assert core.outranked(work) is outranked
+    assert core.grant() is None  # held: nobody else gets it while the holder decides
+
+
+def test_a_leaders_terminal_backward_gives_way_to_a_forward() -> None:
+    core = _core()
+    backward = _holding(core, "B0", role="leader")
+    core.submit(_work("F3", role="leader"))
+    assert core.outranked(backward)  # give_way at its weights lets the forward go first
+    backward.remote_nodes[1] += 1  # not terminal: a backward request still has to go out
+    assert not core.outranked(backward)
+
+
+# A holder about to send a reply: sticky?, anything eligible waiting? -> steps aside.
+STEP_ASIDE = [
+    (True, ["F3"], True),  # any waiter, even a less urgent one, computes meanwhile
+    (True, [], False),
+    (False, ["F3"], False),  # inside a computation: it is not between two
+]
+
+
+@pytest.mark.parametrize(("between", "waiting", "steps_aside"), STEP_ASIDE)
+def test_a_holder_between_computations_steps_aside_to_send(
+    between: bool, waiting: list[str], steps_aside: bool
+) -> None:
+    core = _core()
+    work = _holding(core, "B0")
+    if between:
+        core.between(work)
+    for text in waiting:
+        core.submit(_work(text))
+    assert core.steps_aside(work) is steps_aside
+    core.resume(work)
+    assert not core.steps_aside(work)
+
+
+def test_the_token_goes_to_the_first_ranked_and_is_released_only_by_its_holder() -> None:
+    core = _core()
+    for text in ("F2", "W0", "B1", "F1"):
+        core.submit(_work(text))
+    served = []
+    while (work := core.grant()) is not None:
+        served.append(f"{work.phase}{work.microbatch}")
+        with pytest.raises(RuntimeError, match="does not hold"):
+            core.release(_work("F9"))
+        core.release(work)
+    assert served == ["B1", "F1", "F2", "W0"]
+    assert core.waiting == 0
+
+
+# Announced work (dispatched, thread not started) keeps its place against later work.
+ANNOUNCED = [
+    # pipeline, announced, then asking, first granted
+    ("simple", ["F0"], ["F1"], None),  # F0 came first: the token waits for it
+    ("interleaved", ["F3"], ["B1"], "B1"),  # more urgent than the announced one
+    ("simple", ["F0"], ["F0", "F1"], "F0"),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "announced", "asking", "first"), ANNOUNCED)
+def test_announced_work_keeps_its_place_in_line(
+    pipeline: str, announced: list[str], asking: list[str], first: str | None
+) -> None:
+    core = _core(pipeline)
+    works = {text: _work(text) for text in {*announced, *asking}}
+    for text in announced:
+        core.announce(works[text])
+    for text in asking:
+        core.submit(works[text])
+    granted = core.grant()
+    assert (None if granted is None else f"{granted.phase}{granted.microbatch}") == first
+
+
+def test_announced_work_that_never_asks_stops_holding_others_up() -> None:
+    core = _core("simple")
+    never, later = _work("F0"), _work("F1")
+    core.announce(never)
+    core.submit(later)
+    assert core.grant() is None
+    assert core.withdraw(never) and not core.withdraw(never)
+    assert core.grant() is later
+
+
+# Admission: pipeline, microbatches, active, admitted, finished -> in flight, may admit.
+ADMISSION = [
+    ("interleaved", 8, 4, 3, 0, 3, True),
+    ("interleaved", 8, 4, 4, 0, 4, False),
+    ("interleaved", 8, 4, 5, 1, 4, False),
+    ("interleaved", 8, 4, 5, 2, 3, True),
+    ("simple", 4, 4, 4, 0, 4, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "microbatches", "active", "admitted", "finished", "in_flight", "admit"),
+    ADMISSION,
+)
+def test_the_leader_admits_while_fewer_than_active_are_in_flight(
+    pipeline: str,
+    microbatches: int,
+    active: int,
+    admitted: int,
+    finished: int,
+    in_flight: int,
+    admit: bool,
+) -> None:
+    core = _core(pipeline, microbatches, active)
+    core.begin_step()
+    assert [core.admit() for _ in range(admitted)] == list(range(admitted))
+    for mb in range(finished):
+        core.finished(Work("leader", mb, "B"))
+    assert core.in_flight == in_flight
+    assert core.may_admit() is admit
+    core.begin_step()  # the next step starts empty
+    assert core.in_flight == 0 and core.may_admit()
+
+
+# The simple hold: pipeline, forwards done (or tasks finished) -> a backward may start.
+HOLD = [
+    ("simple", [0, 1, 2], [], False),
+    ("simple", [0, 1, 2, 3], [], True),
+    ("simple", [0, 1, 2], [3], True),  # a task that failed in its forward counts as done
+    ("interleaved", [], [], True),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "forwards", "failed", "may_start"), HOLD)
+def test_simple_holds_every_backward_until_every_forward_is_done(
+    pipeline: str, forwards: list[int], failed: list[int], may_start: bool
+) -> None:
+    core = _core(pipeline)
+    core.begin_step()
+    for mb in forwards:
+        core.forward_done(mb)
+    for mb in failed:
+        core.finished(Work("leader", mb))
+    assert core.backward_may_start() is may_start
+
+
+def test_while_the_main_task_waits_only_owed_weight_halves_compute() -> None:
+    """At a step's end the main task (the optimizer step comes next) waits for the weight
+    halves owed; nothing else goes first (a request of the next step waits)."""
+    core = _core()
+    weights, next_step = _work("W1", step=0), _work("F0", step=1)
+    core.owe(0, 1)
+    core.submit(core.main)  # type: ignore[arg-type]
+    core.submit(next_step)
+    assert core.grant() is None
+    core.submit(weights)
+    assert core.grant() is weights
+    core.release(weights)
+    assert core.grant() is None  # still owed until it says it has run
+    core.paid(0, 1)
+    assert core.grant() is core.main
+
+
+def test_a_weight_half_ends_its_action_only_once_paid_even_after_the_reply() -> None:
+    """Owed before the backward replies: the end of the microbatch that the reply leads to
+    does not end the weight half's action in the plan order; paying it (it ran, or failed:
+    the executor pays in a ``finally``) does."""
+    core = _core(plan=(("F", 0), ("B", 0), ("W", 0), ("F", 1)))
+    core.owe(0, 0)
+    assert core.end_microbatch(0, 0)
+    assert core.owes(0, 0) and core.order(0).describe() == "W0"
+    assert not core.in_turn(_work("F1"))
+    core.paid(0, 0)
+    assert not core.owes(0, 0) and core.in_turn(_work("F1"))
+    with pytest.raises(ValueError):
+        core.paid(0, 0)  # paid twice: a bug, not a second half
+
+
+# A plan order: actions ended -> whose work may compute.
+PLAN = (("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1))
+IN_TURN = [
+    ([], "F0"),
+    ([("F", 0)], "F1"),
+    ([("F", 1)], "F0"),  # ended ahead of its turn: passes at once when it comes
+    ([("F", 0), ("F", 1)], "B0"),
+    ([("F", 0), ("F", 1), ("B", 0)], "W0"),
+]
+
+
+@pytest.mark.parametrize(("ended", "current"), IN_TURN)
+def test_with_a_plan_order_only_the_current_actions_work_computes(
+    ended: list[tuple[str, int]], current: str
+) -> None:
+    core = _core(plan=PLAN)
+    for phase, mb in ended:
+        assert core.end_action(0, phase, mb)
+    in_turn = [t for t in ("F0", "F1", "B0", "I0", "W0", "B1") if core.in_turn(_work(t))]
+    assert in_turn == ([current, "I0"] if current == "B0" else [current])  # I counts as B
+    assert core.in_turn(core.main)  # type: ignore[arg-type]
+    for text in ("F1", "F0", "B0", "W0"):
+        core.submit(_work(text))
+    granted = core.grant()
+    assert granted is not None and f"{granted.phase}{granted.microbatch}" == current
+
+
+def test_without_a_plan_ending_an_action_changes_nothing() -> None:
+    core = _core()
+    assert not core.end_action(0, "F", 0) and not core.end_microbatch(0, 0)
+    assert not core.action_ended(0, "F", 0)
+
+
+# A plan order's shape: rank, work (role, phase+mb), actions ended -> where it cannot be ordered.
+OFF_PLAN = [
+    (0, "leader", "F0", [], None),
+    (0, "leader", "F0", [("F", 0)], "on partition 0 after microbatch 0 waited"),
+    (0, "serve", "F0", [], "on partition 0, called from another partition"),
+    (1, "serve", "F0", [], None),
+    (1, "serve", "F0", [("F", 0)], "on partition 1 after microbatch 0's forward here was over"),
+    (1, "serve", "I0", [("B", 0)], "microbatch 0's backward here was over"),
+]
+
+
+@pytest.mark.parametrize(("rank", "role", "work", "ended", "where"), OFF_PLAN)
+def test_work_a_plan_order_cannot_order_is_named(
+    rank: int, role: str, work: str, ended: list[tuple[str, int]], where: str | None
+) -> None:
+    core = Scheduler(SchedulePolicy("interleaved", 2, 2), plan=PLAN, rank=rank)
+    for phase, mb in ended:
+        core.end_action(0, phase, mb)
+    found = core.off_plan(_work(work, role))
+    assert (found is None) if where is None else (found is not None and where in found)
+    assert Scheduler(SchedulePolicy("interleaved", 2, 2)).off_plan(_work(work, role)) is None
+
+
+def test_the_leaders_forward_ends_when_it_waits_and_its_task_ends_the_rest() -> None:
+    core = _core(plan=(("F", 0), ("B", 0), ("W", 0)))
+    core.begin_step()
+    core.admit()
+    assert not core.waits(_work("F0"))  # a served forward's end is the leader's to say
+    assert core.waits(_work("F0", role="leader")) and core.order(0).describe() == "B0"
+    assert not core.waits(_work("B0", role="leader"))
+    core.finished(_work("B0", role="leader"))
+    assert core.order(0).describe() == "W0" and core.in_flight == 0
