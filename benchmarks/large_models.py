@@ -141,7 +141,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
     if args.cap_bytes:
         join_capped_cgroup(rank, args.cap_bytes)
     heap.keep_large_blocks_returnable()  # as smp.init does: one process alike
-    init_world(rank, args.world, port)
+    init_world(rank, args.world, port, args.pin_cores)
     row = train(args, args.world, rank)
     rows: list[Any] = [None] * args.world
     dist.all_gather_object(rows, row)
@@ -359,6 +359,7 @@ def main() -> None:
         default=[layout[0] for layout in MEMORY_LAYOUTS],
         help="memory: comma-separated labels of the layouts to run besides one process",
     )
+    parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
