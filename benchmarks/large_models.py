@@ -16,8 +16,10 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   pipeline holds the activations of the microbatches in flight while it holds gradients too,
   where one process's peak, after its backward, holds none.
 * ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches, ``optimize: speed``: step time
-  with the model created without memory over eagerly created, in fresh worlds taking turns
-  (3 each; median step of each world, then the median of those). The plan differs only in
+  with the model created without memory over eagerly created, in one world taking turns in
+  ABBA order (``--repeats`` pairs, each turn its own ``smp.init``; the median step of each
+  turn, then the median of the pairs' ratios). Fresh worlds differ by ±15% in the compute
+  itself here, more than the difference measured. The plan differs only in
   where it comes from: the eager model's timed profile, or the delayed model's operation
   counts.
 * ``largest``: each process under its own memory cap (a cgroup v1 memory limit, as each GPU
@@ -37,6 +39,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +141,34 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    """Train ``args``'s variant in a fresh world; rank 0 puts every rank's row."""
+    in_world(rank, port, args, results, lambda: train(args, args.world, rank))
+
+
+def turns_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    """Train eagerly and delayed created models in ``args.turns``' order, in one world (each
+    turn its own ``smp.init``): what varies from world to world on this machine (±15% in the
+    compute itself) is then the same for both."""
+
+    def turns() -> list[dict[str, Any]]:
+        rows = []
+        for delayed in args.turns:
+            turn = argparse.Namespace(**{**vars(args), "delayed": delayed})
+            rows.append({"delayed": delayed, **train(turn, args.world, rank)})
+            smp.shutdown()
+        return rows
+
+    in_world(rank, port, args, results, turns)
+
+
+def in_world(
+    rank: int, port: int, args: argparse.Namespace, results: Any, work: Callable[[], Any]
+) -> None:
     if args.cap_bytes:
         join_capped_cgroup(rank, args.cap_bytes)
     heap.keep_large_blocks_returnable()  # as smp.init does: one process alike
     init_world(rank, args.world, port, args.pin_cores)
-    row = train(args, args.world, rank)
+    row = work()
     rows: list[Any] = [None] * args.world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -161,7 +187,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     values = {"layers": 0, "cap_bytes": 0, "pipeline": False, "delayed": False}
-    values.update({"checkpointed": False, "sharded": False, **changes})
+    values.update({"checkpointed": False, "sharded": False, "turns": (), **changes})
     return argparse.Namespace(**{**vars(args), **values})
 
 
@@ -224,34 +250,37 @@ def memory_table(r: dict[str, Any]) -> str:
 
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
-    medians: dict[str, list[float]] = {"eager": [], "delayed": []}
-    cpu: dict[str, list[list[float]]] = {"eager": [], "delayed": []}
-    for _ in range(args.repeats):
-        for label in ("eager", "delayed"):
-            chosen = variant(
-                args,
-                world=2,
-                pipeline=True,
-                delayed=label == "delayed",
-                variant_shape="speed",
-                steps=args.warmup + args.steps,
-                optimize="speed",
-            )
-            rows = spawn(worker, 2, chosen)
-            medians[label].append(statistics.median(rows[0]["step_seconds"][args.warmup :]))
-            cpu[label].append(
-                [statistics.median(row["step_cpu_seconds"][args.warmup :]) for row in rows]
-            )
-    eager, delayed = (statistics.median(medians[k]) for k in ("eager", "delayed"))
-    return {"world_medians": medians, "world_cpu_medians": cpu, "eager_s": eager,
-            "delayed_s": delayed,
-            "delayed_over_eager": delayed / eager}  # fmt: skip
+    """``args.repeats`` pairs of turns in one world, in ABBA order; each turn's median step
+    (rank 0's, which waits for the slowest), and each pair's delayed over eager."""
+    turns = [delayed for pair in range(args.repeats) for delayed in (pair % 2 == 1, pair % 2 == 0)]
+    chosen = variant(
+        args,
+        world=2,
+        pipeline=True,
+        variant_shape="speed",
+        steps=args.warmup + args.steps,
+        optimize="speed",
+        turns=turns,
+    )
+    rows = spawn(turns_worker, 2, chosen)
+    steps = [statistics.median(turn["step_seconds"][args.warmup :]) for turn in rows[0]]
+    labels = ["delayed" if turn["delayed"] else "eager" for turn in rows[0]]
+    medians = {
+        k: [t for t, label in zip(steps, labels, strict=True) if label == k]
+        for k in ("eager", "delayed")
+    }  # the i-th of each is pair i's
+    ratios = [d / e for e, d in zip(medians["eager"], medians["delayed"], strict=True)]
+    return {"turns": labels, "turn_medians_s": steps,
+            "eager_s": statistics.median(medians["eager"]),
+            "delayed_s": statistics.median(medians["delayed"]),
+            "pair_ratios": ratios, "delayed_over_eager": statistics.median(ratios)}  # fmt: skip
 
 
 def speed_table(r: dict[str, Any]) -> str:
     return (
         f"pp=2 step: eager {r['eager_s'] * 1e3:.0f} ms, delayed {r['delayed_s'] * 1e3:.0f} ms,"
-        f" delayed/eager {r['delayed_over_eager']:.3f}"
+        f" delayed/eager {r['delayed_over_eager']:.3f} (median of the pairs'"
+        f" {', '.join(f'{x:.3f}' for x in r['pair_ratios'])})"
     )
 
 
