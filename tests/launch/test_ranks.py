@@ -87,7 +87,7 @@ def test_stop_ends_ranks_and_what_they_started_in_other_sessions(tmp_path: Path)
     while "started" not in seen and time.monotonic() < deadline:
         time.sleep(0.02)
     marker = f"{MARKER}-{os.getpid()}".encode()
-    assert len(marked_processes(marker)) == 2
+    assert len(await_marked(marker, 2)) == 2
     ranks.stop()
     (ended,) = ranks.poll()
     assert ended.stopped and ended.code == -signal.SIGTERM
@@ -95,6 +95,16 @@ def test_stop_ends_ranks_and_what_they_started_in_other_sessions(tmp_path: Path)
     while marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marked_processes(marker) == []
+
+
+def await_marked(marker: bytes, count: int) -> list[int]:
+    """The processes carrying ``marker``, once ``count`` show (or 5 s passed). A child that
+    printed after starting its own child may be seen first: ``Popen`` returns once that child's
+    exec is past the point of no return, a moment before /proc shows its environment."""
+    deadline = time.monotonic() + 5
+    while len(found := marked_processes(marker)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
 
 
 AGENT = """
@@ -125,7 +135,7 @@ def test_a_killed_agent_takes_its_ranks_and_the_keeper_their_children(tmp_path: 
         [sys.executable, "-c", AGENT, token], stdout=subprocess.PIPE, text=True
     )
     assert agent.stdout is not None and agent.stdout.readline().strip() == "up"
-    assert len(marked_processes(marker)) == 2  # the rank and its detached child
+    assert len(await_marked(marker, 2)) == 2  # the rank and its detached child
     agent.kill()
     agent.wait()
     deadline = time.monotonic() + 5
