@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dtrain.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
 from dtrain.config.modelparallel import validate_mp_parameters
+from dtrain.modelparallel import profile as profile_py
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan
 from dtrain.modelparallel.placement import manual_placements
 from dtrain.modelparallel.profile import profile_module
@@ -131,27 +134,37 @@ def test_bad_input_is_a_clear_error(
     assert "Traceback" not in err
 
 
-def test_the_command_plans_as_a_job_does(tmp_path: Path) -> None:
-    """``dtrain plan`` and a job's first step profile and plan alike, so they agree."""
+def test_the_command_plans_as_a_job_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dtrain plan`` profiles as a job's first step does (``profile_module`` with a job's
+    repeats) and plans that profile as a job would: the same owners. The profile the command
+    made is the one planned again here, as two timed profiles of one model may cut apart."""
+    profiles: list[Any] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        profiles.append((kwargs, profile_module(*args, **kwargs)))
+        return profiles[-1][1]
+
+    monkeypatch.setattr(profile_py, "profile_module", recorded)
     out = tmp_path / "plan.json"
     command = ["plan", f"{GPT}:build_model", "--partitions", "2", "--json", str(out)]
-    assert main(command) == EXIT_OK  # the default repeats, as a job
+    assert main(command) == EXIT_OK
     planned = PartitionPlan.from_dict(json.loads(out.read_text()))
-    # What DistributedModel does at the first step: profile_module with its defaults, then
-    # auto_plan with the configured memory weight and the smp.partition placements.
+    ((used, profile),) = profiles
+    job_repeats = inspect.signature(profile_module).parameters["repeats"].default
+    assert used["repeats"] == job_repeats
+    # What DistributedModel does at the first step with that profile: auto_plan with the
+    # configured memory weight and the smp.partition placements.
     spec = importlib.util.spec_from_file_location("_gpt_example", GPT)
     assert spec is not None and spec.loader is not None
     gpt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = gpt  # its dataclasses look their module up
     spec.loader.exec_module(gpt)
-    model = gpt.build_model()
-    args, kwargs = gpt.sample_batch()
     config = validate_mp_parameters({"partitions": 2})
     job = auto_plan(
-        profile_module(model, args, kwargs),
+        profile,
         config["pipeline_parallel_degree"],
         memory_weight=config["memory_weight"],
-        fixed=manual_placements(model),
+        fixed=manual_placements(gpt.build_model()),
     )
     assert job.owners == planned.owners
 
