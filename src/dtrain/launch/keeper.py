@@ -14,20 +14,32 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from dtrain.launch.processes import marked_processes, signal_pids
 
 SWEEPS = 50
 """Rounds of killing: a process may fork while its siblings are being killed."""
+CLEAN_SCANS = 2
+"""Empty scans in a row that end the sweep: a process in the middle of ``exec`` shows no
+environment in /proc (so no marker) for a moment after its parent already saw it started."""
 
 
-def sweep(marker: bytes) -> None:
+def sweep(
+    marker: bytes,
+    scan: Callable[[bytes], list[int]] = marked_processes,
+    kill: Callable[[list[int]], None] = lambda pids: signal_pids(pids, signal.SIGKILL),
+    pause: Callable[[float], None] = time.sleep,
+) -> None:
+    clean = 0
     for _ in range(SWEEPS):
-        found = marked_processes(marker)
-        if not found:
+        found = scan(marker)
+        clean = 0 if found else clean + 1
+        if clean == CLEAN_SCANS:
             return
-        signal_pids(found, signal.SIGKILL)
-        time.sleep(0.02)
+        if found:
+            kill(found)
+        pause(0.02)
 
 
 def main(argv: list[str]) -> int:
