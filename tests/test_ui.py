@@ -154,12 +154,16 @@ def test_logs_as_the_ranks_wrote_them_on_the_hosts_ranks_json_names(
     store: JobStore, dtrain_home: Path
 ) -> None:
     """Lines are stored after their times (``dtrain.jobs.logs``); the page shows them as the
-    rank wrote them, and each rank on the host the attempt's ``ranks.json`` names."""
+    rank wrote them (a plan table they printed is found too), and each rank on the host the
+    attempt's ``ranks.json`` names."""
     folder = _make_job(store, dtrain_home, "stamped", "Completed")
     attempt = folder.attempt_logs_dir(1)
     (attempt / "ranks.json").write_text(json.dumps({"0": "algo-2", "1": "algo-1"}))
     folder.log_file(1, 1).write_text(
         "2026-11-25T19:09:32.123456Z epoch 1\n2026-11-25T19:09:33.000001Z 2026 was a year\n"
+    )
+    folder.log_file(0, 1).write_text(
+        "".join(f"2026-11-25T19:09:31.{i:06d}Z {line}\n" for i, line in enumerate(PLAN_TABLE))
     )
     client = create_app(store).test_client()
     log = client.get("/api/jobs/stamped/logs?rank=1&attempt=1").get_json()
@@ -167,6 +171,8 @@ def test_logs_as_the_ranks_wrote_them_on_the_hosts_ranks_json_names(
     detail = client.get("/api/jobs/stamped").get_json()
     assert detail["host_ranks"] == {"algo-2": [0], "algo-1": [1]}
     assert [(r["rank"], r["host"]) for r in detail["logs"]] == [(0, "algo-2"), (1, "algo-1")]
+    views = client.get("/api/jobs/stamped/views").get_json()
+    assert [v["text"] for v in views if v["kind"] == "plan-text"] == ["\n".join(PLAN_TABLE)]
 
 
 def test_logs_tail_offsets_and_partial_lines(client: FlaskClient, dtrain_home: Path) -> None:

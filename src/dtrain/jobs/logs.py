@@ -44,6 +44,13 @@ def unstamped(text: str) -> str:
     return _STAMPS.sub("", text)
 
 
+def log_lines(path: Path) -> Iterator[str]:
+    """A rank log's lines as the rank wrote them, without their times."""
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            yield unstamped(line.rstrip("\n"))
+
+
 def rank_label(host: str | None, rank: int) -> str:
     """How a rank's lines are labelled, in ``dtrain run``'s console and in ``dtrain logs``."""
     return f"[{host},{rank}]" if host else f"[{rank}]"

@@ -19,7 +19,7 @@ from typing import Any
 from dtrain.jobs.describe import describe
 from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.live import latest
-from dtrain.jobs.logs import rank_hosts, rank_logs, unstamped
+from dtrain.jobs.logs import log_lines, rank_hosts, rank_logs, unstamped
 from dtrain.jobs.metrics import MetricSample
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
@@ -211,19 +211,17 @@ def _plan_in_log(path: Path) -> str | None:
     found: list[str] | None = None
     block: list[str] | None = None
     closing = False
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
-        for raw in handle:
-            line = raw.rstrip("\n")
-            if _PLAN_HEADER.match(line):
-                block, closing = [line], False
-            elif block is not None and _PLAN_LAST.match(line):
-                block.append(line)
-                closing = True
-            elif block is not None and (closing or len(block) > MAX_PLAN_LINES):
-                found = block if closing else found
-                block, closing = None, False
-            elif block is not None:
-                block.append(line)
+    for line in log_lines(path):
+        if _PLAN_HEADER.match(line):
+            block, closing = [line], False
+        elif block is not None and _PLAN_LAST.match(line):
+            block.append(line)
+            closing = True
+        elif block is not None and (closing or len(block) > MAX_PLAN_LINES):
+            found = block if closing else found
+            block, closing = None, False
+        elif block is not None:
+            block.append(line)
     if block is not None and closing:
         found = block
     return None if found is None else "\n".join(found)
