@@ -239,7 +239,7 @@ class RemoteCaller:
     def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline)."""
         request = pending.request
-        what = f"{request.kind} {request.module}".rstrip() + f" from rank {pending.peer}"
+        what = f"{request.label()} from rank {pending.peer}"
         with (
             self.executor.waiting(),
             self.waits.waiting(pending.peer, request.describe()),

@@ -19,6 +19,13 @@ class NotInitializedError(ModelParallelError):
 class NotInStepError(ModelParallelError):
     """The model (or ``model.backward``) ran outside an ``@smp.step`` function."""
 
+    @classmethod
+    def used(cls, what: str) -> NotInStepError:
+        return cls(
+            f"{what} was used outside an @smp.step function: call the model and "
+            "model.backward inside the function decorated with @smp.step"
+        )
+
 
 class MultipleDistributedModelError(ModelParallelError):
     """A second ``DistributedModel`` in one process (SMP allows one per script)."""

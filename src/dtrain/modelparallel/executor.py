@@ -121,6 +121,8 @@ class Executor:
     def end_action(self, step: int, phase: str, microbatch: int) -> None:
         """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
         order, the next one's tasks may compute."""
+        if self.core.plan is None:  # set once, at construction: no lock needed to read it
+            return
         with self._cv:
             if self.core.end_action(step, phase, microbatch):
                 self._progress = time.monotonic()
@@ -312,14 +314,15 @@ class Executor:
             with self._cv:
                 task.started = self._now()
                 task.recording = True
+                self.core.resume(task)
         else:
-            self.acquire(task)
-        with self._cv:
-            self.core.resume(task)
+            self.acquire(task)  # a token just granted is not sticky
 
     def _check_plan_shape(self, task: Task, name: str) -> None:
         """Work that a plan order cannot order (:meth:`.Scheduler.off_plan`) fails naming the
         module."""
+        if self.core.plan is None:
+            return
         with self._cv:
             where = self.core.off_plan(task)
         if where is None:
@@ -391,7 +394,7 @@ class Executor:
         """Give the token away while the current task waits for another rank (or for another
         task's result); a sticky holder does not take it back afterwards."""
         task = self.current()
-        if task is not None:
+        if task is not None and self.core.plan is not None:
             with self._cv:
                 if self.core.waits(task):
                     self._progress = time.monotonic()

@@ -211,10 +211,7 @@ class DistributedModel(nn.Module):
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime
         if runtime is None or runtime.executor.current() is None:
-            raise NotInStepError(
-                f"{what} was used outside an @smp.step function: call the model and "
-                "model.backward inside the function decorated with @smp.step"
-            )
+            raise NotInStepError.used(what)
         return runtime
 
     # --- steps -------------------------------------------------------------------------------
@@ -232,8 +229,7 @@ class DistributedModel(nn.Module):
         and returns the step body of one microbatch (called on the leader only)."""
         if self.sharding is not None:
             if not self.sharding.stepped:  # sharded when wrapped: the hooks run before step 1
-                for hook in list(self._post_partition_hooks.values()):
-                    hook(self)
+                self._run_post_partition_hooks()
             return self.sharding.run_step(count, make_body)
         if self._runtime is None:
             self._partition(make_body)
@@ -417,6 +413,9 @@ class DistributedModel(nn.Module):
         for sd, strict, full in self._pending_loads:
             self._load_local(sd, strict, full=full)
         self._pending_loads.clear()
+        self._run_post_partition_hooks()
+
+    def _run_post_partition_hooks(self) -> None:
         for hook in list(self._post_partition_hooks.values()):
             hook(self)
 

@@ -63,13 +63,19 @@ def figure_data(plan: PartitionPlan, title: str = "") -> PlanFigure:
         memory = (
             {"planner": stage.memory_bytes}
             if peak is None
-            else {
-                "params": peak.params,
-                "grads": peak.grads,
-                "optimizer": peak.master + peak.optimizer,
-                "buffers": peak.buffers,
-                "activations": peak.activations,
-            }
+            else dict(
+                zip(
+                    MEMORY_KINDS,
+                    (
+                        peak.params,
+                        peak.grads,
+                        peak.master + peak.optimizer,
+                        peak.buffers,
+                        peak.activations,
+                    ),
+                    strict=True,
+                )
+            )
         )
         bars.append(
             PartitionBar(

@@ -196,10 +196,7 @@ class ShardedModel:
 
     def require_step(self, what: str) -> None:
         if not self._stepping:
-            raise NotInStepError(
-                f"{what} was used outside an @smp.step function: call the model and "
-                "model.backward inside the function decorated with @smp.step"
-            )
+            raise NotInStepError.used(what)
 
     def run_step(
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]

@@ -165,6 +165,10 @@ class Message:
     meta: tuple[TensorMeta, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def label(self) -> str:
+        """Short text for the timeline: the kind and the module (``forward blocks.3``)."""
+        return f"{self.kind} {self.module}".rstrip()
+
     def describe(self) -> str:
         """Short text for errors: which request this is."""
         what = f"{self.kind} request #{self.call_id}"
@@ -501,7 +505,7 @@ class Transport:
         if self._recorder is None:
             return
         first = messages[0]
-        name = f"{first.kind} {first.module}".rstrip() + f" {way} rank {peer}"
+        name = f"{first.label()} {way} rank {peer}"
         if len(messages) > 1:
             name += f" (+{len(messages) - 1} messages)"
         self._recorder.add(kind, first.microbatch, start, name, peer, nbytes)
