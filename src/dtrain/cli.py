@@ -529,8 +529,6 @@ def _logs(args: argparse.Namespace) -> int:
 def _stop(name: str, poll_interval: float = 0.2) -> int:
     """As ``docker stop`` does: ask, say so, and return once the job has ended (its ranks
     stopped, what ``model/`` held uploaded), printing the status it ended in."""
-    import time
-
     from dtrain.jobs.store import JobStore
 
     store = JobStore()

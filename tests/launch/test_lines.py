@@ -8,7 +8,27 @@ import io
 import pytest
 
 from dtrain.launch.console import Console
-from dtrain.launch.lines import live_frame, settle, split_lines
+from dtrain.launch.lines import drawn_so_far, live_frame, settle, split_lines
+
+
+@pytest.mark.parametrize(
+    "pending",
+    [
+        b"plain",
+        b" 10%|#  |\r 50%|#####|\r 70",
+        b"long frame\rshort\r",
+        b"caf\xc3\xa9 \xff\r\xe2\x82",  # a broken byte before, half a character after
+    ],
+)
+def test_frames_drawn_so_far_show_and_settle_the_same(pending: bytes) -> None:
+    drawn = drawn_so_far(pending)
+    assert drawn.count(b"\r") <= 1
+    assert live_frame(drawn) == live_frame(pending)
+    rest = "€".encode()[2:] if pending.endswith(b"\xe2\x82") else b""
+    as_logged = [
+        settle(raw.decode("utf-8", "replace")) for raw in split_lines(drawn, rest + b"\n")[0]
+    ]
+    assert as_logged == [settle((pending + rest).decode("utf-8", "replace"))]
 
 
 def test_split_lines_keeps_the_unfinished_line_and_cut_characters() -> None:

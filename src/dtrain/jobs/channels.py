@@ -198,7 +198,8 @@ def materialize_channel(
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
     paths = [sources[key] for key in keys]
-    total = None if remote else sum(map(os.path.getsize, paths))
+    sizes = [] if remote else [os.path.getsize(path) for path in paths]
+    total = None if remote else sum(sizes)
     done = 0
 
     def add(size: int) -> None:
@@ -214,12 +215,12 @@ def materialize_channel(
                 f"channel {channel.name}: cannot download {channel.uri}: {error}"
             ) from error
     else:
-        for path, target in zip(paths, targets, strict=True):
+        for path, target, size in zip(paths, targets, sizes, strict=True):
             try:
                 shutil.copyfile(path, target)
             except OSError as error:
                 raise DtrainError(f"channel {channel.name}: cannot copy {path}: {error}") from None
-            add(os.path.getsize(target))
+            add(size)
     copied(done, done, True)
     return targets
 

@@ -64,8 +64,9 @@ RETRY_INTERVAL_LIMIT = 2.0
 MARKER = "DTRAIN_AGENT"
 """The environment variable that marks everything this agent's ranks start."""
 OUTBOX_LIMIT = 100_000
-COPY_REPORT_INTERVAL = 0.25
 """Output lines waiting to be sent before a rank's writes block: backpressure, never loss."""
+COPY_REPORT_INTERVAL = 0.25
+"""Least seconds between two reports of a channel copy's progress (the last one always goes)."""
 
 
 def entry_command(entry_point: str, module: bool) -> list[str]:

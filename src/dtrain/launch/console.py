@@ -13,6 +13,8 @@ import threading
 from collections.abc import Iterable
 from typing import TextIO
 
+from dtrain.progress import is_terminal
+
 _CLEAR_LINE = "\r\x1b[K"
 
 
@@ -21,7 +23,7 @@ class Console:
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.live = stream.isatty()
+        self.live = is_terminal(stream)
         self._frame: tuple[object, str] | None = None
         """Who drew the live line, and what it shows."""
         self._lock = threading.Lock()

@@ -26,6 +26,17 @@ def settle(line: str) -> str:
     return shown
 
 
+def drawn_so_far(pending: bytes) -> bytes:
+    """``pending`` with the frames before its last carriage return drawn into one: what a
+    terminal shows of it is the same, and a progress bar that redraws for an hour does not
+    keep (and settle again at every read) every frame it drew. A carriage return never falls
+    inside a character, so the part before it decodes whole."""
+    head, carriage_return, tail = pending.rpartition(b"\r")
+    if not carriage_return:
+        return pending
+    return settle(head.decode("utf-8", errors="replace")).encode() + carriage_return + tail
+
+
 def live_frame(pending: bytes) -> str | None:
     """The progress line being drawn, if the unfinished line is one (it holds a carriage
     return); ``None`` for a line merely written in pieces, which waits for its newline."""

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.launch.lines import live_frame, settle, split_lines
+from dtrain.launch.lines import drawn_so_far, live_frame, settle, split_lines
 from dtrain.launch.outcome import TRACEBACK_HEAD, error_tail
 from dtrain.launch.processes import die_with_parent, kill_tree
 
@@ -121,6 +121,7 @@ class LocalRanks:
             if not chunk:
                 break
             lines, partial = split_lines(partial, chunk)
+            partial = drawn_so_far(partial)
             for line in lines:
                 self._take(rank, line)
             self.on_frame(rank.launch.rank, live_frame(partial))
