@@ -76,3 +76,16 @@ def test_job_with_dead_supervisor_is_marked_failed(tmp_path: Path) -> None:
     record = store.get("orphan")
     assert record.status == "Failed"
     assert f"pid {child}" in (record.failure_reason or "")
+
+
+def test_last_metrics_are_each_metrics_value_at_its_last_step(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    for job in ("a", "b"):
+        store.create(job, "{}", tmp_path / job)
+    samples = [MetricSample("loss", 1.0 / (s + 1), 10.0 + s, s) for s in (2, 0, 1)]
+    store.add_metrics("a", [*samples, MetricSample("accuracy", 0.5, 11.0, 0)])
+    store.add_metrics("b", [MetricSample("loss", 9.0, 20.0, 7)])
+    assert store.last_metrics("a") == {"accuracy": 0.5, "loss": pytest.approx(1 / 3)}
+    assert store.last_metrics("b") == {"loss": 9.0}
+    store.create("c", "{}", tmp_path / "c")
+    assert store.last_metrics("c") == {}

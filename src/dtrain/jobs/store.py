@@ -280,6 +280,17 @@ class JobStore:
             ).fetchall()
         return [MetricSample(**dict(row)) for row in rows]
 
+    def last_metrics(self, name: str) -> dict[str, float]:
+        """Each of the job's metrics' value at its last step, read without their history."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT m.name, m.value FROM metrics AS m JOIN (SELECT name, MAX(step) AS step"
+                " FROM metrics WHERE job = ? GROUP BY name) AS last"
+                " ON m.name = last.name AND m.step = last.step WHERE m.job = ? ORDER BY m.name",
+                (name, name),
+            ).fetchall()
+        return {row["name"]: row["value"] for row in rows}
+
     def recent_metrics(self, name: str, count: int) -> list[MetricSample]:
         """The last ``count`` samples, in step order, of the job's metric logged most often:
         what ``dtrain jobs`` shows of a job (:func:`dtrain.jobs.live.latest`), read without its

@@ -18,7 +18,7 @@ from typing import Any
 
 from dtrain.jobs.describe import describe
 from dtrain.jobs.folder import JobFolder
-from dtrain.jobs.live import latest
+from dtrain.jobs.live import RATE_WINDOW, latest
 from dtrain.jobs.logs import log_lines, rank_hosts, rank_logs, unstamped
 from dtrain.jobs.metrics import MetricSample
 from dtrain.jobs.spec import JobSpec
@@ -89,13 +89,6 @@ def _elapsed(record: JobRecord, now: float) -> float:
     return max(0.0, end - record.creation_time)
 
 
-def _series(samples: list[MetricSample]) -> dict[str, list[MetricSample]]:
-    series: dict[str, list[MetricSample]] = {}
-    for sample in samples:
-        series.setdefault(sample.name, []).append(sample)
-    return series
-
-
 def step_rate(samples: list[MetricSample]) -> dict[str, Any] | None:
     """Steps per second of the metric logged most often, over its last samples, as ``dtrain
     jobs`` shows it (:func:`dtrain.jobs.live.latest`)."""
@@ -112,8 +105,6 @@ def _layout(spec: JobSpec) -> str:
 def job_row(store: JobStore, record: JobRecord, now: float) -> dict[str, Any]:
     """One row of the jobs table."""
     spec = JobSpec.from_json(record.spec)
-    samples = store.metrics(record.name)
-    last = {name: points[-1].value for name, points in _series(samples).items()}
     return {
         "name": record.name,
         "status": record.status,
@@ -121,8 +112,8 @@ def job_row(store: JobStore, record: JobRecord, now: float) -> dict[str, Any]:
         "creation_time": record.creation_time,
         "elapsed": _elapsed(record, now),
         "layout": _layout(spec),
-        "last_metrics": last,
-        "step_rate": step_rate(samples),
+        "last_metrics": store.last_metrics(record.name),  # the table is polled: no histories
+        "step_rate": step_rate(store.recent_metrics(record.name, RATE_WINDOW)),
     }
 
 
