@@ -530,8 +530,10 @@ def test_a_memory_plan_cuts_inside_a_block_where_whole_blocks_cannot_balance(
     whole = {f"blocks.{b}" for b in range(4)} if kept_whole else set()
     memory = auto_plan(profile, 3, memory_weight=0.8, whole=whole)
     speed = auto_plan(profile, 3, memory_weight=0.2, whole=whole)
-    assert len(_split_blocks(memory, 4)) == 1
-    assert _split_blocks(speed, 4) == []
+    assert memory.cut_inside == _split_blocks(memory, 4) and len(memory.cut_inside) == 1
+    assert f"cut inside {memory.cut_inside[0]}: the largest partition holds" in str(memory.why())
+    assert _split_blocks(speed, 4) == [] and speed.cut_inside == []
+    assert PartitionPlan.from_dict(json.loads(json.dumps(memory.to_dict()))) == memory
     largest = max(stage.param_count for stage in memory.stages)
     assert largest < 0.9 * max(stage.param_count for stage in speed.stages)
     assert largest < 0.9 * min(

@@ -184,6 +184,11 @@ class PartitionPlan:
     """Cuts of those parts there were to choose from."""
     cut_choice: list[CutStep] = field(default_factory=list)
     """How :func:`auto_plan` chose the cut, step by step (empty for other plans)."""
+    cut_inside: list[str] = field(default_factory=list)
+    """Modules :func:`auto_plan` cut inside (step 4), their children on several partitions."""
+    whole_balance: float = 0.0
+    """With ``cut_inside``: the largest partition's share of the model (:func:`_exact_balance`)
+    when those modules were whole."""
 
     def owner(self, name: str) -> int:
         """Partition owning module ``name`` (``""`` is the root)."""
@@ -356,7 +361,14 @@ class PartitionPlan:
             verdict = "that decided"
         else:
             verdict = f"{left:,} tie on every measure: the one with the earliest cuts was taken"
-        return f"why this cut: {'; '.join(parts)}; {verdict}"
+        inside = ""
+        if self.cut_inside:
+            inside = (
+                f"; cut inside {', '.join(self.cut_inside)}: the largest partition holds "
+                f"{_exact_balance(self):.1%} of the model's memory and operations (weighed), "
+                f"{self.whole_balance:.1%} with whole modules only"
+            )
+        return f"why this cut: {'; '.join(parts)}; {verdict}{inside}"
 
     def _memory_table(self) -> list[str]:
         """One row per partition: its peak memory by kind, and what the figures assume."""
@@ -482,7 +494,15 @@ def auto_plan(
         return coarse
     opened = _Atoms(profile, model, partitions, fixed, set(whole), opened=at_cuts)
     finer, _ = _atom_plan(opened, model, partitions)
-    return finer if _exact_balance(finer) < FINER_GAIN * _exact_balance(coarse) else coarse
+    balance = _exact_balance(coarse)
+    if _exact_balance(finer) >= FINER_GAIN * balance:
+        return coarse
+    cut = [
+        name
+        for name in sorted(at_cuts, key=lambda name: profile.modules[name].order or 0)
+        if len({owner for inner, owner in finer.owners.items() if _within(inner, name)}) > 1
+    ]
+    return dataclasses.replace(finer, cut_inside=cut, whole_balance=balance)
 
 
 MEMORY_LED = 0.5
