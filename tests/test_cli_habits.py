@@ -245,6 +245,19 @@ def test_rm_refuses_unknown_names_and_foreign_folders(
     assert elsewhere.exists() and [r.name for r in store.list()] == ["kept"]
 
 
+def test_rm_force_gives_up_on_a_job_that_does_not_stop(
+    dtrain_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = JobStore()
+    store.create("stuck", JobSpec("t.py", "stuck").to_json(), dtrain_home / "jobs" / "stuck")
+    monkeypatch.setattr("dtrain.jobs.cleanup.STOP_WAIT", 0.05)
+    assert main(["rm", "--force", "stuck"]) == 2  # no controller ever marks it Stopped
+    assert capsys.readouterr().err.endswith(
+        "job stuck is still Stopping after 0.05 s; run dtrain rm again once it has stopped\n"
+    )
+    assert store.get("stuck").status == "Stopping"
+
+
 # --- with jobs --------------------------------------------------------------------------------
 
 

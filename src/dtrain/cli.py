@@ -526,7 +526,7 @@ def _logs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _stop(name: str, poll_interval: float = 0.2) -> int:
+def _stop(name: str) -> int:
     """As ``docker stop`` does: ask, say so, and return once the job has ended (its ranks
     stopped, what ``model/`` held uploaded), printing the status it ended in."""
     from dtrain.jobs.store import JobStore
@@ -535,8 +535,7 @@ def _stop(name: str, poll_interval: float = 0.2) -> int:
     store.request_stop(name)
     print(f"Stopping {name} ...", flush=True)
     try:
-        while not (record := store.get(name)).is_terminal:
-            time.sleep(poll_interval)
+        record = store.wait(name)
     except KeyboardInterrupt:
         print(f"dtrain: {name} is still stopping (see dtrain jobs)", file=sys.stderr)
         return EXIT_STOPPED

@@ -156,21 +156,18 @@ class TrainingJob:
         return description
 
     def _follow(self, logs: bool) -> None:
-        import time
-
         from dtrain.jobs.folder import JobFolder
         from dtrain.jobs.logs import labelled_logs, print_logs
         from dtrain.jobs.store import JobStore
 
         store = JobStore()
         self._wait_for_record(store)
-        finished = lambda: store.get(self.name).is_terminal  # noqa: E731
         if logs:
             folder = JobFolder.for_job(self.name)
             files = lambda: labelled_logs(folder.logs_dir)  # noqa: E731
+            finished = lambda: store.get(self.name).is_terminal  # noqa: E731
             print_logs(files, sys.stdout, follow=True, finished=finished)
-        while not finished():
-            time.sleep(0.2)
+        store.wait(self.name)
 
     def _wait_for_record(self, store: Any, timeout: float = 120.0) -> None:
         """A job started with ``wait=False`` appears in the store once its supervisor started."""
