@@ -24,6 +24,7 @@ from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
 from dtrain.launch.submit import rerun_spec
+from dtrain.procfs import running
 from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,15 +36,6 @@ print("args", json.dumps({"argv": sys.argv[1:], "name": __name__, "file": __file
 """
 SCRIPT_ARGS = ["--epochs", "1", "--name", "two words", "--"]
 EXPECTED_ARGV = ["--epochs", "5", *SCRIPT_ARGS]  # the hyperparameters' first
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie waiting for its parent to reap it has too)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 90) -> None:
@@ -69,7 +61,7 @@ def store_of(home: Path) -> Iterator[JobStore]:
         for pid in running:  # a finished job's process id may be another's by now
             os.kill(pid, signal.SIGTERM)
         for pid in running:
-            _wait(lambda pid=pid: _gone(pid), f"controller {pid} to exit")
+            _wait(lambda pid=pid: not running(pid), f"controller {pid} to exit")
         for record in records:
             _wait(lambda r=record: not processes_of_job(r.name), f"{record.name}'s ranks")
         if previous is None:
@@ -296,7 +288,7 @@ def test_a_detached_module_job_gets_its_script_arguments(finished: tuple[Path, s
     with store_of(home) as store:
         record = store.get("habits")
         assert record.status == "Completed"
-        _wait(lambda: _gone(record.supervisor_pid), "the controller to exit")
+        _wait(lambda: not running(record.supervisor_pid), "the controller to exit")
         assert processes_of_job("habits") == []
         spec = JobSpec.from_json(record.spec)
         assert spec.module and spec.entry_point == "pkg.show_args"
@@ -365,7 +357,7 @@ def test_stop_and_remove_detached_jobs(tmp_path: Path) -> None:
         assert forced.stdout.startswith("removed second (Stopped, ")
         assert store.list() == [] and list((home / "jobs").iterdir()) == []
         for pid in controllers:
-            _wait(lambda pid=pid: _gone(pid), f"controller {pid} to exit")
+            _wait(lambda pid=pid: not running(pid), f"controller {pid} to exit")
         assert processes_of_job("first") == processes_of_job("second") == []
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore, StillRunning
+from dtrain.procfs import running
 
 STOP_WAIT = 60.0
 """Seconds ``rm --force`` waits for a job it stopped to end (ranks get 3 s, then the upload)."""
@@ -84,17 +85,8 @@ def _await_controller(record: JobRecord) -> None:
     its folder: wait for it to exit. Only then: a process id seen long after may be another's."""
     pid = record.supervisor_pid
     deadline = (record.end_time or 0.0) + STOP_WAIT
-    while pid is not None and time.time() < deadline and _running(pid):
+    while pid is not None and time.time() < deadline and running(pid):
         time.sleep(0.1)
-
-
-def _running(pid: int) -> bool:
-    """The process runs (a zombie, ended but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
 
 
 def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRecord]:
