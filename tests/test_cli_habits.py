@@ -23,6 +23,7 @@ from dtrain.jobs.describe import describe
 from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
+from dtrain.launch.job import default_job_name, generated_base
 from dtrain.launch.submit import rerun_spec
 from dtrain.procfs import running
 from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
@@ -180,6 +181,23 @@ def test_rerun_names() -> None:
         assert re.fullmatch(r"\d{4}(-\d\d){5}-\d{3}", again.job_name.removeprefix(base))
         assert again == dataclasses.replace(spec, job_name=again.job_name, key_salt="")
         assert rerun_spec(record, "named").job_name == "named"
+
+
+def test_a_generated_name_gives_back_its_base() -> None:
+    for base, cleaned in [("demo", "demo"), ("my script.py", "my-script-py"), ("--", "job")]:
+        name = default_job_name(base)
+        assert re.fullmatch(rf"{cleaned}-\d{{4}}(-\d\d){{5}}-\d{{3}}", name)
+        assert generated_base(name) == cleaned
+    for name, base in [
+        ("demo-2026-11-25-10-00-00-000", "demo"),
+        ("a-b-2026-01-02-03-04-05-999", "a-b"),
+        ("habits", "habits"),
+        ("2026-11-25-10-00-00-000", "2026-11-25-10-00-00-000"),  # no base
+        ("demo-2026-13-25-10-00-00-000", "demo-2026-13-25-10-00-00-000"),  # no 13th month
+        ("demo-2026-1-25-10-00-00-0000", "demo-2026-1-25-10-00-00-0000"),  # not as written
+        ("demo-2026-11-25-10-00-00-00", "demo-2026-11-25-10-00-00-00"),
+    ]:
+        assert generated_base(name) == base, name
 
 
 def test_durations() -> None:

@@ -68,14 +68,36 @@ from dtrain.topology import host_name
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
 
 
+_NAME_STAMP = "-%Y-%m-%d-%H-%M-%S-%f"
+"""What :func:`default_job_name` adds to a base, to the millisecond: ``%f``'s microseconds but
+their last three digits."""
+_NAME_STAMP_LENGTH = len("-YYYY-MM-DD-HH-MM-SS-mmm")
+
+
 def default_job_name(base: str) -> str:
     """SageMaker's naming: ``<base>-YYYY-MM-DD-HH-MM-SS-mmm``.
 
     The base is cleaned to the allowed characters.
     """
     base = re.sub(r"[^a-zA-Z0-9-]+", "-", base).strip("-")[:32] or "job"
-    now = datetime.datetime.now()
-    return f"{base}-{now:%Y-%m-%d-%H-%M-%S}-{now.microsecond // 1000:03d}"
+    return base + _name_stamp(datetime.datetime.now())
+
+
+def _name_stamp(moment: datetime.datetime) -> str:
+    return moment.strftime(_NAME_STAMP)[:-3]
+
+
+def generated_base(name: str) -> str:
+    """The base :func:`default_job_name` made ``name`` of; ``name`` itself if it made none.
+
+    A stamp is one only if it reads back as written (``strptime`` alone takes ``-1`` for
+    ``-01``)."""
+    base, stamp = name[:-_NAME_STAMP_LENGTH], name[-_NAME_STAMP_LENGTH:]
+    try:
+        moment = datetime.datetime.strptime(stamp, _NAME_STAMP)
+    except ValueError:
+        return name
+    return base if base and _name_stamp(moment) == stamp else name
 
 
 def validate_instance_type(instance_type: str) -> None:
