@@ -209,19 +209,27 @@ def prepare(spec: JobSpec) -> PreparedJob:
     validate_channels(spec.channels)
     _check_values(spec, local)
     hyperparameters = {**spec.hyperparameters, **plan.framework_hyperparameters}
-    output_url = resolve_output_path(spec.output_path)
-    if output_url.startswith("file://"):  # the controller writes the archives here
-        check_private_folder("output_path", url2pathname(urlparse(output_url).path))
     job = PreparedJob(
         spec,
         plan,
         hyperparameters,
-        output_url,
+        _output_url("output_path", spec.output_path),
         cluster,
         _tensorboard_url(spec.tensorboard_output_config),
     )
     _check_rank_size(job)
     return job
+
+
+def _output_url(key: str, path: str | None) -> str:
+    """An output path (the value of ``key``) as a URL the controller can write to: S3 with
+    credentials, or a folder of this user's."""
+    url = resolve_output_path(path, key)
+    if url.startswith("s3://"):
+        check_s3_ready(key, url)
+    else:
+        check_private_folder(key, url2pathname(urlparse(url).path))
+    return url
 
 
 def _tensorboard_url(config: dict[str, str] | None) -> str | None:
@@ -231,13 +239,7 @@ def _tensorboard_url(config: dict[str, str] | None) -> str | None:
     validate_tensorboard_output_config(config)
     if config.get("S3OutputPath") is None:
         return None
-    key = "tensorboard_output_config.S3OutputPath"
-    url = resolve_output_path(config["S3OutputPath"], key)
-    if url.startswith("s3://"):
-        check_s3_ready(key, url)
-    else:
-        check_private_folder(key, url2pathname(urlparse(url).path))
-    return url
+    return _output_url("tensorboard_output_config.S3OutputPath", config["S3OutputPath"])
 
 
 def _check_values(spec: JobSpec, local: bool) -> None:
@@ -252,8 +254,6 @@ def _check_values(spec: JobSpec, local: bool) -> None:
     check_no_nul("hyperparameters", spec.hyperparameters)
     check_no_nul("script_args", spec.script_args)
     check_nesting("distribution", spec.distribution)
-    if spec.output_path and spec.output_path.startswith("s3://"):
-        check_s3_ready("output_path", spec.output_path)
     if local:  # hosts elsewhere reach their data and folders with their own rights
         for channel in spec.channels:
             if channel.uri.startswith("s3://"):
