@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
-    static_loss_scale: float = 1.0,
+    static_loss_scale: float | None = 1.0,
     dynamic_loss_scale: bool = False,
     **dynamic_loss_args: Any,
 ) -> torch.optim.Optimizer:
@@ -53,6 +53,7 @@ def DistributedOptimizer(
 
     ``dynamic_loss_args`` may also come as one dict, ``dynamic_loss_args={...}`` (SMP's source
     spells it so); its keys and defaults are :data:`.precision.DYNAMIC_LOSS_ARGS`.
+    ``static_loss_scale=None`` (SMP's sharded examples pass it beside a dynamic scale) is 1.
     """
     if set(dynamic_loss_args) == {"dynamic_loss_args"}:
         dynamic_loss_args = dynamic_loss_args["dynamic_loss_args"] or {}
