@@ -301,18 +301,6 @@ def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: s
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
 
 
-@pytest.mark.parametrize("key", ["fp16", "fp16_params"])
-def test_fp16_is_refused_with_sharding_pointing_to_bf16(key: str) -> None:
-    params = {"ddp": True, key: True, "sharded_data_parallel_degree": 2}
-    with pytest.raises(ConfigError) as raised:
-        validate_mp_parameters(params, world_size=4)
-    assert str(raised.value).startswith(
-        f"parameters.{key}: got True; allowed: false with sharded_data_parallel_degree=2: "
-        "fp16 needs loss scaling of the sharded gradients"
-    )
-    assert "use bf16=true" in str(raised.value)
-
-
 def train_pipelines(shard_optimizer_state: bool, steps: int) -> Trained:
     """pp=2 x dp=2 with bf16 parameters (fp32 masters), ``shard_optimizer_state`` or not."""
     dist.init_process_group("gloo")

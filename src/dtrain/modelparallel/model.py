@@ -34,7 +34,7 @@ from dtrain.modelparallel.executor import MicrobatchResult
 from dtrain.modelparallel.group import PipelineGroup
 from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
 from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.precision import HalfParameters, half_dtype
+from dtrain.modelparallel.precision import HalfParameters, LossScaling, half_dtype
 from dtrain.modelparallel.profile import (
     ModelProfile,
     Snapshot,
@@ -192,11 +192,12 @@ class DistributedModel(nn.Module):
         scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        scaling = self.loss_scaling
+        if scaling is not None and scaling.loss_scale != 1.0:
+            scale = (scale or 1.0) * scaling.loss_scale
         if self.sharding is not None:
             self.sharding.backward(outputs, _scaled(outputs, grads, scale))
             return
-        if self.half_precision is not None and self.half_precision.loss_scale != 1.0:
-            scale = (scale or 1.0) * self.half_precision.loss_scale
         runtime = self._require_step("model.backward")
         grads = materialize(grads)  # computed elsewhere: fetch
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
@@ -207,6 +208,14 @@ class DistributedModel(nn.Module):
         grads = _scaled(outputs, grads, scale)
         with runtime.executor.backward():
             backward_giving_way(outputs, grads, runtime.executor.give_way)
+
+    @property
+    def loss_scaling(self) -> LossScaling | None:
+        """The loss scale and overflow flag of a half model: the half parameters' with
+        pipelines, the sharded model's with fp16; ``None`` for fp32 and sharded bf16."""
+        if self.sharding is not None:
+            return self.sharding.scaling
+        return self.half_precision
 
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime
