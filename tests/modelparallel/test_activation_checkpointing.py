@@ -23,15 +23,15 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from dtrain.modelparallel import activations
-from dtrain.modelparallel.activations import (
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.pipeline.activations import (
     Group,
     _groups,
     checkpoint,
     checkpoint_sequential,
     set_activation_checkpointing,
 )
-from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent

@@ -585,7 +585,7 @@ def test_fp16_with_bf16_is_refused() -> None:
 
 
 def test_dynamic_loss_args_defaults_and_hysteresis() -> None:
-    from dtrain.modelparallel.precision import LossScaler
+    from dtrain.modelparallel.api.precision import LossScaler
 
     scaler = LossScaler.of(None, True, {"delayed_shift": 2})
     assert scaler.scale == 2.0**32
@@ -597,7 +597,7 @@ def test_dynamic_loss_args_defaults_and_hysteresis() -> None:
 
 
 def test_floating_inputs_enter_in_half_and_outputs_leave_in_fp32() -> None:
-    from dtrain.modelparallel.precision import HalfParameters
+    from dtrain.modelparallel.api.precision import HalfParameters
 
     half = HalfParameters(torch.bfloat16, torch.device("cpu"), None)
     (x, ids, flag), kwargs = half.inputs(

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.config.modelparallel import validate_mp_parameters
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.sharded import shard_units
+from dtrain.modelparallel.api.sharded import shard_units
 from tests.modelparallel import equivalence, hf_cases
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.api.model import PARTIAL_KEY, DistributedModel
+from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
-from dtrain.modelparallel.precision import FP16_STATES, MASTERS, LossScaler
 from dtrain.sealed import all_gather_objects
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ operations, then in memory (exact counts, free of noise), among them winning.
    (:data:`MEMORY_LED`) opens the atoms on either side of each cut into their children and cuts
    again; it takes that plan if it balances clearly better by the exact measures
    (:data:`FINER_GAIN`, :func:`_exact_balance`). A checkpointed module cut this way is
-   recomputed in parts, each where it runs (:mod:`.activations`).
+   recomputed in parts, each where it runs (:mod:`..pipeline.activations`).
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ from torch import nn
 
 from dtrain.errors import did_you_mean
 from dtrain.modelparallel.errors import PartitionError
-from dtrain.modelparallel.memory import (
+from dtrain.modelparallel.plan.memory import (
     MemorySettings,
     StageMemory,
     format_size,
     held_microbatches,
     stage_memory,
 )
-from dtrain.modelparallel.profile import ModelProfile, static_profile
+from dtrain.modelparallel.plan.profile import ModelProfile, static_profile
 
 DEFAULT_BANDWIDTH = 1e9
 """Bytes per second assumed between two partitions (a cautious figure for gloo on one host)."""

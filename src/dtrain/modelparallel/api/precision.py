@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel.remote import RemoteValue
+from dtrain.modelparallel.pipeline.remote import RemoteValue
 from dtrain.modelparallel.transport import map_leaves
 
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}

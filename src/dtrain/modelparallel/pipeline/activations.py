@@ -200,7 +200,7 @@ def _tree_partition(module: nn.Module, partition_of: dict[int, int]) -> int | No
 
 def _one_partition_parts(name: str, module: nn.Module, partition_of: dict[int, int]) -> list[str]:
     """``name`` if its whole tree runs on one partition; else its largest subtrees that do
-    (a plan cut inside it, :func:`~.partition.auto_plan`'s step 4 or ``smp.set_partition``):
+    (a plan cut inside it, :func:`~..plan.partition.auto_plan`'s step 4 or ``smp.set_partition``):
     each is recomputed where it runs, and the module's own code between them keeps its
     activations."""
     if _tree_partition(module, partition_of) is not None:

@@ -27,7 +27,7 @@ Phase = Literal["F", "B", "I", "W"]
 PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 
 MAIN_PRIORITY = (-1, 0)
-"""The script's own thread, outside the step: before any task (see :mod:`.executor`)."""
+"""The script's own thread, outside the step: before any task (see :mod:`..pipeline.executor`)."""
 _WEIGHTS_LAST = 1 << 30
 """Ranks a weight half after every forward and backward, in either pipeline."""
 

@@ -52,9 +52,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain.modelparallel import deferred
+from dtrain.modelparallel.api.precision import LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
-from dtrain.modelparallel.executor import MicrobatchResult
-from dtrain.modelparallel.precision import LossScaling, half_dtype
+from dtrain.modelparallel.pipeline.executor import MicrobatchResult
 from dtrain.modelparallel.state import MPState
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -173,7 +173,7 @@ class ShardedModel:
 
         This is the one place a unit's tensors exist whole: a model created without memory
         (``smp.delay_param_initialization``) is made here, unit by unit, with its eager values
-        (:mod:`.deferred`, from rank 0's random states), so that no rank ever holds more than
+        (:mod:`..deferred`, from rank 0's random states), so that no rank ever holds more than
         one unsharded unit beside the shards.
         """
         tensors = [

@@ -46,8 +46,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
-from dtrain.modelparallel.policy import Phase, SchedulePolicy, check_pipeline
-from dtrain.modelparallel.scheduler import Scheduler, Work
+from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy, check_pipeline
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent
 
 ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
