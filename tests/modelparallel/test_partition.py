@@ -506,68 +506,6 @@ def test_plans_do_not_follow_timing_noise(
         assert blocks_on(plan, ["blocks."], 4) == [2, 2]
 
 
-def _inside(name: str, module: str) -> bool:
-    return name == module or name.startswith(f"{module}.")
-
-
-def _split_blocks(plan: PartitionPlan, blocks: int) -> list[str]:
-    """The blocks whose modules the plan puts on more than one partition."""
-    return [
-        f"blocks.{b}"
-        for b in range(blocks)
-        if len({o for n, o in plan.owners.items() if _inside(n, f"blocks.{b}")}) > 1
-    ]
-
-
-@pytest.mark.parametrize("kept_whole", [False, True])
-def test_a_memory_plan_cuts_inside_a_block_where_whole_blocks_cannot_balance(
-    real_profiles: dict[str, ModelProfile], kept_whole: bool
-) -> None:
-    """4 blocks on 3 partitions: whole blocks leave one partition with far more parameters; a
-    memory plan cuts inside the block at a cut (checkpointed blocks too, recomputed in parts),
-    a speed plan does not (each such cut adds messages to every microbatch)."""
-    profile = real_profiles["lm"]
-    whole = {f"blocks.{b}" for b in range(4)} if kept_whole else set()
-    memory = auto_plan(profile, 3, memory_weight=0.8, whole=whole)
-    speed = auto_plan(profile, 3, memory_weight=0.2, whole=whole)
-    assert memory.cut_inside == _split_blocks(memory, 4) and len(memory.cut_inside) == 1
-    assert f"cut inside {memory.cut_inside[0]}: the largest partition holds" in str(memory.why())
-    assert _split_blocks(speed, 4) == [] and speed.cut_inside == []
-    assert PartitionPlan.from_dict(json.loads(json.dumps(memory.to_dict()))) == memory
-    largest = max(stage.param_count for stage in memory.stages)
-    assert largest < 0.9 * max(stage.param_count for stage in speed.stages)
-    assert largest < 0.9 * min(
-        max(
-            stage.param_count for stage in costed_plan(profile, 3, owners, memory_weight=0.8).stages
-        )
-        for owners in _whole_block_plans(profile, 3, 4)
-    )
-
-
-def _whole_block_plans(profile: ModelProfile, partitions: int, blocks: int) -> list[dict[str, int]]:
-    """Every contiguous placement of whole blocks, the rest of the model where ``speed`` has it
-    (a plan that keeps blocks whole)."""
-    base = auto_plan(profile, partitions, memory_weight=0.2).owners
-    plans = []
-    for cuts in itertools.combinations(range(1, blocks), partitions - 1):
-        bounds = [0, *cuts, blocks]
-        owners = dict(base)
-        for k, (left, right) in enumerate(itertools.pairwise(bounds)):
-            for b in range(left, right):
-                owners.update({n: k for n in owners if _inside(n, f"blocks.{b}")})
-        plans.append(owners)
-    return plans
-
-
-def test_a_balanced_memory_plan_keeps_its_blocks_whole(
-    real_profiles: dict[str, ModelProfile],
-) -> None:
-    """4 blocks on 4 or 2 partitions balance whole: no cut inside a block."""
-    for partitions in (2, 4):
-        plan = auto_plan(real_profiles["lm"], partitions, memory_weight=0.8)
-        assert _split_blocks(plan, 4) == [], partitions
-
-
 def test_one_layer_timed_three_times_too_slow_moves_nothing(
     real_profiles: dict[str, ModelProfile],
 ) -> None:

@@ -200,9 +200,9 @@ def _tree_partition(module: nn.Module, partition_of: dict[int, int]) -> int | No
 
 def _one_partition_parts(name: str, module: nn.Module, partition_of: dict[int, int]) -> list[str]:
     """``name`` if its whole tree runs on one partition; else its largest subtrees that do
-    (a plan cut inside it, :func:`~..plan.partition.auto_plan`'s step 4 or ``smp.set_partition``):
-    each is recomputed where it runs, and the module's own code between them keeps its
-    activations."""
+    (``smp.set_partition`` placed its parts apart; the automatic planner keeps it whole, or
+    splits it only where a module below it is fixed): each is recomputed where it runs, and the
+    module's own code between them keeps its activations."""
     if _tree_partition(module, partition_of) is not None:
         return [name]
     return [

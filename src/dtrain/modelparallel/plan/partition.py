@@ -40,12 +40,6 @@ operations, then in memory (exact counts, free of noise), among them winning.
    one with the least largest traffic (bytes in and out), then cost, wins.
    The programs are exact because what a partition costs, holds and moves depends only on its
    own segment: the traffic it pays is that of calls with exactly one end on it.
-4. **Cuts inside a module.** Whole atoms may balance badly (16 blocks and an embedding and a
-   head on 4 partitions give the end ones 8% more parameters than a quarter). A memory plan
-   (:data:`MEMORY_LED`) opens the atoms on either side of each cut into their children and cuts
-   again; it takes that plan if it balances clearly better by the exact measures
-   (:data:`FINER_GAIN`, :func:`_exact_balance`). A checkpointed module cut this way is
-   recomputed in parts, each where it runs (:mod:`..pipeline.activations`).
 """
 
 from __future__ import annotations
@@ -184,11 +178,6 @@ class PartitionPlan:
     """Cuts of those parts there were to choose from."""
     cut_choice: list[CutStep] = field(default_factory=list)
     """How :func:`auto_plan` chose the cut, step by step (empty for other plans)."""
-    cut_inside: list[str] = field(default_factory=list)
-    """Modules :func:`auto_plan` cut inside (step 4), their children on several partitions."""
-    whole_balance: float = 0.0
-    """With ``cut_inside``: the largest partition's share of the model (:func:`_exact_balance`)
-    when those modules were whole."""
 
     def owner(self, name: str) -> int:
         """Partition owning module ``name`` (``""`` is the root)."""
@@ -361,14 +350,7 @@ class PartitionPlan:
             verdict = "that decided"
         else:
             verdict = f"{left:,} tie on every measure: the one with the earliest cuts was taken"
-        inside = ""
-        if self.cut_inside:
-            inside = (
-                f"; cut inside {', '.join(self.cut_inside)}: the largest partition holds "
-                f"{_exact_balance(self):.1%} of the model's memory and operations (weighed), "
-                f"{self.whole_balance:.1%} with whole modules only"
-            )
-        return f"why this cut: {'; '.join(parts)}; {verdict}{inside}"
+        return f"why this cut: {'; '.join(parts)}; {verdict}"
 
     def _memory_table(self) -> list[str]:
         """One row per partition: its peak memory by kind, and what the figures assume."""
@@ -476,8 +458,8 @@ def auto_plan(
     bandwidth: float = DEFAULT_BANDWIDTH,
 ) -> PartitionPlan:
     """Place every module so that the costliest partition costs as little as possible; the
-    modules named in ``whole`` (checkpointed as one region) are split only where a module below
-    them is fixed or a memory plan cuts inside them (step 4)."""
+    modules named in ``whole`` (checkpointed as one region) are never split unless a module
+    below them is fixed."""
     fixed = dict(fixed or {})
     _check_weights(memory_weight, bandwidth)
     _check_placements(profile, partitions, fixed)
@@ -487,63 +469,13 @@ def auto_plan(
             "keeps it on partition 0, where the step runs"
         )
     model = _CostModel(profile, memory_weight, bandwidth)
-    coarse, at_cuts = _atom_plan(
-        _Atoms(profile, model, partitions, fixed, set(whole)), model, partitions
-    )
-    if memory_weight <= MEMORY_LED or not at_cuts:
-        return coarse
-    opened = _Atoms(profile, model, partitions, fixed, set(whole), opened=at_cuts)
-    finer, _ = _atom_plan(opened, model, partitions)
-    balance = _exact_balance(coarse)
-    if _exact_balance(finer) >= FINER_GAIN * balance:
-        return coarse
-    cut = [
-        name
-        for name in sorted(at_cuts, key=lambda name: profile.modules[name].order or 0)
-        if len({owner for inner, owner in finer.owners.items() if _within(inner, name)}) > 1
-    ]
-    return dataclasses.replace(finer, cut_inside=cut, whole_balance=balance)
-
-
-MEMORY_LED = 0.5
-"""Plans whose memory weight is above this may cut inside a module (step 4): there the balance
-of parameters decides, which whole modules may not cut finely enough; in a speed plan each
-such cut adds messages to every microbatch's path, which the cost (bytes only) does not
-price."""
-
-FINER_GAIN = 1 - 2 * TIE_TOLERANCE
-"""A plan that cuts inside the modules at the cuts of whole ones is taken when its largest
-partition is below this fraction of theirs (:func:`_exact_balance`): the cut within a module
-sends its inner tensors back and forth, so it has to balance clearly better."""
-
-
-def _exact_balance(plan: PartitionPlan) -> float:
-    """The largest partition's share of the model by the exact measures, memory and operations
-    weighed as time and memory are in the cost: free of timing noise, so that whether a plan cuts
-    inside a module never follows it."""
-    memory = sum(stage.memory_bytes for stage in plan.stages) or 1
-    flops = sum(stage.flops for stage in plan.stages) or 1
-    weight = plan.memory_weight
-    return max(
-        weight * stage.memory_bytes / memory + (1 - weight) * stage.flops / flops
-        for stage in plan.stages
-    )
-
-
-def _atom_plan(atoms: _Atoms, model: _CostModel, partitions: int) -> tuple[PartitionPlan, set[str]]:
-    """The best contiguous cut of ``atoms`` (step 3) as a costed plan, and the modules heading
-    the atoms on either side of each cut."""
+    atoms = _Atoms(profile, model, partitions, fixed, set(whole))
     free = sorted((u for u in atoms.units if u.pin is None), key=lambda u: u.position)
     owners = {name: u.pin for u in atoms.units if u.pin is not None for name in u.members}
     segments, possible, choice = _best_segments(free, atoms, model, partitions)
     for k, segment in enumerate(segments):
         for unit in segment:
             owners.update(dict.fromkeys(unit.members, k))
-    at_cuts = {
-        unit.members[0]
-        for before, after in itertools.pairwise(segments)
-        for unit in (before[-1:] + after[:1])
-    }
     empty = [k for k in range(partitions) if k not in owners.values()]
     warnings = (
         [
@@ -554,16 +486,15 @@ def _atom_plan(atoms: _Atoms, model: _CostModel, partitions: int) -> tuple[Parti
         else []
     )
     plan = costed_plan(
-        model.profile,
+        profile,
         partitions,
         owners,
-        memory_weight=model.memory_weight,
-        bandwidth=model.bandwidth,
+        memory_weight=memory_weight,
+        bandwidth=bandwidth,
         placements=atoms.labels,
         warnings=warnings,
     )
-    plan = dataclasses.replace(plan, placeable=len(free), possible_cuts=possible, cut_choice=choice)
-    return plan, at_cuts
+    return dataclasses.replace(plan, placeable=len(free), possible_cuts=possible, cut_choice=choice)
 
 
 def manual_plan(
@@ -694,9 +625,7 @@ class _CostModel:
     """Per-module time and memory, the traffic of every call, and the normalised cost."""
 
     def __init__(self, profile: ModelProfile, memory_weight: float, bandwidth: float) -> None:
-        self.profile = profile
         self.memory_weight = memory_weight
-        self.bandwidth = bandwidth
         self.time = _pooled_times(profile)
         self.memory = {
             name: PARAMETER_COST_MULTIPLIER * m.param_bytes + m.buffer_bytes + m.activation_bytes
@@ -784,12 +713,10 @@ class _Atoms:
         partitions: int,
         fixed: dict[str, int],
         whole: set[str],
-        opened: Collection[str] = (),
     ) -> None:
         self.profile = profile
         self.fixed = fixed
         self.whole = whole
-        self.opened = opened
         self.cost = {name: model.cost(model.time[name], model.memory[name]) for name in model.time}
         self.share = sum(self.cost.values()) / partitions
         self.units: list[_Unit] = []
@@ -835,11 +762,7 @@ class _Atoms:
             glue is None
             or stats.calls == 0
             or self._fixed_below[name]
-            or (
-                stats.calls == 1
-                and (name in self.opened or name not in self.whole)
-                and (big or name in self._tied_out or name in self.opened)
-            )
+            or (stats.calls == 1 and name not in self.whole and (big or name in self._tied_out))
         )
         for child in stats.children:
             if split:
