@@ -33,11 +33,9 @@ from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.api.precision import HalfParameters, LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.pipeline import activations, solo
-from dtrain.modelparallel.pipeline.executor import MicrobatchResult
 from dtrain.modelparallel.pipeline.group import PipelineGroup
-from dtrain.modelparallel.pipeline.remote import RemoteValue, materialize
-from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
-from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
+from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
+from dtrain.modelparallel.pipeline.split_backward import scaled_grads
 from dtrain.modelparallel.pipeline.stall import default_store
 from dtrain.modelparallel.plan import fit
 from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, manual_plan
@@ -199,18 +197,9 @@ class DistributedModel(nn.Module):
         if scaling is not None and scaling.loss_scale != 1.0:
             scale = (scale or 1.0) * scaling.loss_scale
         if self.sharding is not None:
-            self.sharding.backward(outputs, _scaled(outputs, grads, scale))
+            self.sharding.backward(outputs, scaled_grads(outputs, grads, scale))
             return
-        runtime = self._require_step("model.backward")
-        grads = materialize(grads)  # computed elsewhere: fetch
-        if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
-            runtime.executor.start_backward()  # the request goes out without the token
-            runtime.caller.backward_deferred(outputs[0], grads[0], scale)
-            return
-        outputs = materialize(outputs)
-        grads = _scaled(outputs, grads, scale)
-        with runtime.executor.backward():
-            backward_giving_way(outputs, grads, runtime.executor.give_way)
+        self._require_step("model.backward").backward(outputs, grads, scale)
 
     @property
     def loss_scaling(self) -> LossScaling | None:
@@ -222,7 +211,7 @@ class DistributedModel(nn.Module):
 
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime
-        if runtime is None or runtime.executor.current() is None:
+        if runtime is None or not runtime.in_step():
             raise NotInStepError.used(what)
         return runtime
 
@@ -645,7 +634,7 @@ class DistributedModel(nn.Module):
         ``communication``, also its sends, receives and waits for replies."""
         if self._runtime is None:
             return []
-        return self._runtime.executor.timeline(communication)
+        return self._runtime.timeline(communication)
 
     def export_timeline(self, path: str) -> None:
         """Chrome trace JSON of the last step of the whole pipeline, computations and
@@ -663,15 +652,3 @@ class DistributedModel(nn.Module):
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
-
-
-def _scaled(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
-) -> list[torch.Tensor | None]:
-    """The gradients of ``outputs`` for ``backward``, multiplied by the microbatch ``scale``."""
-    if scale is None:
-        return grads
-    return [
-        (torch.ones_like(out) if g is None else g) * scale
-        for out, g in zip(outputs, grads, strict=True)
-    ]

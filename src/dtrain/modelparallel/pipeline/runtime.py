@@ -38,9 +38,16 @@ from dtrain.modelparallel.pipeline.executor import Executor, MicrobatchResult, T
 from dtrain.modelparallel.pipeline.group import PipelineGroup, RankParts
 from dtrain.modelparallel.pipeline.modes import ComputeMode
 from dtrain.modelparallel.pipeline.owner import Owner
-from dtrain.modelparallel.pipeline.remote import install_stub, materialize, remove_stub
+from dtrain.modelparallel.pipeline.remote import (
+    RemoteValue,
+    install_stub,
+    materialize,
+    remove_stub,
+)
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, scaled_grads
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
+from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
@@ -368,6 +375,29 @@ class PipelineRuntime:
                         f"{self.group.timeout:g} s while waiting for the leader (rank "
                         f"{leader}) to end step {self._steps}"
                     ) from None
+
+    def in_step(self) -> bool:
+        """Whether the calling thread is one of this rank's tasks of a step."""
+        return self.executor.current() is not None
+
+    def backward(self, outputs: list[Any], grads: list[Any], scale: float | None) -> None:
+        """``model.backward`` inside a step. A loss another partition computed and nobody
+        fetched goes to its owner with its gradient in one request; other outputs run their
+        backward here, giving the token away while they wait for remote gradients."""
+        grads = materialize(grads)  # computed elsewhere: fetch
+        if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
+            self.executor.start_backward()  # the request goes out without the token
+            self.caller.backward_deferred(outputs[0], grads[0], scale)
+            return
+        outputs = materialize(outputs)
+        grads = scaled_grads(outputs, grads, scale)
+        with self.executor.backward():
+            backward_giving_way(outputs, grads, self.executor.give_way)
+
+    def timeline(self, communication: bool) -> list[TimelineEvent]:
+        """What this rank computed in the last step; with ``communication``, its sends,
+        receives and waits too."""
+        return self.executor.timeline(communication)
 
     def _close_at_exit(self) -> None:
         """A script that ends without ``smp.shutdown()``: stop together with the peers.
