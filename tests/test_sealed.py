@@ -18,7 +18,8 @@ import torch.distributed as dist
 from dtrain import jobkey
 from dtrain.errors import DtrainError
 from dtrain.jobkey import KEY_ENV, derive_key
-from dtrain.modelparallel.transport import _TAG_HEADER, FAILED, FORWARD, Message, Transport
+from dtrain.modelparallel.transport.message import FAILED, FORWARD, Message
+from dtrain.modelparallel.transport.wire import _TAG_HEADER, Transport
 from dtrain.sealed import (
     EVERY_MEMBER,
     LIMIT_ENV,

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.hooks import Unavailable, hooked_submodules, recording, replay
-from dtrain.modelparallel.transport import flatten
+from dtrain.modelparallel.transport.structure import flatten
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks, sum_step
 

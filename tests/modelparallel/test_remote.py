@@ -24,7 +24,8 @@ from dtrain.modelparallel.pipeline.remote import (
     predictable,
     same_structure,
 )
-from dtrain.modelparallel.transport import OutputRef, TensorRef, flatten
+from dtrain.modelparallel.transport.message import OutputRef, TensorRef
+from dtrain.modelparallel.transport.structure import flatten
 from tests.modelparallel.harness import run_ranks, train_steps
 from tests.modelparallel.models import seeded
 
@@ -409,7 +410,7 @@ class _LossHead(nn.Module):
 
 
 def _train_loss_net(pipeline: str) -> dict[str, Any]:
-    from dtrain.modelparallel import transport
+    from dtrain.modelparallel.transport import wire as transport
 
     streams: list[str] = []
     send_all = transport.Transport.send_all
@@ -562,7 +563,7 @@ def _train_nested_with_a_late_step_end() -> list[float]:
     """Partition 1 gets the leader's step ends late: partition 2's requests of the next step
     reach it first (messages from different peers are not ordered)."""
     from dtrain.modelparallel.pipeline.dispatch import Dispatcher
-    from dtrain.modelparallel.transport import END_STEP
+    from dtrain.modelparallel.transport.message import END_STEP
 
     smp.init({"pipeline_parallel_degree": 3, "microbatches": 2,
               "auto_partition": False, "default_partition": 0})  # fmt: skip

@@ -12,17 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtrain.modelparallel import transport as transport_module
-from dtrain.modelparallel.transport import (
+from dtrain.modelparallel.transport import wire as transport_module
+from dtrain.modelparallel.transport.message import (
     FORWARD,
     REPLY,
     Message,
     TensorMeta,
-    Transport,
-    map_leaves,
     rebuilt_device,
-    resolve,
 )
+from dtrain.modelparallel.transport.structure import map_leaves, resolve
+from dtrain.modelparallel.transport.wire import Transport
 from dtrain.streams import SideStream
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 

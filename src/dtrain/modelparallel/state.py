@@ -91,7 +91,7 @@ class MPState:
     rdp_process_group: dist.ProcessGroup
     pp_message_group: dist.ProcessGroup
     """gloo group of the pipeline for every message of the runtime, tensors included (even on
-    an NCCL world: see :mod:`.transport`)."""
+    an NCCL world: see :mod:`.transport.wire`)."""
     object_groups: dict[str, dist.ProcessGroup] = field(repr=False)
     device: torch.device
     options: RuntimeOptions

@@ -56,7 +56,7 @@ from dtrain.modelparallel.scheduling.schedule import (
     zero_bubble_policy,
 )
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
-from dtrain.modelparallel.transport import error_body
+from dtrain.modelparallel.transport.message import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
 
 if TYPE_CHECKING:

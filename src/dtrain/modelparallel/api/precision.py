@@ -34,7 +34,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel.pipeline.remote import RemoteValue
-from dtrain.modelparallel.transport import map_leaves
+from dtrain.modelparallel.transport.structure import map_leaves
 
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """``smp.init`` parameters that make the model half, and the dtype each gives."""

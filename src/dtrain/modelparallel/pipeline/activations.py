@@ -42,7 +42,7 @@ from torch import nn
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.transport import flatten, unflatten
+from dtrain.modelparallel.transport.structure import flatten, unflatten
 
 
 @dataclass(frozen=True)

@@ -40,16 +40,15 @@ from dtrain.modelparallel.pipeline.remote import (
 )
 from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
 from dtrain.modelparallel.pipeline.stall import WaitBoard
-from dtrain.modelparallel.transport import (
+from dtrain.modelparallel.transport.message import (
     BACKWARD,
     FETCH,
     FORWARD,
     Message,
     Pending,
     TensorMeta,
-    flatten,
-    map_leaves,
 )
+from dtrain.modelparallel.transport.structure import flatten, map_leaves
 
 MAX_PREDICTIONS = 4096
 """Output structures remembered per rank (a module called with ever new non-tensor arguments,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.modelparallel.pipeline.executor import Executor
-from dtrain.modelparallel.transport import Transport
+from dtrain.modelparallel.transport.wire import Transport
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.transport import TensorRef, map_leaves
+from dtrain.modelparallel.transport.message import TensorRef
+from dtrain.modelparallel.transport.structure import map_leaves
 
 Record = tuple[str, tuple[Any, ...], dict[str, Any], Any]
 """One recorded call: the submodule's name, its positional and keyword arguments, its output."""

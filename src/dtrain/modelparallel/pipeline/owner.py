@@ -36,7 +36,7 @@ from dtrain.modelparallel.pipeline.modes import ComputeMode
 from dtrain.modelparallel.pipeline.remote import check_prediction, materialize, resolve_output
 from dtrain.modelparallel.pipeline.split_backward import WeightHalf, backward_inputs_first
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
-from dtrain.modelparallel.transport import (
+from dtrain.modelparallel.transport.message import (
     BACKWARD,
     ERROR,
     FETCH,
@@ -45,10 +45,8 @@ from dtrain.modelparallel.transport import (
     Message,
     OutputRef,
     error_body,
-    flatten,
-    map_leaves,
-    unflatten,
 )
+from dtrain.modelparallel.transport.structure import flatten, map_leaves, unflatten
 
 CallKey = tuple[int, int]
 """A served call: (caller's global rank, call id)."""

@@ -11,7 +11,7 @@ the owner. The owner keeps what it computed; the caller gets either the outputs 
 * **Deferred** (later calls): the outputs will have the structure the previous call's had, so
   the stub returns at once with a :class:`RemoteValue` at each tensor of that structure, and the
   owner replies only if the call fails. A deferred value passed to another module of the same
-  owner travels as a reference (:class:`~dtrain.modelparallel.transport.OutputRef`): the owner
+  owner travels as a reference (:class:`~..transport.message.OutputRef`): the owner
   uses its own tensor, and the calls chain on the owner, in its autograd graph, without a round
   trip through the caller. Anything else the caller does with it (an operator, a torch function,
   an attribute, another rank's module, a module of its own) fetches it first, again through a
@@ -42,17 +42,14 @@ from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.options import DEFER_ENV
-from dtrain.modelparallel.transport import (
+from dtrain.modelparallel.transport.message import (
     Message,
     OutputRef,
     Pending,
     TensorMeta,
     TensorRef,
-    map_leaves,
-    map_with_path,
-    resolve,
-    unflatten,
 )
+from dtrain.modelparallel.transport.structure import map_leaves, map_with_path, resolve, unflatten
 
 LeafId = tuple[int, int]
 """An input the caller sent: (call id, index among that call's tensors)."""

@@ -48,21 +48,20 @@ from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, sc
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
-from dtrain.modelparallel.transport import (
+from dtrain.modelparallel.transport.message import (
     BACKWARD,
     END_STEP,
     FETCH,
     FORWARD,
     NOTICE,
     Message,
-    Transport,
     error_body,
-    flatten,
-    unflatten,
 )
+from dtrain.modelparallel.transport.structure import flatten, unflatten
+from dtrain.modelparallel.transport.wire import Transport
 
 Stream = list[tuple[Message, list[torch.Tensor]]]
-"""Messages one receive brought, in order (see :mod:`..transport`)."""
+"""Messages one receive brought, in order (see :mod:`..transport.wire`)."""
 _POLL_S = 0.5
 _EXIT_WAIT_S = 60.0
 """Longest a rank that reaches the end of its script waits for its peers to reach theirs."""
