@@ -308,7 +308,7 @@ class RemoteCaller:
     ) -> list[torch.Tensor | None]:
         """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
         task = self.executor.current()
-        if task is not None and task.remote_nodes[record.owner]:
+        if task is not None and task.sends_backward_to(record.owner):
             task.remote_nodes[record.owner] -= 1
         _, input_grads = self._backward_request(record, path, leaves, grads, {})
         return input_grads
@@ -324,7 +324,7 @@ class RemoteCaller:
         leaves, inputs = record.closure()
         task = self.executor.current()
         # The owner's last backward of the microbatch unless the graph here may send more.
-        last = task is not None and not task.remote_nodes[record.owner]
+        last = task is not None and not task.sends_backward_to(record.owner)
         fetched, input_grads = self._backward_request(
             record, value.path, leaves, [grad], {"fetch": True, "scale": scale, "last": last}
         )

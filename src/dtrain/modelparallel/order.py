@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dtrain.modelparallel.rules import plan_phase
+
 Key = tuple[str, int]
 """An action: ``("F" | "B" | "W", microbatch)``."""
 
 
 def action_key(phase: str, microbatch: int) -> Key:
-    return ("B" if phase == "I" else phase, microbatch)
+    return (plan_phase(phase), microbatch)
 
 
 @dataclass

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.modelparallel.order import PlanOrder
-from dtrain.modelparallel.policy import MAIN_PRIORITY, Phase, SchedulePolicy
+from dtrain.modelparallel.policy import MAIN_PRIORITY, SchedulePolicy
+from dtrain.modelparallel.rules import Phase, is_gradient
 
 Role = Literal["main", "leader", "serve"]
 Key = tuple[int, int]
@@ -59,6 +60,11 @@ class Work:
         chain, or what is left after its last remote backward): it feeds nobody, so it yields
         to forwards, which feed the other stages."""
         return self.role == "leader" and self.phase == "B" and not any(self.remote_nodes.values())
+
+    def sends_backward_to(self, owner: int) -> bool:
+        """Whether this work's backward will still send ``owner`` a request (the one rule
+        behind :attr:`terminal` and an owner's last backward of a microbatch)."""
+        return self.remote_nodes[owner] > 0
 
     def describe(self) -> str:
         if self.role == "main":
@@ -256,7 +262,7 @@ class Scheduler:
         if work.role == "serve" and self.rank == 0:
             return "on partition 0, called from another partition"
         if work.role == "serve" and over:
-            what = "backward" if work.phase in ("B", "I") else "forward"
+            what = "backward" if is_gradient(work.phase) else "forward"
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
 
