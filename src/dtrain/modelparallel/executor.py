@@ -107,6 +107,8 @@ class Executor:
         self._progress = time.monotonic()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
+        self._microbatches = 0
+        """The leader's step in progress admits this many in all."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -174,13 +176,15 @@ class Executor:
             task.started = self._now()
             self._progress = time.monotonic()
 
-    def release(self, task: Task) -> None:
+    def release(self, task: Task, grant: bool = True) -> None:
+        """``task`` gives the token back; it goes on at once unless not ``grant``."""
         with self._cv:
             self.core.release(task)
             self._record(task)
             task.holding = False
             self._progress = time.monotonic()
-            self._grant()
+            if grant:
+                self._grant()
 
     def _record(self, task: Task) -> None:
         """The holder's computation up to now, as a timeline event."""
@@ -424,6 +428,7 @@ class Executor:
         outcomes: list[MicrobatchResult] = [(False, None)] * count
         with self._cv:
             core.begin_step()
+            self._microbatches = count
         self.release(self.main)
         try:
             for mb in range(count):
@@ -461,14 +466,22 @@ class Executor:
         except BaseException as exc:
             outcomes[mb] = (False, exc)
         finally:
-            if task.holding:
-                self.release(task)
             self._local.task = previous
             with self._cv:
+                if task.holding:
+                    self.release(task, grant=False)
                 self.core.finished(task)
                 self._progress = time.monotonic()
-                self._grant()
+                if not self._admits_next():
+                    self._grant()
                 self._cv.notify_all()
+
+    def _admits_next(self) -> bool:
+        """The main thread is about to admit a microbatch (call with the lock held): it queues
+        for the token before the token goes on, as the plan has it (a forward, which feeds the
+        other stages, before a terminal backward)."""
+        core = self.core
+        return core.leading and core.admitted < self._microbatches and core.may_admit()
 
     def start_backward(self) -> Task | None:
         """A microbatch task turns to its backward: the policy's hold.
