@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,17 @@ from dtrain.modelparallel.scheduler import Scheduler, Work
 
 STEP = 1
 _INSTANT = 1e-9
+
+
+def random_costs(rng: random.Random, stages: int) -> Costs:
+    """Uneven stages, backwards dearer than forwards on average, some message latency."""
+    return Costs.per_stage(
+        stages,
+        [rng.uniform(0.2, 2.0) for _ in range(stages)],
+        [rng.uniform(0.3, 4.0) for _ in range(stages)],
+        rng.choice([0.0, 0.1, 0.5]),
+        0.2,
+    )
 
 
 class RuntimeDeadlock(AssertionError):

@@ -21,6 +21,7 @@ from dtrain.modelparallel.rules import (
     sends,
 )
 from dtrain.modelparallel.schedule import Costs, build_schedule, check, simulate
+from tests.modelparallel.runtime_model import random_costs
 
 # kind, stage (of 3) -> what it needs, as "kind@offset".
 NEEDS = [
@@ -150,13 +151,7 @@ def test_every_ranks_flight_lies_inside_the_leaders() -> None:
     rng = random.Random(7)
     for _ in range(40):
         stages, microbatches = rng.randint(2, 4), rng.randint(2, 7)
-        costs = Costs.per_stage(
-            stages,
-            [rng.uniform(0.2, 2) for _ in range(stages)],
-            [rng.uniform(0.3, 4) for _ in range(stages)],
-            rng.choice([0.0, 0.3]),
-            0.2,
-        )
+        costs = random_costs(rng, stages)
         active = rng.randint(1, microbatches)
         timed = simulate(
             build_schedule("interleaved", stages, microbatches, active, costs=costs), costs

@@ -8,7 +8,7 @@ import random
 
 from dtrain.modelparallel.policy import SchedulePolicy
 from dtrain.modelparallel.schedule import Costs, schedule_of, zero_bubble_policy
-from tests.modelparallel.runtime_model import RuntimeModel
+from tests.modelparallel.runtime_model import RuntimeModel, random_costs
 
 Order = list[list[tuple[str, int]]]
 
@@ -27,13 +27,7 @@ def test_random_costs_give_the_plans_order_on_every_rank() -> None:
     compared = 0
     for _ in range(120):
         stages, microbatches = rng.randint(1, 4), rng.randint(1, 8)
-        costs = Costs.per_stage(
-            stages,
-            [rng.uniform(0.2, 2.0) for _ in range(stages)],
-            [rng.uniform(0.3, 4.0) for _ in range(stages)],
-            rng.choice([0.0, 0.1, 0.5]),
-            0.2,
-        )
+        costs = random_costs(rng, stages)
         pipeline = rng.choice(["simple", "interleaved"])
         policy = SchedulePolicy.for_config(pipeline, microbatches, rng.randint(1, microbatches))
         policy = zero_bubble_policy(policy, stages, costs)
