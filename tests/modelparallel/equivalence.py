@@ -75,6 +75,12 @@ CASES: dict[str, Case] = {
         _lm_batch,
         lambda model, ids, labels: model(ids, labels=labels)["loss"],
     ),
+    "lm3": Case(  # a chain of three partitions: activations relay through the leader
+        lambda: ResidualTransformerLM(seed=0, tie_weights=False),
+        {"blocks.1": 1, "blocks.2": 2, "blocks.3": 2, "ln_f": 2, "lm_head": 2},
+        _lm_batch,
+        lambda model, ids, labels: model(ids, labels=labels)["loss"],
+    ),
     "branchy": Case(
         lambda: BranchyNet(seed=0),
         {"negative": 1, "shared": 1, "pair": 1},

@@ -75,10 +75,25 @@ class RuntimeModel:
     the order they started."""
 
     def __init__(
-        self, policy: SchedulePolicy, stages: int, costs: Costs, plan: Schedule | None = None
+        self,
+        policy: SchedulePolicy,
+        stages: int,
+        costs: Costs,
+        plan: Schedule | None = None,
+        moved_on: bool = True,
+        fetched_loss: bool = False,
     ) -> None:
-        """``plan``: every rank follows its row (``deterministic_server``)."""
+        """``plan``: every rank follows its row (``deterministic_server``). Not ``moved_on``:
+        a stage learns that its forward of a microbatch is over only once the whole forward
+        is (as the runtime did before it said so as the leader's forward moved on).
+        ``fetched_loss``: the leader computes the loss from the last stage's outputs, which it
+        fetches; its backward then takes its turn on the first stage before it sends the
+        backward request (the loss's backward is its own), and keeps it until its task ends."""
         self.policy, self.stages, self.costs = policy, stages, costs
+        self.moved_on = moved_on
+        self.fetched_loss = fetched_loss and stages > 1
+        self.requesting: set[int] = set()
+        """Leader tasks whose next computation is their loss's backward, then the request."""
         rows = [None] * stages
         if plan is not None:
             rows = [
@@ -138,8 +153,11 @@ class RuntimeModel:
         if where is not None:
             raise AssertionError(f"{work.describe()} would compute {where}")
         rank.computing = stream
-        rank.order.append((work.phase, work.microbatch))
-        self._at(self.costs.of(work.phase, stage), stage, lambda: self._computed(stage, stream))
+        if rank.order[-1:] != [(work.phase, work.microbatch)]:  # one action's periods once
+            rank.order.append((work.phase, work.microbatch))
+        cost = 0.0 if stage == 0 and work.microbatch in self.requesting else None
+        cost = self.costs.of(work.phase, stage) if cost is None else cost
+        self._at(cost, stage, lambda: self._computed(stage, stream))
 
     def _ask(self, stage: int, stream: Stream) -> None:
         """The stream's task asks for the token (its thread started, or it waited)."""
@@ -189,10 +207,17 @@ class RuntimeModel:
 
     def _leader_computed(self, work: Work) -> None:
         mb = work.microbatch
+        if work.phase == "B" and mb in self.requesting:  # it waits for the last stage
+            self.requesting.discard(mb)
+            work.remote_nodes.clear()
+            self._release(0, work)
+            last = self.stages - 1
+            self._at(self.costs.comm, last, lambda: self._backward(last, mb))
+            return
         if work.phase == "B":  # the task ends: the next microbatch is admitted first
             self.leader.release(work)
             self.leader.finished(work)
-            self._notify(lambda core: core.end_microbatch(STEP, mb))
+            self._notify(range(1, self.stages), lambda core: core.end_microbatch(STEP, mb))
             self._admit()
             self._grant(0)
             return
@@ -208,11 +233,12 @@ class RuntimeModel:
         self._send_forward(0, mb)
 
     def _start_backward(self, mb: int) -> list[int]:
-        """The leader's task turns to its backward: the forward is over on every rank. The
-        microbatches whose backward ``simple``'s hold lets begin now."""
+        """The leader's task turns to its backward: the forward is over on every rank (the
+        others learn it in a notice after the requests). The microbatches whose backward
+        ``simple``'s hold lets begin now."""
         self.leader.forward_done(mb)
         self.leader.end_action(STEP, "F", mb)
-        self._notify(lambda core: core.end_action(STEP, "F", mb))
+        self._notify(range(1, self.stages), lambda core: core.end_action(STEP, "F", mb))
         self.tasks[mb].phase = "B"
         self.held.append(mb)
         if not self.leader.backward_may_start():
@@ -220,8 +246,11 @@ class RuntimeModel:
         due, self.held = sorted(self.held), []
         return due
 
-    def _notify(self, end: Callable[[Scheduler], bool]) -> None:
-        for stage in range(1, self.stages):
+    def _notify(self, stages: range, end: Callable[[Scheduler], bool]) -> None:
+        """The leader's notice reaches ``stages`` (sent only with a plan order)."""
+        if self.leader.plan is None:
+            return
+        for stage in stages:
             core = self.ranks[stage].core
 
             def arrive(stage: int = stage, core: Scheduler = core) -> None:
@@ -236,18 +265,26 @@ class RuntimeModel:
         """``mb``'s activations go to the next stage; arriving at the last one, the leader's
         backward request travels with them (once ``simple``'s hold lets it)."""
         last = self.stages - 1
-        phases: list[Phase] = ["F"]
-        due: list[int] = []
-        if stage + 1 == last:
+        stream = Stream(Work("serve", mb, "F", step=STEP), ["F"])
+        self._at(self.costs.comm, stage + 1, lambda: self._arrive(stage + 1, stream))
+        if stage > 0 and self.moved_on:  # the leader's forward moves on from here: it says so
+            self._notify(range(stage, stage + 1), lambda core: core.end_action(STEP, "F", mb))
+        if stage + 1 == last and not self.fetched_loss:
+            # Its backward request, then the held ones, follow the activations.
             due = self._start_backward(mb)
             if mb in due:
-                phases.append(self._backward_phase(last, mb))
+                stream.phases.append(self._backward_phase(last, mb))
                 due.remove(mb)
-        stream = Stream(Work("serve", mb, "F", step=STEP), phases)
-        self._at(self.costs.comm, stage + 1, lambda: self._arrive(stage + 1, stream))
-        if stage + 1 == last:  # the held requests leave after the activations
             for other in due:
                 self._at(self.costs.comm, last, lambda other=other: self._backward(last, other))
+
+    def _loss_fetched(self, mb: int) -> None:
+        """The leader has the last stage's outputs of ``mb``: its task turns to its backward,
+        and each one ``simple``'s hold lets go asks for the token to begin it."""
+        for due in self._start_backward(mb):
+            self.requesting.add(due)
+            self.tasks[due].remote_nodes[self.stages - 1] += 1  # not terminal yet
+            self._ask(0, Stream(self.tasks[due], ["B"]))
 
     def _backward_phase(self, stage: int, mb: int) -> Phase:
         return backward_phases(self.policy.splits_backward(stage, mb))[0]
@@ -291,6 +328,8 @@ class RuntimeModel:
                 self._ask(stage, stream)
             if stage < self.stages - 1:
                 self._send_forward(stage, mb)
+            elif self.fetched_loss:
+                self._at(self.costs.comm, 0, lambda: self._loss_fetched(mb))
             return
         if phase == "W":
             return

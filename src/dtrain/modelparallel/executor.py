@@ -72,6 +72,8 @@ class Task(Work):
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
+    called: int | None = None
+    """The partition a leader task's forward called last."""
 
 
 class Executor:

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dtrain.modelparallel.order import PlanOrder
+from dtrain.modelparallel.order import Key as ActionKey
+from dtrain.modelparallel.order import PlanOrder, action_key
 from dtrain.modelparallel.policy import MAIN_PRIORITY, SchedulePolicy
 from dtrain.modelparallel.rules import Phase, is_gradient
 
@@ -222,18 +223,31 @@ class Scheduler:
         return self.order(work.step).admits(work.phase, work.microbatch)
 
     def order(self, step: int) -> PlanOrder:
-        """The plan's order for ``step``; the orders of steps two or more before are dropped."""
+        """The plan's order for ``step``, moved on past every ended action no work here still
+        belongs to; the orders of steps two or more before are dropped."""
         assert self.plan is not None
         order = self._orders.get(step)
         if order is None:
             order = self._orders[step] = PlanOrder.of(self.plan)
             for old in [s for s in self._orders if s < step - 1]:
                 del self._orders[old]
+        order.advance(lambda key: self._busy(step, key))
         return order
 
+    def _busy(self, step: int, key: ActionKey) -> bool:
+        """Whether work of action ``key`` in ``step`` is announced, waiting or computing here."""
+        works = [*(e.work for e in self._waiting), *self._announced, self.holder]
+        return any(
+            w is not None
+            and w.role != "main"
+            and w.step == step
+            and action_key(w.phase, w.microbatch) == key
+            for w in works
+        )
+
     def end_action(self, step: int, phase: str, microbatch: int) -> bool:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over; whether a plan
-        order moved on (the token may then go on)."""
+        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over once no work of it
+        is left here; whether there is a plan order (the token may then go on)."""
         if self.plan is None:
             return False
         self.order(step).end(phase, microbatch)
