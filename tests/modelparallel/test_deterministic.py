@@ -12,7 +12,7 @@ import torch.distributed as dist
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.executor import Executor, Task
 from dtrain.modelparallel.policy import SchedulePolicy
-from tests.modelparallel.equivalence import CASES, case_pipeline, reference, replica_rows
+from tests.modelparallel.equivalence import ALL_CASES, case_pipeline, reference, replica_rows
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
 
@@ -34,7 +34,7 @@ def _train_in_plan_order(case_name: str, partitions: int = 2) -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": partitions, "microbatches": MICROBATCHES,
               "auto_partition": False, "default_partition": 0, "deterministic_server": True,
               "ddp": dist.get_world_size() > partitions})  # fmt: skip
-    case = CASES[case_name]
+    case = ALL_CASES[case_name]
     model, step = case_pipeline(case, auto=False)
     losses, orders = [], []
     for index in range(STEPS):

@@ -258,7 +258,7 @@ class Scheduler:
 
     def waits(self, work: Work) -> bool:
         """``work`` waits for another rank: a leader's forward has then left partition 0, and
-        its action is over. Whether a plan order moved on."""
+        its action is over. Whether there is a plan order (the token may then go on)."""
         if work.role == "leader" and work.phase == "F":
             return self.end_action(work.step, "F", work.microbatch)
         return False
@@ -301,7 +301,7 @@ class Scheduler:
         """The leader's task of ``microbatch`` is over: so are this rank's forward and backward
         of it, and its weight half unless one is still owed (it was owed before the backward
         replied, so the end that reply leads to is not taken for the end of the weights).
-        Whether a plan order moved on."""
+        Whether there is a plan order (the token may then go on)."""
         if self.plan is None:
             return False
         for phase in ("F", "B"):
