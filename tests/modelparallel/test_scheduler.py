@@ -321,3 +321,14 @@ def test_an_end_that_overtakes_its_work_waits_for_it() -> None:
     assert core.grant() is forward and core.off_plan(forward) is None
     core.release(forward)
     assert core.order(0).describe() == "F1" and core.grant() is next_forward
+
+
+def test_announced_work_out_of_turn_does_not_hold_up_the_turn() -> None:
+    """Regression (a deadlock in the pipeline benchmark): a backward request dispatched before
+    the forward whose turn comes first was announced, and, more urgent, kept the forward from
+    the token, while its own thread waited for its turn after that forward."""
+    core = _core(plan=(("F", 1), ("B", 3)), rank=1)
+    backward, forward = _work("B3"), _work("F1")
+    core.announce(backward)
+    core.submit(forward)
+    assert core.grant() is forward

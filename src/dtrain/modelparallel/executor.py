@@ -209,14 +209,12 @@ class Executor:
         """What holds the token now, and for how long (for stall reports)."""
         with self._cv:
             holder = self.core.holder
-            if not isinstance(holder, Task):
-                return "nothing computes (the compute token is free)"
-            held = self._now() - holder.started
             waiting = self.core.waiting
-            turn = ""
-            if self.core.plan is not None and holder.role != "main":
-                current = self.core.order(holder.step).describe()
-                turn = f"; in the plan's order it is the turn of {current}"
+            turn = self.core.turn()
+            turn = f"; in the plan's order it is the turn of {turn}" if turn else ""
+            if not isinstance(holder, Task):
+                return f"nothing computes (the compute token is free, {waiting} wait){turn}"
+            held = self._now() - holder.started
         what = holder.describe()
         if holder.role != "main":
             what += f" computing {holder.name!r}" if holder.recording else " between computations"

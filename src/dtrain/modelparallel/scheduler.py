@@ -158,14 +158,16 @@ class Scheduler:
 
     def eligible(self) -> list[Waiter]:
         """The waiters the token may go to: not one submitted after announced work at least as
-        urgent; while the main task waits and weight halves are owed, only those; with a plan
-        order, only the current action's."""
+        urgent (with a plan order, announced work in its turn); while the main task waits and
+        weight halves are owed, only those; with a plan order, only the current action's."""
         waiting = self._waiting
         if self.weights_owed and any(entry.work is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry.work.phase == "W"]
         if not self._announced and self.plan is None:
             return list(waiting)
-        ahead = self._announced.values()
+        # Out of turn, announced work would hold up the turn it waits for (a backward request
+        # dispatched before the forward it follows: a deadlock).
+        ahead = [a for a in self._announced.values() if self.in_turn(a.work)]
         return [
             entry
             for entry in waiting
@@ -233,6 +235,13 @@ class Scheduler:
                 del self._orders[old]
         order.advance(lambda key: self._busy(step, key))
         return order
+
+    def turn(self) -> str | None:
+        """The plan order's current action in the latest step begun here (None: no plan)."""
+        if self.plan is None or not self._orders:
+            return None
+        step = max(self._orders)
+        return f"{self.order(step).describe()} of step {step}"
 
     def _busy(self, step: int, key: ActionKey) -> bool:
         """Whether work of action ``key`` in ``step`` is announced, waiting or computing here."""
