@@ -63,7 +63,7 @@ from torch import nn
 import dtrain.modelparallel as smp
 from dtrain.jobkey import KEY_ENV
 from dtrain.modelparallel.options import SPLIT_ENV
-from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
+from dtrain.modelparallel.scheduling.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
 GLOBAL_BATCH, SEQ = 16, 128
 STAGES = 2

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.launch.processes import marked_processes
+
 JOB_SCRIPTS = Path(__file__).parent / "job_scripts"
 
 
@@ -64,25 +66,9 @@ def dtrain(
 
 
 def processes_of_job(job_name: str) -> list[int]:
-    """Pids of every live process started for ``job_name``.
-
-    They are found by the environment we gave them.
-    """
-    marker = f"DTRAIN_JOB_NAME={job_name}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                state = handle.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in environ and state != b"Z":
-            found.append(int(entry))
-    return found
+    """Pids of every live process started for ``job_name``, found by the environment we gave
+    them."""
+    return marked_processes(f"DTRAIN_JOB_NAME={job_name}".encode())
 
 
 S3_KEYS = ["train/part-0.csv", "train/part-1.csv", "train/sub/part-2.csv", "train/part-3.csv"]

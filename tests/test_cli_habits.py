@@ -23,7 +23,9 @@ from dtrain.jobs.describe import describe
 from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
+from dtrain.launch.job import default_job_name, generated_base
 from dtrain.launch.submit import rerun_spec
+from dtrain.procfs import running
 from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,15 +37,6 @@ print("args", json.dumps({"argv": sys.argv[1:], "name": __name__, "file": __file
 """
 SCRIPT_ARGS = ["--epochs", "1", "--name", "two words", "--"]
 EXPECTED_ARGV = ["--epochs", "5", *SCRIPT_ARGS]  # the hyperparameters' first
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie waiting for its parent to reap it has too)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 90) -> None:
@@ -69,7 +62,7 @@ def store_of(home: Path) -> Iterator[JobStore]:
         for pid in running:  # a finished job's process id may be another's by now
             os.kill(pid, signal.SIGTERM)
         for pid in running:
-            _wait(lambda pid=pid: _gone(pid), f"controller {pid} to exit")
+            _wait(lambda pid=pid: not running(pid), f"controller {pid} to exit")
         for record in records:
             _wait(lambda r=record: not processes_of_job(r.name), f"{record.name}'s ranks")
         if previous is None:
@@ -190,6 +183,23 @@ def test_rerun_names() -> None:
         assert rerun_spec(record, "named").job_name == "named"
 
 
+def test_a_generated_name_gives_back_its_base() -> None:
+    for base, cleaned in [("demo", "demo"), ("my script.py", "my-script-py"), ("--", "job")]:
+        name = default_job_name(base)
+        assert re.fullmatch(rf"{cleaned}-\d{{4}}(-\d\d){{5}}-\d{{3}}", name)
+        assert generated_base(name) == cleaned
+    for name, base in [
+        ("demo-2026-11-25-10-00-00-000", "demo"),
+        ("a-b-2026-01-02-03-04-05-999", "a-b"),
+        ("habits", "habits"),
+        ("2026-11-25-10-00-00-000", "2026-11-25-10-00-00-000"),  # no base
+        ("demo-2026-13-25-10-00-00-000", "demo-2026-13-25-10-00-00-000"),  # no 13th month
+        ("demo-2026-1-25-10-00-00-0000", "demo-2026-1-25-10-00-00-0000"),  # not as written
+        ("demo-2026-11-25-10-00-00-00", "demo-2026-11-25-10-00-00-00"),
+    ]:
+        assert generated_base(name) == base, name
+
+
 def test_durations() -> None:
     assert parse_duration("--older-than", "7d") == 7 * 86400
     assert parse_duration("--older-than", "1d12h") == 36 * 3600
@@ -245,6 +255,19 @@ def test_rm_refuses_unknown_names_and_foreign_folders(
     assert elsewhere.exists() and [r.name for r in store.list()] == ["kept"]
 
 
+def test_rm_force_gives_up_on_a_job_that_does_not_stop(
+    dtrain_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = JobStore()
+    store.create("stuck", JobSpec("t.py", "stuck").to_json(), dtrain_home / "jobs" / "stuck")
+    monkeypatch.setattr("dtrain.jobs.cleanup.STOP_WAIT", 0.05)
+    assert main(["rm", "--force", "stuck"]) == 2  # no controller ever marks it Stopped
+    assert capsys.readouterr().err.endswith(
+        "job stuck is still Stopping after 0.05 s; run dtrain rm again once it has stopped\n"
+    )
+    assert store.get("stuck").status == "Stopping"
+
+
 # --- with jobs --------------------------------------------------------------------------------
 
 
@@ -283,7 +306,7 @@ def test_a_detached_module_job_gets_its_script_arguments(finished: tuple[Path, s
     with store_of(home) as store:
         record = store.get("habits")
         assert record.status == "Completed"
-        _wait(lambda: _gone(record.supervisor_pid), "the controller to exit")
+        _wait(lambda: not running(record.supervisor_pid), "the controller to exit")
         assert processes_of_job("habits") == []
         spec = JobSpec.from_json(record.spec)
         assert spec.module and spec.entry_point == "pkg.show_args"
@@ -352,7 +375,7 @@ def test_stop_and_remove_detached_jobs(tmp_path: Path) -> None:
         assert forced.stdout.startswith("removed second (Stopped, ")
         assert store.list() == [] and list((home / "jobs").iterdir()) == []
         for pid in controllers:
-            _wait(lambda pid=pid: _gone(pid), f"controller {pid} to exit")
+            _wait(lambda pid=pid: not running(pid), f"controller {pid} to exit")
         assert processes_of_job("first") == processes_of_job("second") == []
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.errors import ConfigError, JobFailedError
+from dtrain.errors import ConfigError, DtrainError, JobFailedError
 from dtrain.estimator import PyTorch, TrainingInput
+from dtrain.jobs.store import JobStore
 from tests.conftest import JOB_SCRIPTS, processes_of_job
 
 
@@ -135,6 +136,14 @@ def test_fit_without_wait_then_wait_and_failure_raises(dtrain_home: Path) -> Non
         job.wait(logs=False)
     assert job.describe()["TrainingJobStatus"] == "Failed"
     assert processes_of_job("background-failure") == []
+
+
+def test_fit_without_wait_raises_when_the_job_cannot_start(dtrain_home: Path) -> None:
+    JobStore().create("taken", "{}", dtrain_home / "elsewhere")
+    estimator = PyTorch(entry_point="raises.py", source_dir=str(JOB_SCRIPTS))
+    with pytest.raises(DtrainError, match=r"^job taken did not start: .*'taken' is already used"):
+        estimator.fit(wait=False, job_name="taken")
+    assert estimator.latest_training_job is None
 
 
 def test_fit_validates_before_launching(dtrain_home: Path) -> None:

@@ -251,3 +251,25 @@ def test_a_wrapper_finds_the_jobs_python_and_the_sagemaker_base_dir(
     assert f"python {sys.executable}" in result.stdout
     host = dtrain_home / "jobs" / "wrapped" / "hosts" / "algo-1"
     assert f"base dir {host}" in result.stdout
+
+
+def test_output_folders_others_can_write_are_refused_before_launch(
+    dtrain_home: Path, source: Path, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    for fields, key in [
+        ({"output_path": str(shared)}, "output_path"),
+        (
+            {"tensorboard_output_config": {"S3OutputPath": shared.as_uri()}},
+            "tensorboard_output_config.S3OutputPath",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^{key}: .*can be written by its group or others"):
+            prepare(spec(source, **fields))
+    shared.chmod(0o700)
+    prepared = prepare(spec(source, output_path=str(shared), tensorboard_output_config={
+        "S3OutputPath": str(shared)
+    }))  # fmt: skip
+    assert prepared.output_url == prepared.tensorboard_url == shared.as_uri()

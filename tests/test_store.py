@@ -10,7 +10,7 @@ import pytest
 
 from dtrain.errors import DtrainError
 from dtrain.jobs.metrics import MetricSample
-from dtrain.jobs.store import JobStore
+from dtrain.jobs.store import JobStore, StillRunning
 
 
 def _writer(path: str, name: str, count: int) -> None:
@@ -63,6 +63,35 @@ def test_stop_request_and_terminal_jobs(tmp_path: Path) -> None:
     store.update("j", status="Stopped", secondary_status="Stopped")
     with pytest.raises(DtrainError, match="already Stopped"):
         store.request_stop("j")
+
+
+def test_wait_returns_the_record_the_job_ended_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    store.create("j", "{}", tmp_path)
+    polls: list[float] = []
+
+    def poll(seconds: float) -> None:  # the job ends while the second poll waits
+        polls.append(seconds)
+        if len(polls) == 2:
+            store.update("j", status="Stopped", secondary_status="Stopped")
+
+    monkeypatch.setattr("dtrain.jobs.store.time.sleep", poll)
+    record = store.wait("j", poll=0.5)
+    assert (record.name, record.status, polls) == ("j", "Stopped", [0.5, 0.5])
+    assert store.wait("j", timeout=0) == record  # an ended job: at once, whatever the timeout
+
+
+def test_wait_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.db")
+    store.create("j", "{}", tmp_path)
+    store.request_stop("j")
+    with pytest.raises(StillRunning, match=r"^job j is still Stopping after 0.05 s$") as caught:
+        store.wait("j", timeout=0.05, poll=0.01)
+    assert caught.value.record.status == "Stopping" and caught.value.waited == 0.05
+    with pytest.raises(DtrainError, match="no job named 'k'"):
+        store.wait("k")
 
 
 def test_job_with_dead_supervisor_is_marked_failed(tmp_path: Path) -> None:

@@ -526,7 +526,7 @@ def _logs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _stop(name: str, poll_interval: float = 0.2) -> int:
+def _stop(name: str) -> int:
     """As ``docker stop`` does: ask, say so, and return once the job has ended (its ranks
     stopped, what ``model/`` held uploaded), printing the status it ended in."""
     from dtrain.jobs.store import JobStore
@@ -535,8 +535,7 @@ def _stop(name: str, poll_interval: float = 0.2) -> int:
     store.request_stop(name)
     print(f"Stopping {name} ...", flush=True)
     try:
-        while not (record := store.get(name)).is_terminal:
-            time.sleep(poll_interval)
+        record = store.wait(name)
     except KeyboardInterrupt:
         print(f"dtrain: {name} is still stopping (see dtrain jobs)", file=sys.stderr)
         return EXIT_STOPPED
@@ -634,8 +633,8 @@ def _check_choice(flag: str, value: str, allowed: Collection[str]) -> None:
 
 def _memory_settings(args: argparse.Namespace) -> Any:
     """The ``dtrain plan`` flags that decide memory per partition, checked for their form."""
-    from dtrain.modelparallel.memory import OPTIMIZER_STATES, MemorySettings
-    from dtrain.modelparallel.policy import PIPELINES
+    from dtrain.modelparallel.plan.memory import OPTIMIZER_STATES, MemorySettings
+    from dtrain.modelparallel.scheduling.policy import PIPELINES
 
     _check_choice("--pipeline", args.pipeline, PIPELINES)
     _check_choice("--optimizer", args.optimizer, OPTIMIZER_STATES)
@@ -670,14 +669,14 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 def _plan(args: argparse.Namespace) -> int:
     from torch import nn
 
+    from dtrain.modelparallel.api.placement import manual_placements
     from dtrain.modelparallel.deferred import delay_param_initialization
     from dtrain.modelparallel.errors import MemoryLimitError
-    from dtrain.modelparallel.fit import MAX_PARTITIONS, check_memory
-    from dtrain.modelparallel.memory import parse_size
-    from dtrain.modelparallel.partition import auto_plan
-    from dtrain.modelparallel.placement import manual_placements
-    from dtrain.modelparallel.planview import StageProgress, draw_plan
-    from dtrain.modelparallel.profile import (
+    from dtrain.modelparallel.plan.fit import MAX_PARTITIONS, check_memory
+    from dtrain.modelparallel.plan.memory import parse_size
+    from dtrain.modelparallel.plan.partition import auto_plan
+    from dtrain.modelparallel.plan.planview import StageProgress, draw_plan
+    from dtrain.modelparallel.plan.profile import (
         DEFAULT_REPEATS,
         profile_module,
         profile_without_memory,

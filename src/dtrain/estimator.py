@@ -20,7 +20,7 @@ from typing import Any
 from dtrain.errors import ConfigError, DtrainError, JobFailedError, did_you_mean
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.launch.job import default_job_name, prepare, validate_instance_type
-from dtrain.launch.submit import spec_command
+from dtrain.launch.submit import spec_command, start_detached
 
 # Arguments of SageMaker's EstimatorBase/Framework/PyTorch that only mean something on AWS.
 AWS_ONLY_ARGUMENTS = frozenset(
@@ -156,35 +156,17 @@ class TrainingJob:
         return description
 
     def _follow(self, logs: bool) -> None:
-        import time
-
         from dtrain.jobs.folder import JobFolder
         from dtrain.jobs.logs import labelled_logs, print_logs
         from dtrain.jobs.store import JobStore
 
         store = JobStore()
-        self._wait_for_record(store)
-        finished = lambda: store.get(self.name).is_terminal  # noqa: E731
         if logs:
             folder = JobFolder.for_job(self.name)
             files = lambda: labelled_logs(folder.logs_dir)  # noqa: E731
+            finished = lambda: store.get(self.name).is_terminal  # noqa: E731
             print_logs(files, sys.stdout, follow=True, finished=finished)
-        while not finished():
-            time.sleep(0.2)
-
-    def _wait_for_record(self, store: Any, timeout: float = 120.0) -> None:
-        """A job started with ``wait=False`` appears in the store once its supervisor started."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not any(record.name == self.name for record in store.list()):
-            code = self._process.poll() if self._process is not None else None
-            if code is not None or time.monotonic() > deadline:
-                raise DtrainError(
-                    f"job {self.name} never started (supervisor exit code {code}); "
-                    f"see `dtrain run-spec` output by running the job with wait=True"
-                )
-            time.sleep(0.1)
+        store.wait(self.name)
 
     def stop(self) -> None:
         from dtrain.jobs.store import JobStore
@@ -298,32 +280,28 @@ class PyTorch:
     ) -> None:
         """Validate, then run the job in a supervising process.
 
-        With ``wait``, block until it ends.
+        With ``wait``, block until it ends; without, return once the job is recorded, detached
+        as ``dtrain run --detach`` does (a job that cannot start raises here).
         """
         spec = self._spec(inputs, job_name)
+        if not wait:
+            detached = start_detached(spec)
+            if not detached.started:
+                said = detached.said.strip() or f"its controller exited with {detached.status}"
+                raise DtrainError(f"job {spec.job_name} did not start: {said}")
+            self.latest_training_job = TrainingJob(spec.job_name)
+            return
         prepare(spec)
-        command = spec_command(spec)
-        show_logs = logs not in (False, "None")
-        if wait:
-            process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        else:
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        process = subprocess.Popen(
+            spec_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.latest_training_job = TrainingJob(spec.job_name, process)
-        if wait:
-            try:
-                self.latest_training_job.wait(logs=show_logs)
-            except KeyboardInterrupt:
-                assert process is not None
-                process.send_signal(signal.SIGINT)
-                process.wait()
-                raise
+        try:
+            self.latest_training_job.wait(logs=logs not in (False, "None"))
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT)
+            process.wait()
+            raise
 
     @property
     def model_data(self) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtrain.modelparallel.profile import ModelProfile, profile_module
+from dtrain.modelparallel.plan.profile import ModelProfile, profile_module
 from tests.modelparallel.models import (
     BranchyNet,
     GroupedNet,

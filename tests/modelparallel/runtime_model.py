@@ -1,8 +1,8 @@
 """The scheduling core driven as the runtime drives it, over simulated time: no threads, no
 processes.
 
-One :class:`~dtrain.modelparallel.scheduler.Scheduler` per rank gets the calls the executor
-makes, in the order it makes them: the leader admits microbatches and queues each task for
+One :class:`~dtrain.modelparallel.scheduling.scheduler.Scheduler` per rank gets the calls the
+executor makes, in the order it makes them: the leader admits microbatches and queues each task for
 the token at once; its task computes its forward, waits (the token is given up, and with a plan
 order its forward action ends), turns to its backward once its forward has reached the last
 stage (the forward is done everywhere: the others learn it in a notice), and queues for the
@@ -26,10 +26,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.rules import Phase, backward_phases
-from dtrain.modelparallel.schedule import Costs, Schedule
-from dtrain.modelparallel.scheduler import Scheduler, Work
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.rules import Phase, backward_phases
+from dtrain.modelparallel.scheduling.schedule import Costs, Schedule
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 
 STEP = 1
 _INSTANT = 1e-9

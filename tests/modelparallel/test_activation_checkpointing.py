@@ -23,15 +23,15 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from dtrain.modelparallel import activations
-from dtrain.modelparallel.activations import (
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.pipeline.activations import (
     Group,
     _groups,
     checkpoint,
     checkpoint_sequential,
     set_activation_checkpointing,
 )
-from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -218,6 +218,8 @@ SETUPS: dict[str, tuple[Setup, tuple[str, ...]]] = {
         Setup(code="smp_sequential:group_2"),
         ("seq.0", "seq.1", "seq.2", "seq.3"),
     ),
+    # The root runs on both partitions: each part of it is recomputed where it runs.
+    "split module": (Setup(_marked("")), BLOCKS),
     "nothing": (Setup(), ()),
 }
 
@@ -316,6 +318,36 @@ def test_groups_follow_smps_example() -> None:
     ]
 
 
+def _owners(module: nn.Module, elsewhere: tuple[str, ...]) -> dict[str, int]:
+    """Partition 1 for the modules named in ``elsewhere`` and below them, 0 for the rest."""
+    return {
+        name: int(any(name == e or name.startswith(f"{e}.") for e in elsewhere))
+        for name, _ in module.named_modules()
+    }
+
+
+def test_a_checkpointed_module_cut_across_partitions_is_recomputed_in_parts() -> None:
+    """Each largest subtree on one partition is checkpointed where it runs; a Sequential's
+    child cut in two is checkpointed in parts, its whole children in groups as before."""
+    module = _Net(Setup())
+    set_activation_checkpointing(module)
+    plan = activations.plan_checkpointing(module, _owners(module, SPLIT))
+    assert set(plan.modules) == {"inp", "first", *(f"seq.{i}" for i in range(4)), "second", "head"}
+    assert plan.sequentials == {}
+
+    module = _Net(Setup())
+    set_activation_checkpointing(module.seq, strategy="contiguous")
+    plan = activations.plan_checkpointing(module, _owners(module, ("seq.1.fc2", "seq.3")))
+    assert set(plan.modules) == {"seq.1.fc1", "seq.1.fc2", "seq.1.drop", "seq.3"}
+    seq = module.seq
+    assert plan.sequentials["seq"][1] == [
+        Group((seq[0],), True),
+        Group((seq[1],), False),
+        Group((seq[2],), True),
+        Group((seq[3],), False),
+    ]
+
+
 class _Pair(nn.Module):
     """Takes and returns a pair of tensors."""
 
@@ -388,8 +420,6 @@ def _misuse(case: str) -> str:
     stranger = nn.Linear(2, 2)
     if case == "stranger before":
         set_activation_checkpointing(stranger)
-    if case == "split module":
-        set_activation_checkpointing(module)
     model = smp.DistributedModel(module)
     step = _sum_step()
     try:
@@ -423,7 +453,6 @@ def _sum_step() -> Any:
     [
         ("stranger before", "Linear that is not part of the model given to smp.DistributedModel"),
         ("stranger after", "Linear passed is not part of the model given to smp.Distributed"),
-        ("split module", r"module '<root>' \(_Net\): its submodules run on partitions \[0, 1\]"),
         ("after the first step", "called after the model's first step"),
         (
             "reentrant, deferred input",

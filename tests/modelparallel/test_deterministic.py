@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel.executor import Executor, Task
-from dtrain.modelparallel.policy import SchedulePolicy
+from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from tests.modelparallel.equivalence import ALL_CASES, case_pipeline, reference, replica_rows
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent

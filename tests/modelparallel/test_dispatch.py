@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dtrain.modelparallel.dispatch import Dispatcher, StepGate
+from dtrain.modelparallel.pipeline.dispatch import Dispatcher, StepGate
 
 # Arrivals: ("req", step) is a request stream of the leader's step, ("end", step) its end here.
 # Served: the requests in the order they may be served.

@@ -69,7 +69,7 @@ def test_an_error_in_a_module_on_partition_one_keeps_its_rank_type_and_traceback
 
 def _dispatch_breaks_on_partition_one() -> str:
     """Partition 1 cannot dispatch its requests (a fault in the runtime itself)."""
-    from dtrain.modelparallel.owner import Owner
+    from dtrain.modelparallel.pipeline.owner import Owner
 
     dist.init_process_group("gloo")
     init_smp(2, "interleaved", microbatches=2, auto=False)

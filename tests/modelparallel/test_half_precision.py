@@ -79,6 +79,15 @@ class Recipe:
     clip: float | None = None
     huge_loss_at: int | None = None
     """Step whose loss is multiplied by 1e30 (an fp16 overflow)."""
+    dynamic: bool = False
+    """A dynamic loss scale from ``static_loss_scale``: halved by each overflow (it would grow
+    only after 1000 clean steps)."""
+    poisoned_at: int | None = None
+    """Step after whose backward rank 0 alone writes an inf into a gradient of its shard
+    (sharded only): every rank must skip that optimizer step."""
+    pp: int = 2
+    """``pipeline_parallel_degree`` (1 with sharding)."""
+    shard_optimizer_state: bool = False
     delayed: bool = False
     """Created inside ``smp.delay_param_initialization()``: each rank makes its own share."""
     sdp: int = 1
@@ -104,7 +113,7 @@ def reference(recipe: Recipe) -> dict[str, Any]:
     model.to(DTYPES[recipe.dtype])
     optimizer = torch.optim.SGD(masters.values(), lr=LR, momentum=0.9)
     scale = recipe.static_loss_scale
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
     for step in range(recipe.steps):
         batch = case.batch(step)
         for master in masters.values():
@@ -132,27 +141,33 @@ def reference(recipe: Recipe) -> dict[str, Any]:
             master.grad /= recipe.dp
         if recipe.clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(masters.values(), recipe.clip)))
-        if all(torch.isfinite(m.grad).all() for m in masters.values()):
+        finite = all(torch.isfinite(m.grad).all() for m in masters.values())
+        if finite and step != recipe.poisoned_at:
             optimizer.step()
             with torch.no_grad():
                 for name, param in named.items():
                     param.copy_(masters[name])
+        elif recipe.dynamic:
+            scale /= 2
         losses.append(replica_losses)
+        scales.append(scale)
     return {
         "losses": losses,
+        "scales": scales,
         "masters": {n: m.detach() for n, m in masters.items()},
         "model": {n: p.detach() for n, p in named.items()},
         "norms": norms,
     }
 
 
-def _init(recipe: Recipe, pp: int = 2) -> None:
+def _init(recipe: Recipe) -> None:
     config: dict[str, Any] = {
-        "pipeline_parallel_degree": 1 if recipe.sdp > 1 else pp,
+        "pipeline_parallel_degree": 1 if recipe.sdp > 1 else recipe.pp,
         "microbatches": recipe.microbatches,
         "auto_partition": False,
         "default_partition": 0,
         "ddp": recipe.dp > 1,
+        "shard_optimizer_state": recipe.shard_optimizer_state,
     }
     if recipe.sdp > 1:
         config["sharded_data_parallel_degree"] = recipe.sdp
@@ -168,9 +183,12 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
     case = CASES[recipe.case]
     with smp.delay_param_initialization(recipe.delayed):
         module = case.build()
-    for name in () if recipe.sdp > 1 else case.split:
+    for name in case.split if recipe.pp > 1 and recipe.sdp == 1 else ():
         smp.set_partition(module.get_submodule(name), 1)
     model = smp.DistributedModel(module)
+    if recipe.dynamic:
+        scale = {"init_scale": recipe.static_loss_scale}
+        optimizer_args = {"dynamic_loss_scale": True, "dynamic_loss_args": scale, **optimizer_args}
     optimizer = smp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
         static_loss_scale=recipe.static_loss_scale,
@@ -187,13 +205,19 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         optimizer.zero_grad()
         batch = _rows(case.batch(index), smp.dp_rank(), smp.dp_size())
         loss = float(train_step(model, batch, index).reduce_mean())
+        if index == recipe.poisoned_at and smp.rank() == 0:
+            grad = next(p.grad for p in model.parameters() if p.grad is not None)
+            grad.to_local()[0] = math.inf
         if recipe.clip is not None and recipe.sdp == 1:
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
+        scales.append(model.loss_scaling.loss_scale if model.loss_scaling else 1.0)
         return loss
 
     norms: list[float] = []
+    scales: list[float] = []
     step.norms = norms  # type: ignore[attr-defined]
+    step.scales = scales  # type: ignore[attr-defined]
     return model, optimizer, step
 
 
@@ -216,6 +240,13 @@ def _train(recipe: Recipe) -> dict[str, Any]:
         "dtypes": dtypes,
         "stepped": stepped,
         "norms": step.norms,
+        "scales": step.scales,
+        "state_elements": sum(
+            value.numel()
+            for values in optimizer.local_state_dict()["state"].values()
+            for key, value in values.items()
+            if key != "step"
+        ),
         "local_bytes": sum(p.numel() * p.element_size() for p in local.values()),
         "master_bytes": sum(masters[n].numel() * 4 for n in local),
     }
@@ -235,7 +266,7 @@ def _check(results: list[dict[str, Any]], recipe: Recipe) -> dict[str, Any]:
     atol = TOLERANCE[recipe.dtype]
     ulp = torch.finfo(DTYPES[recipe.dtype]).eps
     for rank, got in enumerate(results):
-        replica = rank // 2 if recipe.dp > 1 else 0
+        replica = rank // recipe.pp
         want_losses = [step[replica] for step in expected["losses"]]
         assert got["losses"] == pytest.approx(want_losses, rel=2 * ulp)
         assert got["dtypes"] == {str(DTYPES[recipe.dtype])}
@@ -248,6 +279,7 @@ def _check(results: list[dict[str, Any]], recipe: Recipe) -> dict[str, Any]:
             # The model holds its masters rounded.
             assert torch.equal(half, master.to(half.dtype)), name
         assert got["norms"] == pytest.approx(expected["norms"], rel=1e-3)
+        assert got["scales"] == expected["scales"]
     return expected
 
 
@@ -284,6 +316,20 @@ def test_fp16_static_loss_scale_and_clipping() -> None:
     assert all(norm > 0.5 for norm in results["norms"])  # clipping did happen
 
 
+def test_fp16_with_shard_optimizer_state_skips_an_overflow_on_every_replica() -> None:
+    # Each replica steps the masters whose state it holds (ZeRO) and broadcasts them; the
+    # overflowing step 1 is skipped by both, before either steps its share.
+    recipe = Recipe(
+        "lm", "fp16", dp=2, pp=1, shard_optimizer_state=True, static_loss_scale=1024.0,
+        dynamic=True, huge_loss_at=1,
+    )  # fmt: skip
+    results = run_ranks(2, _train, recipe)
+    _check(results, recipe)
+    whole = sum(p.numel() for p in CASES["lm"].build().parameters())  # one momentum each
+    held = [got["state_elements"] for got in results]
+    assert sum(held) == whole and max(held) < 0.65 * whole, held
+
+
 def test_clip_master_grads_with_bf16() -> None:
     recipe = Recipe("lm", "bf16", steps=2, clip=0.1)
     _check(run_ranks(2, _train, recipe), recipe)
@@ -310,6 +356,7 @@ def _train_sharded(recipe: Recipe) -> dict[str, Any]:
     losses = [step(index) for index in range(recipe.steps)]
     result = {
         "losses": losses,
+        "scales": step.scales,
         "model": model.state_dict(),
         "stepped": {
             f"{type(p).__name__} {p.dtype}" for g in optimizer.param_groups for p in g["params"]
@@ -324,19 +371,24 @@ def _train_sharded(recipe: Recipe) -> dict[str, Any]:
 
 def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
     expected = reference(recipe)
-    ulp = torch.finfo(torch.bfloat16).eps
+    dtype = DTYPES[recipe.dtype]
+    ulp = torch.finfo(dtype).eps
     for rank, got in enumerate(results):
         assert got["losses"] == pytest.approx([s[rank] for s in expected["losses"]], rel=2 * ulp)
-        # The optimizer steps fp32 shards (the masters); forward computes in bf16 and the
-        # model's outputs leave in fp32; no "fp16_states": there are no other masters.
+        assert got["scales"] == expected["scales"]
+        # The optimizer steps fp32 shards (the masters); forward computes in half and the
+        # model's outputs leave in fp32; "fp16_states" holds fp16's loss scaler only: there
+        # are no other masters.
         assert got["stepped"] == {"DTensor torch.float32"}
-        assert got["inside"] == {("torch.bfloat16",) * 2}
+        assert got["inside"] == {(str(dtype),) * 2}
         assert got["leaving"] == {"torch.float32"}
-        assert got["saved"] == ["param_groups", "state"]
+        fp16_states = ["fp16_states"] if recipe.dtype == "fp16" else []
+        assert got["saved"] == [*fp16_states, "param_groups", "state"]
         for name, value in expected["masters"].items():
             param = got["model"][name]
             assert param.dtype == torch.float32, name
-            torch.testing.assert_close(param, value, rtol=0, atol=TOLERANCE["bf16"], msg=name)
+            atol = TOLERANCE[recipe.dtype]
+            torch.testing.assert_close(param, value, rtol=0, atol=atol, msg=name)
 
 
 def test_bf16_sharded_trains_like_one_process_with_fp32_shards_as_masters() -> None:
@@ -352,6 +404,19 @@ def test_bf16_hybrid_sharding_reduces_across_groups_in_fp32() -> None:
 def test_bf16_sharded_hugging_face_gpt2_created_without_memory() -> None:
     recipe = Recipe("gpt2", "bf16", steps=2, dp=2, sdp=2, delayed=True)
     _check_sharded(run_ranks(2, _train_sharded, recipe, env=HF_ENV), recipe)
+
+
+def test_fp16_sharded_trains_like_one_process_and_skips_overflows_on_every_rank() -> None:
+    # Step 1's huge loss overflows every rank's fp16 gradients; at step 2 only rank 0's shard
+    # holds an inf. Both steps are skipped on both ranks and each halves the dynamic scale;
+    # steps 0 and 3 unscale, clip and step the fp32 shards as one process does. The clip is
+    # below step 0's norm (0.72) and above step 3's (0.63): a gradient left scaled, or
+    # clipped before it is unscaled, would be stepped wrongly in one of them.
+    recipe = Recipe(
+        "lm", "fp16", steps=4, dp=2, sdp=2, clip=0.68, static_loss_scale=1024.0, dynamic=True,
+        huge_loss_at=1, poisoned_at=2,
+    )  # fmt: skip
+    _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
 
 
 class _Shifted(nn.Module):
@@ -438,9 +503,14 @@ def test_dynamic_loss_scale_skips_overflowing_steps_on_every_rank() -> None:
     )
 
 
-def _resume(directory: str) -> dict[str, Any]:
-    recipe = Recipe("lm", "fp16", steps=4)
+def _resume(directory: str, sdp: int) -> dict[str, Any]:
+    recipe = Recipe("lm", "fp16", steps=4, dp=sdp, sdp=sdp)
     args = {"init_scale": 2.0**12, "scale_window": 1}
+
+    def masters(model: Any, optimizer: Any) -> dict[str, Tensor]:
+        """A sharded model's masters are its parameters."""
+        return model.state_dict() if sdp > 1 else _masters(optimizer)
+
     dist.init_process_group("gloo")  # one world for both runs
     _init(recipe)
     model, optimizer, step = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
@@ -448,7 +518,7 @@ def _resume(directory: str) -> dict[str, Any]:
         step(index)
     smp.save_checkpoint(directory, "mid", model=model, optimizer=optimizer)
     straight = [step(index) for index in (2, 3)]
-    want = _masters(optimizer), model.half_precision.scaler.scale
+    want = masters(model, optimizer), model.loss_scaling.scaler.scale
     smp.shutdown()
 
     _init(recipe)
@@ -458,19 +528,21 @@ def _resume(directory: str) -> dict[str, Any]:
             param.add_(0.5)
     smp.resume_from_checkpoint(directory, "mid")
     resumed = [step(index) for index in (2, 3)]
-    got = _masters(optimizer), model.half_precision.scaler.scale
+    got = masters(model, optimizer), model.loss_scaling.scaler.scale
     files = sorted(os.listdir(os.path.join(directory, "mid_partial")))
     smp.shutdown()
     dist.destroy_process_group()
     return {"straight": straight, "resumed": resumed, "want": want, "got": got, "files": files}
 
 
-def test_checkpoint_resume_continues_exactly() -> None:
+@pytest.mark.parametrize("sdp", [1, 2], ids=["pipeline", "sharded"])
+def test_checkpoint_resume_continues_exactly(sdp: int) -> None:
+    # The scale grows after every step: only a resumed loss scaler gives the same steps.
     with tempfile.TemporaryDirectory() as directory:
-        results = run_ranks(2, _resume, directory)
+        results = run_ranks(2, _resume, directory, sdp)
     for result in results:
         assert result["resumed"] == result["straight"]
-        assert result["got"][1] == result["want"][1]
+        assert result["got"][1] == result["want"][1] == 2.0**16
         for name, value in result["want"][0].items():
             assert torch.equal(result["got"][0][name], value), name
         assert "fp16_states_0_0_0.pt" in result["files"]
@@ -513,7 +585,7 @@ def test_fp16_with_bf16_is_refused() -> None:
 
 
 def test_dynamic_loss_args_defaults_and_hysteresis() -> None:
-    from dtrain.modelparallel.precision import LossScaler
+    from dtrain.modelparallel.api.precision import LossScaler
 
     scaler = LossScaler.of(None, True, {"delayed_shift": 2})
     assert scaler.scale == 2.0**32
@@ -525,7 +597,7 @@ def test_dynamic_loss_args_defaults_and_hysteresis() -> None:
 
 
 def test_floating_inputs_enter_in_half_and_outputs_leave_in_fp32() -> None:
-    from dtrain.modelparallel.precision import HalfParameters
+    from dtrain.modelparallel.api.precision import HalfParameters
 
     half = HalfParameters(torch.bfloat16, torch.device("cpu"), None)
     (x, ids, flag), kwargs = half.inputs(

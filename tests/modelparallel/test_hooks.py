@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.hooks import Unavailable, hooked_submodules, recording, replay
+from dtrain.modelparallel.pipeline.hooks import Unavailable, hooked_submodules, recording, replay
 from dtrain.modelparallel.transport import flatten
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks, sum_step

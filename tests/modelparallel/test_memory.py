@@ -13,18 +13,18 @@ from torch import nn
 
 from dtrain.config.modelparallel import validate_mp_parameters
 from dtrain.errors import ConfigError
-from dtrain.modelparallel import fit
 from dtrain.modelparallel.errors import MemoryLimitError, PartitionError
-from dtrain.modelparallel.memory import (
+from dtrain.modelparallel.options import RuntimeOptions
+from dtrain.modelparallel.plan import fit
+from dtrain.modelparallel.plan.memory import (
     MemorySettings,
     held_microbatches,
     optimizer_kind,
     parse_size,
 )
-from dtrain.modelparallel.options import RuntimeOptions
-from dtrain.modelparallel.partition import PartitionPlan, auto_plan, costed_plan
-from dtrain.modelparallel.profile import ModelProfile, ModuleStats, ProfiledCall
-from dtrain.modelparallel.schedule import simulate
+from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, costed_plan
+from dtrain.modelparallel.plan.profile import ModelProfile, ModuleStats, ProfiledCall
+from dtrain.modelparallel.scheduling.schedule import simulate
 
 KIB = 1024
 

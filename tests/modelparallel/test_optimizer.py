@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel.optimizer import placed
+from dtrain.modelparallel.api.optimizer import placed
 from tests.modelparallel.harness import single_process, sum_step
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.modelparallel.order import PlanOrder
+from dtrain.modelparallel.scheduling.order import PlanOrder
 
 
 def _order(text: str) -> PlanOrder:

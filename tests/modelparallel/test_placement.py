@@ -9,7 +9,8 @@ import pytest
 from torch import nn
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel import placement, state
+from dtrain.modelparallel import state
+from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.errors import ModelParallelError, PartitionError
 from tests.modelparallel.harness import single_process
 

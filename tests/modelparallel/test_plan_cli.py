@@ -13,10 +13,10 @@ import pytest
 
 from dtrain.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
 from dtrain.config.modelparallel import validate_mp_parameters
-from dtrain.modelparallel import profile as profile_py
-from dtrain.modelparallel.partition import PartitionPlan, auto_plan
-from dtrain.modelparallel.placement import manual_placements
-from dtrain.modelparallel.profile import profile_module
+from dtrain.modelparallel.api.placement import manual_placements
+from dtrain.modelparallel.plan import profile as profile_py
+from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan
+from dtrain.modelparallel.plan.profile import profile_module
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "modelparallel" / "gpt.py"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.modelparallel.executor import Executor, Task
-from dtrain.modelparallel.policy import SchedulePolicy
+from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 
 # Waiting tasks (phase, microbatch) in the order they asked, and the order the token serves them.
 HAND_OVER = [

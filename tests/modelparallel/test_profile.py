@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.modelparallel.profile import (
+from dtrain.modelparallel.plan.profile import (
     ModelProfile,
     Snapshot,
     moved_to,

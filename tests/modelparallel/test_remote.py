@@ -16,7 +16,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.options import DEFER_ENV, SPLIT_ENV
-from dtrain.modelparallel.remote import (
+from dtrain.modelparallel.pipeline.remote import (
     RemoteValue,
     call_signature,
     deferred_outputs,
@@ -561,7 +561,7 @@ class NestedNet(nn.Module):
 def _train_nested_with_a_late_step_end() -> list[float]:
     """Partition 1 gets the leader's step ends late: partition 2's requests of the next step
     reach it first (messages from different peers are not ordered)."""
-    from dtrain.modelparallel.dispatch import Dispatcher
+    from dtrain.modelparallel.pipeline.dispatch import Dispatcher
     from dtrain.modelparallel.transport import END_STEP
 
     smp.init({"pipeline_parallel_degree": 3, "microbatches": 2,

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from dtrain.modelparallel.order import PlanOrder
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.rules import (
+from dtrain.modelparallel.scheduling.order import PlanOrder
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.rules import (
     Flight,
     backward_phases,
     is_gradient,
@@ -20,7 +20,7 @@ from dtrain.modelparallel.rules import (
     receives,
     sends,
 )
-from dtrain.modelparallel.schedule import Costs, build_schedule, check, simulate
+from dtrain.modelparallel.scheduling.schedule import Costs, build_schedule, check, simulate
 from tests.modelparallel.runtime_model import random_costs
 
 # kind, stage (of 3) -> what it needs, as "kind@offset".

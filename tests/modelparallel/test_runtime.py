@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
+from dtrain.modelparallel.api.model import trace_device_of
 from dtrain.modelparallel.errors import (
     ModelParallelError,
     MultipleDistributedModelError,
@@ -22,8 +23,12 @@ from dtrain.modelparallel.errors import (
     PartitionError,
     StepFailedError,
 )
-from dtrain.modelparallel.model import trace_device_of
-from dtrain.modelparallel.schedule import Schedule, build_schedule, check, recorded_schedule
+from dtrain.modelparallel.scheduling.schedule import (
+    Schedule,
+    build_schedule,
+    check,
+    recorded_schedule,
+)
 from tests.modelparallel.harness import run_ranks, single_process, train_steps
 from tests.modelparallel.models import GroupedNet
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.schedule import (
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.schedule import (
     Action,
     Costs,
     Schedule,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.scheduler import Scheduler, Work
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 
 
 def _work(text: str, role: str = "serve", step: int = 0) -> Work:

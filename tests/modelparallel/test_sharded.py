@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.config.modelparallel import validate_mp_parameters
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.sharded import shard_units
+from dtrain.modelparallel.api.sharded import shard_units
 from tests.modelparallel import equivalence, hf_cases
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -299,18 +299,6 @@ def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: boo
 def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=f"sharded_data_parallel_degree: .*{message}"):
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
-
-
-@pytest.mark.parametrize("key", ["fp16", "fp16_params"])
-def test_fp16_is_refused_with_sharding_pointing_to_bf16(key: str) -> None:
-    params = {"ddp": True, key: True, "sharded_data_parallel_degree": 2}
-    with pytest.raises(ConfigError) as raised:
-        validate_mp_parameters(params, world_size=4)
-    assert str(raised.value).startswith(
-        f"parameters.{key}: got True; allowed: false with sharded_data_parallel_degree=2: "
-        "fp16 needs loss scaling of the sharded gradients"
-    )
-    assert "use bf16=true" in str(raised.value)
 
 
 def train_pipelines(shard_optimizer_state: bool, steps: int) -> Trained:

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel import solo
 from dtrain.modelparallel.errors import CommunicationTimeoutError
+from dtrain.modelparallel.pipeline import solo
 from tests.modelparallel.harness import run_ranks, sum_step
 
 TIMEOUT_S = 3.0

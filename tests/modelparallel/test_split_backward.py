@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dtrain.modelparallel.split_backward import backward_giving_way, backward_inputs_first
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, backward_inputs_first
 
 
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import CommunicationTimeoutError, RemoteError
-from dtrain.modelparallel.stall import RankState, StallWatch, Wait, WaitBoard, diagnose
+from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, Wait, WaitBoard, diagnose
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 

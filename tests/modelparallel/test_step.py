@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.api.step import StepOutput, split_arguments, split_value
 from dtrain.modelparallel.errors import MicrobatchSplitError, ModelParallelError
-from dtrain.modelparallel.step import StepOutput, split_arguments, split_value
 from tests.modelparallel.harness import single_process
 
 Batch = namedtuple("Batch", "x y")

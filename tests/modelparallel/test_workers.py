@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from dtrain.modelparallel.workers import WorkerPool
+from dtrain.modelparallel.pipeline.workers import WorkerPool
 
 
 def test_pool_threads_run_their_own_backwards() -> None:

@@ -379,21 +379,6 @@ def _check_requires(values: Mapping[str, Any], where: str) -> None:
                 )
 
 
-def _check_sharding(values: Mapping[str, Any], where: str) -> None:
-    """fp16 would need the loss scaled and a step with an overflowing sharded gradient skipped,
-    which dtrain's sharded data parallelism does not do: refused rather than run unscaled.
-    bf16 has fp32's range and needs no scaling."""
-    fp16 = next((name for name in ("fp16", "fp16_params") if values[name]), None)
-    degree = values["sharded_data_parallel_degree"]
-    if fp16 is not None and degree != 1:
-        raise ConfigError(
-            f"{where}.{fp16}",
-            True,
-            f"false with sharded_data_parallel_degree={degree}: fp16 needs loss scaling of the "
-            "sharded gradients, which dtrain does not implement; use bf16=true",
-        )
-
-
 def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
     degree = values["pipeline_parallel_degree"]
     partition = values["default_partition"]
@@ -465,7 +450,6 @@ def validate_mp_parameters(
     values = {name: values[name] for name in MP_PARAMETER_NAMES}
     _check_requires(values, where)
     _check_partitioning(values, where)
-    _check_sharding(values, where)
     if world_size is not None:
         check_world_size(values, world_size, where)
     if values["fp16_params"]:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.folder import JobFolder
-from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore
+from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore, StillRunning
+from dtrain.procfs import running
 
 STOP_WAIT = 60.0
 """Seconds ``rm --force`` waits for a job it stopped to end (ranks get 3 s, then the upload)."""
@@ -84,17 +85,8 @@ def _await_controller(record: JobRecord) -> None:
     its folder: wait for it to exit. Only then: a process id seen long after may be another's."""
     pid = record.supervisor_pid
     deadline = (record.end_time or 0.0) + STOP_WAIT
-    while pid is not None and time.time() < deadline and _running(pid):
+    while pid is not None and time.time() < deadline and running(pid):
         time.sleep(0.1)
-
-
-def _running(pid: int) -> bool:
-    """The process runs (a zombie, ended but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
 
 
 def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRecord]:
@@ -116,17 +108,11 @@ def removable(store: JobStore, names: Sequence[str], force: bool) -> list[JobRec
 
 
 def _ended(store: JobStore, name: str) -> JobRecord:
-    deadline = time.monotonic() + STOP_WAIT
-    while True:
-        record = store.get(name)
-        if record.is_terminal:
-            return record
-        if time.monotonic() > deadline:
-            raise DtrainError(
-                f"job {name} is still {record.status} after {STOP_WAIT:g} s; "
-                "run dtrain rm again once it has stopped"
-            )
-        time.sleep(0.2)
+    """A job ``--force`` stopped, once it has ended (``STOP_WAIT`` s at most)."""
+    try:
+        return store.wait(name, timeout=STOP_WAIT)
+    except StillRunning as error:
+        raise DtrainError(f"{error}; run dtrain rm again once it has stopped") from None
 
 
 def prune(store: JobStore, older_than: float, dry_run: bool) -> Iterator[tuple[JobRecord, int]]:

@@ -94,6 +94,15 @@ class JobRecord:
         return self.status in TERMINAL_STATUSES
 
 
+class StillRunning(DtrainError):
+    """A job had not ended when a wait for it (:meth:`JobStore.wait`) gave up."""
+
+    def __init__(self, record: JobRecord, waited: float) -> None:
+        self.record = record
+        self.waited = waited
+        super().__init__(f"job {record.name} is still {record.status} after {waited:g} s")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -201,6 +210,17 @@ class JobStore:
             hint = f"; did you mean {suggestion!r}?" if suggestion else "; `dtrain jobs` lists them"
             raise DtrainError(f"no job named {name!r}{hint}")
         return self._reconcile(JobRecord(**dict(row)))
+
+    def wait(self, name: str, timeout: float | None = None, poll: float = 0.2) -> JobRecord:
+        """The job's record once it has ended, read again every ``poll`` seconds (a job whose
+        controller died ends Failed here, see :meth:`get`); after ``timeout`` seconds, if given,
+        :class:`StillRunning`."""
+        started = time.monotonic()
+        while not (record := self.get(name)).is_terminal:
+            if timeout is not None and time.monotonic() > started + timeout:
+                raise StillRunning(record, timeout)
+            time.sleep(poll)
+        return record
 
     def list(self) -> list[JobRecord]:
         with self._connect() as db:

@@ -68,14 +68,36 @@ from dtrain.topology import host_name
 LOCAL_INSTANCE_TYPES = ("local", "local_cpu", "local_gpu")
 
 
+_NAME_STAMP = "-%Y-%m-%d-%H-%M-%S-%f"
+"""What :func:`default_job_name` adds to a base, to the millisecond: ``%f``'s microseconds but
+their last three digits."""
+_NAME_STAMP_LENGTH = len("-YYYY-MM-DD-HH-MM-SS-mmm")
+
+
 def default_job_name(base: str) -> str:
     """SageMaker's naming: ``<base>-YYYY-MM-DD-HH-MM-SS-mmm``.
 
     The base is cleaned to the allowed characters.
     """
     base = re.sub(r"[^a-zA-Z0-9-]+", "-", base).strip("-")[:32] or "job"
-    now = datetime.datetime.now()
-    return f"{base}-{now:%Y-%m-%d-%H-%M-%S}-{now.microsecond // 1000:03d}"
+    return base + _name_stamp(datetime.datetime.now())
+
+
+def _name_stamp(moment: datetime.datetime) -> str:
+    return moment.strftime(_NAME_STAMP)[:-3]
+
+
+def generated_base(name: str) -> str:
+    """The base :func:`default_job_name` made ``name`` of; ``name`` itself if it made none.
+
+    A stamp is one only if it reads back as written (``strptime`` alone takes ``-1`` for
+    ``-01``)."""
+    base, stamp = name[:-_NAME_STAMP_LENGTH], name[-_NAME_STAMP_LENGTH:]
+    try:
+        moment = datetime.datetime.strptime(stamp, _NAME_STAMP)
+    except ValueError:
+        return name
+    return base if base and _name_stamp(moment) == stamp else name
 
 
 def validate_instance_type(instance_type: str) -> None:
@@ -187,19 +209,27 @@ def prepare(spec: JobSpec) -> PreparedJob:
     validate_channels(spec.channels)
     _check_values(spec, local)
     hyperparameters = {**spec.hyperparameters, **plan.framework_hyperparameters}
-    output_url = resolve_output_path(spec.output_path)
-    if output_url.startswith("file://"):  # the controller writes the archives here
-        check_private_folder("output_path", url2pathname(urlparse(output_url).path))
     job = PreparedJob(
         spec,
         plan,
         hyperparameters,
-        output_url,
+        _output_url("output_path", spec.output_path),
         cluster,
         _tensorboard_url(spec.tensorboard_output_config),
     )
     _check_rank_size(job)
     return job
+
+
+def _output_url(key: str, path: str | None) -> str:
+    """An output path (the value of ``key``) as a URL the controller can write to: S3 with
+    credentials, or a folder of this user's."""
+    url = resolve_output_path(path, key)
+    if url.startswith("s3://"):
+        check_s3_ready(key, url)
+    else:
+        check_private_folder(key, url2pathname(urlparse(url).path))
+    return url
 
 
 def _tensorboard_url(config: dict[str, str] | None) -> str | None:
@@ -209,13 +239,7 @@ def _tensorboard_url(config: dict[str, str] | None) -> str | None:
     validate_tensorboard_output_config(config)
     if config.get("S3OutputPath") is None:
         return None
-    key = "tensorboard_output_config.S3OutputPath"
-    url = resolve_output_path(config["S3OutputPath"], key)
-    if url.startswith("s3://"):
-        check_s3_ready(key, url)
-    else:
-        check_private_folder(key, url2pathname(urlparse(url).path))
-    return url
+    return _output_url("tensorboard_output_config.S3OutputPath", config["S3OutputPath"])
 
 
 def _check_values(spec: JobSpec, local: bool) -> None:
@@ -230,8 +254,6 @@ def _check_values(spec: JobSpec, local: bool) -> None:
     check_no_nul("hyperparameters", spec.hyperparameters)
     check_no_nul("script_args", spec.script_args)
     check_nesting("distribution", spec.distribution)
-    if spec.output_path and spec.output_path.startswith("s3://"):
-        check_s3_ready("output_path", spec.output_path)
     if local:  # hosts elsewhere reach their data and folders with their own rights
         for channel in spec.channels:
             if channel.uri.startswith("s3://"):

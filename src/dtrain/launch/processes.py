@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Iterable
 
+from dtrain.procfs import pids, running, stat_fields
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -38,22 +40,15 @@ def die_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
 
 def _parent_map() -> dict[int, int]:
     parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
+    for pid in pids():
+        fields = stat_fields(pid)
+        if fields is not None:
+            parents[pid] = int(fields[1])
     return parents
 
 
 def descendants(pid: int) -> list[int]:
     """All live descendants of ``pid`` (children first), read from ``/proc``; empty elsewhere."""
-    if not os.path.isdir("/proc"):
-        return []
     children: dict[int, list[int]] = {}
     for child, parent in _parent_map().items():
         children.setdefault(parent, []).append(child)
@@ -115,7 +110,7 @@ def kill_tree(
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         reap_orphans(keep)
-        if not _live(targets()):
+        if not any(running(pid) for pid in targets()):
             break
         time.sleep(0.05)
     for pgid in pgids:
@@ -131,31 +126,12 @@ def marked_processes(marker: bytes) -> list[int]:
     finds what a rank started even after its parent is gone.
     """
     found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
+    for pid in pids():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
                 environ = handle.read().split(b"\0")
         except OSError:
             continue
-        if marker in environ:
-            found.append(int(entry))
-    return _live(found)
-
-
-def _live(pids: Iterable[int]) -> list[int]:
-    """Pids that are still running.
-
-    Zombies do not count: they hold no resources but a table slot.
-    """
-    live = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                state = stat.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != b"Z":
-            live.append(pid)
-    return live
+        if marker in environ and running(pid):
+            found.append(pid)
+    return found

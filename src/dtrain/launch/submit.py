@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -24,10 +23,7 @@ from dtrain.errors import DtrainError
 from dtrain.jobs.folder import JobFolder, dtrain_home
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
-from dtrain.launch.job import default_job_name, prepare
-
-_GENERATED_SUFFIX = re.compile(r"-\d{4}(-\d\d){5}-\d{3}$")
-"""What :func:`default_job_name` adds to a base name."""
+from dtrain.launch.job import default_job_name, generated_base, prepare
 
 
 def spec_command(spec: JobSpec, *options: str) -> list[str]:
@@ -98,5 +94,5 @@ def rerun_spec(record: JobRecord, job_name: str | None) -> JobSpec:
     """The spec ``record`` ran with (paths made absolute when it was recorded), under
     ``job_name`` or a name generated from the old one's base (``demo-<new time>``)."""
     spec = JobSpec.from_json(record.spec)
-    name = job_name or default_job_name(_GENERATED_SUFFIX.sub("", record.name))
+    name = job_name or default_job_name(generated_base(record.name))
     return dataclasses.replace(spec, job_name=name, key_salt="")

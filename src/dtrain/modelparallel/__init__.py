@@ -7,10 +7,9 @@ Scripts use it as SMP: ``import dtrain.modelparallel as smp`` (or, under ``dtrai
 supported: its entry points raise, except the ``enabled=False`` no-ops.
 """
 
-from dtrain.modelparallel import amp
-from dtrain.modelparallel.activations import set_activation_checkpointing
-from dtrain.modelparallel.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
-from dtrain.modelparallel.comm import (
+from dtrain.modelparallel.api import amp
+from dtrain.modelparallel.api.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
+from dtrain.modelparallel.api.comm import (
     DP_GROUP,
     MP_GROUP,
     PP_GROUP,
@@ -31,12 +30,11 @@ from dtrain.modelparallel.comm import (
     send,
     tp_barrier,
 )
-from dtrain.modelparallel.creation import model_creation
-from dtrain.modelparallel.deferred import delay_param_initialization
-from dtrain.modelparallel.model import DistributedModel
-from dtrain.modelparallel.optimizer import DistributedOptimizer
-from dtrain.modelparallel.placement import nn_modules as nn
-from dtrain.modelparallel.placement import (
+from dtrain.modelparallel.api.creation import model_creation
+from dtrain.modelparallel.api.model import DistributedModel
+from dtrain.modelparallel.api.optimizer import DistributedOptimizer
+from dtrain.modelparallel.api.placement import nn_modules as nn
+from dtrain.modelparallel.api.placement import (
     partition,
     set_partition,
     set_tensor_parallelism,
@@ -44,6 +42,9 @@ from dtrain.modelparallel.placement import (
     tp_register,
     tp_register_with_module,
 )
+from dtrain.modelparallel.api.step import StepOutput, step
+from dtrain.modelparallel.deferred import delay_param_initialization
+from dtrain.modelparallel.pipeline.activations import set_activation_checkpointing
 from dtrain.modelparallel.state import (
     dp_rank,
     dp_size,
@@ -76,7 +77,6 @@ from dtrain.modelparallel.state import (
     tp_rank,
     tp_size,
 )
-from dtrain.modelparallel.step import StepOutput, step
 
 __all__ = [
     "DP_GROUP",

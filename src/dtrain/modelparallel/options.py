@@ -37,7 +37,7 @@ class RuntimeOptions:
     weights' for idle time (off: every backward in one piece, for comparison)."""
     stall_report: float = 60.0
     """Seconds of silence after which every rank reports what it waits for (see
-    :mod:`.stall`); the wait itself goes on until ``timeout``."""
+    :mod:`.pipeline.stall`); the wait itself goes on until ``timeout``."""
     trace: str = ""
     """Where the first pipeline's leader writes the Chrome trace of the last step, after every
     step (``""``: nowhere); a relative path is taken in the job's output data folder

@@ -1,7 +1,7 @@
 """``smdistributed.modelparallel.torch.patches.checkpoint``: SMP's activation checkpointing
-(see :mod:`dtrain.modelparallel.activations`)."""
+(see :mod:`dtrain.modelparallel.pipeline.activations`)."""
 
-from dtrain.modelparallel.activations import (
+from dtrain.modelparallel.pipeline.activations import (
     checkpoint,
     checkpoint_sequential,
     set_activation_checkpointing,

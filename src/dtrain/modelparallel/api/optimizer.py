@@ -13,9 +13,10 @@ fp32 masters: at the first ``step()`` its param groups switch from the model's h
 to their masters, the state dicts hold the optimizer's state of the masters plus the masters
 themselves and the loss scale under ``"fp16_states"`` (SMP's ``local_fp16_state_dict``), and a
 step that overflowed on any rank is skipped by every rank. The loss-scale arguments apply to
-fp16 models only; with bf16 or fp32 SMP ignores them, and so does this. A sharded bf16 model
+fp16 models only; with bf16 or fp32 SMP ignores them, and so does this. A sharded half model
 (:mod:`.sharded`) keeps no masters apart: its parameters are the fp32 shards the optimizer
-steps, so its state dicts have no ``"fp16_states"``.
+steps, so its state dicts have no ``"fp16_states"`` with bf16, and with fp16 only the loss
+scaler there.
 
 State loaded before the first step (``smp.resume_from_checkpoint`` usually runs then) is placed
 beside its parameter as the parameter is then, on the CPU; partitioning moves parameters to the
@@ -33,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.api.model import PARTIAL_KEY, DistributedModel
+from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.model import PARTIAL_KEY, DistributedModel
-from dtrain.modelparallel.precision import FP16_STATES, LossScaler
 from dtrain.sealed import all_gather_objects
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
-    static_loss_scale: float = 1.0,
+    static_loss_scale: float | None = 1.0,
     dynamic_loss_scale: bool = False,
     **dynamic_loss_args: Any,
 ) -> torch.optim.Optimizer:
@@ -52,6 +53,7 @@ def DistributedOptimizer(
 
     ``dynamic_loss_args`` may also come as one dict, ``dynamic_loss_args={...}`` (SMP's source
     spells it so); its keys and defaults are :data:`.precision.DYNAMIC_LOSS_ARGS`.
+    ``static_loss_scale=None`` (SMP's sharded examples pass it beside a dynamic scale) is 1.
     """
     if set(dynamic_loss_args) == {"dynamic_loss_args"}:
         dynamic_loss_args = dynamic_loss_args["dynamic_loss_args"] or {}
@@ -74,14 +76,14 @@ def DistributedOptimizer(
     adapter = _Adapter(optimizer, model, names)
     original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
     half = model.half_precision
-    if half is not None:
-        half.scaler = scaler
+    if model.loss_scaling is not None:
+        model.loss_scaling.scaler = scaler
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
-        if model.sharding is not None:
-            model.sharding.clip_gradients()  # sdp_gradient_clipping, as SMP's sharded step
         run = original_step if adapter.zero is None else adapter.zero.step
+        if model.sharding is not None:  # sdp_gradient_clipping and fp16, as SMP's sharded step
+            return model.sharding.step(lambda: run(*args, **kwargs))
         if half is None:
             return run(*args, **kwargs)
         return half.step(lambda: run(*args, **kwargs))
@@ -203,16 +205,16 @@ class _Adapter:
         return half.clip_master_grads(max_norm, norm_type, group)
 
     def local_fp16_state_dict(self) -> dict[str, Any]:
-        """This rank's fp32 masters by parameter name and the loss scale (empty for an fp32
-        model)."""
+        """This rank's fp32 masters by parameter name (a sharded model's are its parameters)
+        and the loss scale (empty for an fp32 or sharded bf16 model)."""
         self.prune()
-        half = self.model.half_precision
-        return {} if half is None else half.state_dict(self.names)
+        scaling = self.model.loss_scaling
+        return {} if scaling is None else scaling.state_dict(self.names)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, with its fp16 states if any."""
         result = self.local_optimizer_state_dict()
-        if self.model.half_precision is not None:
+        if self.model.loss_scaling is not None:
             result[FP16_STATES] = self.local_fp16_state_dict()
         return result
 
@@ -256,11 +258,13 @@ class _Adapter:
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for part in parts:
             merged["state"].update(part["state"])
-            if FP16_STATES in part:
-                fp16 = merged.setdefault(
-                    FP16_STATES, {**part[FP16_STATES], "fp32_master_params": {}}
-                )
-                fp16["fp32_master_params"].update(part[FP16_STATES]["fp32_master_params"])
+            if FP16_STATES in part:  # the loss scaler, and each partition's masters
+                fp16 = merged.setdefault(FP16_STATES, {})
+                for key, value in part[FP16_STATES].items():
+                    if key == MASTERS:
+                        fp16.setdefault(key, {}).update(value)
+                    else:
+                        fp16.setdefault(key, value)
             for index, group in enumerate(part["param_groups"]):
                 if index == len(merged["param_groups"]):
                     merged["param_groups"].append({**group, "params": []})
@@ -291,13 +295,15 @@ class _Adapter:
                         for k, v in saved_state.items()
                     }
                 holder.state[param] = placed(param, saved_state, group)
-        half = self.model.half_precision
-        if FP16_STATES in state_dict and half is not None:
-            half.scaler.load_state_dict(state_dict[FP16_STATES]["loss_scaler"])
+        fp16 = state_dict.get(FP16_STATES)
+        scaling, half = self.model.loss_scaling, self.model.half_precision
+        if fp16 is not None and scaling is not None:
+            scaling.scaler.load_state_dict(fp16["loss_scaler"])
+        if fp16 is not None and half is not None:  # a sharded model's masters are its shards
             if self.pruned:
-                half.load_masters(state_dict[FP16_STATES], self.names)
+                half.load_masters(fp16, self.names)
             else:  # the masters are made at partitioning
-                self.pending_fp16 = state_dict[FP16_STATES]
+                self.pending_fp16 = fp16
 
     def _stepped_ids(self) -> set[int]:
         """ids of the tensors the optimizer steps for this rank's parameters."""

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from dtrain.modelparallel import comm, state
+from dtrain.modelparallel import state
+from dtrain.modelparallel.api import comm
+from dtrain.modelparallel.api.precision import FP16_STATES
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.precision import FP16_STATES
 from dtrain.modelparallel.state import MPState
 
 NEWEST = "newest"

@@ -15,8 +15,8 @@ follows from a few rules, all here, on plain data:
 * a leader's backward that no other rank waits for is *terminal* (:attr:`Work.terminal`) and
   yields to forwards.
 
-The runtime's :class:`~.executor.Executor` drives one scheduler per rank with its threads and
-lock (it wakes the work :meth:`Scheduler.grant` returns); the planner
+The runtime's :class:`~..pipeline.executor.Executor` drives one scheduler per rank with its threads
+and lock (it wakes the work :meth:`Scheduler.grant` returns); the planner
 (:func:`~.schedule.schedule_of`) drives one per stage over a model of the pipeline's times.
 The plan is therefore the order these rules give, and the rules are tested as tables, without
 threads or processes.
@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dtrain.modelparallel.order import Key as ActionKey
-from dtrain.modelparallel.order import PlanOrder, action_key
-from dtrain.modelparallel.policy import MAIN_PRIORITY, SchedulePolicy
-from dtrain.modelparallel.rules import Phase, is_gradient
+from dtrain.modelparallel.scheduling.order import Key as ActionKey
+from dtrain.modelparallel.scheduling.order import PlanOrder, action_key
+from dtrain.modelparallel.scheduling.policy import MAIN_PRIORITY, SchedulePolicy
+from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
 
 Role = Literal["main", "leader", "serve"]
 Key = tuple[int, int]

@@ -1,7 +1,7 @@
 """What a stalled pipeline waits for, and which rank holds it up.
 
 When nothing has moved on a rank in a step for a while (``DTRAIN_MP_STALL_REPORT`` seconds,
-see :mod:`.options`), each rank of the pipeline publishes what it waits for (peer, request,
+see :mod:`..options`), each rank of the pipeline publishes what it waits for (peer, request,
 microbatch) and what it is doing, reads the others' through the job's rendezvous store, and the
 diagnosis names the ranks that wait for nobody: those are stuck in their own work (a module that
 never returns, a script that never reaches the step), and the rest wait on them. The diagnosis

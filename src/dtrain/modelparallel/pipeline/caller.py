@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from dtrain.modelparallel.activations import (
+from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, RemoteError
+from dtrain.modelparallel.pipeline.activations import (
     REMOTE_STUB,
     CheckpointSpec,
     inside_non_reentrant_checkpoint,
     inside_reentrant_checkpoint,
     take,
 )
-from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, RemoteError
-from dtrain.modelparallel.executor import Task
-from dtrain.modelparallel.group import RankParts
-from dtrain.modelparallel.hooks import hooked_submodules, replay
-from dtrain.modelparallel.modes import ComputeMode
-from dtrain.modelparallel.remote import (
+from dtrain.modelparallel.pipeline.executor import Task
+from dtrain.modelparallel.pipeline.group import RankParts
+from dtrain.modelparallel.pipeline.hooks import hooked_submodules, replay
+from dtrain.modelparallel.pipeline.modes import ComputeMode
+from dtrain.modelparallel.pipeline.remote import (
     CallRecord,
     LeafId,
     RemoteValue,
@@ -38,8 +38,8 @@ from dtrain.modelparallel.remote import (
     materialize,
     predictable,
 )
-from dtrain.modelparallel.split_backward import backward_giving_way
-from dtrain.modelparallel.stall import WaitBoard
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
+from dtrain.modelparallel.pipeline.stall import WaitBoard
 from dtrain.modelparallel.transport import (
     BACKWARD,
     FETCH,

@@ -17,8 +17,9 @@ inf/NaN in any rank's gradients makes every rank skip that optimizer step (the f
 the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
 ``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
 
-This is the pipelines' half precision; a sharded model (:mod:`.sharded`) is bf16 on FSDP2's
-mixed precision, its fp32 shards the masters.
+This is the pipelines' half precision; a sharded model (:mod:`.sharded`) is half on FSDP2's
+mixed precision, its fp32 shards the masters, and with fp16 it scales its loss and skips its
+overflowing steps by the same :class:`LossScaling`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel.remote import RemoteValue
+from dtrain.modelparallel.pipeline.remote import RemoteValue
 from dtrain.modelparallel.transport import map_leaves
 
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -50,6 +51,9 @@ DYNAMIC_LOSS_ARGS: dict[str, Any] = {
 
 FP16_STATES = "fp16_states"
 """The key of the masters and loss scale in an optimizer state dict (SMP's file name)."""
+
+MASTERS = "fp32_master_params"
+"""The key of the masters in the fp16 states."""
 
 
 def half_dtype(config: dict[str, Any]) -> torch.dtype | None:
@@ -139,28 +143,54 @@ class LossScaler:
         vars(self).update(values)
 
 
-class HalfParameters:
-    """One rank's half model: its own parameters' fp32 masters, the loss scaler and the step's
-    overflow flag. The model creates it; the optimizer steps the masters."""
+class LossScaling:
+    """A half model's loss scale and whether its gradients overflowed since the last optimizer
+    step, on any rank: that step is then skipped on every rank and the scale follows (SMP's
+    ``FP16_Optimizer``). Only fp16 scales and skips; bf16 has fp32's range."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.scaler = LossScaler()
+        """Replaced by ``smp.DistributedOptimizer``'s (fp16 only)."""
+        self.overflow = False
+        """An inf/NaN gradient since the last optimizer step, on any rank (fp16 only); whoever
+        checks the gradients sets it, the same on every rank."""
+
+    @property
+    def scaled(self) -> bool:
+        """Whether losses are scaled and overflows skip steps: fp16 only."""
+        return self.dtype == torch.float16
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaled else 1.0
+
+    def step(self, step: Callable[[], Any]) -> Any:
+        """The optimizer's ``step``, skipped (returning ``None``) after an overflow. The loss
+        scale follows."""
+        overflow, self.overflow = self.overflow, False
+        if self.scaled:
+            self.scaler.update(overflow)
+        return None if overflow else step()
+
+    def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
+        """What a checkpoint keeps under ``"fp16_states"`` (``names``: id of a model parameter
+        → its name, for the masters a subclass keeps): the loss scaler."""
+        return {"loss_scaler": self.scaler.state_dict()}
+
+
+class HalfParameters(LossScaling):
+    """One rank's half model: its own parameters' fp32 masters, beside the loss scaling. The
+    model creates it; the optimizer steps the masters."""
 
     def __init__(
         self, dtype: torch.dtype, device: torch.device, world: dist.ProcessGroup | None
     ) -> None:
-        self.dtype = dtype
+        super().__init__(dtype)
         self._device = device
-        self.scaler = LossScaler()
-        """Replaced by ``smp.DistributedOptimizer``'s (fp16 only)."""
-        self.overflow = False
-        """An inf/NaN gradient since the last optimizer step, on any rank (fp16 only)."""
         self._world = world
         self._masters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         """id(model parameter) → (the parameter, its fp32 master)."""
-
-    @property
-    def scaled(self) -> bool:
-        """Whether losses are scaled and overflows skip steps: fp16 only (bf16 has fp32's
-        range)."""
-        return self.dtype == torch.float16
 
     def cast(self, own: Iterable[nn.Parameter], tensors: Iterable[torch.Tensor]) -> None:
         """Make the model half: ``own`` (this rank's parameters, where they will compute) get
@@ -209,10 +239,6 @@ class HalfParameters:
 
         return map_leaves(outputs, to_float)
 
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaled else 1.0
-
     def after_backward(self, average: Callable[[list[nn.Parameter]], None]) -> None:
         """Every rank, after a step's backward: the half gradients, unscaled, are added to the
         masters' fp32 gradients (and freed), ``average`` averages those over the data-parallel
@@ -239,16 +265,15 @@ class HalfParameters:
         self.overflow = self.overflow or bool(found.item() > 0)
 
     def step(self, step: Callable[[], Any]) -> Any:
-        """The optimizer's step on the masters, rounded back into the model; skipped (returning
-        ``None``) on every rank after an overflow. The loss scale follows."""
-        overflow, self.overflow = self.overflow, False
-        if self.scaled:
-            self.scaler.update(overflow)
-        if overflow:
-            return None
-        result = step()
-        self.copy_to_model()
-        return result
+        """The optimizer's step on the masters, rounded back into the model; skipped on every
+        rank after an overflow."""
+
+        def rounded() -> Any:
+            result = step()
+            self.copy_to_model()
+            return result
+
+        return super().step(rounded)
 
     def copy_to_model(self) -> None:
         with torch.no_grad():
@@ -297,17 +322,16 @@ class HalfParameters:
                 pair[1].copy_(value)
 
     def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
-        """The masters by parameter name (``names``: id of a model parameter → its name) and
-        the loss scaler."""
+        """The masters by parameter name and the loss scaler."""
         masters = {
             names[id(param)]: master.detach().cpu() for param, master in self._masters.values()
         }
-        return {"fp32_master_params": masters, "loss_scaler": self.scaler.state_dict()}
+        return {MASTERS: masters, **super().state_dict(names)}
 
     def load_masters(self, values: dict[str, Any], names: dict[int, str]) -> None:
         """Load the masters this rank owns from :meth:`state_dict`'s ``values`` and round them
         into the model (the loss scaler is loaded at once: the next backward uses it)."""
-        saved = values["fp32_master_params"]
+        saved = values[MASTERS]
         with torch.no_grad():
             for param, master in self._masters.values():
                 name = names[id(param)]

@@ -56,14 +56,14 @@ from torch import nn
 
 from dtrain.errors import did_you_mean
 from dtrain.modelparallel.errors import PartitionError
-from dtrain.modelparallel.memory import (
+from dtrain.modelparallel.plan.memory import (
     MemorySettings,
     StageMemory,
     format_size,
     held_microbatches,
     stage_memory,
 )
-from dtrain.modelparallel.profile import ModelProfile, static_profile
+from dtrain.modelparallel.plan.profile import ModelProfile, static_profile
 
 DEFAULT_BANDWIDTH = 1e9
 """Bytes per second assumed between two partitions (a cautious figure for gloo on one host)."""

@@ -26,16 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.modelparallel.activations import CheckpointSpec, checkpointed, requested, take
-from dtrain.modelparallel.caller import RemoteCaller
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.executor import Task
-from dtrain.modelparallel.group import RankParts
-from dtrain.modelparallel.hooks import Record, owners_hooks, recording
-from dtrain.modelparallel.modes import ComputeMode
-from dtrain.modelparallel.policy import Phase, SchedulePolicy
-from dtrain.modelparallel.remote import check_prediction, materialize, resolve_output
-from dtrain.modelparallel.split_backward import WeightHalf, backward_inputs_first
+from dtrain.modelparallel.pipeline.activations import CheckpointSpec, checkpointed, requested, take
+from dtrain.modelparallel.pipeline.caller import RemoteCaller
+from dtrain.modelparallel.pipeline.executor import Task
+from dtrain.modelparallel.pipeline.group import RankParts
+from dtrain.modelparallel.pipeline.hooks import Record, owners_hooks, recording
+from dtrain.modelparallel.pipeline.modes import ComputeMode
+from dtrain.modelparallel.pipeline.remote import check_prediction, materialize, resolve_output
+from dtrain.modelparallel.pipeline.split_backward import WeightHalf, backward_inputs_first
+from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.transport import (
     BACKWARD,
     ERROR,

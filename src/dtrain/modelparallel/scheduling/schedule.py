@@ -48,8 +48,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
-from dtrain.modelparallel.policy import SchedulePolicy, check_pipeline
-from dtrain.modelparallel.rules import (
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy, check_pipeline
+from dtrain.modelparallel.scheduling.rules import (
     Flight,
     Phase,
     backward_phases,
@@ -59,7 +59,7 @@ from dtrain.modelparallel.rules import (
     receives,
     sends,
 )
-from dtrain.modelparallel.scheduler import Scheduler, Work
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent
 
 ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.stall import Store
+from dtrain.modelparallel.pipeline.stall import Store
 
 BEAT_S = 5.0
 """Longest pause between two beats (shorter for a short ``timeout``)."""

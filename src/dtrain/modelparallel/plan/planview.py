@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from dtrain.modelparallel.memory import format_size
-from dtrain.modelparallel.partition import PartitionPlan, format_count, partition_colour
+from dtrain.modelparallel.plan.memory import format_size
+from dtrain.modelparallel.plan.partition import PartitionPlan, format_count, partition_colour
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 """The peak-memory columns of the text plan, in its order."""

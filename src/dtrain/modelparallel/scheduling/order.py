@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from dtrain.modelparallel.rules import plan_phase
+from dtrain.modelparallel.scheduling.rules import plan_phase
 
 Key = tuple[str, int]
 """An action: ``("F" | "B" | "W", microbatch)``."""

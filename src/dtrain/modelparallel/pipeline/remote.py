@@ -18,7 +18,7 @@ the owner. The owner keeps what it computed; the caller gets either the outputs 
   :class:`RemoteFetch`. The owner checks the structure it computed against the prediction sent
   with the call: a module whose output structure changes between calls with the same kinds of
   arguments fails the step with an error that says so (``DTRAIN_MP_DEFER=0``, see
-  :mod:`.options`, waits for every call instead). A call is known to have succeeded once its
+  :mod:`..options`, waits for every call instead). A call is known to have succeeded once its
   value (or one computed from it) was fetched; a call nobody fetched from is confirmed with a
   round trip when its microbatch ends.
 

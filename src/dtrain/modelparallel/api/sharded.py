@@ -23,13 +23,16 @@ the data-parallel group and averaged (or summed) over microbatches, as pipelines
 failure on one rank leaves the others waiting in a collective until the process group's
 timeout (``DTRAIN_MP_TIMEOUT``).
 
-**bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers, inputs
-entering in half, outputs leaving in fp32, fp32 masters stepped by the optimizer) is FSDP2's
-mixed precision (:func:`mixed_precision`): the sharded parameters stay fp32 and are the
+**fp16 and bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers,
+inputs entering in half, outputs leaving in fp32, fp32 masters stepped by the optimizer) is
+FSDP2's mixed precision (:func:`mixed_precision`): the sharded parameters stay fp32 and are the
 masters, so the optimizer, clipping and state dicts see fp32 shards and no second copy is
-kept; each unit gathers them in bf16 to compute and reduce-scatters its gradients in fp32.
-Floating buffers, which FSDP2 leaves alone, become bf16 as the unit is made. fp16 is refused by
-``smp.init``: it would need the loss scaled and overflowing steps skipped.
+kept; each unit gathers them in half to compute and reduce-scatters its gradients in fp32.
+Floating buffers, which FSDP2 leaves alone, become half as the unit is made. fp16 scales the
+loss (``model.backward``) by the optimizer's loss scaler, so the sharded fp32 gradients hold
+scaled values, summed over microbatches and steps under one scale; ``optimizer.step()``
+unscales them and checks them for inf/NaN (:meth:`ShardedModel.step`), and an overflow on any
+rank skips the step on every rank and backs the scale off (:class:`.precision.LossScaling`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain.modelparallel import deferred
+from dtrain.modelparallel.api.precision import LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
-from dtrain.modelparallel.executor import MicrobatchResult
-from dtrain.modelparallel.precision import half_dtype
+from dtrain.modelparallel.pipeline.executor import MicrobatchResult
 from dtrain.modelparallel.state import MPState
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -146,7 +149,10 @@ class ShardedModel:
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
         self.dtype = half_dtype(st.config)
-        """``bf16``'s compute dtype; ``None``: fp32."""
+        """The compute dtype of ``fp16``/``bf16``; ``None``: fp32."""
+        self.scaling = LossScaling(self.dtype) if self.dtype == torch.float16 else None
+        """fp16's loss scale and overflow flag (``smp.DistributedOptimizer`` sets the scaler);
+        bf16 and fp32 scale nothing."""
         claimed: set[int] = set()
         for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
             self._shard(unit, claimed, mixed_precision(self.dtype, root=False))
@@ -167,7 +173,7 @@ class ShardedModel:
 
         This is the one place a unit's tensors exist whole: a model created without memory
         (``smp.delay_param_initialization``) is made here, unit by unit, with its eager values
-        (:mod:`.deferred`, from rank 0's random states), so that no rank ever holds more than
+        (:mod:`..deferred`, from rank 0's random states), so that no rank ever holds more than
         one unsharded unit beside the shards.
         """
         tensors = [
@@ -185,9 +191,9 @@ class ShardedModel:
                 tensor.data = self._kept(data, is_buffer)
 
     def _kept(self, data: torch.Tensor, is_buffer: bool) -> torch.Tensor:
-        """``data`` in the dtype the model keeps it in: with ``bf16`` a floating parameter is
-        fp32 (its master, however the script created it) and a floating buffer bf16, as SMP's
-        Bit16 module keeps them."""
+        """``data`` in the dtype the model keeps it in: with ``fp16``/``bf16`` a floating
+        parameter is fp32 (its master, however the script created it) and a floating buffer
+        half, as SMP's Bit16 module keeps them."""
         if self.dtype is None or not data.is_floating_point():
             return data
         return data.to(self.dtype if is_buffer else torch.float32)
@@ -217,6 +223,33 @@ class ShardedModel:
     def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         self.require_step("model.backward")
         torch.autograd.backward(outputs, grads)
+
+    def step(self, step: Callable[[], Any]) -> Any:
+        """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
+        are unscaled and checked first, and an overflow on any rank skips the step (returning
+        ``None``) on every rank; then they are clipped to ``sdp_gradient_clipping``."""
+
+        def clipped() -> Any:
+            self.clip_gradients()
+            return step()
+
+        if self.scaling is None:
+            return clipped()
+        self.scaling.overflow = self._unscale(1.0 / self.scaling.loss_scale)
+        return self.scaling.step(clipped)
+
+    def _unscale(self, inverse: float) -> bool:
+        """Multiply the sharded gradients by ``inverse``; whether any rank's hold an inf or a
+        NaN. Each rank checks its shards with torch's ``GradScaler`` kernel, then the flag is
+        agreed over the world: shards differ, and every rank calls this once whatever it
+        holds."""
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            scale = torch.full((), inverse, dtype=torch.float32, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._world)
+        return bool(found.item() > 0)
 
     def clip_gradients(self) -> torch.Tensor | None:
         """Scale the gradients so that their global L2 norm (over every shard) is at most

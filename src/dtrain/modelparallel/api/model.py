@@ -5,7 +5,7 @@ and buffers, the model is partitioned (rank 0 profiles the first microbatch and 
 manual placement is used), each rank frees the parameters it does not own, and the pipeline
 runtime starts. A model created inside ``smp.delay_param_initialization()`` has no memory until
 then: rank 0 plans from its shapes and operation counts, and each rank makes only what it owns
-(:mod:`.deferred`), so no rank ever holds the whole model. After each step each rank averages
+(:mod:`..deferred`), so no rank ever holds the whole model. After each step each rank averages
 its own parameters' gradients over its data-parallel group. With ``sharded_data_parallel_degree``
 above 1 there is no pipeline: the module is sharded when wrapped, and steps, gradients and
 state dicts go through :mod:`.sharded`.
@@ -28,14 +28,20 @@ from torch.utils.hooks import RemovableHandle
 from dtrain.dataparallel.buckets import plan_buckets
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel import activations, deferred, fit, placement, solo, state
+from dtrain.modelparallel import deferred, state
+from dtrain.modelparallel.api import placement
+from dtrain.modelparallel.api.precision import HalfParameters, LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.executor import MicrobatchResult
-from dtrain.modelparallel.group import PipelineGroup
-from dtrain.modelparallel.partition import PartitionPlan, auto_plan, manual_plan
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.precision import HalfParameters, half_dtype
-from dtrain.modelparallel.profile import (
+from dtrain.modelparallel.pipeline import activations, solo
+from dtrain.modelparallel.pipeline.executor import MicrobatchResult
+from dtrain.modelparallel.pipeline.group import PipelineGroup
+from dtrain.modelparallel.pipeline.remote import RemoteValue, materialize
+from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
+from dtrain.modelparallel.pipeline.stall import default_store
+from dtrain.modelparallel.plan import fit
+from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, manual_plan
+from dtrain.modelparallel.plan.profile import (
     ModelProfile,
     Snapshot,
     moved_to,
@@ -43,23 +49,20 @@ from dtrain.modelparallel.profile import (
     profile_module,
     profile_without_memory,
 )
-from dtrain.modelparallel.remote import RemoteValue, materialize
-from dtrain.modelparallel.runtime import PipelineRuntime
-from dtrain.modelparallel.schedule import (
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.schedule import (
     SPLIT_OVERHEAD,
     Costs,
     Schedule,
     schedule_of,
     zero_bubble_policy,
 )
-from dtrain.modelparallel.split_backward import backward_giving_way
-from dtrain.modelparallel.stall import default_store
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
 
 if TYPE_CHECKING:
-    from dtrain.modelparallel.sharded import ShardedModel
+    from dtrain.modelparallel.api.sharded import ShardedModel
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -143,7 +146,7 @@ class DistributedModel(nn.Module):
         steps, gradients, precision and state dicts go through :mod:`.sharded`."""
         if sharded:
             # Imported here: FSDP2 and DTensor take seconds to import, for sharded models only.
-            from dtrain.modelparallel.sharded import ShardedModel
+            from dtrain.modelparallel.api.sharded import ShardedModel
 
             self._sync_random_states()
             self.sharding = ShardedModel(module, self._state)
@@ -192,11 +195,12 @@ class DistributedModel(nn.Module):
         scale = None
         if self.average_grads_across_microbatches:
             scale = 1.0 / self._state.config["microbatches"]
+        scaling = self.loss_scaling
+        if scaling is not None and scaling.loss_scale != 1.0:
+            scale = (scale or 1.0) * scaling.loss_scale
         if self.sharding is not None:
             self.sharding.backward(outputs, _scaled(outputs, grads, scale))
             return
-        if self.half_precision is not None and self.half_precision.loss_scale != 1.0:
-            scale = (scale or 1.0) * self.half_precision.loss_scale
         runtime = self._require_step("model.backward")
         grads = materialize(grads)  # computed elsewhere: fetch
         if len(outputs) == 1 and isinstance(outputs[0], RemoteValue) and not outputs[0].fetched:
@@ -207,6 +211,14 @@ class DistributedModel(nn.Module):
         grads = _scaled(outputs, grads, scale)
         with runtime.executor.backward():
             backward_giving_way(outputs, grads, runtime.executor.give_way)
+
+    @property
+    def loss_scaling(self) -> LossScaling | None:
+        """The loss scale and overflow flag of a half model: the half parameters' with
+        pipelines, the sharded model's with fp16; ``None`` for fp32 and sharded bf16."""
+        if self.sharding is not None:
+            return self.sharding.scaling
+        return self.half_precision
 
     def _require_step(self, what: str) -> PipelineRuntime:
         runtime = self._runtime
@@ -290,9 +302,9 @@ class DistributedModel(nn.Module):
     ) -> PartitionPlan:
         """Rank 0 profiles its first microbatch and plans; every rank gets rank 0's plan.
 
-        The others wait for as long as rank 0 works and shows signs of life (:mod:`.solo`):
-        profiling a large model, on the CPU above all, may take longer than any wait for a
-        peer (``DTRAIN_MP_TIMEOUT``) should.
+        The others wait for as long as rank 0 works and shows signs of life
+        (:mod:`..pipeline.solo`): profiling a large model, on the CPU above all, may take longer
+        than any wait for a peer (``DTRAIN_MP_TIMEOUT``) should.
         """
         st = self._state
         store, name = default_store(), f"dtrain/mp-plan/{next(_PLANS)}"

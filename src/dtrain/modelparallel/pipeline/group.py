@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.modelparallel.executor import Executor
+from dtrain.modelparallel.pipeline.executor import Executor
 from dtrain.modelparallel.transport import Transport
 
 

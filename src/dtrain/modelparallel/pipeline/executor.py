@@ -14,8 +14,8 @@ computes, the requests it queued are sent (``flush``), so nothing queued waits o
 
 Every decision (which waiting task gets the token, whether a holder keeps it, whether the leader
 admits another microbatch and whether a backward may begin) is the rank's
-:class:`~.scheduler.Scheduler`'s, the thread-free core the planner runs too: this module holds
-its lock, wakes the tasks it grants the token to and waits on its answers.
+:class:`~..scheduling.scheduler.Scheduler`'s, the thread-free core the planner runs too: this module
+holds its lock, wakes the tasks it grants the token to and waits on its answers.
 
 The thread that runs the user's script is the *main* task: it holds the token outside steps, so a
 request that arrives early (the leader already started the next step) waits until this rank has
@@ -26,10 +26,10 @@ after all other work, so it runs when the rank would otherwise wait. The step en
 only once every weight half it deferred has run: while the main task waits for the token, only
 weight halves may take it.
 
-With a plan order (``deterministic_server``, :mod:`.order`) a task may take the token only while
-its action is the rank's current one in the plan. The leader's forward of a microbatch ends when
-its task first waits for another rank or turns to its backward, its backward when the task ends;
-the runtime ends the other ranks' actions (:meth:`Executor.end_action`).
+With a plan order (``deterministic_server``, :mod:`..scheduling.order`) a task may take the token
+only while its action is the rank's current one in the plan. The leader's forward of a microbatch
+ends when its task first waits for another rank or turns to its backward, its backward when the
+task ends; the runtime ends the other ranks' actions (:meth:`Executor.end_action`).
 
 Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank), in the
 rank's :class:`TimelineRecorder`, where the transport records its sends and receives too.
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.policy import SchedulePolicy
-from dtrain.modelparallel.scheduler import Scheduler, Work
+from dtrain.modelparallel.pipeline.workers import WorkerPool
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent, TimelineRecorder
-from dtrain.modelparallel.workers import WorkerPool
 
 MicrobatchResult = tuple[bool, Any]
 """``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""

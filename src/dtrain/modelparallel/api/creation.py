@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from dtrain.modelparallel import placement, state
+from dtrain.modelparallel import state
+from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.errors import ModelParallelError
 

@@ -8,7 +8,8 @@ call's forward and backward both run there, :mod:`.owner`). So a mark only recor
 checkpoint; the runtime wraps the forward of each marked module on the rank that owns it
 (:func:`plan_checkpointing`, :func:`checkpointed`), with torch's non-reentrant
 ``torch.utils.checkpoint``. A module whose submodules live on several partitions cannot be
-recomputed in one place and fails, naming the module and its partitions.
+recomputed in one place: its largest subtrees that each run on one partition are recomputed
+where they run, and its own code between them keeps its activations.
 
 ``torch.utils.checkpoint`` that the model's own code wraps around a module another partition
 runs works too. Reentrant: its forward runs without grad, so the owner keeps nothing; the
@@ -191,25 +192,31 @@ class CheckpointPlan:
         return forward
 
 
-def _one_partition(
-    name: str, module: nn.Module, partition_of: dict[int, int], why: str = ""
-) -> int:
-    """The partition the whole module tree runs on; a tree split across partitions fails."""
+def _tree_partition(module: nn.Module, partition_of: dict[int, int]) -> int | None:
+    """The partition the whole module tree runs on; None if it spans several."""
     partitions = {partition_of[id(m)] for m in module.modules()}
-    if len(partitions) > 1:
-        raise ModelParallelError(
-            f"activation checkpointing of module {name or '<root>'!r} "
-            f"({type(module).__name__}){why}: its submodules run on partitions "
-            f"{sorted(partitions)}, and a checkpointed module is recomputed in one place. "
-            "Checkpoint its children instead, or place it on one partition (smp.set_partition)"
+    return partitions.pop() if len(partitions) == 1 else None
+
+
+def _one_partition_parts(name: str, module: nn.Module, partition_of: dict[int, int]) -> list[str]:
+    """``name`` if its whole tree runs on one partition; else its largest subtrees that do
+    (``smp.set_partition`` placed its parts apart; the automatic planner keeps it whole, or
+    splits it only where a module below it is fixed): each is recomputed where it runs, and the
+    module's own code between them keeps its activations."""
+    if _tree_partition(module, partition_of) is not None:
+        return [name]
+    return [
+        part
+        for child_name, child in module.named_children()
+        for part in _one_partition_parts(
+            f"{name}.{child_name}" if name else child_name, child, partition_of
         )
-    return partitions.pop()
+    ]
 
 
 def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPlan:
     """Resolve the marks on ``root``'s modules for the partition ``owners`` (by module name); a
-    mark on a module outside ``root`` (made before ``smp.DistributedModel``) or on a module
-    split across partitions fails, naming it."""
+    mark on a module outside ``root`` (made before ``smp.DistributedModel``) fails, naming it."""
     names = {id(m): name for name, m in root.named_modules()}
     partition_of = {id(m): owners[name] for name, m in root.named_modules()}
     with _lock:
@@ -225,20 +232,20 @@ def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPla
     for name, module, spec in sorted(marked, key=lambda item: item[0]):
         one = CheckpointSpec(spec.preserve_rng_state)
         if not isinstance(module, nn.Sequential):
-            _one_partition(name, module, partition_of)
-            plan.modules[name] = one
+            plan.modules.update(
+                dict.fromkeys(_one_partition_parts(name, module, partition_of), one)
+            )
             continue
-        why = f" (child of checkpointed Sequential {name!r})"
         children = list(module)
-        partitions: list[object] = [
-            _one_partition(names[id(child)], child, partition_of, why) for child in children
-        ]
+        partitions: list[object] = [_tree_partition(child, partition_of) for child in children]
         groups = _groups(children, partitions, owners[name], group_size(spec.strategy))
         if any(group.together for group in groups):
             plan.sequentials[name] = (spec, groups)
         for group in groups:
             if not group.together:
-                plan.modules.update((names[id(child)], one) for child in group.children)
+                for child in group.children:
+                    parts = _one_partition_parts(names[id(child)], child, partition_of)
+                    plan.modules.update(dict.fromkeys(parts, one))
     return plan
 
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.policy import PIPELINES, SchedulePolicy
-from dtrain.modelparallel.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
+from dtrain.modelparallel.scheduling.policy import PIPELINES, SchedulePolicy
+from dtrain.modelparallel.scheduling.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 """State tensors per parameter: Adam's and AdamW's two moments, SGD's momentum buffer."""

@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.errors import did_you_mean
-from dtrain.modelparallel.rules import Phase, is_gradient
+from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
 
 PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 
 MAIN_PRIORITY = (-1, 0)
-"""The script's own thread, outside the step: before any task (see :mod:`.executor`)."""
+"""The script's own thread, outside the step: before any task (see :mod:`..pipeline.executor`)."""
 _WEIGHTS_LAST = 1 << 30
 """Ranks a weight half after every forward and backward, in either pipeline."""
 

@@ -1,6 +1,6 @@
 """What a rank does with the messages it receives: decided on one thread, in arrival order.
 
-Receiver threads (one per peer, :mod:`.transport`) only decode messages and queue them here;
+Receiver threads (one per peer, :mod:`..transport`) only decode messages and queue them here;
 replies are the exception, they complete the future their requester waits on. A
 :class:`Dispatcher` thread takes the queued streams in order and hands each to the runtime,
 which decides what happens (a stream of requests becomes one task, a step's end goes to the

@@ -4,7 +4,7 @@ The leader (pp rank 0) runs the step body once per microbatch, each in its own t
 modules owned elsewhere become requests to their owners (:mod:`.caller`, :mod:`.remote`), and
 every rank serves the requests it receives (:mod:`.owner`). The executor's compute token
 decides which task computes next, as the schedule policy says (:mod:`.executor`,
-:mod:`.policy`). Here: the messages the receivers queue are dispatched, on one thread in
+:mod:`..scheduling.policy`). Here: the messages the receivers queue are dispatched, on one thread in
 arrival order (:mod:`.dispatch`: requests to the owner, step ends to the main thread); the
 leader's step runs its microbatches and announces their results, which the other ranks of the
 pipeline return from the step too; a silence is reported (:mod:`.stall`).
@@ -24,23 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.modelparallel.activations import plan_checkpointing
-from dtrain.modelparallel.caller import RemoteCaller
-from dtrain.modelparallel.dispatch import Dispatcher, StepGate
 from dtrain.modelparallel.errors import (
     CommunicationTimeoutError,
     ModelParallelError,
     RemoteError,
     StepFailedError,
 )
-from dtrain.modelparallel.executor import Executor, MicrobatchResult, Task
-from dtrain.modelparallel.group import PipelineGroup, RankParts
-from dtrain.modelparallel.modes import ComputeMode
 from dtrain.modelparallel.options import RuntimeOptions
-from dtrain.modelparallel.owner import Owner
-from dtrain.modelparallel.policy import Phase, SchedulePolicy
-from dtrain.modelparallel.remote import install_stub, materialize, remove_stub
-from dtrain.modelparallel.stall import RankState, StallWatch, WaitBoard, default_store
+from dtrain.modelparallel.pipeline.activations import plan_checkpointing
+from dtrain.modelparallel.pipeline.caller import RemoteCaller
+from dtrain.modelparallel.pipeline.dispatch import Dispatcher, StepGate
+from dtrain.modelparallel.pipeline.executor import Executor, MicrobatchResult, Task
+from dtrain.modelparallel.pipeline.group import PipelineGroup, RankParts
+from dtrain.modelparallel.pipeline.modes import ComputeMode
+from dtrain.modelparallel.pipeline.owner import Owner
+from dtrain.modelparallel.pipeline.remote import install_stub, materialize, remove_stub
+from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
+from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.transport import (
     BACKWARD,
     END_STEP,
@@ -55,7 +55,7 @@ from dtrain.modelparallel.transport import (
 )
 
 Stream = list[tuple[Message, list[torch.Tensor]]]
-"""Messages one receive brought, in order (see :mod:`.transport`)."""
+"""Messages one receive brought, in order (see :mod:`..transport`)."""
 _POLL_S = 0.5
 _EXIT_WAIT_S = 60.0
 """Longest a rank that reaches the end of its script waits for its peers to reach theirs."""
