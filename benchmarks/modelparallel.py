@@ -13,7 +13,8 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   times its stage alone (the same microbatches, forward + backward, then its optimizer step),
   which gives the ideal 1F1B step ``max over stages of compute × (m + p − 1) / m + optimizer``
   and what dtrain's planner predicts for its plan against a 1F1B plan with those stage times.
-  ``--pin-cores`` puts rank r on CPU r (both libraries alike).
+  ``--pin-cores`` puts rank r on CPU r (both libraries alike); ``--deterministic`` runs
+  dtrain's variant with ``deterministic_server`` (every rank in its plan row's order).
 * ``unbalanced``: an 8-layer LM with a large vocabulary (a heavy head), auto-partition against
   the equal-layer split (4 blocks each side, embeddings first, head last), each in fresh
   2-process worlds, alternating.
@@ -138,7 +139,7 @@ def init_world(rank: int, world: int, port: int, pin: bool = False) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def smp_config(microbatches: int, auto: bool) -> dict[str, Any]:
+def smp_config(microbatches: int, auto: bool, deterministic: bool = False) -> dict[str, Any]:
     config: dict[str, Any] = {
         "pipeline_parallel_degree": STAGES,
         "microbatches": microbatches,
@@ -146,6 +147,7 @@ def smp_config(microbatches: int, auto: bool) -> dict[str, Any]:
         "optimize": "speed",
         "memory_weight": 0.2,
         "auto_partition": auto,
+        "deterministic_server": deterministic,
     }
     if not auto:
         config["default_partition"] = 0
@@ -237,7 +239,7 @@ def pipeline_worker(rank: int, port: int, args: argparse.Namespace, results: Any
     init_world(rank, STAGES, port, args.pin_cores)
     m = args.microbatches
     data = batches(4, 1024)
-    smp.init(smp_config(m, auto=False))
+    smp.init(smp_config(m, auto=False, deterministic=args.deterministic))
     ours_model = TransformerLM(seed=0)
     equal_split(ours_model)
     ours_step, ours_dist, _ = dtrain_pipeline(ours_model, m)
@@ -322,6 +324,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "microbatches": m,
         "pinned": args.pin_cores,
+        "deterministic": args.deterministic,
         "median_ms": {name: value * 1e3 for name, value in medians.items()},
         "over_torch_1f1b": {name: value / medians["torch 1F1B"] for name, value in medians.items()},
         "pair_median_over_torch_1f1b": {
@@ -513,6 +516,7 @@ def run_busy(args: argparse.Namespace) -> dict[str, Any]:
 
 def pipeline_table(r: dict[str, Any]) -> str:
     pinned = ", one CPU per rank" if r["pinned"] else ""
+    pinned += ", dtrain with deterministic_server" if r["deterministic"] else ""
     lines = [
         f"pipeline: 2 partitions, {r['microbatches']} microbatches{pinned}, median step "
         f"({r['steps_per_variant']} steps each); ratios against torch Schedule1F1B",
@@ -633,6 +637,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="dtrain with deterministic_server"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)

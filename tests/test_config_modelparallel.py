@@ -45,6 +45,11 @@ def test_partitions_alias_and_agreeing_duplicate() -> None:
     assert "partitions" not in both
 
 
+def test_a_fixed_order_is_accepted_for_any_number_of_partitions() -> None:
+    config = validate_mp_parameters({"deterministic_server": True, "partitions": 4})
+    assert config["deterministic_server"] and config["pipeline_parallel_degree"] == 4
+
+
 def test_value_forms_normalized() -> None:
     values = validate_mp_parameters(
         {
@@ -171,12 +176,6 @@ BAD: list[tuple[dict[str, Any], int | None, type[ConfigError], tuple[str, ...]]]
         None,
         ConfigError,
         (f"{P}.shard_optimizer_state", "True", "ddp=true"),
-    ),
-    (
-        {"deterministic_server": True, "partitions": 3},
-        None,
-        ConfigError,
-        (f"{P}.deterministic_server", "pipeline_parallel_degree 1 or 2 (here 3)"),
     ),
     (
         {"active_microbatches": 5, "microbatches": 4},

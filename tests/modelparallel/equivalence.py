@@ -84,6 +84,18 @@ CASES: dict[str, Case] = {
 }
 
 
+ALL_CASES: dict[str, Case] = {
+    **CASES,
+    "lm3": Case(  # a chain of three partitions: activations relay through the leader
+        lambda: ResidualTransformerLM(seed=0, tie_weights=False),
+        {"blocks.1": 1, "blocks.2": 2, "blocks.3": 2, "ln_f": 2, "lm_head": 2},
+        _lm_batch,
+        lambda model, ids, labels: model(ids, labels=labels)["loss"],
+    ),
+}
+"""The cases above (split over two partitions) and those split over more."""
+
+
 @dataclass(frozen=True)
 class Layout:
     case: str
@@ -103,7 +115,7 @@ class Trained:
 
 def reference(case_name: str, steps: int) -> Trained:
     """Single-process SGD on the whole global batch."""
-    case = CASES[case_name]
+    case = ALL_CASES[case_name]
     model = case.build()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.pipeline.executor import Executor, Task
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from tests.modelparallel.equivalence import CASES, case_pipeline, reference, replica_rows
+from tests.modelparallel.equivalence import ALL_CASES, case_pipeline, reference, replica_rows
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
 
@@ -29,12 +29,12 @@ def _collapsed(kinds: list[tuple[str, int]]) -> list[str]:
     return shown
 
 
-def _train_in_plan_order(case_name: str) -> dict[str, Any]:
+def _train_in_plan_order(case_name: str, partitions: int = 2) -> dict[str, Any]:
     dist.init_process_group("gloo")
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+    smp.init({"pipeline_parallel_degree": partitions, "microbatches": MICROBATCHES,
               "auto_partition": False, "default_partition": 0, "deterministic_server": True,
-              "ddp": dist.get_world_size() > 2})  # fmt: skip
-    case = CASES[case_name]
+              "ddp": dist.get_world_size() > partitions})  # fmt: skip
+    case = ALL_CASES[case_name]
     model, step = case_pipeline(case, auto=False)
     losses, orders = [], []
     for index in range(STEPS):
@@ -60,6 +60,20 @@ def test_every_rank_computes_in_the_plans_order_on_every_replica() -> None:
     for replica in (ranks[0], ranks[2]):
         got = type(expected)(losses, replica["params"])
         assert_equivalent(got, expected, "deterministic_server, pp=2 x dp=2")
+
+
+def test_three_partitions_compute_in_the_plans_order_and_train_like_one_process() -> None:
+    """A chain of three partitions whose activations relay through the leader, which computes
+    the loss from the last partition's outputs: every rank's forward of a microbatch ends as
+    the leader's forward moves on from it, so no rank waits for a later one's turn (before,
+    it deadlocked). Every step runs each rank's plan row, the same every step."""
+    ranks = run_ranks(3, _train_in_plan_order, "lm3", 3, timeout=240)
+    for rank in ranks:
+        assert all(order == rank["plan"] for order in rank["orders"])
+    assert any(action.startswith("W") for rank in ranks for action in rank["plan"])
+    expected = reference("lm3", STEPS)
+    got = type(expected)(ranks[0]["losses"], ranks[0]["params"])
+    assert_equivalent(got, expected, "deterministic_server, pp=3")
 
 
 def test_a_forward_that_comes_back_to_partition_0_fails_naming_the_module() -> None:

@@ -328,7 +328,7 @@ def _job_plan() -> dict[str, Any]:
     plan = model.partition_plan()
     return {
         "plan": plan.to_dict(),
-        "held": list(simulate(model.pipeline_schedule()).peak_in_flight),
+        "held": list(simulate(model.pipeline_schedule()).peak_held),
     }
 
 

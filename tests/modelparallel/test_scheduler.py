@@ -279,7 +279,8 @@ OFF_PLAN = [
     (0, "serve", "F0", [], "on partition 0, called from another partition"),
     (1, "serve", "F0", [], None),
     (1, "serve", "F0", [("F", 0)], "on partition 1 after microbatch 0's forward here was over"),
-    (1, "serve", "I0", [("B", 0)], "microbatch 0's backward here was over"),
+    (1, "serve", "I0", [("F", 0), ("F", 1), ("B", 0)], "microbatch 0's backward here was over"),
+    (1, "serve", "I0", [("B", 0)], None),  # said over ahead of its turn: its work may still come
 ]
 
 
@@ -304,3 +305,30 @@ def test_the_leaders_forward_ends_when_it_waits_and_its_task_ends_the_rest() -> 
     assert not core.waits(_work("B0", role="leader"))
     core.finished(_work("B0", role="leader"))
     assert core.order(0).describe() == "W0" and core.in_flight == 0
+
+
+def test_an_end_that_overtakes_its_work_waits_for_it() -> None:
+    """The leader's notice that a forward is over can be dispatched before the request it
+    follows has computed here (its task only announced): the turn passes once that work has
+    run, not before (it would then be refused as coming too late)."""
+    core = _core(plan=(("F", 0), ("F", 1), ("B", 0)), rank=1)
+    forward, next_forward = _work("F0"), _work("F1")
+    core.announce(forward)
+    assert core.end_action(0, "F", 0)
+    core.submit(next_forward)
+    assert core.order(0).describe() == "F0" and core.grant() is None
+    core.submit(forward)
+    assert core.grant() is forward and core.off_plan(forward) is None
+    core.release(forward)
+    assert core.order(0).describe() == "F1" and core.grant() is next_forward
+
+
+def test_announced_work_out_of_turn_does_not_hold_up_the_turn() -> None:
+    """Regression (a deadlock in the pipeline benchmark): a backward request dispatched before
+    the forward whose turn comes first was announced, and, more urgent, kept the forward from
+    the token, while its own thread waited for its turn after that forward."""
+    core = _core(plan=(("F", 1), ("B", 3)), rank=1)
+    backward, forward = _work("B3"), _work("F1")
+    core.announce(backward)
+    core.submit(forward)
+    assert core.grant() is forward

@@ -150,8 +150,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         bool,
         False,
         "The same execution order on all DP ranks: each rank computes in the order of the "
-        "pipeline's plan (model.pipeline_schedule()) instead of as work becomes ready; with "
-        "pipeline_parallel_degree 1 or 2.",
+        "pipeline's plan (model.pipeline_schedule()) instead of as work becomes ready; for "
+        "models whose microbatches go through the partitions in order.",
     ),
     ParameterSpec(
         "tensor_parallel_degree",
@@ -389,13 +389,6 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
         )
     if partition is not None and partition >= degree:
         raise ConfigError(f"{where}.default_partition", partition, in_range)
-    if values["deterministic_server"] and degree > 2:
-        raise ConfigError(
-            f"{where}.deterministic_server",
-            True,
-            f"only with pipeline_parallel_degree 1 or 2 (here {degree}): with more partitions "
-            "dtrain cannot yet run a fixed order without the risk of a deadlock",
-        )
     active = values["active_microbatches"]
     if active > values["microbatches"]:
         raise ConfigError(

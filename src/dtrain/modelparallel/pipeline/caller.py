@@ -44,6 +44,7 @@ from dtrain.modelparallel.transport.message import (
     BACKWARD,
     FETCH,
     FORWARD,
+    NOTICE,
     Message,
     Pending,
     TensorMeta,
@@ -170,6 +171,7 @@ class RemoteCaller:
             },
         )
         dst = self.group.ranks[owner]
+        self._moved_on(task, owner)
         if predicted is None:
             pending = self.request(dst, message, tensors)
         else:  # nobody waits for it: it goes with the task's next request or before it blocks
@@ -190,6 +192,20 @@ class RemoteCaller:
             self._predictions[signature] = outputs
         self._note_graph(record, record.meta)
         return attach(record, (), outputs, record.outputs, record.meta)
+
+    def _moved_on(self, task: Task, owner: int) -> None:
+        """A leader task's forward calls partition ``owner``: with a plan order, the partition
+        it called before learns that its forward of the microbatch is over (after the requests
+        queued for it; its turn passes once they have run). Its next forward need not wait for
+        the whole forward to end, which would make it wait for the later partitions' turns:
+        with three partitions or more, a deadlock. A call that comes back later fails as off
+        the plan."""
+        if task.role != "leader" or task.phase != "F" or self.executor.core.plan is None:
+            return
+        before, task.called = task.called, owner
+        if before is not None and before != owner:
+            notice = Message(NOTICE, 0, body="forward", microbatch=task.microbatch, step=task.step)
+            task.outbox.append((self.group.ranks[before], notice, []))
 
     def _replay_hooks(self, record: CallRecord) -> None:
         """Run this rank's hooks of the submodules the owner recorded (see :mod:`.hooks`); the
@@ -307,9 +323,13 @@ class RemoteCaller:
     ) -> list[torch.Tensor | None]:
         """Backward from a fetched value on its owner; the gradients of the sent ``leaves``."""
         task = self.executor.current()
-        if task is not None and task.remote_nodes[record.owner]:
+        if task is not None and task.sends_backward_to(record.owner):
             task.remote_nodes[record.owner] -= 1
-        _, input_grads = self._backward_request(record, path, leaves, grads, {})
+        # The leader's graph holds every node that sends this owner its microbatch's backward.
+        last = (
+            task is not None and task.role == "leader" and not task.sends_backward_to(record.owner)
+        )
+        _, input_grads = self._backward_request(record, path, leaves, grads, {"last": last})
         return input_grads
 
     def backward_deferred(
@@ -323,7 +343,7 @@ class RemoteCaller:
         leaves, inputs = record.closure()
         task = self.executor.current()
         # The owner's last backward of the microbatch unless the graph here may send more.
-        last = task is not None and not task.remote_nodes[record.owner]
+        last = task is not None and not task.sends_backward_to(record.owner)
         fetched, input_grads = self._backward_request(
             record, value.path, leaves, [grad], {"fetch": True, "scale": scale, "last": last}
         )

@@ -72,6 +72,8 @@ class Task(Work):
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
+    called: int | None = None
+    """The partition a leader task's forward called last."""
 
 
 class Executor:
@@ -107,6 +109,8 @@ class Executor:
         self._progress = time.monotonic()
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self._main_reclaimed = False
+        self._microbatches = 0
+        """The leader's step in progress admits this many in all."""
         self.acquire(self.main)
 
     # --- the token ---------------------------------------------------------------------------
@@ -174,13 +178,15 @@ class Executor:
             task.started = self._now()
             self._progress = time.monotonic()
 
-    def release(self, task: Task) -> None:
+    def release(self, task: Task, grant: bool = True) -> None:
+        """``task`` gives the token back; it goes on at once unless not ``grant``."""
         with self._cv:
             self.core.release(task)
             self._record(task)
             task.holding = False
             self._progress = time.monotonic()
-            self._grant()
+            if grant:
+                self._grant()
 
     def _record(self, task: Task) -> None:
         """The holder's computation up to now, as a timeline event."""
@@ -203,14 +209,12 @@ class Executor:
         """What holds the token now, and for how long (for stall reports)."""
         with self._cv:
             holder = self.core.holder
-            if not isinstance(holder, Task):
-                return "nothing computes (the compute token is free)"
-            held = self._now() - holder.started
             waiting = self.core.waiting
-            turn = ""
-            if self.core.plan is not None and holder.role != "main":
-                current = self.core.order(holder.step).describe()
-                turn = f"; in the plan's order it is the turn of {current}"
+            turn = self.core.turn()
+            turn = f"; in the plan's order it is the turn of {turn}" if turn else ""
+            if not isinstance(holder, Task):
+                return f"nothing computes (the compute token is free, {waiting} wait){turn}"
+            held = self._now() - holder.started
         what = holder.describe()
         if holder.role != "main":
             what += f" computing {holder.name!r}" if holder.recording else " between computations"
@@ -424,6 +428,7 @@ class Executor:
         outcomes: list[MicrobatchResult] = [(False, None)] * count
         with self._cv:
             core.begin_step()
+            self._microbatches = count
         self.release(self.main)
         try:
             for mb in range(count):
@@ -461,14 +466,22 @@ class Executor:
         except BaseException as exc:
             outcomes[mb] = (False, exc)
         finally:
-            if task.holding:
-                self.release(task)
             self._local.task = previous
             with self._cv:
+                if task.holding:
+                    self.release(task, grant=False)
                 self.core.finished(task)
                 self._progress = time.monotonic()
-                self._grant()
+                if not self._admits_next():
+                    self._grant()
                 self._cv.notify_all()
+
+    def _admits_next(self) -> bool:
+        """The main thread is about to admit a microbatch (call with the lock held): it queues
+        for the token before the token goes on, as the plan has it (a forward, which feeds the
+        other stages, before a terminal backward)."""
+        core = self.core
+        return core.leading and core.admitted < self._microbatches and core.may_admit()
 
     def start_backward(self) -> Task | None:
         """A microbatch task turns to its backward: the policy's hold.

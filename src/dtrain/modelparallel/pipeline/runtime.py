@@ -195,13 +195,14 @@ class PipelineRuntime:
         if request and not self._gate.admit(first.step, messages):
             return
         jobs: list[tuple[Phase, Callable[[], None]]] = []
+        notices: list[Message] = []
         for message, tensors in messages:
             for step, microbatch in message.extra.get("released", ()):
                 self.owner.forget_microbatch(step, microbatch)
             if message.kind in (FORWARD, FETCH, BACKWARD):
                 jobs.append(self.owner.accept(message, tensors))
             elif message.kind == NOTICE:
-                self._on_notice(message)
+                notices.append(message)
             elif message.kind == END_STEP and not self.is_leader:
                 self.executor.reclaim_main()  # before any request of the next step
                 due = self._gate.end(message.call_id)
@@ -217,6 +218,8 @@ class PipelineRuntime:
             if first.kind != FETCH:  # it will compute: its place in line is kept
                 self.executor.announce(task)
             self.executor.spawn(functools.partial(self.owner.serve_stream, task, jobs))
+        for notice in notices:  # after the requests before them are announced
+            self._on_notice(notice)
 
     def _forward_done(self, task: Task) -> None:
         """A leader task turned to its backward: its forward requests go out first, then every

@@ -15,7 +15,7 @@ memory) is checked against, is the sum of:
 * **activations**: the bytes of the output tensors its modules create for one microbatch (the
   profile's, scaled to the microbatch size), times the most microbatches whose activations it
   holds at once under the pipeline schedule: forwards done minus backwards done, at the worst
-  moment of the schedule the runtime plans (``simulate(...).peak_in_flight``).
+  moment of the schedule the runtime plans (``simulate(...).peak_held``).
 
 These are estimates from below: autograd saves more than module outputs (an attention's
 softmax, a nonlinearity's input), the allocator rounds and caches, and the process, its CUDA
@@ -233,7 +233,7 @@ def held_microbatches(
         split_backward=settings.split_backward,
         costs=costs,
     )
-    return list(simulate(schedule, costs).peak_in_flight)
+    return list(simulate(schedule, costs).peak_held)
 
 
 def stage_memory(

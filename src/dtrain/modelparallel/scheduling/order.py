@@ -5,23 +5,28 @@ Normally the compute token goes to whichever waiting task the policy ranks first
 among ready microbatches depends on timing and differs between replicas. With a
 :class:`PlanOrder` a task computes only while its action (its phase and microbatch) is the
 rank's current one in the plan (:func:`~.schedule.schedule_of`); the runtime says when an action
-has ended, and the next one becomes current. A split backward's input half is the plan's
-backward of that microbatch (``I`` counts as ``B``), its weight half the plan's ``W``.
+has ended, and the next one becomes current once no work of the ended one is left on the rank
+(:meth:`PlanOrder.advance`): an end can be known before the work it ends has run here (a
+notice overtakes the requests that its sender queued first). A split backward's input half is
+the plan's backward of that microbatch (``I`` counts as ``B``), its weight half the plan's
+``W``.
 
 Plain data: the rules are tested as tables, without threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from dtrain.modelparallel.scheduling.rules import plan_phase
 
 Key = tuple[str, int]
 """An action: ``("F" | "B" | "W", microbatch)``."""
 
 
 def action_key(phase: str, microbatch: int) -> Key:
-    return ("B" if phase == "I" else phase, microbatch)
+    return (plan_phase(phase), microbatch)
 
 
 @dataclass
@@ -46,13 +51,17 @@ class PlanOrder:
         return self.current == action_key(phase, microbatch)
 
     def has_ended(self, phase: str, microbatch: int) -> bool:
-        return action_key(phase, microbatch) in self.ended
+        """Whether the action's turn has passed: work for it comes too late."""
+        return action_key(phase, microbatch) in self.actions[: self.cursor]
 
     def end(self, phase: str, microbatch: int) -> None:
-        """An action's work is over (it may be ahead of the current one: its turn will pass
-        at once)."""
+        """The runtime says an action is over (it may be ahead of the current one: its turn
+        will pass once it comes); :meth:`advance` moves on."""
         self.ended.add(action_key(phase, microbatch))
-        while self.current is not None and self.current in self.ended:
+
+    def advance(self, busy: Callable[[Key], bool] = lambda key: False) -> None:
+        """Pass every current action that has ended and has no work left here (``busy``)."""
+        while self.current is not None and self.current in self.ended and not busy(self.current):
             self.cursor += 1
 
     def describe(self) -> str:

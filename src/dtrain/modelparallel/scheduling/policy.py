@@ -18,12 +18,10 @@ threads or processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from dtrain.errors import did_you_mean
+from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
 
-Phase = Literal["F", "B", "I", "W"]
-"""Forward, backward, and a split backward's input (``I``) and weight (``W``) halves."""
 PIPELINES: tuple[str, ...] = ("simple", "interleaved")
 
 MAIN_PRIORITY = (-1, 0)
@@ -77,7 +75,7 @@ class SchedulePolicy:
         """
         if phase == "W":
             return (_WEIGHTS_LAST, microbatch)
-        backward = phase in ("B", "I")
+        backward = is_gradient(phase)
         if self.pipeline == "simple":
             return (int(backward), microbatch)
         return (2 if terminal else int(not backward), microbatch)

@@ -12,8 +12,10 @@ before backwards, the in-flight bound, backward priority) but is work-conserving
 idles waiting for the plan's next microbatch while another one is ready, so among ready
 microbatches its order can differ from the plan's. Tests check recorded runs with :func:`check`.
 
-Which rules a schedule follows is its :class:`~.policy.SchedulePolicy`, the object the runtime
-asks too; the plans here are made by the runtime's own per-rank
+What each action needs (the chain's dependencies, its messages, which work counts as a
+backward, what is in flight) is one table, :mod:`.rules`, read by the planner, the simulator and
+the checker alike. Which rules a schedule follows is its :class:`~.policy.SchedulePolicy`, the
+object the runtime asks too; the plans here are made by the runtime's own per-rank
 :class:`~.scheduler.Scheduler` (the token's choice, admission, the backward hold, the terminal
 rule), one per stage, and the checker checks against the policy.
 
@@ -46,15 +48,32 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
-from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy, check_pipeline
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy, check_pipeline
+from dtrain.modelparallel.scheduling.rules import (
+    Flight,
+    Phase,
+    backward_phases,
+    is_gradient,
+    ordering_pairs,
+    ready_at,
+    receives,
+    sends,
+)
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineEvent
 
 ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 KINDS: tuple[str, ...] = get_args(ActionKind)
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
-BACKWARD_KINDS: tuple[str, ...] = ("B", "I")
-"""The actions that compute the gradients a stage sends to the previous one."""
+_BACKWARD_HALVES = ("B", "I", "W")
+_MESSAGE_KINDS = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
+_NO_PEER = {
+    "RECV_F": "stage 0 has no previous stage",
+    "SEND_B": "stage 0 has no previous stage",
+    "SEND_F": "the last stage has no next stage",
+    "RECV_B": "the last stage has no next stage",
+}
+"""Why a message of each kind has nobody at the other end, where it has not."""
 
 _ACTION_TEXT = re.compile(r"^(?:(\d+):)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
@@ -369,7 +388,7 @@ def schedule_of(policy: SchedulePolicy, stages: int, costs: Costs) -> Schedule:
     order, _ = _run_policy(policy, stages, costs)
     actions = tuple(
         tuple(
-            action for kind, mb in rank_order for action in _WITH_MESSAGES[kind](mb, stage, stages)
+            action for kind, mb in rank_order for action in _with_messages(kind, mb, stage, stages)
         )
         for stage, rank_order in enumerate(order)
     )
@@ -397,51 +416,52 @@ def _run_policy(
     leader.begin_step()
     # Work that will be ready: (time, order, stage, work).
     pending: list[tuple[float, int, int, Work]] = []
-    # A backward needs its own forward (slot 0) and its gradient or, last stage, the leader's
-    # request (slot 1): when each is there.
-    needs: dict[tuple[int, int], list[float]] = {}
-    requested: set[int] = set()
+    compute_end: dict[tuple[str, int, int], float] = {}
+    requested: dict[int, float] = {}
+    """When the last stage gets each microbatch's backward request."""
+    submitted: set[tuple[str, int, int]] = set()
     running: list[tuple[Work, float] | None] = [None] * stages
     order: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
     ends = [0.0] * stages
     counter = itertools.count()
 
-    def work(stage: int, phase: Phase, mb: int) -> Work:
-        return Work("leader" if stage == 0 else "serve", mb, phase)
+    def phases(mb: int, stage: int) -> tuple[Phase, ...]:
+        """The work ``mb`` has on ``stage``."""
+        return ("F", *backward_phases(stage > 0 and policy.splits_backward(stage, mb)))
 
-    def at(stage: int, phase: Phase, mb: int, time: float) -> None:
-        heapq.heappush(pending, (time, next(counter), stage, work(stage, phase, mb)))
-
-    def provide(mb: int, stage: int, time: float, slot: int) -> None:
-        got = needs.setdefault((mb, stage), [math.inf, math.inf])
-        got[slot] = time
-        if max(got) < math.inf:
-            split = stage > 0 and policy.splits_backward(stage, mb)
-            at(stage, "I" if split else "B", mb, max(got))
+    def offer(mb: int, stage: int) -> None:
+        """Put ``mb``'s work on ``stage`` whose needs are met in line for when they are."""
+        for phase in phases(mb, stage):
+            if (phase, mb, stage) in submitted or (phase, stage) == ("F", 0):
+                continue  # the leader admits its forwards
+            ready, _ = ready_at(
+                phase, mb, stage, stages, lambda k, m, s: compute_end.get((k, m, s)), costs.comm
+            )
+            if ready is not None and stage == last and is_gradient(phase):
+                ready = None if mb not in requested else max(ready, requested[mb])
+            if ready is not None:
+                submitted.add((phase, mb, stage))
+                work = Work("leader" if stage == 0 else "serve", mb, phase)
+                heapq.heappush(pending, (ready, next(counter), stage, work))
 
     def forward_arrived(mb: int, time: float) -> None:
         """``mb``'s forward reached the last stage: once the leader's hold lets backwards
         start, the backward requests of every arrived forward go out."""
         leader.forward_done(mb)
         if leader.backward_may_start():
-            for m in sorted(leader.forwards_done - requested):
-                requested.add(m)
-                provide(m, last, time, 1)
+            for m in sorted(leader.forwards_done - requested.keys()):
+                requested[m] = time
+                offer(m, last)
 
     def ended(stage: int, done: Work, end: float) -> None:
         mb = done.microbatch
-        if done.phase == "F":
-            provide(mb, stage, end, 0)
-            if stage < last:
-                at(stage + 1, "F", mb, end + costs.comm)
-            if stage == max(last - 1, 0):
-                forward_arrived(mb, end + (costs.comm if stage < last else 0.0))
-            return
-        if done.phase == "I":
-            at(stage, "W", mb, end)
-        if stage > 0 and done.phase != "W":
-            provide(mb, stage - 1, end + costs.comm, 1)
-        if stage == 0:
+        compute_end[(done.phase, mb, stage)] = end
+        for neighbour in (stage - 1, stage, stage + 1):
+            if 0 <= neighbour < stages:
+                offer(mb, neighbour)
+        if done.phase == "F" and stage == max(last - 1, 0):
+            forward_arrived(mb, end + (costs.comm if stage < last else 0.0))
+        if stage == 0 and is_gradient(done.phase):
             leader.finished(done)
 
     now = 0.0
@@ -456,7 +476,9 @@ def _run_policy(
             _, _, stage, ready = heapq.heappop(pending)
             cores[stage].submit(ready)
         while leader.admitted < microbatches and leader.may_admit():
-            leader.submit(work(0, "F", leader.admit()))
+            mb = leader.admit()
+            submitted.add(("F", mb, 0))
+            leader.submit(Work("leader", mb, "F"))
         for stage, core in enumerate(cores):
             chosen = core.grant()
             if chosen is not None:
@@ -498,45 +520,18 @@ def recorded_schedule(
     for rank, first in starts.items():
         rank_actions: list[Action] = []
         for kind, mb in sorted(first, key=first.__getitem__):
-            rank_actions += _WITH_MESSAGES[kind](mb, rank, stages)
+            rank_actions += _with_messages(kind, mb, rank, stages)
         actions.append(tuple(rank_actions))
     return Schedule(pipeline, stages, microbatches, active_microbatches, tuple(actions))
 
 
-def _forward(mb: int, stage: int, stages: int) -> list[Action]:
-    """``F`` with its receive from the previous stage and send to the next."""
-    actions = [Action("RECV_F", mb, stage)] if stage > 0 else []
-    actions.append(Action("F", mb, stage))
-    if stage < stages - 1:
-        actions.append(Action("SEND_F", mb, stage))
-    return actions
-
-
-def _gradients(kind: str, mb: int, stage: int, stages: int) -> list[Action]:
-    """``B`` (or ``I``) with its receive from the next stage and send to the previous."""
-    actions = [Action("RECV_B", mb, stage)] if stage < stages - 1 else []
-    actions.append(Action(kind, mb, stage))  # type: ignore[arg-type]
-    if stage > 0:
-        actions.append(Action("SEND_B", mb, stage))
-    return actions
-
-
-def _backward(mb: int, stage: int, stages: int) -> list[Action]:
-    return _gradients("B", mb, stage, stages)
-
-
-def _input_half(mb: int, stage: int, stages: int) -> list[Action]:
-    return _gradients("I", mb, stage, stages)
-
-
-def _weight_half(mb: int, stage: int, stages: int) -> list[Action]:
-    del stages
-    return [Action("W", mb, stage)]
-
-
-_WITH_MESSAGES = {"F": _forward, "B": _backward, "I": _input_half, "W": _weight_half}
-"""A compute action of each kind (planned, or a recorded period), with the chain's messages
-around it."""
+def _with_messages(kind: str, mb: int, stage: int, stages: int) -> list[Action]:
+    """A compute action (planned, or a recorded period) with the chain's messages around it:
+    the receives of what it needs from other stages, the sends of what they need from it."""
+    return [
+        Action(k, mb, stage)  # type: ignore[arg-type]
+        for k in (*receives(kind, stage, stages), kind, *sends(kind, stage, stages))
+    ]
 
 
 @dataclass(frozen=True)
@@ -545,13 +540,16 @@ class SimulationResult:
 
     ``events[r]`` holds rank ``r``'s events in execution order: compute spans, sends (instants)
     and receives (from when the rank reached the receive until the message arrived).
-    ``peak_in_flight[r]`` is the most microbatches rank ``r`` held activations for at once
-    (forwarded, not yet backwarded); ``busy[r]`` its total compute time.
+    ``peak_in_flight[r]`` is the most microbatches rank ``r`` had in flight at once (forwarded,
+    gradients not computed: what ``active_microbatches`` bounds), ``peak_held[r]`` the most it
+    held activations for (also a split backward's until its weight half, see
+    :class:`~.rules.Flight`); ``busy[r]`` its total compute time.
     """
 
     events: tuple[tuple[TimelineEvent, ...], ...]
     makespan: float
     peak_in_flight: tuple[int, ...]
+    peak_held: tuple[int, ...]
     busy: tuple[float, ...]
 
     def all_events(self, include_comm: bool = True) -> list[TimelineEvent]:
@@ -594,9 +592,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     position = [0] * stages
     free_at = [0.0] * stages
     events: list[list[TimelineEvent]] = [[] for _ in range(stages)]
-    live: list[set[int]] = [set() for _ in range(stages)]
-    peak = [0] * stages
+    flights = [Flight() for _ in range(stages)]
     busy = [0.0] * stages
+
+    def ended(kind: str, mb: int, stage: int) -> float | None:
+        return compute_end.get((kind, mb, stage))
 
     def ready_time(action: Action) -> tuple[float | None, str]:
         """When ``action``'s inputs are there (None: not yet), and what it waits for."""
@@ -611,40 +611,16 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
             times = arrivals.get(key, [])
             index = received.get(key, 0)
             return (times[index] if index < len(times) else None), needed
-        waits: list[tuple[tuple[str, int, int], float, str]] = []
-        if action.kind == "F" and stage > 0:
-            waits.append((("F", mb, stage - 1), comm_cost, f"F{mb} on rank {stage - 1}"))
-        if action.kind in BACKWARD_KINDS:
-            waits.append((("F", mb, stage), 0.0, f"its own F{mb}"))
-            if stage < stages - 1:
-                waits.append((("G", mb, stage + 1), comm_cost, f"B{mb} on rank {stage + 1}"))
-        if action.kind == "W":
-            waits.append((("I", mb, stage), 0.0, f"its own I{mb}"))
-        if action.kind == "SEND_F":
-            waits.append((("F", mb, stage), 0.0, f"its own F{mb}"))
-        if action.kind == "SEND_B":
-            waits.append((("G", mb, stage), 0.0, f"its own B{mb}"))
-        ready = 0.0
-        for key, latency, needed in waits:
-            if key not in compute_end:
-                return None, needed
-            ready = max(ready, compute_end[key] + latency)
-        return ready, ""
+        ready, missing = ready_at(action.kind, mb, stage, stages, ended, comm_cost)
+        return ready, "" if missing is None else missing.describe(mb, stage)
 
     def run(rank: int, action: Action, ready: float) -> None:
         start = max(free_at[rank], ready)
         mb, stage = action.microbatch, action.stage
         end = start
-        if action.kind == "F":
-            end = start + costs.of("F", stage)
-            live[rank].add(mb)
-            peak[rank] = max(peak[rank], len(live[rank]))
-        elif action.kind in ("B", "I", "W"):
+        if action.is_compute:
             end = start + costs.of(action.kind, stage)
-            if action.kind != "I":
-                live[rank].discard(mb)
-            if action.kind != "W":  # the gradients for the previous stage are there
-                compute_end.setdefault(("G", mb, stage), end)
+            flights[rank].start(action.kind, mb)
         elif action.kind in ("SEND_F", "SEND_B"):
             arrivals.setdefault((action.kind[-1], mb, stage), []).append(start + comm_cost)
         else:
@@ -683,7 +659,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     return SimulationResult(
         events=tuple(tuple(rank_events) for rank_events in events),
         makespan=max(free_at, default=0.0),
-        peak_in_flight=tuple(peak),
+        peak_in_flight=tuple(f.peak for f in flights),
+        peak_held=tuple(f.peak_held for f in flights),
         busy=tuple(busy),
     )
 
@@ -711,8 +688,9 @@ def check(schedule: Schedule) -> None:
     its own stage exactly once, ``F`` before the backward; every send has exactly one matching
     receive on the neighbouring rank (forward results go to the next stage, gradients to the
     previous), received before use and sent after being computed; ``simple`` runs all forwards
-    before any backward; no rank holds more than ``active_microbatches`` in flight. Then it must
-    run to the end (:class:`ScheduleDeadlock`).
+    before any backward; no rank has more than ``active_microbatches`` in flight (forwarded,
+    gradients not yet computed: :class:`~.rules.Flight`). Then it must run to the end
+    (:class:`ScheduleDeadlock`).
     """
     problems: list[str] = []
     stages = schedule.stages
@@ -724,52 +702,43 @@ def check(schedule: Schedule) -> None:
             if action.stage != rank:
                 problems.append(f"{where}: {action} belongs to stage {action.stage}")
             positions.setdefault((action.kind, action.microbatch), []).append(index)
+        # Once per microbatch: its forward and the messages of the chain around its work.
         expected = {
-            "F": "",
-            "RECV_F": "" if rank > 0 else "stage 0 has no previous stage",
-            "SEND_B": "" if rank > 0 else "stage 0 has no previous stage",
-            "SEND_F": "" if rank < stages - 1 else "the last stage has no next stage",
-            "RECV_B": "" if rank < stages - 1 else "the last stage has no next stage",
+            "F",
+            *(m for k in ("F", "B") for m in (*receives(k, rank, stages), *sends(k, rank, stages))),
         }
+        halves_allowed = [
+            [int(k in backward_phases(split)) for k in _BACKWARD_HALVES] for split in (False, True)
+        ]
         for mb in range(schedule.microbatches):
-            halves = [len(positions.get((kind, mb), [])) for kind in ("B", "I", "W")]
+            halves = [len(positions.get((kind, mb), [])) for kind in _BACKWARD_HALVES]
             if halves == [0, 0, 0]:
                 problems.append(f"{where}: B{mb} missing")
-            elif halves not in ([1, 0, 0], [0, 1, 1]):
+            elif halves not in halves_allowed:
                 problems.append(
                     f"{where}: microbatch {mb} needs B{mb}, or I{mb} and W{mb}, once each; got "
                     + ", ".join(f"{n} {k}{mb}" for k, n in zip("BIW", halves, strict=True))
                 )
-            for kind, unexpected_because in expected.items():
+            for kind in ("F", *_MESSAGE_KINDS):
                 count = len(positions.get((kind, mb), []))
-                if unexpected_because and count:
-                    problems.append(f"{where}: unexpected {kind}{mb} ({unexpected_because})")
-                elif not unexpected_because and count != 1:
+                if kind not in expected and count:
+                    problems.append(f"{where}: unexpected {kind}{mb} ({_NO_PEER[kind]})")
+                elif kind in expected and count != 1:
                     problems.append(
                         f"{where}: {kind}{mb} missing"
                         if count == 0
                         else f"{where}: {kind}{mb} appears {count} times"
                     )
-            for first, second in (
-                ("RECV_F", "F"),
-                ("F", "SEND_F"),
-                ("F", "B"),
-                ("RECV_B", "B"),
-                ("B", "SEND_B"),
-                ("F", "I"),
-                ("RECV_B", "I"),
-                ("I", "SEND_B"),
-                ("I", "W"),
-            ):
+            for first, second in ordering_pairs():
                 before = positions.get((first, mb), [])
                 after = positions.get((second, mb), [])
                 if len(before) == 1 and len(after) == 1 and before[0] > after[0]:
                     problems.append(f"{where}: {first}{mb} must come before {second}{mb}")
         kinds = [a.kind for a in rank_actions]
-        backwards = [i for i, kind in enumerate(kinds) if kind in BACKWARD_KINDS]
+        backwards = [i for i, kind in enumerate(kinds) if is_gradient(kind)]
         if backwards and not policy.backward_may_start(kinds[: backwards[0]].count("F")):
             problems.append(f"{where}: simple pipeline runs a backward before its last forward")
-        in_flight = _peak_in_flight(rank_actions)
+        in_flight = Flight.of((a.kind, a.microbatch) for a in rank_actions).peak
         if in_flight and not policy.may_admit(in_flight - 1):
             problems.append(
                 f"{where}: {in_flight} microbatches in flight, more than "
@@ -790,18 +759,6 @@ def timeline(
     Compute only by default: receive spans cover idle time and would hide the bubbles.
     """
     return simulate(schedule, costs).all_events(include_comm=include_comm)
-
-
-def _peak_in_flight(actions: Sequence[Action]) -> int:
-    live: set[int] = set()
-    peak = 0
-    for action in actions:
-        if action.kind == "F":
-            live.add(action.microbatch)
-            peak = max(peak, len(live))
-        elif action.kind in ("B", "W"):
-            live.discard(action.microbatch)
-    return peak
 
 
 def _is_int(value: object) -> bool:

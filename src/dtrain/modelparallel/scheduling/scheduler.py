@@ -30,8 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dtrain.modelparallel.scheduling.order import PlanOrder
-from dtrain.modelparallel.scheduling.policy import MAIN_PRIORITY, Phase, SchedulePolicy
+from dtrain.modelparallel.scheduling.order import Key as ActionKey
+from dtrain.modelparallel.scheduling.order import PlanOrder, action_key
+from dtrain.modelparallel.scheduling.policy import MAIN_PRIORITY, SchedulePolicy
+from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
 
 Role = Literal["main", "leader", "serve"]
 Key = tuple[int, int]
@@ -59,6 +61,11 @@ class Work:
         chain, or what is left after its last remote backward): it feeds nobody, so it yields
         to forwards, which feed the other stages."""
         return self.role == "leader" and self.phase == "B" and not any(self.remote_nodes.values())
+
+    def sends_backward_to(self, owner: int) -> bool:
+        """Whether this work's backward will still send ``owner`` a request (the one rule
+        behind :attr:`terminal` and an owner's last backward of a microbatch)."""
+        return self.remote_nodes[owner] > 0
 
     def describe(self) -> str:
         if self.role == "main":
@@ -151,14 +158,16 @@ class Scheduler:
 
     def eligible(self) -> list[Waiter]:
         """The waiters the token may go to: not one submitted after announced work at least as
-        urgent; while the main task waits and weight halves are owed, only those; with a plan
-        order, only the current action's."""
+        urgent (with a plan order, announced work in its turn); while the main task waits and
+        weight halves are owed, only those; with a plan order, only the current action's."""
         waiting = self._waiting
         if self.weights_owed and any(entry.work is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry.work.phase == "W"]
         if not self._announced and self.plan is None:
             return list(waiting)
-        ahead = self._announced.values()
+        # Out of turn, announced work would hold up the turn it waits for (a backward request
+        # dispatched before the forward it follows: a deadlock).
+        ahead = [a for a in self._announced.values() if self.in_turn(a.work)]
         return [
             entry
             for entry in waiting
@@ -216,18 +225,38 @@ class Scheduler:
         return self.order(work.step).admits(work.phase, work.microbatch)
 
     def order(self, step: int) -> PlanOrder:
-        """The plan's order for ``step``; the orders of steps two or more before are dropped."""
+        """The plan's order for ``step``, moved on past every ended action no work here still
+        belongs to; the orders of steps two or more before are dropped."""
         assert self.plan is not None
         order = self._orders.get(step)
         if order is None:
             order = self._orders[step] = PlanOrder.of(self.plan)
             for old in [s for s in self._orders if s < step - 1]:
                 del self._orders[old]
+        order.advance(lambda key: self._busy(step, key))
         return order
 
+    def turn(self) -> str | None:
+        """The plan order's current action in the latest step begun here (None: no plan)."""
+        if self.plan is None or not self._orders:
+            return None
+        step = max(self._orders)
+        return f"{self.order(step).describe()} of step {step}"
+
+    def _busy(self, step: int, key: ActionKey) -> bool:
+        """Whether work of action ``key`` in ``step`` is announced, waiting or computing here."""
+        works = [*(e.work for e in self._waiting), *self._announced, self.holder]
+        return any(
+            w is not None
+            and w.role != "main"
+            and w.step == step
+            and action_key(w.phase, w.microbatch) == key
+            for w in works
+        )
+
     def end_action(self, step: int, phase: str, microbatch: int) -> bool:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over; whether a plan
-        order moved on (the token may then go on)."""
+        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over once no work of it
+        is left here; whether there is a plan order (the token may then go on)."""
         if self.plan is None:
             return False
         self.order(step).end(phase, microbatch)
@@ -238,7 +267,7 @@ class Scheduler:
 
     def waits(self, work: Work) -> bool:
         """``work`` waits for another rank: a leader's forward has then left partition 0, and
-        its action is over. Whether a plan order moved on."""
+        its action is over. Whether there is a plan order (the token may then go on)."""
         if work.role == "leader" and work.phase == "F":
             return self.end_action(work.step, "F", work.microbatch)
         return False
@@ -256,7 +285,7 @@ class Scheduler:
         if work.role == "serve" and self.rank == 0:
             return "on partition 0, called from another partition"
         if work.role == "serve" and over:
-            what = "backward" if work.phase in ("B", "I") else "forward"
+            what = "backward" if is_gradient(work.phase) else "forward"
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
 
@@ -281,7 +310,7 @@ class Scheduler:
         """The leader's task of ``microbatch`` is over: so are this rank's forward and backward
         of it, and its weight half unless one is still owed (it was owed before the backward
         replied, so the end that reply leads to is not taken for the end of the weights).
-        Whether a plan order moved on."""
+        Whether there is a plan order (the token may then go on)."""
         if self.plan is None:
             return False
         for phase in ("F", "B"):
