@@ -260,7 +260,7 @@ def test_s3_channel_and_output_path(dtrain_home: Path, bucket: str) -> None:
     import boto3
 
     result = run_script(
-        dtrain_home, "collective.py", "on-s3", "--instance-count", "2",
+        dtrain_home, "report.py", "on-s3", "--instance-count", "2",
         "--channel", f"training=s3://{bucket}/train/,distribution=ShardedByS3Key",
         "--output-path", f"s3://{bucket}/results",
     )  # fmt: skip
