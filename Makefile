@@ -28,9 +28,9 @@ lint: install
 
 # Two workers, each taking whole files (a file's tests share module fixtures, such as the
 # network namespaces of test_clusters): the tests wait on processes and timers as much as they
-# compute.
+# compute. The longest files go first, in the order tests/conftest.py gives (LONGEST_FIRST).
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 stress: install
 	$(BIN)/python -m pytest -m stress

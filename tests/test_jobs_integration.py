@@ -260,7 +260,7 @@ def test_s3_channel_and_output_path(dtrain_home: Path, bucket: str) -> None:
     import boto3
 
     result = run_script(
-        dtrain_home, "collective.py", "on-s3", "--instance-count", "2",
+        dtrain_home, "report.py", "on-s3", "--instance-count", "2",
         "--channel", f"training=s3://{bucket}/train/,distribution=ShardedByS3Key",
         "--output-path", f"s3://{bucket}/results",
     )  # fmt: skip
@@ -317,7 +317,7 @@ def test_model_parallel_job_gets_mp_parameters(dtrain_home: Path) -> None:
         "mpi": {"enabled": True, "processes_per_host": 2},
     }
     result = run_script(
-        dtrain_home, "collective.py", "mp-env", "--distribution", json.dumps(distribution)
+        dtrain_home, "report.py", "mp-env", "--distribution", json.dumps(distribution)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     job_dir = Path(describe(dtrain_home, "mp-env")["JobFolder"])
@@ -371,7 +371,7 @@ def test_gpus_are_shared_out_between_hosts_and_hidden_when_too_few(
     else:
         env["CUDA_VISIBLE_DEVICES"] = inherited
     result = dtrain(
-        "run", "collective.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "gpus",
+        "run", "report.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "gpus",
         "--instance-type", "local", "--instance-count", "2", home=dtrain_home, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

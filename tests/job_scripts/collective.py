@@ -4,13 +4,12 @@ Only rank 0's loss falls with the step; the others print a loss of 100 + rank, s
 taken from any rank but 0 shows.
 """
 
-import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from report import write_report
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -18,32 +17,7 @@ value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
 expected = world * (world + 1) / 2
 assert value.item() == expected, (value, expected)
-report = {
-    "rank": rank,
-    "argv": sys.argv[1:],
-    "env": {
-        k: v
-        for k, v in os.environ.items()
-        if k.startswith(
-            (
-                "SM_",
-                "OMPI_",
-                "RANK",
-                "WORLD",
-                "LOCAL_",
-                "MASTER_",
-                "DTRAIN_",
-                "GROUP_RANK",
-                "CUDA_VISIBLE",
-                "MY_FLAG",
-                "LAUNCHER_",
-            )
-        )
-    },
-    "cwd": os.getcwd(),
-}
-out = Path(os.environ["SM_OUTPUT_DATA_DIR"]) / f"report-rank{rank}.json"
-out.write_text(json.dumps(report))
+write_report(rank)
 for step in range(3):
     loss = 1.0 / (step + 1) if rank == 0 else 100.0 + rank
     print(f"step={step} loss={loss:.4f}", flush=True)
