@@ -63,7 +63,9 @@ from torch import nn
 import dtrain.modelparallel as smp
 from dtrain.jobkey import KEY_ENV
 from dtrain.modelparallel.options import SPLIT_ENV
-from dtrain.modelparallel.scheduling.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
+from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, build_schedule
+from dtrain.modelparallel.scheduling.schedule import simulate
 
 GLOBAL_BATCH, SEQ = 16, 128
 STAGES = 2

@@ -26,9 +26,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.rules import Phase, backward_phases
-from dtrain.modelparallel.scheduling.schedule import Costs, Schedule
+from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 
 STEP = 1

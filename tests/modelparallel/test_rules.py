@@ -7,7 +7,10 @@ import random
 
 import pytest
 
+from dtrain.modelparallel.scheduling.check import check
+from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.order import PlanOrder
+from dtrain.modelparallel.scheduling.planner import build_schedule
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.rules import (
     Flight,
@@ -20,7 +23,7 @@ from dtrain.modelparallel.scheduling.rules import (
     receives,
     sends,
 )
-from dtrain.modelparallel.scheduling.schedule import Costs, build_schedule, check, simulate
+from dtrain.modelparallel.scheduling.schedule import simulate
 from tests.modelparallel.runtime_model import random_costs
 
 # kind, stage (of 3) -> what it needs, as "kind@offset".

@@ -23,12 +23,9 @@ from dtrain.modelparallel.errors import (
     PartitionError,
     StepFailedError,
 )
-from dtrain.modelparallel.scheduling.schedule import (
-    Schedule,
-    build_schedule,
-    check,
-    recorded_schedule,
-)
+from dtrain.modelparallel.scheduling.check import check
+from dtrain.modelparallel.scheduling.planner import build_schedule
+from dtrain.modelparallel.scheduling.schedule import Schedule, recorded_schedule
 from tests.modelparallel.harness import run_ranks, single_process, train_steps
 from tests.modelparallel.models import GroupedNet
 

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
+from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.planner import schedule_of, zero_bubble_policy
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.schedule import Costs, schedule_of, zero_bubble_policy
 from tests.modelparallel.runtime_model import RuntimeDeadlock, RuntimeModel, random_costs
 
 Order = list[list[tuple[str, int]]]

@@ -10,21 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.modelparallel.scheduling.check import check
+from dtrain.modelparallel.scheduling.costs import Costs, ideal_makespan
+from dtrain.modelparallel.scheduling.planner import build_schedule, schedule_of, zero_bubble_policy
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.schedule import (
     Action,
-    Costs,
     Schedule,
     ScheduleDeadlock,
     ScheduleError,
-    build_schedule,
-    check,
-    ideal_makespan,
     recorded_schedule,
-    schedule_of,
     simulate,
     timeline,
-    zero_bubble_policy,
 )
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 

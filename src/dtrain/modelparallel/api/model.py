@@ -47,14 +47,10 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
+from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, schedule_of, zero_bubble_policy
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.schedule import (
-    SPLIT_OVERHEAD,
-    Costs,
-    Schedule,
-    schedule_of,
-    zero_bubble_policy,
-)
+from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport.message import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object

@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 from dtrain.errors import ConfigError
+from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, build_schedule
 from dtrain.modelparallel.scheduling.policy import PIPELINES, SchedulePolicy
-from dtrain.modelparallel.scheduling.schedule import SPLIT_OVERHEAD, Costs, build_schedule, simulate
+from dtrain.modelparallel.scheduling.schedule import simulate
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 """State tensors per parameter: Adam's and AdamW's two moments, SGD's momentum buffer."""

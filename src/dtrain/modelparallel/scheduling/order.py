@@ -4,7 +4,7 @@
 Normally the compute token goes to whichever waiting task the policy ranks first, so the order
 among ready microbatches depends on timing and differs between replicas. With a
 :class:`PlanOrder` a task computes only while its action (its phase and microbatch) is the
-rank's current one in the plan (:func:`~.schedule.schedule_of`); the runtime says when an action
+rank's current one in the plan (:func:`~.planner.schedule_of`); the runtime says when an action
 has ended, and the next one becomes current once no work of the ended one is left on the rank
 (:meth:`PlanOrder.advance`): an end can be known before the work it ends has run here (a
 notice overtakes the requests that its sender queued first). A split backward's input half is

@@ -39,7 +39,7 @@ class SchedulePolicy:
     """At most this many microbatches in flight (started, backward not finished)."""
     split: tuple[int, ...] = ()
     """Per stage, how many of the step's last microbatches have their backward split (none
-    where the tuple ends). :func:`~.schedule.zero_bubble_policy` chooses them."""
+    where the tuple ends). :func:`~.planner.zero_bubble_policy` chooses them."""
 
     def __post_init__(self) -> None:
         check_pipeline(self.pipeline)

@@ -1,8 +1,8 @@
 """The pipeline chain's rules, written once: what each action needs, which work is a backward,
 and which microbatches are in flight.
 
-The planner (:func:`~.schedule.schedule_of`), the simulator (:func:`~.schedule.simulate`) and
-the checker (:func:`~.schedule.check`) all read the table :data:`NEEDS`; the runtime's core
+The planner (:func:`~.planner.schedule_of`), the simulator (:func:`~.schedule.simulate`) and
+the checker (:func:`~.check.check`) all read the table :data:`NEEDS`; the runtime's core
 (:mod:`.scheduler`, :mod:`.order`, :mod:`.policy`) asks :func:`is_gradient` and
 :func:`plan_phase` where it asks the same questions. Plain data, tested as tables.
 

@@ -17,7 +17,7 @@ follows from a few rules, all here, on plain data:
 
 The runtime's :class:`~..pipeline.executor.Executor` drives one scheduler per rank with its threads
 and lock (it wakes the work :meth:`Scheduler.grant` returns); the planner
-(:func:`~.schedule.schedule_of`) drives one per stage over a model of the pipeline's times.
+(:func:`~.planner.schedule_of`) drives one per stage over a model of the pipeline's times.
 The plan is therefore the order these rules give, and the rules are tested as tables, without
 threads or processes.
 """

@@ -1,0 +1,106 @@
+"""What a pipeline's work costs in a plan: per-stage forward, backward and message times, and
+the ideal makespan they allow."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a stage's work on one microbatch costs, in plans and simulations.
+
+    ``forward[s]`` and ``backward[s]`` per stage; ``comm`` the latency of a message between
+    neighbouring stages; a split backward's halves (``I``, ``W``) cost
+    ``backward[s] × (1 + split_overhead) / 2`` each: on a CPU the two took 1.19× the whole
+    (the benchmark LM's last stage: 30.6 against 25.7 ms), which is why not every backward
+    is split.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    comm: float = 0.0
+    split_overhead: float = 0.0
+
+    @classmethod
+    def per_stage(
+        cls,
+        stages: int,
+        forward_cost: Sequence[float] | float = 1.0,
+        backward_cost: Sequence[float] | float = 2.0,
+        comm_cost: float = 0.0,
+        split_overhead: float = 0.0,
+    ) -> Costs:
+        """Costs from one number for every stage, or one per stage (checked)."""
+        for name, value in (("comm_cost", comm_cost), ("split_overhead", split_overhead)):
+            if not is_number(value) or value < 0 or not math.isfinite(value):
+                raise ValueError(f"{name}: got {value!r}; must be a finite number >= 0")
+        return cls(
+            per_stage("forward_cost", forward_cost, stages),
+            per_stage("backward_cost", backward_cost, stages),
+            float(comm_cost),
+            float(split_overhead),
+        )
+
+    @classmethod
+    def of_stages(cls, times: Sequence[float], split_overhead: float = 0.0) -> Costs:
+        """Costs from each stage's forward-and-backward time (a partition plan's), the
+        backward taken as twice the forward; unknown (zero) times count as equal stages."""
+        if not all(is_number(t) and t > 0 for t in times):
+            times = [1.0] * len(times)
+        return cls.per_stage(
+            len(times),
+            [t / 3 for t in times],
+            [2 * t / 3 for t in times],
+            split_overhead=split_overhead,
+        )
+
+    def of(self, kind: str, stage: int) -> float:
+        """The time of one compute action of ``kind`` on ``stage``."""
+        if kind == "F":
+            return self.forward[stage]
+        if kind == "B":
+            return self.backward[stage]
+        return self.backward[stage] * (1.0 + self.split_overhead) / 2
+
+
+def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:
+    """Pipeline makespan of the bubble formula: ``max(stage_costs) x (M + P - 1)``.
+
+    ``stage_costs[s]`` is stage ``s``'s forward + backward time for one microbatch. With uniform
+    stages and no communication latency it is the exact makespan of both pipelines (``simple``,
+    and ``interleaved`` with ``active_microbatches >= min(stages, microbatches)``): fill and
+    drain cost ``P - 1`` slots of a stage. With uneven stages (same forward:backward split) it
+    is an upper bound, as if every stage were the slowest: what benchmarks compare steps to.
+    """
+    check_positive_int("microbatches", microbatches)
+    if not stage_costs:
+        raise ValueError("stage_costs: got an empty sequence; need one cost per stage")
+    costs = per_stage("stage_costs", stage_costs, len(stage_costs))
+    return max(costs) * (microbatches + len(costs) - 1)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if not is_int(value) or value < 1:  # type: ignore[operator]
+        raise ValueError(f"{name}: got {value!r}; must be a positive integer")
+
+
+def per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:
+    """One finite, non-negative cost per stage, from a number or a sequence."""
+    costs = (cost,) * stages if is_number(cost) else tuple(cost)  # type: ignore[arg-type]
+    if len(costs) != stages:
+        raise ValueError(f"{name}: got {len(costs)} costs; need one per stage ({stages})")
+    for value in costs:
+        if not is_number(value) or value < 0 or not math.isfinite(value):
+            raise ValueError(f"{name}: got {value!r}; costs must be finite numbers >= 0")
+    return tuple(float(value) for value in costs)
