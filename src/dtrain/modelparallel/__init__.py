@@ -3,9 +3,12 @@
 Scripts use it as SMP: ``import dtrain.modelparallel as smp`` (or, under ``dtrain run``,
 ``import smdistributed.modelparallel.torch as smp``), then ``smp.init()``,
 ``smp.DistributedModel``, ``@smp.step``; large models are created inside
-``smp.delay_param_initialization()`` or ``smp.model_creation()``. Tensor parallelism is not
-supported: its entry points raise, except the ``enabled=False`` no-ops.
+``smp.delay_param_initialization()`` or ``smp.model_creation()``. ``smp.nn`` holds SMP's
+tensor-parallel modules (imported on first use, so not in ``__all__``).
 """
+
+import importlib
+from typing import Any
 
 from dtrain.modelparallel import amp
 from dtrain.modelparallel.activations import set_activation_checkpointing
@@ -35,7 +38,6 @@ from dtrain.modelparallel.creation import model_creation
 from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.model import DistributedModel
 from dtrain.modelparallel.optimizer import DistributedOptimizer
-from dtrain.modelparallel.placement import nn_modules as nn
 from dtrain.modelparallel.placement import (
     partition,
     set_partition,
@@ -78,6 +80,14 @@ from dtrain.modelparallel.state import (
 )
 from dtrain.modelparallel.step import StepOutput, step
 
+
+def __getattr__(name: str) -> Any:
+    """``smp.nn`` is imported on first use: DTensor, which it needs, takes a second to import."""
+    if name == "nn":
+        return importlib.import_module("dtrain.modelparallel.nn")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "DP_GROUP",
     "MP_GROUP",
@@ -119,7 +129,6 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
-    "nn",
     "num_microbatches",
     "partition",
     "pp_barrier",
