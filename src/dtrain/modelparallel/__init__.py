@@ -38,14 +38,7 @@ from dtrain.modelparallel.creation import model_creation
 from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.model import DistributedModel
 from dtrain.modelparallel.optimizer import DistributedOptimizer
-from dtrain.modelparallel.placement import (
-    partition,
-    set_partition,
-    set_tensor_parallelism,
-    tensor_parallelism,
-    tp_register,
-    tp_register_with_module,
-)
+from dtrain.modelparallel.placement import partition, set_partition
 from dtrain.modelparallel.state import (
     dp_rank,
     dp_size,
@@ -79,6 +72,12 @@ from dtrain.modelparallel.state import (
     tp_size,
 )
 from dtrain.modelparallel.step import StepOutput, step
+from dtrain.modelparallel.tensor.marks import (
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
 
 
 def __getattr__(name: str) -> Any:
