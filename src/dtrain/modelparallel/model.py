@@ -112,7 +112,6 @@ class DistributedModel(nn.Module):
                 did_you_mean(str(trace_device), TRACE_DEVICES),
             )
         self._state = state.current()
-        state.register_model(self)
         self._shards: Any = None
         """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
         parallelism only: DTensor takes a second to import), which knows its parameters."""
@@ -121,6 +120,7 @@ class DistributedModel(nn.Module):
 
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             self._shards = shards
+        state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.bucket_cap_mb = bucket_cap_mb

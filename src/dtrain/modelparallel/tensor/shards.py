@@ -10,7 +10,6 @@ does), the shard of a whole value (loading), and which parameters saw the group'
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +21,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import state
 
-_scaled_batch: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+SCALED_BATCH = "_dtrain_scaled_batch"
+"""The attribute marking a parameter of a distributed module (set on the parameter itself: a
+set of tensors would compare them by value)."""
 
 
 def parallelize(
@@ -33,13 +34,14 @@ def parallelize(
     mesh = state.current(what).tensor_mesh
     if mesh is not None:
         parallelize_module(module, mesh, plan)
-    _scaled_batch.update(module.parameters())
+    for param in module.parameters():
+        setattr(param, SCALED_BATCH, True)
 
 
 def is_scaled_batch(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a parameter of a distributed module (SMP's "scaled batch"
     parameters): its gradient covers the batches of the whole tp group."""
-    return tensor in _scaled_batch
+    return getattr(tensor, SCALED_BATCH, False)
 
 
 def is_distributed(tensor: torch.Tensor) -> bool:

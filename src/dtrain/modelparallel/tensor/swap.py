@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.linear import DistributedLinear
@@ -44,22 +45,29 @@ def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
     done: dict[int, nn.Module] = {}
 
-    def visit(module: nn.Module) -> nn.Module:
+    def visit(module: nn.Module, path: str) -> nn.Module:
         if id(module) in done:  # shared by two parents: swapped once
             return done[id(module)]
-        swapped = _swapped(module)
+        try:
+            swapped = _swapped(module)
+        except ModelParallelError as exc:
+            where = f"module {path!r}" if path else "the model"
+            raise ModelParallelError(
+                f"smp.DistributedModel: {where} ({type(module).__name__}) cannot be "
+                f"distributed: {exc}"
+            ) from exc
         if swapped is None:
             for name, child in list(module._modules.items()):  # shared ones under each name
                 if child is None:
                     continue
-                new = visit(child)
+                new = visit(child, f"{path}.{name}" if path else name)
                 if new is not child:
                     setattr(module, name, new)
             swapped = module
         done[id(module)] = swapped
         return swapped
 
-    return visit(root)
+    return visit(root, "")
 
 
 def _swapped(module: nn.Module) -> nn.Module | None:
