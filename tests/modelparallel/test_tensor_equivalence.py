@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks, single_process
 
@@ -84,7 +85,8 @@ def _one_process(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _train(case: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """This rank's rows of each global batch (by dp_rank, as SMP shards data)."""
+    """This rank's rows of each global batch, as SMP shards data: by dp_rank, or with
+    prescaled_batch by rdp_rank (the tp group shares its rows)."""
     build, loss_fn = CASES[case]
     module = build()
     if case == "mlp":
@@ -98,8 +100,10 @@ def _train(case: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
         model.backward(loss)
         return loss
 
-    rows = GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    prescaled = state.current().config["prescaled_batch"]
+    rank, size = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+    rows = GLOBAL_BATCH // size
+    mine = slice(rank * rows, (rank + 1) * rows)
     losses = []
     for step in range(STEPS):
         ids, mask = _batch(step)
@@ -110,8 +114,15 @@ def _train(case: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
     return losses, model.state_dict(), split
 
 
-def _on_ranks(microbatches: int) -> dict[str, Any]:
-    smp.init({"tensor_parallel_degree": 2, "ddp": True, "microbatches": microbatches})
+def _on_ranks(microbatches: int, prescaled: bool) -> dict[str, Any]:
+    smp.init(
+        {
+            "tensor_parallel_degree": 2,
+            "ddp": True,
+            "microbatches": microbatches,
+            "prescaled_batch": prescaled,
+        }
+    )
     out: dict[str, Any] = {}
     for case in CASES:
         out[case] = _train(case)
@@ -126,9 +137,13 @@ def _on_ranks(microbatches: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("world", "microbatches"), [(2, 1), (4, 2)])
-def test_tensor_parallel_training_equals_one_process(world: int, microbatches: int) -> None:
-    ranks = run_ranks(world, _on_ranks, microbatches, timeout=180)
+@pytest.mark.parametrize(
+    ("world", "microbatches", "prescaled"), [(2, 1, False), (4, 2, False), (4, 1, True)]
+)
+def test_tensor_parallel_training_equals_one_process(
+    world: int, microbatches: int, prescaled: bool
+) -> None:
+    ranks = run_ranks(world, _on_ranks, microbatches, prescaled, timeout=180)
     for case in CASES:
         losses, params = _one_process(case)
         mean = [sum(rank[case][0][step] for rank in ranks) / world for step in range(STEPS)]
