@@ -112,14 +112,15 @@ class DistributedModel(nn.Module):
                 did_you_mean(str(trace_device), TRACE_DEVICES),
             )
         self._state = state.current()
-        self._shards: Any = None
+        self.tensor_shards: Any = None
         """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
-        parallelism only: DTensor takes a second to import), which knows its parameters."""
+        parallelism only: DTensor takes a second to import), which knows the parameters split
+        over the tp group (the optimizer asks it too)."""
         if self._state.tp_size > 1:
             from dtrain.modelparallel.tensor import shards, swap
 
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
-            self._shards = shards
+            self.tensor_shards = shards
         state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -379,8 +380,8 @@ class DistributedModel(nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 if tensor.is_meta:
                     continue
-                if self._shards is not None and self._shards.is_distributed(tensor):
-                    self._shards.broadcast_over_replicas(tensor)  # a tp group holds it alike
+                if self.tensor_shards is not None and self.tensor_shards.is_distributed(tensor):
+                    self.tensor_shards.broadcast_over_replicas(tensor)  # a tp group holds it alike
                     continue
                 data = tensor.data.to(st.device)
                 dist.broadcast(data, src=0, group=st.world_process_group)
@@ -545,8 +546,8 @@ class DistributedModel(nn.Module):
             if count > 0 and param.grad is None:
                 param.grad = torch.zeros_like(param)
         groups = [(st.dp_process_group, None, [p.grad for p in params if p.grad is not None])]
-        if self._shards is not None:
-            groups = self._shards.gradient_groups(params, st)
+        if self.tensor_shards is not None:
+            groups = self.tensor_shards.gradient_groups(params, st)
         for group, divisor, grads in groups:
             plan = plan_buckets(
                 [g.numel() * g.element_size() for g in grads],
@@ -598,7 +599,7 @@ class DistributedModel(nn.Module):
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
         if self.sharding is not None:
             return self.sharding.full_state_dict()
-        if self._shards is not None:  # every rank of the tp group gathers (pp is 1)
+        if self.tensor_shards is not None:  # every rank of the tp group gathers (pp is 1)
             return {name: t.cpu() for name, t in self._tensor_values(whole=True)}
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop(PARTIAL_KEY)
@@ -618,8 +619,9 @@ class DistributedModel(nn.Module):
         over the tp group (``whole``, a gather) or this rank's part of it."""
         for name, tensor, _ in self._state_tensors(local_only=True):
             value = tensor.detach()
-            if self._shards is not None:
-                value = self._shards.whole(value) if whole else self._shards.local(value)
+            shards = self.tensor_shards
+            if shards is not None:
+                value = shards.whole(value) if whole else shards.local(value)
             yield name, value
 
     def load_state_dict(  # type: ignore[override]
@@ -652,8 +654,8 @@ class DistributedModel(nn.Module):
                 )
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values and self._shards is not None:
-                    self._shards.load_into(tensor, values[name], whole_value=full)
+                if name in values and self.tensor_shards is not None:
+                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
                 elif name in values:
                     tensor.copy_(values[name])
                     if self.half_precision is not None:

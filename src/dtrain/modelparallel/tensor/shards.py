@@ -65,6 +65,17 @@ def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
+def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
+    """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
+    value cut into this rank's shard, or this rank's saved part wrapped as one."""
+    if not isinstance(param, DTensor):
+        return value
+    if whole_value:
+        return shard_of(param, value)
+    value = value.to(device=param.device)
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+
+
 def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> None:
     """Copy ``value`` into ``tensor``: a whole value, or (``whole_value`` false) this rank's
     part of it, as ``local_state_dict`` saved it."""
