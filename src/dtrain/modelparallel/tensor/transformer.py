@@ -86,7 +86,8 @@ class DistributedTransformerLayer(DistributedModule):
 
 
 class DistributedTransformer(DistributedModule):
-    """``num_layers`` :class:`DistributedTransformerLayer` in ``seq_layers``. With both
+    """``num_layers`` :class:`DistributedTransformerLayer` in ``seq_layers``, built with the
+    other arguments (SMP's: the layer's, with the same defaults). With both
     ``pre_layernorm`` and ``post_layernorm`` only the last layer has a norm after its output
     (as SMP builds it). ``forward((hidden_states, attention_mask))`` →
     ``(output, attention_mask)``; the tp group's batches are gathered once for all layers."""
@@ -94,44 +95,18 @@ class DistributedTransformer(DistributedModule):
     def __init__(
         self,
         num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
+        *,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
-        **options: Any,
+        **layer: Any,
     ) -> None:
         super().__init__()
         _check_layernorms(self.what, pre_layernorm, post_layernorm)
-        layer = {
-            "num_attention_heads": num_attention_heads,
-            "attention_head_size": attention_head_size,
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size,
-            "attention_dropout_prob": attention_dropout_prob,
-            "hidden_dropout_prob": hidden_dropout_prob,
-            "activation": activation,
-            "layernorm_epsilon": layernorm_epsilon,
-            "initializer_range": initializer_range,
-            "use_normal_initialization": use_normal_initialization,
-            "causal_mask_size": causal_mask_size,
-            "add_cross_attention": add_cross_attention,
-            "pre_layernorm": pre_layernorm,
-            **options,
-        }
         self.seq_layers = nn.Sequential(
             *(
                 DistributedTransformerLayer(
                     **layer,
+                    pre_layernorm=pre_layernorm,
                     post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
                 )
                 for i in range(num_layers)
@@ -147,9 +122,13 @@ class DistributedTransformer(DistributedModule):
 
 class DistributedTransformerLMHead(DistributedModule):
     """A language model: word, position (and ``num_token_types`` > 0: token type) embeddings,
-    dropout, a :class:`DistributedTransformer` and, with ``add_lm_head``, a head tied to the
-    word embedding. The embeddings and head are plain (each rank holds them whole and runs
-    them on its own batch); the transformer is split.
+    dropout, a :class:`DistributedTransformer` (built with the other arguments, SMP's:
+    ``num_layers``, ``num_attention_heads``, ``attention_head_size``, ``intermediate_size``,
+    ``attention_dropout_prob``, ``activation``, ``layernorm_epsilon``,
+    ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
+    ``add_lm_head``, a head tied to the word embedding. The embeddings and head are plain (each
+    rank holds them whole and runs them on its own batch); the transformer is split. Arguments
+    are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
@@ -159,31 +138,23 @@ class DistributedTransformerLMHead(DistributedModule):
 
     def __init__(
         self,
-        num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
+        *,
         hidden_size: int = 1024,
-        intermediate_size: int = 4096,
         vocab_size: int = 30522,
         num_positions: int = 1024,
-        attention_dropout_prob: float = 0.1,
         hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
         num_token_types: int = 0,
         causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
         add_lm_head: bool = True,
         initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-        **options: Any,
+        distribute_embedding: bool = False,
+        **transformer: Any,
     ) -> None:
         super().__init__()
-        distribute = options.pop("distribute_embedding", False)
         refuse_unsupported(
-            self.what, {"distribute_embedding": distribute}, {"distribute_embedding": False}
+            self.what,
+            {"distribute_embedding": distribute_embedding},
+            {"distribute_embedding": False},
         )
         if causal_mask_size is not None and num_positions > causal_mask_size:
             raise ValueError(
@@ -201,22 +172,11 @@ class DistributedTransformerLMHead(DistributedModule):
                     nn.init.normal_(table.weight, std=initializer_range)
         self.dropout = nn.Dropout(hidden_dropout_prob)
         self.transformer = DistributedTransformer(
-            num_layers=num_layers,
-            num_attention_heads=num_attention_heads,
-            attention_head_size=attention_head_size,
             hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            attention_dropout_prob=attention_dropout_prob,
             hidden_dropout_prob=hidden_dropout_prob,
-            activation=activation,
-            layernorm_epsilon=layernorm_epsilon,
-            initializer_range=initializer_range,
-            use_normal_initialization=use_normal_initialization,
             causal_mask_size=causal_mask_size,
-            add_cross_attention=add_cross_attention,
-            pre_layernorm=pre_layernorm,
-            post_layernorm=post_layernorm,
-            **options,
+            initializer_range=initializer_range,
+            **transformer,
         )
         self.lm_head: nn.Linear | None = None
         if add_lm_head:
