@@ -4,6 +4,7 @@ Each takes SMP's constructor arguments and forward inputs and splits its layers 
 tensor-parallel group (``tensor_parallel_degree``) as DTensors; at degree 1 it is a plain module.
 """
 
+from dtrain.modelparallel.tensor import huggingface
 from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.layernorm import FusedLayerNorm
@@ -24,4 +25,5 @@ __all__ = [
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
     "FusedLayerNorm",
+    "huggingface",
 ]

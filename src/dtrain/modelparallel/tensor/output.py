@@ -22,7 +22,11 @@ from dtrain.modelparallel.tensor.module import (
     split,
 )
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # dtrain's, for HF GPT-2
+}
 
 
 class DistributedTransformerOutputLayer(DistributedModule):

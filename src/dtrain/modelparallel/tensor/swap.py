@@ -11,8 +11,10 @@ submodules are not visited: the distributed module replaces all of it.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -39,6 +41,20 @@ BUILT_IN: dict[type[nn.Module], tuple[marks.Registration, Any]] = {
 }
 """Classes SMP distributes without a registration: the distributed class and how to read an
 instance's constructor arguments back from it."""
+
+HUGGING_FACE = {"transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2"}
+"""Hugging Face classes by qualified name → their module in :mod:`.huggingface` (imported when
+a model of the class is seen, so ``transformers`` is never imported for nothing)."""
+
+
+def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
+    if kind in BUILT_IN:
+        return BUILT_IN[kind]
+    name = HUGGING_FACE.get(f"{kind.__module__}.{kind.__qualname__}")
+    if name is None:
+        return None
+    translation = importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}")
+    return translation.REGISTRATION, translation.args_of
 
 
 def distribute(root: nn.Module) -> nn.Module:
@@ -78,8 +94,9 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     kind = type(module)
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
-    if registration is None and kind in BUILT_IN:
-        registration, read_args = BUILT_IN[kind]
+    built_in = _built_in(kind) if registration is None else None
+    if built_in is not None:
+        registration, read_args = built_in
         args = read_args(module)
     if registration is None:
         return None
@@ -93,7 +110,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
     dist = registration.dist_module(*positional, **keywords)
-    _copy_weights(module, dist)
+    _copy_weights(module, dist, registration.translate)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
     if forward_hook is not None:
@@ -123,7 +140,14 @@ def _state_keys(module: nn.Module) -> set[str]:
     return keys
 
 
-def _copy_weights(original: nn.Module, dist: nn.Module) -> None:
+def _copy_weights(
+    original: nn.Module,
+    dist: nn.Module,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
+) -> None:
+    if translate is not None:
+        dist.load_state_dict(translate(original.state_dict()))
+        return
     if _state_keys(original) == _state_keys(dist):
         dist.load_state_dict(original.state_dict())
         return
