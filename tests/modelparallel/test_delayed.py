@@ -137,9 +137,6 @@ def test_model_creation_delays_as_the_job_says_in_its_dtype() -> None:
             model = nn.Linear(4, 4)
         assert model.weight.is_meta and model.weight.dtype == torch.bfloat16
         assert torch.get_default_dtype() == torch.float32
-        refused = smp.model_creation(tensor_parallelism=True)
-        with pytest.raises(ModelParallelError, match="tensor parallelism is not supported"):
-            refused.__enter__()
         refused = smp.model_creation(dtype="bf16")  # type: ignore[arg-type]
         with pytest.raises(ModelParallelError, match="dtype is 'bf16'; allowed"):
             refused.__enter__()

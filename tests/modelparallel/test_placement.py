@@ -9,9 +9,9 @@ import pytest
 from torch import nn
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel import state
+from dtrain.modelparallel import created, state
 from dtrain.modelparallel.api import placement
-from dtrain.modelparallel.errors import ModelParallelError, PartitionError
+from dtrain.modelparallel.errors import PartitionError
 from tests.modelparallel.harness import single_process
 
 
@@ -58,7 +58,7 @@ def test_only_modules_created_inside_are_placed() -> None:
     with smp.partition(1):
         wrapper = nn.Sequential(outside)
     assert placement.manual_placements(wrapper) == {"": 1}
-    assert nn.Module.__init__ is placement._original_init  # the wrapper is gone again
+    assert nn.Module.__init__ is created._original_init  # the wrapper is gone again
 
 
 def test_other_threads_are_not_affected() -> None:
@@ -111,16 +111,3 @@ def test_indices_are_checked_against_the_pipeline_once_initialized() -> None:
 
 class Partitioned:
     partitioned = True
-
-
-def test_tensor_parallelism_is_refused_clearly() -> None:
-    with smp.tensor_parallelism(enabled=False):
-        nn.Linear(1, 1)
-    smp.set_tensor_parallelism(nn.Linear(1, 1), enabled=False)
-    message = r"tensor parallelism is not supported by dtrain \(tensor_parallel_degree must be 1\)"
-    with pytest.raises(ModelParallelError, match=message):
-        smp.tensor_parallelism()
-    with pytest.raises(ModelParallelError, match=r"smp\.nn\.DistributedTransformerLMHead"):
-        smp.nn.DistributedTransformerLMHead(num_layers=2)
-    with pytest.raises(ModelParallelError, match=message):
-        smp.tp_register(nn.Linear)

@@ -3,9 +3,12 @@
 Scripts use it as SMP: ``import dtrain.modelparallel as smp`` (or, under ``dtrain run``,
 ``import smdistributed.modelparallel.torch as smp``), then ``smp.init()``,
 ``smp.DistributedModel``, ``@smp.step``; large models are created inside
-``smp.delay_param_initialization()`` or ``smp.model_creation()``. Tensor parallelism is not
-supported: its entry points raise, except the ``enabled=False`` no-ops.
+``smp.delay_param_initialization()`` or ``smp.model_creation()``. ``smp.nn`` holds SMP's
+tensor-parallel modules (imported on first use, so not in ``__all__``).
 """
+
+import importlib
+from typing import Any
 
 from dtrain.modelparallel.api import amp
 from dtrain.modelparallel.api.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
@@ -33,15 +36,7 @@ from dtrain.modelparallel.api.comm import (
 from dtrain.modelparallel.api.creation import model_creation
 from dtrain.modelparallel.api.model import DistributedModel
 from dtrain.modelparallel.api.optimizer import DistributedOptimizer
-from dtrain.modelparallel.api.placement import nn_modules as nn
-from dtrain.modelparallel.api.placement import (
-    partition,
-    set_partition,
-    set_tensor_parallelism,
-    tensor_parallelism,
-    tp_register,
-    tp_register_with_module,
-)
+from dtrain.modelparallel.api.placement import partition, set_partition
 from dtrain.modelparallel.api.step import StepOutput, step
 from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.pipeline.activations import set_activation_checkpointing
@@ -77,6 +72,20 @@ from dtrain.modelparallel.state import (
     tp_rank,
     tp_size,
 )
+from dtrain.modelparallel.tensor.marks import (
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
+
+
+def __getattr__(name: str) -> Any:
+    """``smp.nn`` is imported on first use: DTensor, which it needs, takes a second to import."""
+    if name == "nn":
+        return importlib.import_module("dtrain.modelparallel.nn")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DP_GROUP",
@@ -119,7 +128,6 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
-    "nn",
     "num_microbatches",
     "partition",
     "pp_barrier",

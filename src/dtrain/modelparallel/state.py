@@ -105,6 +105,9 @@ class MPState:
     data-parallel group: its last dimension is a group of that many neighbouring ranks, which
     shard; a first one (when the degree is below the data-parallel degree) the ranks holding
     the same shard in the other groups, which replicate (MiCS, FSDP2's HSDP)."""
+    tensor_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """With ``tensor_parallel_degree`` above 1, DTensor's one-dimensional mesh over this rank's
+    tensor-parallel group, on which the ``smp.nn`` modules shard their parameters."""
 
 
 _state: MPState | None = None
@@ -516,7 +519,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         world,
         process_group.get_local_size(),
         values["pipeline_parallel_degree"],
-        1,
+        values["tensor_parallel_degree"],
         values["placement_strategy"],
     )
     coords = topology.coords(me)
@@ -540,6 +543,10 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
             backend,
             device.type,
         )
+    tensor_mesh = None
+    if topology.tensor_degree > 1:
+        name = f"tp{next(_MESHES)}"  # new names for every mesh: see _sharding_mesh
+        tensor_mesh = DeviceMesh.from_group(groups["tp"], device.type, mesh_dim_names=(name,))
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
         config=values,
@@ -577,6 +584,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         owns_world=owns_world,
         created_groups=tuple(maker.created),
         sharding_mesh=sharding_mesh,
+        tensor_mesh=tensor_mesh,
     )
 
 

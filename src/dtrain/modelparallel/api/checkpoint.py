@@ -123,11 +123,13 @@ def _share(st: MPState, kind: str) -> tuple[bool, int]:
     """Whether this rank writes partial files of ``kind``, and the index (``rdp``) of those it
     writes and reads: one writer per pipeline stage (its dp rank 0); with sharded data
     parallelism one per shard (the first shard group's ranks), whose file the ranks holding
-    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state."""
+    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state. With
+    tensor parallelism one per tp rank of each stage (its rdp rank 0; without it the rdp rank
+    is the dp rank)."""
     if kind == "optimizer" and st.config["shard_optimizer_state"]:
         return True, st.dp_rank
     degree = st.config["sharded_data_parallel_degree"]
-    return st.dp_rank < degree, st.dp_rank % degree
+    return st.rdp_rank < degree, st.rdp_rank % degree
 
 
 def save_checkpoint(

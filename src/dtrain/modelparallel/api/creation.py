@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from dtrain.modelparallel import state
-from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.deferred import delay_param_initialization
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.marks import tensor_parallelism as marking
 
 
 @contextmanager
@@ -22,8 +22,9 @@ def model_creation(
 ) -> Iterator[None]:
     """Create the model inside: as ``dtype`` (the default dtype while inside) and, when the
     job's ``delayed_parameter_initialization`` is true, without memory (see
-    :func:`~dtrain.modelparallel.deferred.delay_param_initialization`). The tensor-parallel
-    options are SMP's; tensor parallelism itself is not supported."""
+    :func:`~dtrain.modelparallel.deferred.delay_param_initialization`), and with
+    ``tensor_parallelism`` marked for distribution as ``smp.tensor_parallelism(**config)``
+    marks them."""
     delayed = bool(state.current("smp.model_creation").config["delayed_parameter_initialization"])
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ModelParallelError(
@@ -31,7 +32,7 @@ def model_creation(
             "(torch.float32, torch.bfloat16, torch.float16) or None"
         )
     previous = torch.get_default_dtype()
-    with placement.tensor_parallelism(tensor_parallelism, **tensor_parallel_config):
+    with marking(tensor_parallelism, **tensor_parallel_config):
         torch.set_default_dtype(dtype or previous)
         try:
             with delay_param_initialization(delayed):

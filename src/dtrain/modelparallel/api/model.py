@@ -109,6 +109,15 @@ class DistributedModel(nn.Module):
                 did_you_mean(str(trace_device), TRACE_DEVICES),
             )
         self._state = state.current()
+        self.tensor_shards: Any = None
+        """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
+        parallelism only: DTensor takes a second to import), which knows the parameters split
+        over the tp group (the optimizer asks it too)."""
+        if self._state.tp_size > 1:
+            from dtrain.modelparallel.tensor import shards, swap
+
+            module = swap.distribute(module)  # SMP swaps in place when wrapping, too
+            self.tensor_shards = shards
         state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -368,6 +377,9 @@ class DistributedModel(nn.Module):
             for tensor in [*self.module.parameters(), *self.module.buffers()]:
                 if tensor.is_meta:
                     continue
+                if self.tensor_shards is not None and self.tensor_shards.is_distributed(tensor):
+                    self.tensor_shards.broadcast_over_replicas(tensor)  # a tp group holds it alike
+                    continue
                 data = tensor.data.to(st.device)
                 dist.broadcast(data, src=0, group=st.world_process_group)
                 if data is not tensor.data:
@@ -399,7 +411,8 @@ class DistributedModel(nn.Module):
         )
         self._schedule = self._planned_schedule(plan)
         plan = None
-        if st.config["deterministic_server"]:
+        # A tp group's ranks must run their collectives in one order: the plan's.
+        if st.config["deterministic_server"] or st.tp_size > 1:
             actions = self._schedule.compute_actions(st.pp_rank)
             plan = tuple((action.kind, action.microbatch) for action in actions)
         self._runtime = PipelineRuntime(
@@ -526,25 +539,34 @@ class DistributedModel(nn.Module):
             return
         has_grad = torch.tensor([float(p.grad is not None) for p in params], device=st.device)
         dist.all_reduce(has_grad, group=st.dp_process_group)
-        grads = []
         for param, count in zip(params, has_grad.tolist(), strict=True):
-            if count > 0:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-        plan = plan_buckets(
-            [g.numel() * g.element_size() for g in grads],
-            list(range(len(grads))),
-            int(self.bucket_cap_mb * 1024 * 1024),
-            [(g.dtype, g.device) for g in grads],
-        )
-        for bucket in plan.buckets:
-            self._average([grads[index] for index in bucket.params])
+            if count > 0 and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        groups = [(st.dp_process_group, None, [p.grad for p in params if p.grad is not None])]
+        if self.tensor_shards is not None:
+            groups = self.tensor_shards.gradient_groups(params, st)
+        for group, divisor, grads in groups:
+            plan = plan_buckets(
+                [g.numel() * g.element_size() for g in grads],
+                list(range(len(grads))),
+                int(self.bucket_cap_mb * 1024 * 1024),
+                [(g.dtype, g.device) for g in grads],
+            )
+            for bucket in plan.buckets:
+                self._average([grads[index] for index in bucket.params], group, divisor)
 
-    def _average(self, grads: list[torch.Tensor]) -> None:
-        """One bucket (one dtype and device) averaged in one collective."""
+    def _average(
+        self, grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int | None
+    ) -> None:
+        """One bucket (one dtype and device) reduced in one collective over ``group``: its
+        mean, or (``divisor``) its sum divided by that."""
         flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, ReduceOp.AVERAGE, group=self._state.dp_process_group)
+        if divisor is None:
+            all_reduce(flat, ReduceOp.AVERAGE, group=group)
+        else:
+            if dist.get_world_size(group) > 1:
+                all_reduce(flat, ReduceOp.SUM, group=group)
+            flat /= divisor
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -558,8 +580,7 @@ class DistributedModel(nn.Module):
         if self.sharding is not None:
             return {**self.sharding.local_state_dict(cast_to_cpu), PARTIAL_KEY: True}
         result: dict[str, Any] = {
-            name: (t.detach().cpu() if cast_to_cpu else t.detach())
-            for name, t, _ in self._state_tensors(local_only=True)
+            name: (t.cpu() if cast_to_cpu else t) for name, t in self._tensor_values(whole=False)
         }
         result[PARTIAL_KEY] = True
         return result
@@ -575,6 +596,8 @@ class DistributedModel(nn.Module):
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
         if self.sharding is not None:
             return self.sharding.full_state_dict()
+        if self.tensor_shards is not None:  # every rank of the tp group gathers (pp is 1)
+            return {name: t.cpu() for name, t in self._tensor_values(whole=True)}
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop(PARTIAL_KEY)
         st = self._state
@@ -587,6 +610,16 @@ class DistributedModel(nn.Module):
             full.update(part)
         order = [name for name, _, _ in self._state_tensors(local_only=False)]
         return {name: full[name] for name in order if name in full}
+
+    def _tensor_values(self, whole: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's persistent tensors by name, detached: the whole value of a tensor split
+        over the tp group (``whole``, a gather) or this rank's part of it."""
+        for name, tensor, _ in self._state_tensors(local_only=True):
+            value = tensor.detach()
+            shards = self.tensor_shards
+            if shards is not None:
+                value = shards.whole(value) if whole else shards.local(value)
+            yield name, value
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True
@@ -618,7 +651,9 @@ class DistributedModel(nn.Module):
                 )
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values:
+                if name in values and self.tensor_shards is not None:
+                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
+                elif name in values:
                     tensor.copy_(values[name])
                     if self.half_precision is not None:
                         self.half_precision.load_value(tensor, values[name])

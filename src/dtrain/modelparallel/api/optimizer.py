@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -234,8 +235,11 @@ class _Adapter:
         shard, or (``full``) the whole state, gathered (every rank calls it)."""
         local = self._stepped_ids()
         holder = self._holder
-        sharding = self.model.sharding
+        sharding, tensor = self.model.sharding, self.model.tensor_shards
         saved = _on_cpu if sharding is None else functools.partial(sharding.saved, full=full)
+        if tensor is not None:  # a DTensor parameter's state: its whole value, or this rank's
+            saved = functools.partial(_picked, pick=tensor.whole if full else tensor.local)
+
         return {
             self.names[id(p)]: {k: saved(v) for k, v in holder.state[p].items()}
             for group in holder.param_groups
@@ -248,7 +252,7 @@ class _Adapter:
         ``shard_optimizer_state``) must call it."""
         local = self.local_state_dict()
         st = state.current()
-        if self.model.sharding is not None:
+        if self.model.sharding is not None or self.model.tensor_shards is not None:
             local["state"] = self._states(full=True)
         parts = [local]
         if self.zero is not None:
@@ -294,6 +298,12 @@ class _Adapter:
                         k: as_shard(param, name, v, partial) if _is_state_tensor(k, v) else v
                         for k, v in saved_state.items()
                     }
+                elif self.model.tensor_shards is not None:
+                    laid_out = self.model.tensor_shards.laid_out_as
+                    saved_state = {
+                        k: laid_out(param, v, not partial) if _is_state_tensor(k, v) else v
+                        for k, v in saved_state.items()
+                    }
                 holder.state[param] = placed(param, saved_state, group)
         fp16 = state_dict.get(FP16_STATES)
         scaling, half = self.model.loss_scaling, self.model.half_precision
@@ -328,6 +338,10 @@ def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -
         else:
             result[key] = value.to(param.device)
     return result
+
+
+def _picked(value: Any, pick: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return _on_cpu(pick(value) if isinstance(value, torch.Tensor) else value)
 
 
 def _on_cpu(value: Any) -> Any:

@@ -8,11 +8,17 @@ instead of being ignored.
 """
 
 import os
+from typing import Any
 
 from dtrain import modelparallel
 from dtrain.modelparallel import *  # noqa: F403  (the module is the API)
 
 __all__ = modelparallel.__all__
+
+
+def __getattr__(name: str) -> Any:
+    """What ``dtrain.modelparallel`` imports on first use (``smp.nn``)."""
+    return getattr(modelparallel, name)
 
 
 def _auto_init() -> bool:

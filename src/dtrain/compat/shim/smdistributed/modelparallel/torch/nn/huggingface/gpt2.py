@@ -1,0 +1,7 @@
+"""``smdistributed.modelparallel.torch.nn.huggingface.gpt2``: see
+``dtrain.modelparallel.tensor.huggingface.gpt2``."""
+
+from dtrain.modelparallel.tensor.huggingface.gpt2 import (  # noqa: F401  (the module is the API)
+    translate_hf_state_dict_to_smdistributed,
+    translate_state_dict_to_hf_gpt2,
+)

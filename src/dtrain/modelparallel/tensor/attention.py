@@ -1,0 +1,115 @@
+"""``smp.nn.DistributedAttentionLayer``: self-attention with its heads split over the tp group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.batch import scaled_batch
+from dtrain.modelparallel.tensor.module import (
+    UNSUPPORTED_EXTRAS,
+    DistributedModule,
+    check_speed_layout,
+    init_linear,
+    refuse_unsupported,
+    seeded,
+    split,
+)
+
+MASKED = -1e4
+"""SMP's value for scores a causal mask hides."""
+
+
+class DistributedAttentionLayer(DistributedModule):
+    """SMP's attention block: ``query``/``key``/``value`` projections split by heads (torch's
+    ``ColwiseParallel``), attention over each rank's heads (``scaled_dot_product_attention``),
+    the ``dense`` projection split by its input (``RowwiseParallel``: one all-reduce), dropout,
+    the residual and a layer norm before (``pre_layernorm``) and/or after (``post_layernorm``).
+
+    ``forward((hidden_states, attention_mask))``: hidden states ``[N, S, hidden_size]`` and an
+    additive mask broadcastable to ``[N, 1, S, S]`` (SMP's ``[N, 1, 1, S]``, 0 where attended);
+    returns the layer's output, ``[N, S, hidden_size]``. With ``causal_mask_size`` each
+    position attends only to itself and earlier ones. Cross attention is not implemented.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        cross_attention: bool = False,
+        causal_mask_size: int | None = None,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        refuse_unsupported(
+            self.what,
+            {"cross_attention": cross_attention, **options},
+            {"cross_attention": False, **UNSUPPORTED_EXTRAS},
+        )
+        check_speed_layout(self.what)
+        split(self.what, "num_attention_heads", num_attention_heads)
+        self.attention_head_size = attention_head_size
+        self.causal_mask_size = causal_mask_size
+        self.attention_dropout_prob = attention_dropout_prob
+        size = num_attention_heads * attention_head_size
+        with seeded(self.what):
+            self.query = nn.Linear(hidden_size, size)
+            self.key = nn.Linear(hidden_size, size)
+            self.value = nn.Linear(hidden_size, size)
+            self.dense = nn.Linear(size, hidden_size)
+            for layer in (self.query, self.key, self.value, self.dense):
+                init_linear(layer, use_normal_initialization, initializer_range)
+        self.pre_layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if pre_layernorm else None
+        self.layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if post_layernorm else None
+        self.dropout2 = nn.Dropout(hidden_dropout_prob)
+        plan = {name: ColwiseParallel() for name in ("query", "key", "value")}
+        shards.parallelize(self, {**plan, "dense": RowwiseParallel()}, self.what)
+
+    def forward(self, inp: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        hidden_states, attention_mask = inp
+        with scaled_batch(self.what) as batch:
+            hidden = self.attend(batch.gather(hidden_states), batch.gather(attention_mask))
+            return batch.scatter(hidden)
+
+    def attend(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer on the tp group's combined batch (every rank its heads)."""
+        residual = hidden
+        if self.pre_layernorm is not None:
+            hidden = self.pre_layernorm(hidden)
+        batch, length = hidden.shape[:2]
+
+        def heads(layer: nn.Linear) -> torch.Tensor:
+            out = layer(hidden)  # this rank's heads, side by side
+            return out.view(batch, length, -1, self.attention_head_size).transpose(1, 2)
+
+        bias = mask
+        if self.causal_mask_size is not None:
+            causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
+            causal_bias = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device)
+            causal_bias.masked_fill_(~causal, MASKED)
+            bias = causal_bias if bias is None else bias + causal_bias
+        if bias is not None:
+            bias = bias.to(hidden.dtype)
+        context = F.scaled_dot_product_attention(
+            heads(self.query),
+            heads(self.key),
+            heads(self.value),
+            attn_mask=bias,
+            dropout_p=self.attention_dropout_prob if self.training else 0.0,
+        )
+        context = context.transpose(1, 2).reshape(batch, length, -1)
+        out = self.dropout2(self.dense(context)) + residual
+        return out if self.layernorm is None else self.layernorm(out)

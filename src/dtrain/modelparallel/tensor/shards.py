@@ -1,0 +1,138 @@
+"""Parameters split over the tensor-parallel group: DTensors on the group's mesh.
+
+A distributed module is built whole, as its plain equivalent, then its layers are split with
+torch's parallel styles (``parallelize_module``), which cut every rank's shard from the weights
+of the group's first rank. What the rest of dtrain needs to know about such parameters lives
+here: the whole value behind a shard (state dicts hold whole tensors, as SMP's ``state_dict``
+does), the shard of a whole value (loading), and which parameters saw the group's combined batch
+(:mod:`.batch`), whose gradients average differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from dtrain.modelparallel import state
+
+SCALED_BATCH = "_dtrain_scaled_batch"
+"""The attribute marking a parameter of a distributed module (set on the parameter itself: a
+set of tensors would compare them by value)."""
+
+
+def parallelize(
+    module: nn.Module, plan: ParallelStyle | dict[str, ParallelStyle], what: str
+) -> None:
+    """Split ``module``'s layers by ``plan`` over the tp group (nothing at tp 1), and mark every
+    parameter of ``module`` as one that sees the group's combined batch."""
+    mesh = state.current(what).tensor_mesh
+    if mesh is not None:
+        parallelize_module(module, mesh, plan)
+    for param in module.parameters():
+        setattr(param, SCALED_BATCH, True)
+
+
+def is_scaled_batch(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter of a distributed module (SMP's "scaled batch"
+    parameters): its gradient covers the batches of the whole tp group."""
+    return getattr(tensor, SCALED_BATCH, False)
+
+
+def is_distributed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is held as a DTensor (a shard, or a replica kept by the tp group)."""
+    return isinstance(tensor, DTensor)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of ``tensor`` (a collective over the tp group for a DTensor)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``, a plain tensor sharing its memory."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
+    """``value``, a whole tensor every rank holds, laid out as ``like`` (cut locally)."""
+    value = value.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
+    """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
+    value cut into this rank's shard, or this rank's saved part wrapped as one."""
+    if not isinstance(param, DTensor):
+        return value
+    if whole_value:
+        return shard_of(param, value)
+    value = value.to(device=param.device)
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+
+
+def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> None:
+    """Copy ``value`` into ``tensor``: a whole value, or (``whole_value`` false) this rank's
+    part of it, as ``local_state_dict`` saved it."""
+    if not isinstance(tensor, DTensor):
+        tensor.copy_(value)
+    elif whole_value:
+        tensor.copy_(shard_of(tensor, value))
+    else:
+        tensor.to_local().copy_(value)
+
+
+def broadcast_over_replicas(tensor: DTensor) -> None:
+    """Give the rdp group the shard of its first rank (replicas start alike)."""
+    st = state.current("the model's first step")
+    if st.rdp_size > 1:
+        dist.broadcast(tensor.to_local(), src=st.rdp_group[0], group=st.rdp_process_group)
+
+
+def gradient_groups(
+    params: list[torch.Tensor], st: state.MPState
+) -> list[tuple[dist.ProcessGroup, int | None, list[torch.Tensor]]]:
+    """How the gradients of ``params`` average: ``(group, divisor, local gradients)``, a
+    ``None`` divisor meaning the group's mean.
+
+    A plain parameter saw its rank's batch: the mean over the dp group. A scaled-batch one
+    holds the sum over the tp group's batches already (or, with ``prescaled_batch``, the
+    gradient of the one batch the group shares): summed over the rdp group and divided by the
+    number of distinct batches, ``dp_size`` (``rdp_size`` when prescaled)."""
+    plain = [local(p.grad) for p in params if p.grad is not None and not is_scaled_batch(p)]
+    scaled = [local(p.grad) for p in params if p.grad is not None and is_scaled_batch(p)]
+    batches = st.rdp_size if st.config["prescaled_batch"] else st.dp_size
+    groups: list[tuple[dist.ProcessGroup, int | None, list[torch.Tensor]]] = []
+    if plain:
+        groups.append((st.dp_process_group, None, plain))
+    if scaled:
+        groups.append((st.rdp_process_group, batches, scaled))
+    return groups
+
+
+def whole_state_dict_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` of a distributed module holds whole tensors, loadable into its plain
+    equivalent (every rank of the tp group must call it)."""
+    for key, value in list(state_dict.items()):
+        if key.startswith(prefix) and isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def shard_load_hook(
+    module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any
+) -> None:
+    """``load_state_dict`` of whole tensors (a plain module's) into a distributed module."""
+    assert isinstance(state_dict, dict)
+    tensors = [*module.named_parameters(prefix[:-1]), *module.named_buffers(prefix[:-1])]
+    for key, tensor in tensors:
+        value = state_dict.get(key)
+        plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        if isinstance(tensor, DTensor) and plain and value.shape == tensor.shape:
+            state_dict[key] = shard_of(tensor, value)

@@ -1,0 +1,158 @@
+"""Swapping marked modules for their distributed counterparts, with the same weights.
+
+``smp.DistributedModel`` calls :func:`distribute` when ``tensor_parallel_degree`` is above 1.
+Every module marked enabled (:mod:`.marks`) whose class is registered is rebuilt as its
+distributed module from its constructor arguments (``init_hook`` applied, then the marking
+context's arguments that the distributed module accepts), takes the original's weights when
+their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
+initialization, as SMP's do), and gets the registration's forward and return hooks. Its
+submodules are not visited: the distributed module replaces all of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
+from dtrain.modelparallel.tensor.linear import DistributedLinear
+
+
+def _linear_args(layer: nn.Linear) -> marks.Args:
+    return (layer.in_features, layer.out_features), {"bias": layer.bias is not None}
+
+
+def _embedding_args(table: nn.Embedding) -> marks.Args:
+    kwargs = {"padding_idx": table.padding_idx, "max_norm": table.max_norm}
+    kwargs.update(norm_type=table.norm_type, scale_grad_by_freq=table.scale_grad_by_freq)
+    return (table.num_embeddings, table.embedding_dim), {**kwargs, "sparse": table.sparse}
+
+
+BUILT_IN: dict[type[nn.Module], tuple[marks.Registration, Any]] = {
+    nn.Linear: (marks.Registration(DistributedLinear), _linear_args),
+    nn.Embedding: (marks.Registration(DistributedEmbedding), _embedding_args),
+}
+"""Classes SMP distributes without a registration: the distributed class and how to read an
+instance's constructor arguments back from it."""
+
+HUGGING_FACE = {"transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2"}
+"""Hugging Face classes by qualified name → their module in :mod:`.huggingface` (imported when
+a model of the class is seen, so ``transformers`` is never imported for nothing)."""
+
+
+def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
+    if kind in BUILT_IN:
+        return BUILT_IN[kind]
+    name = HUGGING_FACE.get(f"{kind.__module__}.{kind.__qualname__}")
+    if name is None:
+        return None
+    translation = importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}")
+    return translation.REGISTRATION, translation.args_of
+
+
+def distribute(root: nn.Module) -> nn.Module:
+    """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    done: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, path: str) -> nn.Module:
+        if id(module) in done:  # shared by two parents: swapped once
+            return done[id(module)]
+        try:
+            swapped = _swapped(module)
+        except ModelParallelError as exc:
+            where = f"module {path!r}" if path else "the model"
+            raise ModelParallelError(
+                f"smp.DistributedModel: {where} ({type(module).__name__}) cannot be "
+                f"distributed: {exc}"
+            ) from exc
+        if swapped is None:
+            for name, child in list(module._modules.items()):  # shared ones under each name
+                if child is None:
+                    continue
+                new = visit(child, f"{path}.{name}" if path else name)
+                if new is not child:
+                    setattr(module, name, new)
+            swapped = module
+        done[id(module)] = swapped
+        return swapped
+
+    return visit(root, "")
+
+
+def _swapped(module: nn.Module) -> nn.Module | None:
+    """``module``'s distributed module, or None if it stays."""
+    mark = marks.mark_of(module)
+    if mark is None or not mark.enabled:
+        return None
+    kind = type(module)
+    registration = marks.registered().get(kind)
+    args = marks.init_args_of(module)
+    built_in = _built_in(kind) if registration is None else None
+    if built_in is not None:
+        registration, read_args = built_in
+        args = read_args(module)
+    if registration is None:
+        return None
+    if args is None:
+        raise TypeError(
+            f"smp.tp_register: {kind.__name__} was created before its registration, so its "
+            "constructor arguments are unknown; register it before creating the model"
+        )
+    positional, keywords = args
+    if registration.init_hook is not None:
+        positional, keywords = registration.init_hook(*positional, **keywords)
+    keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
+    dist = registration.dist_module(*positional, **keywords)
+    _copy_weights(module, dist, registration.translate)
+    dist.train(module.training)
+    forward_hook, return_hook = registration.forward_hook, registration.return_hook
+    if forward_hook is not None:
+        dist.register_forward_pre_hook(lambda _m, a, k: forward_hook(*a, **k), with_kwargs=True)
+    if return_hook is not None:
+        dist.register_forward_hook(lambda _m, _a, out: return_hook(out))
+    return dist
+
+
+def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str, Any]:
+    """The marking context's arguments that ``dist_module``'s constructor takes (all of them
+    when it takes ``**kwargs``, which then say which they refuse)."""
+    parameters = inspect.signature(dist_module).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(options)
+    names = {p.name for p in parameters}
+    return {key: value for key, value in options.items() if key in names}
+
+
+def _state_keys(module: nn.Module) -> set[str]:
+    """The keys of ``module.state_dict()``, without computing it (a DTensor's is a gather)."""
+    keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                keys.add(f"{prefix}.{name}" if prefix else name)
+    return keys
+
+
+def _copy_weights(
+    original: nn.Module,
+    dist: nn.Module,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
+) -> None:
+    if translate is not None:
+        dist.load_state_dict(translate(original.state_dict()))
+        return
+    if _state_keys(original) == _state_keys(dist):
+        dist.load_state_dict(original.state_dict())
+        return
+    warnings.warn(
+        f"smp.tensor_parallelism: {type(dist).__name__} replacing {type(original).__name__} "
+        "has other parameter names, so it keeps its own initialization",
+        stacklevel=3,
+    )

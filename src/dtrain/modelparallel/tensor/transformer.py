@@ -1,0 +1,211 @@
+"""``smp.nn.DistributedTransformerLayer``, ``DistributedTransformer`` and
+``DistributedTransformerLMHead``: SMP's transformer stacks, built of the split blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
+from dtrain.modelparallel.tensor.batch import scaled_batch
+from dtrain.modelparallel.tensor.module import DistributedModule, refuse_unsupported, seeded
+from dtrain.modelparallel.tensor.output import DistributedTransformerOutputLayer
+
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _check_layernorms(what: str, pre_layernorm: bool, post_layernorm: bool) -> None:
+    if not (pre_layernorm or post_layernorm):
+        raise ValueError(f"{what}: at least one of pre_layernorm and post_layernorm must be true")
+
+
+class DistributedTransformerLayer(DistributedModule):
+    """One transformer layer: ``attention`` (:class:`DistributedAttentionLayer`) then
+    ``output`` (:class:`DistributedTransformerOutputLayer`). With both ``pre_layernorm`` and
+    ``post_layernorm`` the attention has only its norm before, as SMP builds it.
+
+    ``forward((hidden_states, attention_mask))`` → ``(output, attention_mask)``, so layers
+    chain in an ``nn.Sequential``."""
+
+    def __init__(
+        self,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        causal_mask_size: int | None = None,
+        add_cross_attention: bool = False,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        refuse_unsupported(
+            self.what, {"add_cross_attention": add_cross_attention}, {"add_cross_attention": False}
+        )
+        _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        shared = {
+            "hidden_size": hidden_size,
+            "hidden_dropout_prob": hidden_dropout_prob,
+            "layernorm_epsilon": layernorm_epsilon,
+            "initializer_range": initializer_range,
+            "use_normal_initialization": use_normal_initialization,
+            "pre_layernorm": pre_layernorm,
+            **options,
+        }
+        self.attention = DistributedAttentionLayer(
+            num_attention_heads=num_attention_heads,
+            attention_head_size=attention_head_size,
+            attention_dropout_prob=attention_dropout_prob,
+            causal_mask_size=causal_mask_size,
+            post_layernorm=post_layernorm and not pre_layernorm,
+            **shared,
+        )
+        self.output = DistributedTransformerOutputLayer(
+            intermediate_size=intermediate_size,
+            activation=activation,
+            post_layernorm=post_layernorm,
+            **shared,
+        )
+
+    def forward(self, inp: Pair) -> Pair:
+        hidden_states, attention_mask = inp
+        with scaled_batch(self.what) as batch:
+            mask = batch.gather(attention_mask)
+            hidden = self.attention((batch.gather(hidden_states), mask))
+            return batch.scatter(self.output(hidden)), attention_mask
+
+
+class DistributedTransformer(DistributedModule):
+    """``num_layers`` :class:`DistributedTransformerLayer` in ``seq_layers``, built with the
+    other arguments (SMP's: the layer's, with the same defaults). With both
+    ``pre_layernorm`` and ``post_layernorm`` only the last layer has a norm after its output
+    (as SMP builds it). ``forward((hidden_states, attention_mask))`` →
+    ``(output, attention_mask)``; the tp group's batches are gathered once for all layers."""
+
+    def __init__(
+        self,
+        num_layers: int = 12,
+        *,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        **layer: Any,
+    ) -> None:
+        super().__init__()
+        _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        self.seq_layers = nn.Sequential(
+            *(
+                DistributedTransformerLayer(
+                    **layer,
+                    pre_layernorm=pre_layernorm,
+                    post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
+                )
+                for i in range(num_layers)
+            )
+        )
+
+    def forward(self, inp: Pair) -> Pair:
+        hidden_states, attention_mask = inp
+        with scaled_batch(self.what) as batch:
+            hidden, _ = self.seq_layers((batch.gather(hidden_states), batch.gather(attention_mask)))
+            return batch.scatter(hidden), attention_mask
+
+
+class DistributedTransformerLMHead(DistributedModule):
+    """A language model: word, position (and ``num_token_types`` > 0: token type) embeddings,
+    dropout, a :class:`DistributedTransformer` (built with the other arguments, SMP's:
+    ``num_layers``, ``num_attention_heads``, ``attention_head_size``, ``intermediate_size``,
+    ``attention_dropout_prob``, ``activation``, ``layernorm_epsilon``,
+    ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
+    ``add_lm_head``, a head tied to the word embedding. The embeddings and head are plain (each
+    rank holds them whole and runs them on its own batch); the transformer is split. Arguments
+    are keywords only (SMP also took them in its order).
+
+    ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
+    is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
+    ``labels`` may be None (positions then count from 0; SMP always counts from 0, dtrain uses
+    given ones). Returns the logits, or with ``labels`` ``(loss, logits)``: the mean cross
+    entropy of each position's logits against the next position's label."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int = 1024,
+        vocab_size: int = 30522,
+        num_positions: int = 1024,
+        hidden_dropout_prob: float = 0.1,
+        num_token_types: int = 0,
+        causal_mask_size: int | None = None,
+        add_lm_head: bool = True,
+        initializer_range: float = 0.02,
+        distribute_embedding: bool = False,
+        **transformer: Any,
+    ) -> None:
+        super().__init__()
+        refuse_unsupported(
+            self.what,
+            {"distribute_embedding": distribute_embedding},
+            {"distribute_embedding": False},
+        )
+        if causal_mask_size is not None and num_positions > causal_mask_size:
+            raise ValueError(
+                f"{self.what}: causal_mask_size={causal_mask_size} is below "
+                f"num_positions={num_positions}; allowed: at least num_positions"
+            )
+        with seeded(self.what):
+            self.word_embedding = nn.Embedding(vocab_size, hidden_size)
+            self.position_embedding = nn.Embedding(num_positions, hidden_size)
+            self.token_type_embedding = (
+                nn.Embedding(num_token_types, hidden_size) if num_token_types > 0 else None
+            )
+            for table in (self.word_embedding, self.position_embedding, self.token_type_embedding):
+                if table is not None:
+                    nn.init.normal_(table.weight, std=initializer_range)
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.transformer = DistributedTransformer(
+            hidden_size=hidden_size,
+            hidden_dropout_prob=hidden_dropout_prob,
+            causal_mask_size=causal_mask_size,
+            initializer_range=initializer_range,
+            **transformer,
+        )
+        self.lm_head: nn.Linear | None = None
+        if add_lm_head:
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.lm_head.weight = self.word_embedding.weight
+
+    def forward(
+        self, inputs: tuple[torch.Tensor | None, ...]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        input_ids, attention_mask, token_type_ids, position_ids, labels = inputs
+        assert input_ids is not None, f"{self.what}: input_ids are required"
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        hidden = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        if token_type_ids is not None:
+            # HF GPT-2 embeds token types with the word embedding when it has no table of them.
+            types = self.token_type_embedding or self.word_embedding
+            hidden = hidden + types(token_type_ids)
+        mask = None
+        if attention_mask is not None:
+            flat = attention_mask.view(input_ids.shape[0], -1).to(hidden.dtype)
+            mask = (1.0 - flat[:, None, None, :]) * -10000.0
+        hidden, _ = self.transformer((self.dropout(hidden), mask))
+        if self.lm_head is None:
+            return hidden
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(
+            logits[..., :-1, :].reshape(-1, logits.shape[-1]), labels[..., 1:].reshape(-1)
+        )
+        return loss, logits

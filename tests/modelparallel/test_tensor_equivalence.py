@@ -1,0 +1,191 @@
+"""Tensor-parallel training equals one process on the same global batch: tp=2 (world 2),
+tp=2 x rdp=2 (world 4, two microbatches) and tp=2 x rdp=2 with prescaled_batch train
+smp.nn.DistributedTransformerLMHead and a plain MLP marked with smp.set_tensor_parallelism to
+the one-process losses and parameters; in world 4 the LM is checkpointed (partial and whole)
+after three steps and resumed into a fresh model for the fourth, and its whole checkpoint loads
+into the one-process model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from tests.modelparallel.harness import run_ranks, single_process
+
+STEPS = 4
+SAVED_AFTER = 3
+GLOBAL_BATCH = 8
+LR = 0.2
+LM = {
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "attention_head_size": 4,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "vocab_size": 32,
+    "num_positions": 8,
+    "attention_dropout_prob": 0.0,
+    "hidden_dropout_prob": 0.0,
+    "causal_mask_size": 8,
+}
+
+
+def _lm() -> nn.Module:
+    return smp.nn.DistributedTransformerLMHead(**LM)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(
+        nn.Embedding(32, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Flatten()
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    ids = torch.randint(0, 32, (GLOBAL_BATCH, 8), generator=g)
+    mask = torch.ones(GLOBAL_BATCH, 8)
+    mask[:, 7] = (torch.arange(GLOBAL_BATCH) % 2).float()  # some rows hide their last token
+    return ids, mask
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    loss, _ = model((ids, mask, None, None, ids))
+    return loss
+
+
+def _mlp_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(ids[:, :1]), mask)
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]] = {
+    "lm": (_lm, _lm_loss),
+    "mlp": (_mlp, _mlp_loss),
+}
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _one_process(case: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+    """The losses, the final parameters and those after SAVED_AFTER steps."""
+    build, loss_fn = CASES[case]
+    with single_process({}):
+        model = build()
+        optimizer = _optimizer(model.parameters())
+        losses, saved = [], {}
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *_batch(step))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if step + 1 == SAVED_AFTER:
+                saved = {k: v.clone() for k, v in model.state_dict().items()}
+        return losses, model.state_dict(), saved
+
+
+def _train(case: str, checkpoint: str | None) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """This rank's rows of each global batch, as SMP shards data: by dp_rank, or with
+    prescaled_batch by rdp_rank (the tp group shares its rows). With ``checkpoint`` (a folder)
+    the model is saved after SAVED_AFTER steps and a fresh one resumes from it."""
+    build, loss_fn = CASES[case]
+    model, optimizer = _wrapped(case, build)
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, ids, mask)
+        model.backward(loss)
+        return loss
+
+    prescaled = state.current().config["prescaled_batch"]
+    rank, size = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+    rows = GLOBAL_BATCH // size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    losses = []
+    for step in range(STEPS):
+        if step == SAVED_AFTER and checkpoint is not None:
+            smp.save_checkpoint(checkpoint, "part", model=model, optimizer=optimizer)
+            smp.save_checkpoint(checkpoint, "whole", partial=False, model=model)
+            smp.reset()
+            model, optimizer = _wrapped(case, build)
+            smp.resume_from_checkpoint(checkpoint, tag="part")
+        ids, mask = _batch(step)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+        optimizer.step()
+    split = sum(isinstance(p, DTensor) for p in model.parameters())
+    return losses, model.state_dict(), split
+
+
+def _wrapped(case: str, build: Callable[[], nn.Module]) -> tuple[Any, Any]:
+    module = build()
+    if case == "mlp":
+        smp.set_tensor_parallelism(module)
+    model = smp.DistributedModel(module)
+    return model, smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+
+def _on_ranks(microbatches: int, prescaled: bool, checkpoint: str | None) -> dict[str, Any]:
+    smp.init(
+        {
+            "tensor_parallel_degree": 2,
+            "ddp": True,
+            "microbatches": microbatches,
+            "prescaled_batch": prescaled,
+        }
+    )
+    out: dict[str, Any] = {}
+    for case in CASES:
+        out[case] = _train(case, checkpoint if case == "lm" else None)
+        smp.reset()
+    bad = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4))
+    bad[1] = nn.Linear(5, 4)
+    smp.set_tensor_parallelism(bad)
+    try:
+        smp.DistributedModel(bad)
+    except ModelParallelError as exc:
+        out["bad"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "microbatches", "prescaled"), [(2, 1, False), (4, 2, False), (4, 1, True)]
+)
+def test_tensor_parallel_training_equals_one_process(
+    world: int, microbatches: int, prescaled: bool, tmp_path: Path
+) -> None:
+    checkpoint = str(tmp_path) if microbatches > 1 else None
+    ranks = run_ranks(world, _on_ranks, microbatches, prescaled, checkpoint, timeout=180)
+    for case in CASES:
+        losses, params, saved = _one_process(case)
+        if case == "lm" and checkpoint is not None:
+            whole = torch.load(tmp_path / "whole")
+            with single_process({}):
+                _lm().load_state_dict(whole)  # strict: every key of the plain model
+            for key, value in saved.items():
+                torch.testing.assert_close(whole[key], value, rtol=1e-4, atol=1e-6)
+        mean = [sum(rank[case][0][step] for rank in ranks) / world for step in range(STEPS)]
+        assert mean == pytest.approx(losses, rel=1e-5), case
+        for rank in ranks:
+            trained, split = rank[case][1:]
+            assert split == {"lm": 12 * LM["num_layers"], "mlp": 5}[case]
+            assert trained.keys() == params.keys()
+            for key, value in params.items():
+                torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
+    assert ranks[0]["bad"] == (
+        "smp.DistributedModel: module '1' (Linear) cannot be distributed: "
+        "smp.nn.DistributedLinear: in_features=5 does not split over "
+        "tensor_parallel_degree=2; allowed: a multiple of 2"
+    )

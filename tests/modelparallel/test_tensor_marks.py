@@ -1,0 +1,127 @@
+"""Marking modules for tensor parallelism and swapping them (one process, tp 1: the swap is the
+same at any degree; two ranks train swapped models in test_tensor_equivalence)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import swap
+from tests.modelparallel.harness import single_process
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4)
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.table(ids))))
+
+
+class Scale(nn.Module):
+    """A user's module with a registered distributed counterpart of another signature."""
+
+    def __init__(self, n: int, factor: float = 2.0) -> None:
+        super().__init__()
+        self.factor = factor
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight * self.factor
+
+
+class DistScale(nn.Module):
+    def __init__(self, size: int, factor: float, extra: float = 0.0) -> None:
+        super().__init__()
+        self.factor, self.extra = factor, extra
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        return (inputs[0] * self.weight * self.factor + self.extra,)
+
+
+def _scale_args(n: int, factor: float = 2.0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (), {"size": n, "factor": factor}
+
+
+@pytest.fixture(autouse=True)
+def _one_process() -> Any:
+    with single_process({}):
+        yield
+
+
+def test_modules_created_inside_are_swapped_with_their_weights() -> None:
+    with smp.tensor_parallelism():
+        block = Block()
+        with smp.tensor_parallelism(enabled=False):
+            kept = nn.Linear(4, 4)
+    outside = nn.Linear(4, 4)
+    block.add_module("kept", kept)
+    block.add_module("outside", outside)
+    block.add_module("again", block.up)  # shared: swapped once
+    plain = copy.deepcopy(block)
+    assert swap.distribute(block) is block
+    assert type(block.table) is smp.nn.DistributedEmbedding
+    assert type(block.up) is type(block.down) is smp.nn.DistributedLinear
+    assert block.again is block.up and block.down.bias is None
+    assert block.kept is kept and block.outside is outside
+    assert block.state_dict().keys() == plain.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(block.state_dict()[key], value), key
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(block(ids), plain(ids))
+
+
+def test_set_tensor_parallelism_marks_an_existing_module_and_its_children() -> None:
+    block = Block()
+    smp.set_tensor_parallelism(block)
+    smp.set_tensor_parallelism(block.down, enabled=False)
+    swap.distribute(block)
+    assert type(block.up) is smp.nn.DistributedLinear and type(block.down) is nn.Linear
+    root = nn.Linear(2, 2)
+    smp.set_tensor_parallelism(root)
+    assert type(swap.distribute(root)) is smp.nn.DistributedLinear
+    state.register_model(object())
+    with pytest.raises(ModelParallelError, match=r"after smp\.DistributedModel has no effect"):
+        smp.set_tensor_parallelism(Block())
+
+
+def test_registered_modules_take_hooks_and_the_context_arguments_they_accept() -> None:
+    early = Scale(3)
+    smp.tp_register_with_module(
+        Scale,
+        DistScale,
+        init_hook=_scale_args,
+        forward_hook=lambda x: (((x,),), {}),
+        return_hook=lambda out: out[0],
+    )
+    with smp.tensor_parallelism(extra=1.0, fused_softmax=False):  # DistScale takes extra only
+        scale = Scale(3, factor=3.0)
+    swapped = swap.distribute(scale)
+    assert type(swapped) is DistScale and (swapped.factor, swapped.extra) == (3.0, 1.0)
+    torch.testing.assert_close(swapped(torch.ones(3)), torch.full((3,), 4.0))
+    smp.set_tensor_parallelism(early)
+    with pytest.raises(TypeError, match="Scale was created before its registration"):
+        swap.distribute(early)
+    with pytest.raises(TypeError, match=r"dist_module must be an nn\.Module class"):
+        smp.tp_register(print)  # type: ignore[arg-type]
+
+
+def test_tp_register_decorates_a_class() -> None:
+    @smp.tp_register(DistScale, init_hook=_scale_args)
+    class Decorated(Scale):
+        pass
+
+    with smp.model_creation(tensor_parallelism=True):
+        made = Decorated(2)
+    assert type(swap.distribute(made)) is DistScale

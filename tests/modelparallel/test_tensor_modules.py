@@ -1,0 +1,127 @@
+"""smp.nn on two tensor-parallel ranks against the same modules in one process: the same
+initial weights (tensor_parallel_seed), outputs, gradients and whole-tensor state dicts that
+load both ways; sizes that do not split are named before any step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.shards import whole
+from tests.modelparallel.harness import run_ranks, single_process
+
+LM = {
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "attention_head_size": 4,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "vocab_size": 40,
+    "num_positions": 8,
+    "attention_dropout_prob": 0.0,
+    "hidden_dropout_prob": 0.0,
+    "causal_mask_size": 8,
+    "pre_layernorm": True,
+}
+BATCH = 4
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 40, (BATCH, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(BATCH, 8)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+def _run_modules() -> dict[str, Any]:
+    """Each rank's own rows through the modules, their backward, and the state dicts."""
+    torch.manual_seed(100 + smp.rank())  # the ranks' own generators differ: init must not care
+    lm = smp.nn.DistributedTransformerLMHead(**LM)
+    linear = smp.nn.DistributedLinear(16, 6)
+    embedding = smp.nn.DistributedEmbedding(40, 16, padding_idx=0)
+    ids, mask = _inputs()
+    rows = BATCH // smp.tp_size()
+    mine = slice(smp.tp_rank() * rows, (smp.tp_rank() + 1) * rows)
+    loss, logits = lm((ids[mine], mask[mine], None, None, ids[mine]))
+    out = linear(embedding(ids[mine]))
+    (loss + out.pow(2).mean()).backward()
+    modules = {"lm": lm, "linear": linear, "embedding": embedding}
+    return {
+        "loss": loss.item(),
+        "logits": logits.detach(),
+        "out": out.detach(),
+        "state": {name: m.state_dict() for name, m in modules.items()},
+        "grads": {
+            name: {k: whole(p.grad) for k, p in m.named_parameters()} for name, m in modules.items()
+        },
+    }
+
+
+def _on_two_ranks() -> dict[str, Any]:
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    result = _run_modules()
+    lm = smp.nn.DistributedTransformerLMHead(**LM)
+    doubled = {k: v * 2 for k, v in result["state"]["lm"].items()}
+    lm.load_state_dict(doubled)  # whole tensors (a plain module's) into the shards
+    result["reloaded"] = lm.state_dict()
+    errors = []
+    for build in (
+        lambda: smp.nn.DistributedTransformerLayer(num_attention_heads=3, attention_head_size=4),
+        lambda: smp.nn.DistributedTransformerOutputLayer(hidden_size=8, intermediate_size=7),
+        lambda: smp.nn.DistributedLinear(5, 4),
+        lambda: smp.nn.DistributedEmbedding(10, 9),
+        lambda: smp.nn.DistributedEmbedding(10, 8, max_norm=1.0),
+        lambda: smp.nn.DistributedAttentionLayer(cross_attention=True),
+    ):
+        try:
+            build()
+        except ModelParallelError as exc:
+            errors.append(str(exc))
+    result["errors"] = errors
+    return result
+
+
+def test_two_ranks_compute_as_one_process_and_name_sizes_that_do_not_split() -> None:
+    ranks = run_ranks(2, _on_two_ranks, timeout=120)
+    with single_process({}):
+        one = _run_modules()
+    for name in ("logits", "out"):
+        together = torch.cat([rank[name] for rank in ranks])
+        torch.testing.assert_close(together, one[name], rtol=1e-5, atol=1e-6)
+    assert sum(rank["loss"] for rank in ranks) / 2 == pytest.approx(one["loss"], rel=1e-5)
+    for name, state in one["state"].items():
+        for rank in ranks:  # whole tensors, the single process's initial values
+            assert state.keys() == rank["state"][name].keys()
+            for key, value in state.items():
+                assert torch.equal(rank["state"][name][key], value), (name, key)
+    for key, value in ranks[0]["reloaded"].items():
+        torch.testing.assert_close(value, one["state"]["lm"][key] * 2)
+    with single_process({}):  # and the two ranks' state loads into the plain module
+        lm = smp.nn.DistributedTransformerLMHead(**LM)
+        lm.load_state_dict(ranks[1]["state"]["lm"])
+    for name, grads in one["grads"].items():
+        for key, grad in grads.items():
+            # A split module's gradient covers both ranks' rows (the sum of their losses'), a
+            # plain one (the embeddings outside the transformer) its rank's rows.
+            split = name != "lm" or key.startswith("transformer.")
+            got = ranks[0]["grads"][name][key] / 2 if split else None
+            if not split:
+                got = (ranks[0]["grads"][name][key] + ranks[1]["grads"][name][key]) / 2
+            torch.testing.assert_close(got, grad, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
+    assert ranks[0]["errors"] == [
+        "smp.nn.DistributedAttentionLayer: num_attention_heads=3 does not split over "
+        "tensor_parallel_degree=2; allowed: a multiple of 2",
+        "smp.nn.DistributedTransformerOutputLayer: intermediate_size=7 does not split over "
+        "tensor_parallel_degree=2; allowed: a multiple of 2",
+        "smp.nn.DistributedLinear: in_features=5 does not split over tensor_parallel_degree=2; "
+        "allowed: a multiple of 2",
+        "smp.nn.DistributedEmbedding: embedding_dim=9 does not split over "
+        "tensor_parallel_degree=2; allowed: a multiple of 2",
+        "smp.nn.DistributedEmbedding: max_norm=1.0 is not supported by dtrain; allowed: None",
+        "smp.nn.DistributedAttentionLayer: cross_attention=True is not supported by dtrain; "
+        "allowed: False",
+    ]
