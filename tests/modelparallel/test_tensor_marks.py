@@ -82,6 +82,27 @@ def test_modules_created_inside_are_swapped_with_their_weights() -> None:
     torch.testing.assert_close(block(ids), plain(ids))
 
 
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.table.weight
+
+
+def test_a_weight_tied_across_a_swap_fails_naming_both_instead_of_untying() -> None:
+    with smp.tensor_parallelism():
+        model = TiedHead()
+    with pytest.raises(ModelParallelError, match=r"'table.weight' \(distributed as 'table'\) "
+                       r"and 'head.weight' \(distributed as 'head'\) are one tensor"):  # fmt: skip
+        swap.distribute(model)
+    assert type(model.table) is nn.Embedding  # nothing swapped
+    plain = TiedHead()
+    smp.set_tensor_parallelism(plain.head)
+    with pytest.raises(ModelParallelError, match=r"\(kept as it is\) and 'head.weight'"):
+        swap.distribute(plain)
+
+
 def test_set_tensor_parallelism_marks_an_existing_module_and_its_children() -> None:
     block = Block()
     smp.set_tensor_parallelism(block)

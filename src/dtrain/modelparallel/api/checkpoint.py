@@ -59,8 +59,9 @@ def _check_parts(f: str, st: MPState) -> None:
         raise ModelParallelError(
             f"smp.load: found {len(parts)} partial files for {f} ({', '.join(parts) or 'none'}) "
             f"but this job has {st.mp_size} model-parallel ranks (pipeline_parallel_degree "
-            f"{st.pp_size}); partial checkpoints load only with the degree they were saved "
-            "with; save a full one (partial=False) to change it"
+            f"{st.pp_size} x tensor_parallel_degree {st.tp_size}); partial checkpoints load "
+            "only with the degrees they were saved with; save a full one (partial=False) to "
+            "change them"
         )
 
 
@@ -68,7 +69,8 @@ def save(obj: Any, f: str | os.PathLike[str], partial: bool = True) -> None:
     """``torch.save`` for model-parallel scripts (``smp.save``).
 
     ``partial``: each caller writes its own part, ``{f}_{pp_rank}_{tp_rank}.pt`` (call it on
-    ``dp_rank() == 0``); otherwise only rank 0 writes ``f``.
+    ``rdp_rank() == 0``: one caller per model-parallel rank); otherwise only rank 0 writes
+    ``f``.
     """
     st = state.current("smp.save")
     if partial:

@@ -412,6 +412,7 @@ class Executor:
             yield
         finally:
             if not sticky:
+                self._check_plan_shape(task, task.name)
                 self.acquire(task)
 
     def spawn(self, target: Callable[[], None]) -> None:
@@ -518,7 +519,9 @@ class Executor:
     @contextmanager
     def backward(self) -> Iterator[None]:
         """A microbatch task's backward: :meth:`start_backward`, then compute with the token
-        (queued with backward priority)."""
+        (queued with backward priority). The task keeps the token after it, between
+        computations: when the task ends, the leader admits the next microbatch before the
+        token moves on (:meth:`_leader_task`), as the plan has it."""
         task = self.start_backward()
         if task is None:
             yield
@@ -528,7 +531,10 @@ class Executor:
             yield
         finally:
             if task.holding:
-                self.release(task)
+                with self._cv:
+                    self._record(task)
+                    task.recording = False
+                    self.core.between(task)
 
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""

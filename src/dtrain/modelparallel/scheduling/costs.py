@@ -47,7 +47,9 @@ class Costs:
     @classmethod
     def of_stages(cls, times: Sequence[float], split_overhead: float = 0.0) -> Costs:
         """Costs from each stage's forward-and-backward time (a partition plan's), the
-        backward taken as twice the forward; unknown (zero) times count as equal stages."""
+        backward taken as twice the forward. If any time is unknown (zero), every stage counts
+        as equal: a plan made from some real and some made-up times would follow the made-up
+        ones."""
         if not all(is_number(t) and t > 0 for t in times):
             times = [1.0] * len(times)
         return cls.per_stage(
@@ -63,7 +65,9 @@ class Costs:
             return self.forward[stage]
         if kind == "B":
             return self.backward[stage]
-        return self.backward[stage] * (1.0 + self.split_overhead) / 2
+        if kind in ("I", "W"):
+            return self.backward[stage] * (1.0 + self.split_overhead) / 2
+        raise ValueError(f"no compute cost for action kind {kind!r}; allowed: F, B, I, W")
 
 
 def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:

@@ -23,6 +23,7 @@ from dtrain.modelparallel.scheduling.schedule import Schedule, ScheduleError, wi
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 
 SPLIT_OVERHEAD = 0.2
+"""What plans assume a split backward costs beyond the whole (see :class:`~.costs.Costs`)."""
 
 
 def build_schedule(

@@ -9,7 +9,7 @@ Every choice of order a rank makes goes through a :class:`SchedulePolicy`:
 * whether a backward is split into its input half (sent at once) and its weight half, which
   waits for idle time (:meth:`~SchedulePolicy.splits_backward`).
 
-The plans of :mod:`.schedule` are made by running the same object over a model of the pipeline
+The plans of :mod:`.planner` are made by running the same object over a model of the pipeline
 (each rank starts the ready work the policy ranks first), so the plan and the runtime cannot
 follow different rules. The policy is plain data: its rules are tested as tables, without
 threads or processes.

@@ -9,9 +9,11 @@ receives between neighbouring stages. A real run's timeline turns into the same 
 (Chrome trace) by the same code, and schedules can be tested without a model or processes.
 
 The runtime keeps a pipeline's rules (which work exists, its dependencies, ``simple``'s forwards
-before backwards, the in-flight bound, backward priority) but is work-conserving: a rank never
-idles waiting for the plan's next microbatch while another one is ready, so among ready
-microbatches its order can differ from the plan's. Tests check recorded runs with
+before backwards, the in-flight bound, backward priority) and, without a plan order, is
+work-conserving: a rank never idles waiting for the plan's next microbatch while another one is
+ready, so where two pieces of work become ready at the same instant its order can differ from
+the plan's. With a plan order (``deterministic_server``, or tensor parallelism) every rank
+follows its plan row. Tests check recorded runs with
 :func:`~.check.check`.
 
 What each action needs (the chain's dependencies, its messages, which work counts as a
@@ -83,8 +85,6 @@ NO_PEER = {
     "SEND_F": "the last stage has no next stage",
     "RECV_B": "the last stage has no next stage",
 }
-
-
 """Why a message of each kind has nobody at the other end, where it has not."""
 
 
@@ -275,9 +275,6 @@ class Schedule:
             for rank, row in enumerate(cells)
         ]
         return "\n".join([header, *rows])
-
-
-"""What plans assume a split backward costs beyond the whole (see :class:`Costs`)."""
 
 
 def recorded_schedule(

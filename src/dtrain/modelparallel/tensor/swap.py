@@ -59,6 +59,7 @@ def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
 
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    _refuse_untying(root)
     done: dict[int, nn.Module] = {}
 
     def visit(module: nn.Module, path: str) -> nn.Module:
@@ -84,6 +85,43 @@ def distribute(root: nn.Module) -> nn.Module:
         return swapped
 
     return visit(root, "")
+
+
+def _swaps(module: nn.Module) -> bool:
+    """Whether :func:`distribute` replaces ``module`` (its mark, and a distributed class)."""
+    mark = marks.mark_of(module)
+    if mark is None or not mark.enabled:
+        return False
+    kind = type(module)
+    return kind in marks.registered() or _built_in(kind) is not None
+
+
+def _refuse_untying(root: nn.Module) -> None:
+    """A parameter that modules on both sides of a swap share (a head tied to an embedding,
+    one distributed, the other not, or by another distributed module) would become two that
+    train apart: that fails, naming both, before anything is swapped."""
+    first_use: dict[int, tuple[str, int | None, str]] = {}
+
+    def walk(module: nn.Module, path: str, swapped: tuple[int, str] | None) -> None:
+        if swapped is None and _swaps(module):
+            swapped = (id(module), path or "the model")
+        for name, param in module.named_parameters(recurse=False):
+            where = f"{path}.{name}" if path else name
+            by = None if swapped is None else swapped[0]
+            label = "kept as it is" if swapped is None else f"distributed as {swapped[1]!r}"
+            seen = first_use.setdefault(id(param), (where, by, label))
+            if seen[1] != by:
+                raise ModelParallelError(
+                    f"smp.DistributedModel: parameters {seen[0]!r} ({seen[2]}) and {where!r} "
+                    f"({label}) are one tensor; swapping would untie them, and they would train "
+                    "apart. Distribute both within one module, or neither "
+                    "(smp.set_tensor_parallelism(module, enabled=False))"
+                )
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{path}.{name}" if path else name, swapped)
+
+    walk(root, "", None)
 
 
 def _swapped(module: nn.Module) -> nn.Module | None:

@@ -1,0 +1,61 @@
+"""The executor drives the scheduling core as the plan assumes: its threads and lock, without
+processes (tasks sleep instead of computing)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.planner import schedule_of
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+
+
+def test_a_finished_backward_leaves_the_next_microbatch_admitted_before_the_token_moves() -> None:
+    """Interleaved, 2 active: after B0 the next forward (F2) goes before the waiting terminal
+    B1, as the plan has it; before, the backward gave the token to B1 as it ended."""
+    policy = SchedulePolicy("interleaved", 6, 2)
+    executor = Executor(0, policy, 5.0)
+
+    def body(mb: int) -> None:
+        with executor.computing("f"):
+            time.sleep(0.02)
+        with executor.backward(), executor.computing("b"):
+            time.sleep(0.01)
+
+    planned = [str(a) for a in schedule_of(policy, 1, Costs.of_stages([1.0])).compute_actions(0)]
+    for _ in range(2):
+        executor.clear_timeline()
+        assert all(ok for ok, _ in executor.run_microbatches(6, body, 1))
+        ran = [f"{e.kind}{e.microbatch}" for e in executor.timeline()]
+        assert (
+            ran
+            == planned
+            == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "F5", "B4", "B5"]
+        )
+
+
+def test_work_that_waits_inside_a_module_and_loses_its_turn_fails_naming_it() -> None:
+    """With a plan order, a module whose child runs on another partition gives the token away
+    while it waits; once the plan has moved on, its return fails naming it (it hung until the
+    token's timeout before)."""
+    plan = (("F", 0), ("F", 1), ("B", 0), ("B", 1))
+    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), 5.0, plan=plan)
+    executor.core.begin_step()
+    executor.release(executor.main)
+    first, second = Task("leader", 0, "F", step=1), Task("leader", 1, "F", step=1)
+    executor.enqueue(first)
+    executor.enqueue(second)
+    executor._local.task = first
+    executor.await_token(first)
+    with executor._cv:  # as a leader task starts: holding, between computations
+        executor.core.between(first)
+    refused = pytest.raises(ModelParallelError, match=r"module 'parent' would compute")
+    with refused, executor.computing("parent"), executor.waiting():
+        assert second.granted.is_set()  # the plan moved on to F1 meanwhile
+        executor._local.task = second
+        executor.release(second)
+        executor._local.task = first
