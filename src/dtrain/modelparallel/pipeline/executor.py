@@ -299,11 +299,15 @@ class Executor:
             yield
         finally:
             if task.holding:
-                with self._cv:
-                    self._record(task)
-                    task.recording = False
-                    self.core.between(task)
+                self._hold_between(task)
                 self._yield_if_urgent(task)
+
+    def _hold_between(self, task: Task) -> None:
+        """The holder's computation ended (recorded); it keeps the token for its next one."""
+        with self._cv:
+            self._record(task)
+            task.recording = False
+            self.core.between(task)
 
     def _take(self, task: Task, name: str) -> None:
         """Hold the token to compute ``name``: kept from the task's last computation unless a
@@ -531,10 +535,7 @@ class Executor:
             yield
         finally:
             if task.holding:
-                with self._cv:
-                    self._record(task)
-                    task.recording = False
-                    self.core.between(task)
+                self._hold_between(task)
 
     def _wait(self, predicate: Callable[[], bool], what: str) -> None:
         """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""
