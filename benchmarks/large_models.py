@@ -49,7 +49,7 @@ from _lm import TransformerLM  # benchmarks/ is the script's dir
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import heap
-from modelparallel import init_world, spawn, tensor_bytes
+from modelparallel import init_world, leave_world, spawn, tensor_bytes
 
 LM_218M = {"vocab": 8192, "d_model": 1024, "heads": 16, "ff": 4096, "layers": 16, "seq": 128}
 LM_SPEED = {"vocab": 8192, "d_model": 512, "heads": 8, "ff": 2048, "layers": 8, "seq": 128}
@@ -171,18 +171,7 @@ def in_world(
     row = work()
     rows: list[Any] = [None] * args.world
     dist.all_gather_object(rows, row)
-    if rank == 0:
-        results.put(rows)
-        results.close()
-        results.join_thread()  # delivered before this process leaves
-    if smp.is_initialized():
-        smp.shutdown()
-    dist.destroy_process_group()
-    # Leave as dtrain's rank runner does (dtrain.launch.entry): the interpreter's teardown,
-    # where gloo's threads may abort the process (once in a few runs here), never runs.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world(results, rows if rank == 0 else None)
 
 
 def variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:

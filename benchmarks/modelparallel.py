@@ -592,6 +592,23 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 # --- running -----------------------------------------------------------------------------------
 
 
+def leave_world(results: Any, result: Any | None) -> None:
+    """End a worker of :func:`spawn`: deliver ``result`` (rank 0's; ``None`` on the others),
+    close the model-parallel state and the world, and leave as dtrain's rank runner does
+    (:mod:`dtrain.launch.entry`): the interpreter's teardown, where gloo's threads may abort the
+    process (once in a few runs here), never runs."""
+    if result is not None:
+        results.put(result)
+        results.close()
+        results.join_thread()  # delivered before this process leaves
+    if smp.is_initialized():
+        smp.shutdown()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) -> Any:
     """Rank 0's result of ``worker`` on a fresh world; a worker that dies fails it at once."""
     context = mp.get_context("spawn")

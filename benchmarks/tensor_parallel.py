@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import dtrain.modelparallel as smp
-from modelparallel import init_world, spawn  # benchmarks/ is the script's dir
+from modelparallel import init_world, leave_world, spawn  # benchmarks/ is the script's dir
 
 HEAD = 64
 
@@ -143,13 +141,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None
             whole(torch.zeros(1, args.seq, args.hidden)).sum().backward()
             optimizer.step()
             rows.append({"side": "one process", "state_bytes": state_bytes(whole, optimizer)})
-        results.put(rows)
-        results.close()
-        results.join_thread()
-    smp.shutdown()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    leave_world(results, rows if rank == 0 else None)
 
 
 def main() -> None:
