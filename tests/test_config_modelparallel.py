@@ -84,7 +84,6 @@ def test_aws_gpt2_example_names_each_combination_tensor_parallelism_lacks() -> N
         "default_partition": 0,
     }
     for key, value, text in [
-        ("pipeline_parallel_degree", 2, "pipeline x tensor parallelism"),
         ("fp16", True, "half-precision masters"),
         ("shard_optimizer_state", True, "sharded optimizer"),
     ]:

@@ -400,8 +400,6 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
 
 
 TENSOR_PARALLEL_EXCLUSIONS: tuple[tuple[str, Any, str], ...] = (
-    ("pipeline_parallel_degree", 1, "pipeline x tensor parallelism needs the pipeline's "
-     "deterministic order, which dtrain does not have yet"),
     ("fp16", False, "the half-precision masters do not handle DTensor parameters yet"),
     ("bf16", False, "the half-precision masters do not handle DTensor parameters yet"),
     ("shard_optimizer_state", False, "the sharded optimizer does not handle DTensor "

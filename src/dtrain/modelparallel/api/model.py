@@ -32,7 +32,7 @@ from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.api.precision import HalfParameters, LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.pipeline import activations, solo
+from dtrain.modelparallel.pipeline import activations, hooks, solo
 from dtrain.modelparallel.pipeline.group import PipelineGroup
 from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
 from dtrain.modelparallel.pipeline.split_backward import scaled_grads
@@ -116,7 +116,9 @@ class DistributedModel(nn.Module):
         if self._state.tp_size > 1:
             from dtrain.modelparallel.tensor import shards, swap
 
+            placed = placement.manual_placements(module)
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
+            placement.keep_placements(module, placed)
             self.tensor_shards = shards
         state.register_model(self)
         self.module = module
@@ -298,19 +300,24 @@ class DistributedModel(nn.Module):
 
         The others wait for as long as rank 0 works and shows signs of life
         (:mod:`..pipeline.solo`): profiling a large model, on the CPU above all, may take longer
-        than any wait for a peer (``DTRAIN_MP_TIMEOUT``) should.
+        than any wait for a peer (``DTRAIN_MP_TIMEOUT``) should. With tensor parallelism rank
+        0's tp group profiles with it (its modules' collectives need the whole group), each
+        on its own first microbatch, and only rank 0 plans.
         """
         st = self._state
         store, name = default_store(), f"dtrain/mp-plan/{next(_PLANS)}"
         if st.rank == 0:
             try:
                 with solo.working(store, name, st.options.timeout):
-                    plan = self._profile_and_plan(make_body, fixed)
+                    self._traced_step(make_body)
+                    plan = self._plan_from_profile(fixed)
             except BaseException as exc:
                 self._broadcast_objects([("error", error_body(0, exc))])
                 raise
             payload: list[Any] = [("plan", plan.to_dict())]
         else:
+            if st.rank in st.topology.group("tp", 0):
+                self._traced_step(make_body)
             what = "rank 0 to profile the model and plan its partition"
             solo.wait_for(store, name, st.options.timeout, st.rank, what)
             payload = [None]
@@ -319,15 +326,13 @@ class DistributedModel(nn.Module):
             raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
         return PartitionPlan.from_dict(value)
 
-    def _profile_and_plan(
-        self, make_body: Callable[[torch.device], Callable[[int], Any]], fixed: dict[str, int]
-    ) -> PartitionPlan:
-        """Rank 0's part: the profiling step, then the plan.
+    def _traced_step(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
+        """The profiling step: the first microbatch's step body, the model profiled in it.
 
-        The profiling step runs the module and its tensor arguments on the trace device: SMP's
-        scripts leave the model on the CPU and move their batches to the GPU, which would not
-        run together. A model created without memory runs on the meta device instead (see
-        :meth:`forward`): the plan then weighs operation counts, not times.
+        It runs the module and its tensor arguments on the trace device: SMP's scripts leave
+        the model on the CPU and move their batches to the GPU, which would not run together.
+        A model created without memory runs on the meta device instead (see :meth:`forward`):
+        the plan then weighs operation counts, not times.
         """
         st = self._state
         # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
@@ -343,11 +348,17 @@ class DistributedModel(nn.Module):
             snapshot.restore()
             if device.type == "cuda":  # the whole model's blocks, cached for nothing
                 torch.cuda.empty_cache()
+
+    def _plan_from_profile(self, fixed: dict[str, int]) -> PartitionPlan:
+        """Rank 0's plan from its profiling step."""
+        st = self._state
         if self._profile is None:
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
         whole = activations.kept_whole(self.module)
+        if self.tensor_shards is not None:
+            whole |= self.tensor_shards.split_blocks(self.module)
         plan = auto_plan(
             self._profile,
             st.pp_size,
@@ -387,10 +398,15 @@ class DistributedModel(nn.Module):
 
     def _apply_plan(self, plan: PartitionPlan) -> None:
         st = self._state
+        if self.tensor_shards is not None:
+            self.tensor_shards.check_partition(self.module, plan.owner)
         modules = dict(self.module.named_modules())
         self._plan = plan
         owners = {name: plan.owner(name) for name in modules}
         self._local_modules = {id(m) for name, m in modules.items() if owners[name] == st.pp_rank}
+        for name, module in modules.items():
+            if owners[name] != st.pp_rank:
+                hooks.drop_local_hooks(module)
         mine = [t for _, t, _ in self._state_tensors(local_only=True, persistent_only=False)]
         local = {id(t) for t in mine}
         with torch.no_grad():
@@ -596,10 +612,8 @@ class DistributedModel(nn.Module):
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
         if self.sharding is not None:
             return self.sharding.full_state_dict()
-        if self.tensor_shards is not None:  # every rank of the tp group gathers (pp is 1)
-            return {name: t.cpu() for name, t in self._tensor_values(whole=True)}
-        local = self.local_state_dict(cast_to_cpu=True)
-        local.pop(PARTIAL_KEY)
+        # Every rank of a tp group gathers its whole tensors, then the pipeline its partitions.
+        local = {name: t.cpu() for name, t in self._tensor_values(whole=True)}
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local

@@ -15,6 +15,11 @@ accordingly). Activations in the region are the same on every rank of the group,
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
 first rank from its own generator (so activation checkpointing, which restores the generator
 for the recomputation, draws the same seed again).
+
+With pipelines the region may call a module another partition owns: the request carries the
+region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
+batch they are and gives its outputs back whole; it draws its own group seed (that partition's
+tp group runs the same requests in the same order).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.pipeline import modes
 
 T = TypeVar("T", torch.Tensor, None)
 
@@ -70,13 +76,13 @@ def scaled_batch(what: str) -> Iterator[ScaledBatch]:
         finally:
             _inside.depth -= 1
         return
-    mesh = None if st.config["prescaled_batch"] else st.tensor_mesh
+    gathered = st.config["prescaled_batch"] or modes.in_tensor_region()
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), modes.tensor_region():
             torch.manual_seed(_group_seed(st))
-            yield ScaledBatch(mesh)
+            yield ScaledBatch(None if gathered else st.tensor_mesh)
     finally:
         _inside.depth = 0
 

@@ -10,7 +10,7 @@ does), the shard of a whole value (loading), and which parameters saw the group'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,10 +20,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import hooks
 
 SCALED_BATCH = "_dtrain_scaled_batch"
 """The attribute marking a parameter of a distributed module (set on the parameter itself: a
 set of tensors would compare them by value)."""
+
+SPLIT_BLOCK = "_dtrain_split_block"
+"""The attribute marking a module whose layers ``parallelize`` split: torch's styles convert
+its layers' inputs and outputs to and from DTensors in hooks around each layer, so the block
+runs whole on one pipeline partition."""
 
 
 def parallelize(
@@ -33,9 +40,36 @@ def parallelize(
     parameter of ``module`` as one that sees the group's combined batch."""
     mesh = state.current(what).tensor_mesh
     if mesh is not None:
+        before = {id(m): {*m._forward_pre_hooks, *m._forward_hooks} for m in module.modules()}
         parallelize_module(module, mesh, plan)
+        for layer in module.modules():  # the styles' hooks convert where the layer computes
+            added = {*layer._forward_pre_hooks, *layer._forward_hooks} - before[id(layer)]
+            hooks.run_where_computed(layer, added)
+    setattr(module, SPLIT_BLOCK, True)
     for param in module.parameters():
         setattr(param, SCALED_BATCH, True)
+
+
+def split_blocks(root: nn.Module) -> set[str]:
+    """Names of ``root``'s modules split by :func:`parallelize`: each stays on one pipeline
+    partition (the automatic planner keeps them whole)."""
+    return {name for name, module in root.named_modules() if getattr(module, SPLIT_BLOCK, False)}
+
+
+def check_partition(root: nn.Module, owner: Callable[[str], int]) -> None:
+    """Every split block of ``root`` and its submodules on one partition (``owner`` maps a
+    module name to its partition); otherwise the first one cut, named with both partitions."""
+    modules = dict(root.named_modules())
+    for block in sorted(split_blocks(root)):
+        for name, module in modules[block].named_modules(prefix=block):
+            if owner(name) != owner(block):
+                raise ModelParallelError(
+                    f"smp.DistributedModel: module {block!r} "
+                    f"({type(modules[block]).__name__}) is split over the tensor-parallel group "
+                    f"and runs whole on one pipeline partition, but its submodule {name!r} "
+                    f"({type(module).__name__}) is placed on partition {owner(name)} and it on "
+                    f"{owner(block)}; allowed: the same partition"
+                )
 
 
 def is_scaled_batch(tensor: torch.Tensor) -> bool:
