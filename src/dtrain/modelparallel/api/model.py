@@ -60,6 +60,29 @@ if TYPE_CHECKING:
 
 PARTIAL_KEY = "_smp_is_partial"
 
+DEGREES_KEY = "_dtrain_degrees"
+"""The pipeline and tensor-parallel degrees a partial state dict was saved at: its tensors are
+one partition's (and one tp rank's shards), which load only at the same degrees."""
+
+
+def degrees(st: state.MPState) -> dict[str, int]:
+    """The degrees that lay a model's tensors out over the ranks, as a partial state names them."""
+    return {"pipeline_parallel_degree": st.pp_size, "tensor_parallel_degree": st.tp_size}
+
+
+def check_degrees(saved: dict[str, int], st: state.MPState, what: str) -> None:
+    """A partial state saved at ``saved`` degrees loads only at the same ones."""
+    here = degrees(st)
+    if saved != here:
+        shown = " x ".join(f"{name} {value}" for name, value in saved.items())
+        raise ModelParallelError(
+            f"{what}: the partial state was saved at {shown}, this job runs at "
+            f"{' x '.join(f'{name} {value}' for name, value in here.items())}; allowed: the "
+            "same degrees (a partial state holds one partition's tensors, split over its tp "
+            "group); save a full one (partial=False) to load it at other degrees"
+        )
+
+
 _PLANS = itertools.count()
 """Names the store keys of each automatic plan: every rank partitions its models in one order."""
 
@@ -593,13 +616,13 @@ class DistributedModel(nn.Module):
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
         """This rank's parameters (its shards of them, when sharded) and persistent buffers, by
         their names in the full model."""
+        marks = {PARTIAL_KEY: True, DEGREES_KEY: degrees(self._state)}
         if self.sharding is not None:
-            return {**self.sharding.local_state_dict(cast_to_cpu), PARTIAL_KEY: True}
+            return {**self.sharding.local_state_dict(cast_to_cpu), **marks}
         result: dict[str, Any] = {
             name: (t.cpu() if cast_to_cpu else t) for name, t in self._tensor_values(whole=False)
         }
-        result[PARTIAL_KEY] = True
-        return result
+        return {**result, **marks}
 
     def state_dict(  # type: ignore[override]
         self,
@@ -641,7 +664,9 @@ class DistributedModel(nn.Module):
         """Load a full or a partial (``local_state_dict``) state; before the first step a
         partial one is kept and applied once this rank knows its share."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
-        values = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        if partial and DEGREES_KEY in state_dict:
+            check_degrees(state_dict[DEGREES_KEY], self._state, "load_state_dict")
+        values = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, DEGREES_KEY)}
         if self.sharding is not None:
             self.sharding.load(values, partial, strict)
             return None
