@@ -15,7 +15,13 @@ import torch
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks, single_process
-from tests.modelparallel.test_tensor_equivalence import _batch, _lm, _lm_loss, _optimizer
+from tests.modelparallel.test_tensor_equivalence import (
+    _batch,
+    _lm,
+    _lm_loss,
+    _optimizer,
+    step_of,
+)
 
 PP1 = "pipeline_parallel_degree 1"
 
@@ -34,13 +40,7 @@ def _trained_and_saved(root: str, tag: str) -> tuple[Any, dict[str, torch.Tensor
     """An LM model after one step on this rank's rows, saved whole and partially under ``tag``."""
     model = smp.DistributedModel(_lm())
     optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        loss = _lm_loss(model, ids, mask)
-        model.backward(loss)
-        return loss
-
+    train_step = step_of(_lm_loss)
     ids, mask = _batch(smp.tp_size())
     rows = len(ids) // smp.dp_size()
     mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)

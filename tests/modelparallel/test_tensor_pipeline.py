@@ -1,10 +1,10 @@
-"""Pipelines x tensor parallelism: pp=2 x tp=2 (world 4, two microbatches) trains a plain model
-marked with smp.set_tensor_parallelism to the one-process losses and parameters, under the
-default placement (tp peers are neighbours; automatic partition: rank 0's tp group profiles
-together) and under ``spread`` (tp peers are ranks 0 and 2; manual placement, kept by the
-swapped modules). Without processes: a split block cut by the partition fails naming it, the
-scaled-batch mark travels with a request's compute mode, and the tp styles' hooks are neither
-replayed nor run where their module does not compute."""
+"""Pipelines x tensor parallelism: pp=2 x tp=2 (world 4, two microbatches) trains like one
+process (losses and parameters): a chain of smp.nn transformer layers under the default
+placement (tp peers are neighbours; automatic partition: rank 0's tp group profiles together),
+a plain model marked with smp.set_tensor_parallelism under ``spread`` (tp peers are ranks 0
+and 2; manual placement, kept by the swapped modules). Without processes: a split block cut
+by the partition fails naming it, the scaled-batch mark travels with a request's compute mode,
+and the tp styles' hooks are neither replayed nor run where their module does not compute."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,41 +24,68 @@ from dtrain.modelparallel.tensor import shards
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_tensor_equivalence import (
     GLOBAL_BATCH,
+    LM,
     STEPS,
     _batch,
     _mlp,
     _mlp_loss,
-    _one_process,
     _optimizer,
+    one_process,
+    step_of,
 )
 
 
-def _on_ranks(placement: str, auto: bool) -> dict[str, Any]:
-    smp.init(
-        {
-            "pipeline_parallel_degree": 2,
-            "tensor_parallel_degree": 2,
-            "ddp": True,
-            "microbatches": 2,
-            "placement_strategy": placement,
-            "auto_partition": auto,
-            "default_partition": 0,
-        }
-    )
-    module = _mlp()
-    smp.set_tensor_parallelism(module)
-    if not auto:
-        smp.set_partition(module[3], 1)  # a Linear, swapped when wrapped: keeps its partition
-        smp.set_partition(module[4], 1)
+class _Embedded(nn.Module):
+    """Token ids to the ``(hidden states, mask)`` pair a transformer layer takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.table = nn.Embedding(LM["vocab_size"], LM["hidden_size"])
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.table(ids), None
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.score = nn.Linear(LM["hidden_size"], 1)
+
+    def forward(self, pair: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        return self.score(pair[0]).squeeze(-1)
+
+
+def _layers() -> nn.Module:
+    """smp.nn transformer layers on either stage, in a chain (each its own scaled batch)."""
+    sizes = {k: v for k, v in LM.items() if k not in ("num_layers", "vocab_size", "num_positions")}
+    layers = [smp.nn.DistributedTransformerLayer(**sizes) for _ in range(2)]
+    return nn.Sequential(_Embedded(), *layers, _Head())
+
+
+def _layers_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(ids), mask)
+
+
+CASES = {
+    "mlp": (_mlp, _mlp_loss, (3, 4)),
+    "layers": (_layers, _layers_loss, (2, 3)),
+}
+"""Each model, its loss and the children a manual placement puts on partition 1."""
+
+
+def _train(case: str, auto: bool) -> dict[str, Any]:
+    build, loss_fn, second = CASES[case]
+    module = build()
+    if case == "mlp":
+        smp.set_tensor_parallelism(module)
+    if not auto:  # the MLP's Linear is swapped when wrapped: it keeps its partition
+        for index in second:
+            smp.set_partition(module[index], 1)
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        loss = _mlp_loss(model, ids, mask)
-        model.backward(loss)
-        return loss
-
+    train_step = step_of(loss_fn)
     rows = GLOBAL_BATCH // smp.dp_size()
     mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
     losses = []
@@ -71,29 +99,46 @@ def _on_ranks(placement: str, auto: bool) -> dict[str, Any]:
         "losses": losses,
         "params": model.state_dict(),
         "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
-        "owners": [plan.owner(str(i)) for i in range(5)],
-        "groups": (smp.get_tp_group(), smp.get_pp_group()),
+        "owners": [plan.owner(str(i)) for i in range(len(module))],
     }
 
 
-@pytest.mark.parametrize(("placement", "auto"), [("cluster", True), ("spread", False)])
+def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "tensor_parallel_degree": 2,
+            "ddp": True,
+            "microbatches": 2,
+            "placement_strategy": placement,
+            "auto_partition": auto,
+            "default_partition": 0,
+        }
+    )
+    return {"groups": (smp.get_tp_group(), smp.get_pp_group()), **_train(case, auto)}
+
+
+@pytest.mark.parametrize(
+    ("case", "placement", "auto"), [("mlp", "cluster", True), ("layers", "spread", False)]
+)
 def test_pipeline_by_tensor_parallel_training_equals_one_process(
-    placement: str, auto: bool
+    case: str, placement: str, auto: bool
 ) -> None:
-    ranks = run_ranks(4, _on_ranks, placement, auto, timeout=180)
-    losses, params, _ = _one_process("mlp")
+    ranks = run_ranks(4, _on_ranks, case, placement, auto, timeout=180)
+    build, loss_fn, second = CASES[case]
+    losses, params, _ = one_process(build, loss_fn)
     peers = {"cluster": ([0, 1], [0, 2]), "spread": ([0, 2], [0, 1])}[placement]
     assert ranks[0]["groups"] == peers
-    tp_groups = [[0, 1], [2, 3]] if placement == "cluster" else [[0, 2], [1, 3]]
-    for group in tp_groups:  # a tp group's ranks are one stage: its loss is their rows' mean
+    for group in ([0, 1], [2, 3]) if placement == "cluster" else ([0, 2], [1, 3]):
+        # a tp group is one stage of two pipelines: their loss is the mean of its rows'
         mean = [sum(ranks[r]["losses"][step] for r in group) / 2 for step in range(STEPS)]
         assert mean == pytest.approx(losses, rel=1e-5)
     for rank in ranks:
         assert rank["owners"] == ranks[0]["owners"]
-        assert rank["owners"][0] == 0 and rank["owners"][4] == 1
+        assert rank["owners"][0] == 0 and rank["owners"][-1] == 1
         if not auto:
-            assert rank["owners"] == [0, 0, 0, 1, 1]
-        assert rank["split"] > 0  # every stage holds shards of a distributed module
+            assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
+        assert rank["split"] > 0  # every stage holds shards
         assert rank["params"].keys() == params.keys()
         for key, value in params.items():
             torch.testing.assert_close(rank["params"][key], value, rtol=1e-4, atol=1e-6)
