@@ -158,7 +158,7 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         int,
         1,
         "Tensor-parallel degree: smp.nn modules and modules marked for tensor parallelism are "
-        "split over this many neighbouring ranks (DTensor); not yet with pipelines, fp16/bf16, "
+        "split over this many neighbouring ranks (DTensor); not yet with fp16/bf16, "
         "shard_optimizer_state or delayed parameter initialization.",
         minimum=1,
         requires=(("ddp", True),),
