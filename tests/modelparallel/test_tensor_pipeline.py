@@ -65,7 +65,7 @@ def _layers() -> nn.Module:
 
 
 def _layers_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(ids), mask)
+    return 0.1 * F.mse_loss(model(ids), mask)  # small steps: the losses fall, as in training
 
 
 CASES = {
