@@ -63,14 +63,14 @@ def drop_local_hooks(module: nn.Module) -> None:
     """Remove the hooks :func:`run_where_computed` marked from ``module``, on a rank where it
     does not compute (called there, it only sends its arguments to its owner)."""
     for key in getattr(module, LOCAL_HOOKS, frozenset()):
-        for hooks in (
+        for table in (
             module._forward_pre_hooks,
             module._forward_pre_hooks_with_kwargs,
             module._forward_hooks,
             module._forward_hooks_with_kwargs,
             module._forward_hooks_always_called,
         ):
-            hooks.pop(key, None)
+            table.pop(key, None)
     setattr(module, LOCAL_HOOKS, frozenset())
 
 
