@@ -324,11 +324,17 @@ class ComputeToken:
             self.acquire(task)  # a token just granted is not sticky
 
     def _check_plan_shape(self, task: Task, name: str) -> None:
-        """Work that a plan order cannot order (:meth:`.Scheduler.off_plan`) fails naming the
-        module."""
+        """Work that comes back after it waited is its next visit's, if the plan has one
+        (:meth:`.Scheduler.returns`); work that a plan order cannot order
+        (:meth:`.Scheduler.off_plan`) fails naming the module."""
         if self.core.plan is None:
             return
-        where = self.ask(lambda core: core.off_plan(task))
+
+        def placed(core: Scheduler) -> str | None:
+            core.returns(task)
+            return core.off_plan(task)
+
+        where = self.ask(placed)
         if where is None:
             return
         raise ModelParallelError(
