@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from dtrain.modelparallel.tensor.module import (
@@ -80,7 +82,7 @@ class DistributedAttentionLayer(DistributedModule):
 
     def forward(self, inp: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             hidden = self.attend(batch.gather(hidden_states), batch.gather(attention_mask))
             return batch.scatter(hidden)
 
@@ -103,13 +105,33 @@ class DistributedAttentionLayer(DistributedModule):
             bias = causal_bias if bias is None else bias + causal_bias
         if bias is not None:
             bias = bias.to(hidden.dtype)
-        context = F.scaled_dot_product_attention(
-            heads(self.query),
-            heads(self.key),
-            heads(self.value),
-            attn_mask=bias,
-            dropout_p=self.attention_dropout_prob if self.training else 0.0,
-        )
+        query, key, value = heads(self.query), heads(self.key), heads(self.value)
+        if self.training and self.attention_dropout_prob > 0:
+            context = self._dropped_out(query, key, value, bias)
+        else:
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
         context = context.transpose(1, 2).reshape(batch, length, -1)
         out = self.dropout2(self.dense(context)) + residual
         return out if self.layernorm is None else self.layernorm(out)
+
+    def _dropped_out(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention with dropout on its probabilities, each head's mask drawn by a generator of
+        its own, seeded from the region's generator and the head's number in the whole layer:
+        a rank draws the masks one process draws for the same heads (SDPA's dropout draws one
+        mask for this rank's heads, alike on every rank of the group)."""
+        scores = query @ key.transpose(-2, -1) / math.sqrt(query.shape[-1])
+        probs = (scores if bias is None else scores + bias).softmax(dim=-1)
+        base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
+        local = probs.shape[1]
+        first = state.current(self.what).tp_rank * local
+        keep = torch.empty_like(probs)
+        for head in range(local):
+            generator = torch.Generator(device=probs.device).manual_seed(base + first + head)
+            keep[:, head].bernoulli_(1 - self.attention_dropout_prob, generator=generator)
+        return (probs * keep / (1 - self.attention_dropout_prob)) @ value

@@ -79,7 +79,7 @@ class DistributedTransformerLayer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             mask = batch.gather(attention_mask)
             hidden = self.attention((batch.gather(hidden_states), mask))
             return batch.scatter(self.output(hidden)), attention_mask
@@ -115,7 +115,7 @@ class DistributedTransformer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             hidden, _ = self.seq_layers((batch.gather(hidden_states), batch.gather(attention_mask)))
             return batch.scatter(hidden), attention_mask
 
@@ -199,7 +199,12 @@ class DistributedTransformerLMHead(DistributedModule):
         if attention_mask is not None:
             flat = attention_mask.view(input_ids.shape[0], -1).to(hidden.dtype)
             mask = (1.0 - flat[:, None, None, :]) * -10000.0
-        hidden, _ = self.transformer((self.dropout(hidden), mask))
+        with scaled_batch(self.what, hidden) as batch:
+            # The embeddings' dropout draws its mask on the group's combined batch, under the
+            # group's seed: the transformer takes its input as the same on every rank.
+            combined = self.dropout(batch.gather(hidden))
+            out, _ = self.transformer((combined, batch.gather(mask)))
+            hidden = batch.scatter(out)
         if self.lm_head is None:
             return hidden
         logits = self.lm_head(hidden)
