@@ -157,6 +157,34 @@ def set_activation_checkpointing(
             _unclaimed.add(module)
 
 
+def carry_over(original: nn.Module, replacement: nn.Module) -> None:
+    """Tensor parallelism swaps ``original`` for ``replacement``: its checkpointing mark moves
+    along. A mark on a module inside ``original`` has no counterpart: that fails, naming it."""
+    with _lock:
+        inner = [name for name, m in original.named_modules() if name and m in _marks]
+        if inner:
+            raise ModelParallelError(
+                f"smp.set_activation_checkpointing marked its submodule {inner[0]!r}, which the "
+                f"swap replaces with {type(replacement).__name__}; mark the distributed module's "
+                "layers after smp.DistributedModel (model.module...) instead"
+            )
+        spec = _marks.pop(original, None)
+        if spec is None:
+            return
+        if not isinstance(replacement, nn.Sequential) and spec != CheckpointSpec(
+            spec.preserve_rng_state
+        ):
+            raise ModelParallelError(
+                f"smp.set_activation_checkpointing: strategy={spec.strategy!r} and "
+                f"pack_args_as_tuple={spec.pack_args_as_tuple} were given for an nn.Sequential "
+                f"that the swap replaces with {type(replacement).__name__}; allowed: the defaults"
+            )
+        _marks[replacement] = spec
+        if original in _unclaimed:
+            _unclaimed.discard(original)
+            _unclaimed.add(replacement)
+
+
 # --- at the first step: what each rank wraps -------------------------------------------------
 
 

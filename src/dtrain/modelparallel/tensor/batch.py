@@ -23,10 +23,11 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -75,7 +76,7 @@ def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
         finally:
             _inside.depth = depth
         return
-    seed = agree(what, leading)
+    seed = agree(what, leading, int(torch.randint(2**62, (1,), dtype=torch.int64).item()))
     mesh = None if st.tp_size == 1 or st.config["prescaled_batch"] else st.tensor_mesh
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
@@ -111,13 +112,12 @@ MAX_DIMS = 4
 features; further ones are compared through the gather itself)."""
 
 
-def agree(what: str, leading: torch.Tensor) -> int:
-    """The region's seed, drawn by the tp group's first rank from its own generator (at tp 1:
-    this rank's), after checking that every rank of the group brings ``leading`` of one shape:
-    one small all-gather per outermost forward carries both, so batches of different sizes fail
-    here, naming them, instead of in the gather."""
+def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
+    """The tp group's first rank's ``seed`` (the region's, drawn by each rank from its own
+    generator), after checking that every rank of the group brings ``leading`` of one shape:
+    one small all-gather carries both, so batches of different sizes fail here, naming them,
+    instead of aborting the gather."""
     st = state.current(what)
-    seed = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
     if st.tp_size == 1:
         return seed
     shape = list(leading.shape[:MAX_DIMS])
@@ -134,3 +134,9 @@ def agree(what: str, leading: torch.Tensor) -> int:
             f"a tp group must bring {share} (shard the data evenly, drop the last uneven batch)"
         )
     return int(rows[0][0].item())
+
+
+def check_batch(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of ``DistributedLinear`` and ``DistributedEmbedding``, whose exchange
+    of the ranks' rows needs equal shapes: different ones fail naming them."""
+    agree(f"smp.nn.{type(module).__name__}", args[0])
