@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -36,7 +35,10 @@ class DistributedAttentionLayer(DistributedModule):
     ``forward((hidden_states, attention_mask))``: hidden states ``[N, S, hidden_size]`` and an
     additive mask broadcastable to ``[N, 1, S, S]`` (SMP's ``[N, 1, 1, S]``, 0 where attended);
     returns the layer's output, ``[N, S, hidden_size]``. With ``causal_mask_size`` each
-    position attends only to itself and earlier ones. Cross attention is not implemented.
+    position attends only to itself and earlier ones. Scores are scaled by
+    ``1/sqrt(attention_head_size)`` (not with ``scale_attention_scores=False``) and with
+    ``scale_attn_by_layer_idx`` by ``1/(layer_idx + 1)``, as SMP's ``FlashAttentionLayer`` and
+    HF's GPT-2 do. Cross attention is not implemented.
     """
 
     def __init__(
@@ -53,6 +55,9 @@ class DistributedAttentionLayer(DistributedModule):
         causal_mask_size: int | None = None,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
+        scale_attention_scores: bool = True,
+        scale_attn_by_layer_idx: bool = False,
+        layer_idx: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -66,6 +71,14 @@ class DistributedAttentionLayer(DistributedModule):
         self.attention_head_size = attention_head_size
         self.causal_mask_size = causal_mask_size
         self.attention_dropout_prob = attention_dropout_prob
+        self.scale = attention_head_size**-0.5 if scale_attention_scores else 1.0
+        if scale_attn_by_layer_idx:
+            if layer_idx is None:
+                raise ValueError(
+                    f"{self.what}: scale_attn_by_layer_idx=True needs layer_idx; allowed: the "
+                    "layer's number, counted from 0"
+                )
+            self.scale /= layer_idx + 1
         size = num_attention_heads * attention_head_size
         with seeded(self.what):
             self.query = nn.Linear(hidden_size, size)
@@ -109,7 +122,9 @@ class DistributedAttentionLayer(DistributedModule):
         if self.training and self.attention_dropout_prob > 0:
             context = self._dropped_out(query, key, value, bias)
         else:
-            context = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=bias, scale=self.scale
+            )
         context = context.transpose(1, 2).reshape(batch, length, -1)
         out = self.dropout2(self.dense(context)) + residual
         return out if self.layernorm is None else self.layernorm(out)
@@ -125,7 +140,7 @@ class DistributedAttentionLayer(DistributedModule):
         its own, seeded from the region's generator and the head's number in the whole layer:
         a rank draws the masks one process draws for the same heads (SDPA's dropout draws one
         mask for this rank's heads, alike on every rank of the group)."""
-        scores = query @ key.transpose(-2, -1) / math.sqrt(query.shape[-1])
+        scores = query @ key.transpose(-2, -1) * self.scale
         probs = (scores if bias is None else scores + bias).softmax(dim=-1)
         base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
         local = probs.shape[1]
