@@ -16,23 +16,12 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
 from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.test_tensor_equivalence import LM as EQUIVALENCE_LM
 
 STEPS = 2
 GLOBAL_BATCH = 8
 SEED = 3
-LM = {
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "attention_head_size": 4,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "vocab_size": 32,
-    "num_positions": 8,
-    "attention_dropout_prob": 0.3,
-    "hidden_dropout_prob": 0.2,
-    "causal_mask_size": 8,
-    "pre_layernorm": True,
-}
+LM = {**EQUIVALENCE_LM, "attention_dropout_prob": 0.3, "hidden_dropout_prob": 0.2}
 
 
 def _batch(step: int) -> torch.Tensor:
