@@ -157,6 +157,7 @@ class Gated(Scale):
         self.gate = nn.Linear(n, n)
 
 
+@pytest.mark.filterwarnings("ignore:.*DistScale replacing Gated has other parameter names")
 def test_a_checkpointing_mark_moves_to_the_distributed_module() -> None:
     block = Block()
     smp.set_tensor_parallelism(block)
