@@ -40,6 +40,10 @@ def _plain() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _distributed() -> dict[str, Any]:
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    return _train()
+
+
+def _train() -> dict[str, Any]:
     with smp.tensor_parallelism():
         module = hf_cases.build("gpt2")
     model = smp.DistributedModel(module)
@@ -112,3 +116,15 @@ def test_gpt2_config_options_are_honoured_or_refused() -> None:
     assert "reorder_and_upcast_attn=True is not supported by dtrain; allowed: False" in str(
         refused.value
     )
+
+
+def test_gpt2_inside_tensor_parallelism_is_swapped_at_degree_one_too() -> None:
+    """As SMP does: AWS's GPT-2 script reads ``transformer.seq_layers`` at any tp degree."""
+    with single_process({"ddp": True}):
+        result = _train()
+    losses, params = _plain()
+    assert result["kind"] == "DistributedTransformerLMHead"
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    back = translate_state_dict_to_hf_gpt2(result["state"])
+    for key, value in params.items():
+        torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)
