@@ -13,8 +13,11 @@ gradient, the scatter's an all-gather of every rank's output gradient. A paramet
 therefore accumulates the gradient of the whole group's batch (:mod:`.shards` averages it
 accordingly). Activations in the region are the same on every rank of the group, so dropout
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
-first rank from its own generator (so activation checkpointing, which restores the generator
-for the recomputation, draws the same seed again).
+first rank from its own generator (at tp 1 by the process, so one process draws the masks the
+group does), and sent with the shape of every rank's input, which must agree (one small
+all-gather per outermost forward). A layer checkpointed inside the region is recomputed in it
+too: the region's depth is restored around the recomputation, and the checkpoint restores the
+generator, so the recomputation draws the same masks.
 """
 
 from __future__ import annotations
