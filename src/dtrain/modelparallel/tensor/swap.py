@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.linear import DistributedLinear
@@ -67,6 +68,8 @@ def distribute(root: nn.Module) -> nn.Module:
             return done[id(module)]
         try:
             swapped = _swapped(module)
+            if swapped is not None:
+                activations.carry_over(module, swapped)
         except ModelParallelError as exc:
             where = f"module {path!r}" if path else "the model"
             raise ModelParallelError(
