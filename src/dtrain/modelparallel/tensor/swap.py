@@ -22,6 +22,7 @@ from torch import nn
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
+from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
 
 
@@ -55,6 +56,14 @@ def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
         return None
     translation = importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}")
     return translation.REGISTRATION, translation.args_of
+
+
+def _family(kind: type[nn.Module]) -> inplace.Family | None:
+    """The family of an HF model class split in place (:mod:`.huggingface.inplace`), or None."""
+    name = inplace.family_of(kind)
+    if name is None:
+        return None
+    return importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}").FAMILY
 
 
 def distribute(root: nn.Module) -> nn.Module:
@@ -93,7 +102,7 @@ def _swaps(module: nn.Module) -> bool:
     if mark is None or not mark.enabled:
         return False
     kind = type(module)
-    return kind in marks.registered() or _built_in(kind) is not None
+    return kind in marks.registered() or _built_in(kind) is not None or _family(kind) is not None
 
 
 def _refuse_untying(root: nn.Module) -> None:
@@ -132,6 +141,9 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     kind = type(module)
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
+    family = _family(kind) if registration is None else None
+    if family is not None:  # its own modules split in place
+        return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
         registration, read_args = built_in
