@@ -6,11 +6,12 @@ of ``state_dict()``, which loads into the plain model unchanged. Tiny configs (2
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -24,103 +25,82 @@ pytest.importorskip("transformers")
 
 STEPS = 2
 SIZES = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}
-CAUSAL = {"vocab_size": hf_cases.VOCAB, "max_position_embeddings": hf_cases.SEQ, **SIZES}
+LAYERS = {"vocab_size": hf_cases.VOCAB, "num_hidden_layers": 2, **SIZES}
+GPT = {"n_positions": hf_cases.SEQ, "n_embd": 32, "n_layer": 2, "n_head": 4}
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+ENCODER = {**LAYERS, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
-def _llama(kv_heads: int = 2) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass(frozen=True)
+class Model:
+    kind: str
+    """``transformers``' prefix: ``<kind>Config`` and ``<kind>For<head>``."""
+    head: str
+    config: dict[str, Any]
+    batches: str
+    """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
+    inside: bool = True
+    """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
 
-    config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=kv_heads, **CAUSAL)
-    return LlamaForCausalLM._from_config(config, attn_implementation="eager")
+    def build(self, **changes: Any) -> nn.Module:
+        import transformers
 
-
-def _gptneox() -> nn.Module:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    config = GPTNeoXConfig(num_hidden_layers=2, hidden_dropout=0.0, **CAUSAL)
-    return GPTNeoXForCausalLM._from_config(config, attn_implementation="eager")
-
-
-def _gptj() -> nn.Module:
-    from transformers import GPTJConfig, GPTJForCausalLM
-
-    config = GPTJConfig(
-        vocab_size=hf_cases.VOCAB,
-        n_positions=hf_cases.SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        rotary_dim=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPTJForCausalLM._from_config(config, attn_implementation="eager")
+        config = getattr(transformers, f"{self.kind}Config")(**{**self.config, **changes})
+        model = getattr(transformers, f"{self.kind}For{self.head}")
+        return seeded(0, lambda: model._from_config(config, attn_implementation="eager"))
 
 
-def _gptneo() -> nn.Module:
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
-    config = GPTNeoConfig(
-        vocab_size=hf_cases.VOCAB,
-        max_position_embeddings=hf_cases.SEQ,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        attention_types=[[["global", "local"], 1]],
-        window_size=4,
-        resid_dropout=0.0,
-        embed_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    return GPTNeoForCausalLM._from_config(config, attn_implementation="eager")
-
-
-def _bert() -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        num_hidden_layers=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **CAUSAL,
-    )
-    return BertForMaskedLM._from_config(config, attn_implementation="eager")
-
-
-def _roberta() -> nn.Module:
-    from transformers import RobertaConfig, RobertaForMaskedLM
-
+MODELS = {
+    "gptneox": Model(
+        "GPTNeoX",
+        "CausalLM",
+        {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "hidden_dropout": 0.0},
+        "gpt2",
+    ),
+    "llama": Model(
+        "Llama",
+        "CausalLM",
+        {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2},
+        "gpt2",
+    ),
+    "gptj": Model("GPTJ", "CausalLM", {**GPT, **NO_DROPOUT, "rotary_dim": 4}, "gpt2"),
+    "bert": Model("Bert", "MaskedLM", {**ENCODER, "max_position_embeddings": hf_cases.SEQ}, "bert"),
     # Token 1 pads: RoBERTa's positions skip it, so the batches' ids exercise that rule.
-    config = RobertaConfig(
-        num_hidden_layers=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **{**CAUSAL, "max_position_embeddings": hf_cases.SEQ + 2},
-    )
-    return RobertaForMaskedLM._from_config(config, attn_implementation="eager")
-
-
-MODELS: dict[str, tuple[Callable[[], nn.Module], str, bool]] = {
-    "gptneox": (_gptneox, "gpt2", True),
-    "llama": (_llama, "gpt2", True),
-    "gptj": (_gptj, "gpt2", True),
-    "bert": (_bert, "bert", True),
-    "roberta": (_roberta, "bert", False),
-    "gptneo": (_gptneo, "gpt2", False),
+    "roberta": Model(
+        "Roberta",
+        "MaskedLM",
+        {**ENCODER, "max_position_embeddings": hf_cases.SEQ + 2},
+        "bert",
+        inside=False,
+    ),
+    "gptneo": Model(
+        "GPTNeo",
+        "CausalLM",
+        {
+            "max_position_embeddings": hf_cases.SEQ,
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 4,
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": 4,
+            "resid_dropout": 0.0,
+            "embed_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "vocab_size": hf_cases.VOCAB,
+        },
+        "gpt2",
+        inside=False,
+    ),
 }
-"""name → (builder, hf_cases batches, made inside ``smp.tensor_parallelism()`` rather than
-marked with ``smp.set_tensor_parallelism``)."""
 
 
 def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    build, batches, _ = MODELS[name]
-    model = seeded(0, build)
+    model = MODELS[name].build()
     optimizer = torch.optim.SGD(model.parameters(), lr=hf_cases.LR)
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = model(**hf_cases.CASES[batches].batch(step)).loss
+        loss = model(**hf_cases.CASES[MODELS[name].batches].batch(step)).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -128,47 +108,42 @@ def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _train(name: str) -> dict[str, Any]:
-    build, batches, inside = MODELS[name]
-    if inside:
+    spec = MODELS[name]
+    if spec.inside:
         with smp.tensor_parallelism():
-            module = seeded(0, build)
+            module = spec.build()
     else:
-        module = seeded(0, build)
+        module = spec.build()
         smp.set_tensor_parallelism(module)
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=hf_cases.LR))
-
-    @smp.step
-    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = model(**batch).loss
-        model.backward(loss)
-        return loss
-
-    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        batch = {k: v[mine] for k, v in hf_cases.CASES[batches].batch(step).items()}
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, batch).reduce_mean()))
-        optimizer.step()
+    losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
     return {"losses": losses, "state": model.state_dict(), "split": split}
 
 
 def _on_ranks() -> dict[str, Any]:
+    dist.init_process_group("gloo")
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
     out: dict[str, Any] = {}
     for name in MODELS:
         out[name] = _train(name)
         smp.reset()
     with smp.tensor_parallelism():
-        bad = _llama(kv_heads=1)
+        bad = MODELS["llama"].build(num_key_value_heads=1)
     try:
         smp.DistributedModel(bad)
     except ModelParallelError as exc:
         out["bad"] = str(exc)
+    smp.shutdown()
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True})
+    out["prescaled"] = _train(PRESCALED)
+    smp.shutdown()
+    dist.destroy_process_group()
     return out
+
+
+PRESCALED = "bert"
+"""Trained again with ``prescaled_batch``: both ranks bring the whole batch."""
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +165,7 @@ def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
     for rank in ranks:
         assert rank[name]["split"] == SPLIT[name]
         state = rank[name]["state"]
-        seeded(0, MODELS[name][0]).load_state_dict(state)  # strict: HF's own keys
+        MODELS[name].build().load_state_dict(state)  # strict: HF's own keys
         for key, value in params.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
@@ -201,3 +176,15 @@ def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]
         "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
         "tensor_parallel_degree=2; allowed: a multiple of 2"
     )
+
+
+def test_prescaled_batch_trains_on_the_shared_batch_as_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    losses, params = _plain(PRESCALED)
+    for rank in ranks:
+        assert rank["prescaled"]["losses"] == pytest.approx(losses, rel=1e-5)
+        for key, value in params.items():
+            torch.testing.assert_close(
+                rank["prescaled"]["state"][key], value, rtol=1e-4, atol=1e-6, msg=key
+            )

@@ -153,9 +153,7 @@ def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: 
             )
 
 
-def _region(
-    base: nn.Module, embedding: nn.Module, family: Family
-) -> Callable[..., Any]:
+def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[..., Any]:
     """``base``'s forward as the tp group's scaled-batch region."""
     original = base.forward
     names = list(inspect.signature(original).parameters)
