@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.huggingface import inplace
 from tests.modelparallel import hf_cases
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.models import seeded
@@ -28,6 +29,7 @@ SIZES = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}
 LAYERS = {"vocab_size": hf_cases.VOCAB, "num_hidden_layers": 2, **SIZES}
 GPT = {"n_positions": hf_cases.SEQ, "n_embd": 32, "n_layer": 2, "n_head": 4}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+LLAMA = {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2}
 ENCODER = {**LAYERS, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
@@ -41,13 +43,19 @@ class Model:
     """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
     inside: bool = True
     """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
+    checkpointed: bool = False
+    """HF's activation checkpointing on (non-reentrant): layers recompute in the backward."""
 
     def build(self, **changes: Any) -> nn.Module:
         import transformers
 
         config = getattr(transformers, f"{self.kind}Config")(**{**self.config, **changes})
-        model = getattr(transformers, f"{self.kind}For{self.head}")
-        return seeded(0, lambda: model._from_config(config, attn_implementation="eager"))
+        kind = getattr(transformers, f"{self.kind}For{self.head}")
+        model = seeded(0, lambda: kind._from_config(config, attn_implementation="eager"))
+        if self.checkpointed:
+            kwargs = {"use_reentrant": False}
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.train()
 
 
 MODELS = {
@@ -60,8 +68,15 @@ MODELS = {
     "llama": Model(
         "Llama",
         "CausalLM",
-        {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2},
+        LLAMA,
         "gpt2",
+    ),
+    "llama_checkpointed": Model(
+        "Llama",
+        "CausalLM",
+        LLAMA,
+        "gpt2",
+        checkpointed=True,
     ),
     "gptj": Model("GPTJ", "CausalLM", {**GPT, **NO_DROPOUT, "rotary_dim": 4}, "gpt2"),
     "bert": Model("Bert", "MaskedLM", {**ENCODER, "max_position_embeddings": hf_cases.SEQ}, "bert"),
@@ -151,7 +166,15 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks(2, _on_ranks, timeout=240, env=hf_cases.HF_ENV)
 
 
-SPLIT = {"gptneox": 16, "llama": 14, "gptj": 16, "bert": 24, "roberta": 24, "gptneo": 18}
+SPLIT = {
+    "gptneox": 16,
+    "llama": 14,
+    "llama_checkpointed": 14,
+    "gptj": 16,
+    "bert": 24,
+    "roberta": 24,
+    "gptneo": 18,
+}
 """Parameters held as DTensors: each split layer's weight, and its bias where it has one."""
 
 
@@ -188,3 +211,30 @@ def test_prescaled_batch_trains_on_the_shared_batch_as_one_process(
             torch.testing.assert_close(
                 rank["prescaled"]["state"][key], value, rtol=1e-4, atol=1e-6, msg=key
             )
+
+
+def _tied_head(to: str) -> tuple[nn.Module, nn.Module]:
+    """A model whose head shares its weight with the base model's ``to`` (``[4, 3]`` both)."""
+    root = nn.Module()
+    root.base = nn.Module()
+    root.base.embed = nn.Embedding(4, 3)
+    root.base.layer = nn.Linear(3, 4)
+    root.head = nn.Linear(3, 4, bias=False)
+    root.head.weight = root.base.get_submodule(to).weight
+    return root, root.base
+
+
+@pytest.mark.parametrize(
+    ("tied_to", "error"),
+    [
+        ("embed", None),  # BERT's decoder: the word embedding runs on the rank's rows
+        ("layer", "smp.nn.huggingface.x: parameter 'head.weight' is 'layer.weight' of the base"),
+    ],
+)
+def test_a_region_parameter_used_outside_it_is_refused(tied_to: str, error: str | None) -> None:
+    root, base = _tied_head(tied_to)
+    if error is None:
+        inplace._refuse_ties(root, base, base.embed, "smp.nn.huggingface.x")
+        return
+    with pytest.raises(ModelParallelError, match=error):
+        inplace._refuse_ties(root, base, base.embed, "smp.nn.huggingface.x")
