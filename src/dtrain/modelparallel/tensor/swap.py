@@ -6,7 +6,8 @@ distributed module from its constructor arguments (``init_hook`` applied, then t
 context's arguments that the distributed module accepts), takes the original's weights when
 their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
 initialization, as SMP's do), and gets the registration's forward and return hooks. Its
-submodules are not visited: the distributed module replaces all of it.
+submodules are not visited: the distributed module replaces all of it. A Hugging Face model of
+a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place, whole.
 """
 
 from __future__ import annotations
