@@ -136,6 +136,26 @@ def _train(name: str) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict(), "split": split}
 
 
+def _rows() -> slice:
+    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
+    return slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+
+
+def _hidden_states() -> tuple[slice, list[torch.Tensor]]:
+    """This rank's rows and every layer's hidden states of them (``output_hidden_states``)."""
+    with smp.tensor_parallelism():
+        model = smp.DistributedModel(MODELS[HIDDEN].build())
+
+    @smp.step
+    def forward_step(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(model(**batch, output_hidden_states=True).hidden_states)
+
+    batch = hf_cases.CASES[MODELS[HIDDEN].batches].batch(0)
+    with torch.no_grad():
+        outputs = forward_step(model, {k: v[_rows()] for k, v in batch.items()})
+    return _rows(), [output.concat() for output in outputs]
+
+
 def _on_ranks() -> dict[str, Any]:
     dist.init_process_group("gloo")
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
@@ -149,6 +169,8 @@ def _on_ranks() -> dict[str, Any]:
         smp.DistributedModel(bad)
     except ModelParallelError as exc:
         out["bad"] = str(exc)
+    smp.reset()
+    out["hidden"] = _hidden_states()
     smp.shutdown()
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True})
     out["prescaled"] = _train(PRESCALED)
@@ -157,6 +179,8 @@ def _on_ranks() -> dict[str, Any]:
     return out
 
 
+HIDDEN = "llama"
+"""Asked for every layer's hidden states (HF 5 collects them with hooks)."""
 PRESCALED = "bert"
 """Trained again with ``prescaled_batch``: both ranks bring the whole batch."""
 
@@ -238,3 +262,15 @@ def test_a_region_parameter_used_outside_it_is_refused(tied_to: str, error: str 
         return
     with pytest.raises(ModelParallelError, match=error):
         inplace._refuse_ties(root, base, base.embed, "smp.nn.huggingface.x")
+
+
+def test_hidden_states_come_back_as_the_ranks_rows(ranks: list[dict[str, Any]]) -> None:
+    model = MODELS[HIDDEN].build()
+    with torch.no_grad():
+        batch = hf_cases.CASES[MODELS[HIDDEN].batches].batch(0)
+        whole = model(**batch, output_hidden_states=True).hidden_states
+    for rank in ranks:
+        rows, states = rank["hidden"]
+        assert len(states) == len(whole) == 3
+        for state, expected in zip(states, whole, strict=True):
+            torch.testing.assert_close(state, expected[rows], rtol=1e-5, atol=1e-6)
