@@ -43,8 +43,9 @@ class Model:
     """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
     inside: bool = True
     """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
-    checkpointed: bool = False
-    """HF's activation checkpointing on (non-reentrant): layers recompute in the backward."""
+    checkpointed: str | None = None
+    """Layers recompute in the backward: ``hf`` (HF's activation checkpointing, non-reentrant)
+    or ``smp`` (``smp.set_activation_checkpointing`` on each of ``model.layers``)."""
 
     def build(self, **changes: Any) -> nn.Module:
         import transformers
@@ -52,7 +53,7 @@ class Model:
         config = getattr(transformers, f"{self.kind}Config")(**{**self.config, **changes})
         kind = getattr(transformers, f"{self.kind}For{self.head}")
         model = seeded(0, lambda: kind._from_config(config, attn_implementation="eager"))
-        if self.checkpointed:
+        if self.checkpointed == "hf":
             kwargs = {"use_reentrant": False}
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         return model.train()
@@ -76,8 +77,9 @@ MODELS = {
         "CausalLM",
         LLAMA,
         "gpt2",
-        checkpointed=True,
+        checkpointed="hf",
     ),
+    "llama_smp_checkpointed": Model("Llama", "CausalLM", LLAMA, "gpt2", checkpointed="smp"),
     "gptj": Model("GPTJ", "CausalLM", {**GPT, **NO_DROPOUT, "rotary_dim": 4}, "gpt2"),
     "bert": Model("Bert", "MaskedLM", {**ENCODER, "max_position_embeddings": hf_cases.SEQ}, "bert"),
     # Token 1 pads: RoBERTa's positions skip it, so the batches' ids exercise that rule.
@@ -130,6 +132,9 @@ def _train(name: str) -> dict[str, Any]:
     else:
         module = spec.build()
         smp.set_tensor_parallelism(module)
+    if spec.checkpointed == "smp":
+        for layer in module.model.layers:
+            smp.set_activation_checkpointing(layer)
     model = smp.DistributedModel(module)
     losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
@@ -194,6 +199,7 @@ SPLIT = {
     "gptneox": 16,
     "llama": 14,
     "llama_checkpointed": 14,
+    "llama_smp_checkpointed": 14,
     "gptj": 16,
     "bert": 24,
     "roberta": 24,

@@ -24,4 +24,5 @@ FAMILY = Family(
 )
 
 translate_hf_state_dict_to_smdistributed_gptj = same_names
+translate_hf_gptj_state_dict_to_smdistributed = same_names  # SMP's older name
 translate_state_dict_to_hf_gptj = same_names

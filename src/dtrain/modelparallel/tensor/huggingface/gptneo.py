@@ -23,4 +23,5 @@ FAMILY = Family(
 )
 
 translate_hf_state_dict_to_smdistributed_gptneo = same_names
+translate_hf_gptneo_state_dict_to_smdistributed = same_names  # SMP's older name
 translate_state_dict_to_hf_gptneo = same_names

@@ -22,4 +22,5 @@ FAMILY = Family(
 )
 
 translate_hf_state_dict_to_smdistributed_gptneox = same_names
+translate_hf_gptneox_state_dict_to_smdistributed = same_names  # SMP's older name
 translate_state_dict_to_hf_gptneox = same_names
