@@ -13,16 +13,6 @@ from typing import Any
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
 
-PLAN = {
-    "encoder.layer.*.attention.self.query": "colwise",
-    "encoder.layer.*.attention.self.key": "colwise",
-    "encoder.layer.*.attention.self.value": "colwise",
-    "encoder.layer.*.attention.output.dense": "rowwise",
-    "encoder.layer.*.intermediate.dense": "colwise",
-    "encoder.layer.*.output.dense": "rowwise",
-}
-"""BERT's encoder layers, which RoBERTa shares."""
-
 
 def refuse_cross_attention(config: Any) -> None:
     """Encoder-decoder attention would need the encoder's states gathered too."""
@@ -35,7 +25,14 @@ def refuse_cross_attention(config: Any) -> None:
 
 FAMILY = Family(
     name="bert",
-    plan=PLAN,
+    layers="encoder.layer.*",
+    colwise=(
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "intermediate.dense",
+    ),
+    rowwise=("attention.output.dense", "output.dense"),
     sizes=("num_attention_heads", "intermediate_size"),
     check=refuse_cross_attention,
 )

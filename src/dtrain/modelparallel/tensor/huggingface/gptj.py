@@ -10,16 +10,11 @@ from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
 
 FAMILY = Family(
     name="gptj",
-    plan={
-        "h.*.attn.q_proj": "colwise",
-        "h.*.attn.k_proj": "colwise",
-        "h.*.attn.v_proj": "colwise",
-        "h.*.attn.out_proj": "rowwise",
-        "h.*.mlp.fc_in": "colwise",
-        "h.*.mlp.fc_out": "rowwise",
-    },
+    layers="h.*",
+    colwise=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
+    rowwise=("attn.out_proj", "mlp.fc_out"),
     sizes=("n_head", "n_inner"),
-    head_counts={"h.*.attn": "num_attention_heads"},
+    head_counts={"attn": "num_attention_heads"},
     refused_inputs={"token_type_ids": "GPT-J embeds them with its word embedding"},
 )
 

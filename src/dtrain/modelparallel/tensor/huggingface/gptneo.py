@@ -9,16 +9,11 @@ from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
 
 FAMILY = Family(
     name="gptneo",
-    plan={
-        "h.*.attn.attention.q_proj": "colwise",
-        "h.*.attn.attention.k_proj": "colwise",
-        "h.*.attn.attention.v_proj": "colwise",
-        "h.*.attn.attention.out_proj": "rowwise",
-        "h.*.mlp.c_fc": "colwise",
-        "h.*.mlp.c_proj": "rowwise",
-    },
+    layers="h.*",
+    colwise=("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj", "mlp.c_fc"),
+    rowwise=("attn.attention.out_proj", "mlp.c_proj"),
     sizes=("num_heads", "intermediate_size"),
-    head_counts={"h.*.attn.attention": "num_heads"},
+    head_counts={"attn.attention": "num_heads"},
     refused_inputs={"token_type_ids": "GPT-Neo embeds them with its word embedding"},
 )
 

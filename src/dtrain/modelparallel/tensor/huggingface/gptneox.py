@@ -12,12 +12,9 @@ from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
 
 FAMILY = Family(
     name="gptneox",
-    plan={
-        "layers.*.attention.query_key_value": "colwise",
-        "layers.*.attention.dense": "rowwise",
-        "layers.*.mlp.dense_h_to_4h": "colwise",
-        "layers.*.mlp.dense_4h_to_h": "rowwise",
-    },
+    layers="layers.*",
+    colwise=("attention.query_key_value", "mlp.dense_h_to_4h"),
+    rowwise=("attention.dense", "mlp.dense_4h_to_h"),
     sizes=("num_attention_heads", "intermediate_size"),
 )
 

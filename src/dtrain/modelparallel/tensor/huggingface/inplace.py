@@ -27,6 +27,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -50,11 +51,6 @@ FAMILIES = {
 """HF modelling modules → their family's file in :mod:`..huggingface`; every ``PreTrainedModel``
 of such a module (``LlamaForCausalLM``, ``BertForMaskedLM``, ``RobertaModel``, ...) is split."""
 
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-}
-
 BATCH_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 """Base-model inputs holding the batch's rows, gathered over the tp group (``position_ids`` of
 one row, shared by the batch, stays as it is)."""
@@ -66,12 +62,18 @@ class Family:
 
     name: str
     """SMP's name, ``smp.nn.huggingface.<name>``."""
-    plan: dict[str, str]
-    """Linear layers of the base model (``fnmatch`` patterns) → ``colwise`` or ``rowwise``."""
+    layers: str
+    """The base model's transformer layers, a pattern (``layers.*``)."""
+    colwise: tuple[str, ...]
+    """Linear layers of a layer split by output features (query, key, value, the first of the
+    feed-forward)."""
+    rowwise: tuple[str, ...]
+    """Linear layers of a layer split by input features (the attention's output, the last of
+    the feed-forward)."""
     sizes: tuple[str, ...]
     """Config fields that must split over the tp degree (heads, kv heads, intermediate size)."""
     head_counts: dict[str, str] = field(default_factory=dict)
-    """Modules (patterns) whose attribute holds the head count their reshapes use → its name."""
+    """Modules of a layer whose attribute holds the head count their reshapes use → its name."""
     refused_inputs: dict[str, str] = field(default_factory=dict)
     """Base-model inputs this family cannot take, with why."""
     positions: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
@@ -113,11 +115,13 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     base = model.base_model
     embedding = base.get_input_embeddings()
     _refuse_ties(model, base, embedding, what)
-    for pattern, attribute in family.head_counts.items():
+    for name, attribute in family.head_counts.items():
         for path, module in base.named_modules():
-            if _matches(path, pattern):
+            if _matches(path, f"{family.layers}.{name}"):
                 setattr(module, attribute, getattr(module, attribute) // degree)
-    plan = {pattern: STYLES[style]() for pattern, style in family.plan.items()}
+    plan: dict[str, ParallelStyle] = {}
+    for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
+        plan.update({f"{family.layers}.{name}": style() for name in names})
     shards.parallelize(base, plan, what)
     for param in embedding.parameters():  # runs on the rank's own rows, before the region
         setattr(param, shards.SCALED_BATCH, False)
@@ -127,10 +131,10 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
 
 
 def _matches(path: str, pattern: str) -> bool:
+    """Whether module ``path`` matches ``pattern`` name by name (as ``parallelize_module``'s
+    plan keys do: ``*`` stands for one name)."""
     parts, wanted = path.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(
-        w == "*" or w == p for p, w in zip(parts, wanted, strict=True)
-    )
+    return len(parts) == len(wanted) and all(map(fnmatch, parts, wanted))
 
 
 def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: str) -> None:

@@ -11,14 +11,14 @@ from dtrain.modelparallel.tensor.huggingface.inplace import Family
 
 FAMILY = Family(
     name="llama",
-    plan={
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    },
+    layers="layers.*",
+    colwise=(
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    ),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
     sizes=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
 )

@@ -7,11 +7,13 @@ derives the positions from them first, as the model would. SMP's translation fun
 their input: the model keeps HF's names.
 """
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from dtrain.modelparallel.tensor.huggingface.bert import PLAN, refuse_cross_attention
-from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
+from dtrain.modelparallel.tensor.huggingface import bert
+from dtrain.modelparallel.tensor.huggingface.inplace import same_names
 
 
 def positions(base: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -19,13 +21,7 @@ def positions(base: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return embeddings.create_position_ids_from_input_ids(input_ids, embeddings.padding_idx)
 
 
-FAMILY = Family(
-    name="roberta",
-    plan=PLAN,
-    sizes=("num_attention_heads", "intermediate_size"),
-    positions=positions,
-    check=refuse_cross_attention,
-)
+FAMILY = dataclasses.replace(bert.FAMILY, name="roberta", positions=positions)
 
 translate_hf_state_dict_to_smdistributed = same_names
 translate_state_dict_to_hf_roberta = same_names
