@@ -7,6 +7,7 @@ of ``state_dict()``, which loads into the plain model unchanged. Tiny configs (2
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -280,3 +281,38 @@ def test_hidden_states_come_back_as_the_ranks_rows(ranks: list[dict[str, Any]]) 
         assert len(states) == len(whole) == 3
         for state, expected in zip(states, whole, strict=True):
             torch.testing.assert_close(state, expected[rows], rtol=1e-5, atol=1e-6)
+
+
+IDS = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("family", "inputs", "error"),
+    [
+        ("llama", {"input_ids": IDS, "use_cache": None, "position_ids": IDS}, None),
+        ("llama", {"inputs_embeds": torch.zeros(2, 4, 8), "use_cache": False}, None),
+        ("llama", {"input_ids": IDS, "use_cache": True}, "use_cache and past_key_values"),
+        ("llama", {"input_ids": IDS, "past_key_values": ()}, "use_cache and past_key_values"),
+        ("llama", {"input_ids": IDS, "output_attentions": True}, "output_attentions is not"),
+        ("bert", {"input_ids": IDS, "cache_position": IDS[0]}, r"inputs \['cache_position'\]"),
+        ("bert", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
+        ("bert", {"input_ids": IDS, "token_type_ids": IDS}, None),
+        ("gptj", {"input_ids": IDS, "token_type_ids": IDS}, "token_type_ids is not supported"),
+    ],
+)
+def test_inputs_a_split_model_cannot_honour_are_refused(
+    family: str, inputs: dict[str, Any], error: str | None
+) -> None:
+    spec = getattr(smp.nn.huggingface, family).FAMILY
+    config = SimpleNamespace(output_attentions=False)
+    if error is None:
+        inplace._refuse_inputs(inputs, config, spec)
+        return
+    with pytest.raises(ModelParallelError, match=error):
+        inplace._refuse_inputs(inputs, config, spec)
+
+
+def test_attention_maps_asked_by_the_config_are_refused() -> None:
+    config = SimpleNamespace(output_attentions=True)
+    with pytest.raises(ModelParallelError, match="output_attentions is not supported"):
+        inplace._refuse_inputs({"input_ids": IDS}, config, smp.nn.huggingface.llama.FAMILY)
