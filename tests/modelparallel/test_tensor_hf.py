@@ -1,7 +1,8 @@
 """Hugging Face models beyond GPT-2 split in place (``tensor/huggingface/inplace.py``) train on two
 tensor-parallel ranks like the plain HF model in one process: losses, and the whole parameters
-of ``state_dict()``, which loads into the plain model unchanged. Tiny configs (2 layers, hidden
-32, 4 heads), hf_cases' batches (padded causal LM, masked LM); one spawn trains every model.
+of ``state_dict()``, which loads into the plain model unchanged, as the plain model's loads
+into the split one. Tiny configs (2 layers, hidden 32, 4 heads), hf_cases' batches (padded
+causal LM, masked LM); one spawn trains every model.
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ def _train(name: str) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
-    return {"losses": losses, "state": model.state_dict(), "split": split}
+    trained = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(spec.build().state_dict())  # the plain model's, back in
+    return {"losses": losses, "state": trained, "split": split, "reloaded": model.state_dict()}
 
 
 def _rows() -> slice:
@@ -222,6 +225,10 @@ def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
         MODELS[name].build().load_state_dict(state)  # strict: HF's own keys
         for key, value in params.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=key)
+        initial = MODELS[name].build().state_dict()
+        assert rank[name]["reloaded"].keys() == initial.keys()
+        for key, value in initial.items():
+            assert torch.equal(rank[name]["reloaded"][key], value), key
 
 
 def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]) -> None:
