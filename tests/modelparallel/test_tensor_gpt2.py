@@ -15,7 +15,7 @@ from dtrain.modelparallel.tensor.huggingface.gpt2 import (
     translate_state_dict_to_hf_gpt2,
 )
 from tests.modelparallel import hf_cases
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, single_process
 
 pytest.importorskip("transformers")
 
@@ -37,6 +37,10 @@ def _plain() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _distributed() -> dict[str, Any]:
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    return _train()
+
+
+def _train() -> dict[str, Any]:
     with smp.tensor_parallelism():
         module = hf_cases.build("gpt2")
     model = smp.DistributedModel(module)
@@ -58,3 +62,15 @@ def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model() -> None:
     assert again.keys() == ranks[1]["state"].keys()
     for key, value in again.items():
         assert torch.equal(value, ranks[1]["state"][key]), key
+
+
+def test_gpt2_inside_tensor_parallelism_is_swapped_at_degree_one_too() -> None:
+    """As SMP does: AWS's GPT-2 script reads ``transformer.seq_layers`` at any tp degree."""
+    with single_process({"ddp": True}):
+        result = _train()
+    losses, params = _plain()
+    assert result["kind"] == "DistributedTransformerLMHead"
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    back = translate_state_dict_to_hf_gpt2(result["state"])
+    for key, value in params.items():
+        torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)

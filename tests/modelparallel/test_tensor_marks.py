@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import dtrain.modelparallel as smp
+from dtrain.compat import SHIM_ROOT
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import swap
@@ -146,3 +147,22 @@ def test_tp_register_decorates_a_class() -> None:
     with smp.model_creation(tensor_parallelism=True):
         made = Decorated(2)
     assert type(swap.distribute(made)) is DistScale
+
+
+def test_awss_gpt2_script_imports_and_creation_switches_are_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AWS's ``train_gpt_simple.py`` imports the GPT-2 translation under its suffixed name and
+    passes SMP's kernel switches (``fused_dropout`` among them) to ``smp.model_creation``."""
+    monkeypatch.syspath_prepend(str(SHIM_ROOT))
+    from smdistributed.modelparallel.torch.nn.huggingface import gpt2
+
+    from dtrain.modelparallel.tensor.module import TUNING_ARGUMENTS, refuse_unsupported
+
+    assert (
+        gpt2.translate_hf_state_dict_to_smdistributed_gpt2
+        is gpt2.translate_hf_state_dict_to_smdistributed
+    )
+    switches = ("fused_softmax", "fused_dropout", "fused_bias_gelu", "attention_in_fp32")
+    assert set(switches) <= TUNING_ARGUMENTS
+    refuse_unsupported("smp.nn.X", dict.fromkeys(switches, True), {})

@@ -220,3 +220,7 @@ REGISTRATION = Registration(
     return_hook=return_hook,
     translate=translate_hf_state_dict_to_smdistributed,
 )
+
+
+translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smdistributed
+"""The name later SMP versions give it, which AWS's ``train_gpt_simple.py`` imports."""
