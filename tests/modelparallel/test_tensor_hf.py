@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.huggingface import inplace
 from tests.modelparallel import hf_cases
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.models import seeded
 
 pytest.importorskip("transformers")
@@ -140,9 +141,11 @@ def _train(name: str) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
+    rows = sorted(n for n, p in module.named_parameters() if not shards.is_scaled_batch(p))
     trained = {key: value.clone() for key, value in model.state_dict().items()}
     model.load_state_dict(spec.build().state_dict())  # the plain model's, back in
-    return {"losses": losses, "state": trained, "split": split, "reloaded": model.state_dict()}
+    reloaded = model.state_dict()
+    return {"losses": losses, "state": trained, "split": split, "reloaded": reloaded, "rows": rows}
 
 
 def _rows() -> slice:
@@ -323,3 +326,32 @@ def test_attention_maps_asked_by_the_config_are_refused() -> None:
     config = SimpleNamespace(output_attentions=True)
     with pytest.raises(ModelParallelError, match="output_attentions is not supported"):
         inplace._refuse_inputs({"input_ids": IDS}, config, smp.nn.huggingface.llama.FAMILY)
+
+
+ROWS = {
+    "llama": ["lm_head.weight", "model.embed_tokens.weight"],
+    "bert": [
+        "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.bias",
+        "cls.predictions.transform.LayerNorm.bias",
+        "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.dense.weight",
+    ],
+}
+"""Parameters that see the rank's own rows: the word embedding and what is outside the base
+model (every other one sees the tp group's batch)."""
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_a_marked_model_at_degree_one_trains_as_the_plain_model(name: str) -> None:
+    """Marked modules are swapped at tensor_parallel_degree 1 too (as SMP does): a family's
+    model keeps its layers whole, and its base model's region gathers nothing."""
+    with single_process({"ddp": True}):
+        result = _train(name)
+    losses, params = _plain(name)
+    assert result["split"] == 0
+    assert result["rows"] == ROWS[name]
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
