@@ -184,17 +184,22 @@ def _on_ranks() -> dict[str, Any]:
     smp.reset()
     out["hidden"] = _hidden_states()
     smp.shutdown()
-    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": True})
-    out["prescaled"] = _train(PRESCALED)
-    smp.shutdown()
+    for layout, (config, name) in LAYOUTS.items():
+        smp.init({"tensor_parallel_degree": 2, "ddp": True, **config})
+        out[layout] = _train(name)
+        smp.shutdown()
     dist.destroy_process_group()
     return out
 
 
 HIDDEN = "llama"
 """Asked for every layer's hidden states (HF 5 collects them with hooks)."""
-PRESCALED = "bert"
-"""Trained again with ``prescaled_batch``: both ranks bring the whole batch."""
+LAYOUTS = {
+    "prescaled": ({"prescaled_batch": True}, "bert"),
+    "microbatches": ({"microbatches": 2}, "llama"),
+}
+"""Models trained again in other layouts: with ``prescaled_batch`` both ranks bring the whole
+batch; with two microbatches each rank runs its rows in two forwards (the plan's order)."""
 
 
 @pytest.fixture(scope="module")
@@ -215,19 +220,28 @@ SPLIT = {
 """Parameters held as DTensors: each split layer's weight, and its bias where it has one."""
 
 
+def _trains_as_one_process(ranks: list[dict[str, Any]], key: str, name: str) -> None:
+    """The ranks' mean losses and every rank's parameters under ``key`` are those of model
+    ``name`` trained in one process."""
+    losses, params = _plain(name)
+    mean = [sum(rank[key]["losses"][step] for rank in ranks) / len(ranks) for step in range(STEPS)]
+    assert mean == pytest.approx(losses, rel=1e-5)
+    for rank in ranks:
+        for param, value in params.items():
+            torch.testing.assert_close(
+                rank[key]["state"][param], value, rtol=1e-4, atol=1e-6, msg=param
+            )
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
-    losses, params = _plain(name)
-    mean = [(ranks[0][name]["losses"][s] + ranks[1][name]["losses"][s]) / 2 for s in range(STEPS)]
-    assert mean == pytest.approx(losses, rel=1e-5)
+    _trains_as_one_process(ranks, name, name)
     for rank in ranks:
         assert rank[name]["split"] == SPLIT[name]
         state = rank[name]["state"]
         MODELS[name].build().load_state_dict(state)  # strict: HF's own keys
-        for key, value in params.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=key)
         initial = MODELS[name].build().state_dict()
         assert rank[name]["reloaded"].keys() == initial.keys()
         for key, value in initial.items():
@@ -242,16 +256,9 @@ def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]
     )
 
 
-def test_prescaled_batch_trains_on_the_shared_batch_as_one_process(
-    ranks: list[dict[str, Any]],
-) -> None:
-    losses, params = _plain(PRESCALED)
-    for rank in ranks:
-        assert rank["prescaled"]["losses"] == pytest.approx(losses, rel=1e-5)
-        for key, value in params.items():
-            torch.testing.assert_close(
-                rank["prescaled"]["state"][key], value, rtol=1e-4, atol=1e-6, msg=key
-            )
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_other_layouts_train_as_one_process(ranks: list[dict[str, Any]], layout: str) -> None:
+    _trains_as_one_process(ranks, layout, LAYOUTS[layout][1])
 
 
 def _tied_head(to: str) -> tuple[nn.Module, nn.Module]:
