@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
@@ -77,6 +78,8 @@ def distribute(root: nn.Module) -> nn.Module:
             return done[id(module)]
         try:
             swapped = _swapped(module)
+            if swapped is not None and swapped is not module:  # split in place: marks stay
+                activations.carry_over(module, swapped)
         except ModelParallelError as exc:
             where = f"module {path!r}" if path else "the model"
             raise ModelParallelError(

@@ -174,8 +174,9 @@ def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[.
             inputs["inputs_embeds"] = embedding(ids)
         elif ids is not None:
             inputs["input_ids"] = ids  # both given: the base model says so
-        rows = inputs["inputs_embeds"].shape[0]
-        with scaled_batch(what) as batch:
+        embeddings = inputs["inputs_embeds"]
+        rows = embeddings.shape[0]
+        with scaled_batch(what, embeddings) as batch:
             for name in BATCH_INPUTS:
                 value = inputs.get(name)
                 if isinstance(value, torch.Tensor) and value.shape[0] == rows:
