@@ -47,22 +47,7 @@ def _train() -> dict[str, Any]:
     with smp.tensor_parallelism():
         module = hf_cases.build("gpt2")
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=hf_cases.LR))
-
-    @smp.step
-    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = model(**batch).loss
-        model.backward(loss)
-        return loss
-
-    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        batch = {k: v[mine] for k, v in hf_cases.CASES["gpt2"].batch(step).items()}
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, batch).reduce_mean()))
-        optimizer.step()
+    losses = hf_cases.train_wrapped(model, "gpt2", STEPS)
     return {"losses": losses, "state": model.state_dict(), "kind": type(model.module).__name__}
 
 
