@@ -16,7 +16,13 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 
 TUNING_ARGUMENTS = frozenset(
-    {"fused_softmax", "fused_bias_gelu", "attention_in_fp32", "query_key_layer_scaling"}
+    {
+        "fused_softmax",
+        "fused_bias_gelu",
+        "fused_dropout",
+        "attention_in_fp32",
+        "query_key_layer_scaling",
+    }
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
 without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32."""

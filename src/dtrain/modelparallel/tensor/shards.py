@@ -28,9 +28,10 @@ SCALED_BATCH = "_dtrain_scaled_batch"
 set of tensors would compare them by value)."""
 
 SPLIT_BLOCK = "_dtrain_split_block"
-"""The attribute marking a module whose layers ``parallelize`` split: torch's styles convert
-its layers' inputs and outputs to and from DTensors in hooks around each layer, so the block
-runs whole on one pipeline partition."""
+"""The attribute marking a module whose layers ``parallelize`` split. Its forward computes on
+their shards (and, for a distributed module, in the scaled-batch region), so a layer on another
+partition would return there in the middle of the block's forward, which the pipeline's plan
+order refuses: the block runs whole on one pipeline partition."""
 
 
 def parallelize(
