@@ -21,6 +21,7 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.batch import scaled_batch
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_tensor_equivalence import (
     GLOBAL_BATCH,
@@ -183,6 +184,24 @@ def test_the_scaled_batch_mark_travels_with_the_compute_mode() -> None:
     thread.start()
     thread.join()
     assert seen == [True, False]
+
+
+def _regions() -> tuple[list[int], list[int]]:
+    """The rows a region gathers when entered here, and when entered on behalf of a caller on
+    another partition (its request's compute mode marks it inside a region)."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    rows = torch.full((2, 3), float(smp.rank()))
+    with scaled_batch("here", rows) as region:
+        here = region.gather(rows)[:, 0].int().tolist()
+    with modes.ComputeMode(tensor_region=True).applied(), scaled_batch("called", rows) as region:
+        called = region.gather(rows)[:, 0].int().tolist()
+    return here, called
+
+
+def test_a_region_called_from_another_partition_does_not_gather_again() -> None:
+    for rank, (here, called) in enumerate(run_ranks(2, _regions)):
+        assert here == [0, 0, 1, 1]
+        assert called == [rank, rank]
 
 
 def test_hooks_marked_local_are_not_replayed_and_dropped_where_not_computed() -> None:
