@@ -618,13 +618,13 @@ class DistributedModel(nn.Module):
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
         """This rank's parameters (its shards of them, when sharded) and persistent buffers, by
         their names in the full model."""
-        marks = {PARTIAL_KEY: True, DEGREES_KEY: degrees(self._state)}
+        partial = {PARTIAL_KEY: True, DEGREES_KEY: degrees(self._state)}
         if self.sharding is not None:
-            return {**self.sharding.local_state_dict(cast_to_cpu), **marks}
+            return {**self.sharding.local_state_dict(cast_to_cpu), **partial}
         result: dict[str, Any] = {
             name: (t.cpu() if cast_to_cpu else t) for name, t in self._tensor_values(whole=False)
         }
-        return {**result, **marks}
+        return {**result, **partial}
 
     def state_dict(  # type: ignore[override]
         self,
