@@ -20,12 +20,16 @@ TUNING_ARGUMENTS = frozenset(
         "fused_softmax",
         "fused_bias_gelu",
         "fused_dropout",
+        "flash_attention",
         "attention_in_fp32",
         "query_key_layer_scaling",
+        "zero_init",
     }
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
-without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32."""
+without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32; and
+``zero_init``, SMP's creation of sharded-data-parallel models in shards, which dtrain's delayed
+initialisation does without being asked."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,

@@ -100,10 +100,19 @@ def family_of(kind: type[nn.Module]) -> str | None:
     return name if name is not None and hasattr(kind, "base_model_prefix") else None
 
 
+IN_PLACE_DEFAULTS = {
+    "use_alibi": False,
+    "fp32_residual_addition": False,
+    "distribute_embedding": False,
+}
+"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model:
+a model split in place keeps its own layers, so only their defaults describe it."""
+
+
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
     """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's."""
     what = family.what
-    refuse_unsupported(what, options, {})
+    refuse_unsupported(what, options, IN_PLACE_DEFAULTS)
     config = model.config
     if family.check is not None:
         family.check(config)
