@@ -1,10 +1,12 @@
 """Pipelines x tensor parallelism: pp=2 x tp=2 (world 4, two microbatches) trains like one
-process (losses and parameters): a chain of smp.nn transformer layers under the default
-placement (tp peers are neighbours; automatic partition: rank 0's tp group profiles together),
-a plain model marked with smp.set_tensor_parallelism under ``spread`` (tp peers are ranks 0
-and 2; manual placement, kept by the swapped modules). Without processes: a split block cut
-by the partition fails naming it, the scaled-batch mark travels with a request's compute mode,
-and the tp styles' hooks are neither replayed nor run where their module does not compute."""
+process (losses and parameters): a chain of smp.nn transformer layers under ``spread`` (tp peers
+are ranks 0 and 2; manual placement), a plain model marked with smp.set_tensor_parallelism
+under the default placement (tp peers are neighbours; automatic partition: rank 0's tp group
+profiles together). There an LM head split over the partitions fails at its first step naming
+its transformer, which comes back to partition 0. A region entered for a caller on another
+partition does not gather. Without processes: a split block cut by the partition fails naming
+it, the scaled-batch mark travels with a request's compute mode, and the tp styles' hooks are
+neither replayed nor run where their module does not compute."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.errors import ModelParallelError, StepFailedError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
@@ -28,6 +30,8 @@ from tests.modelparallel.test_tensor_equivalence import (
     LM,
     STEPS,
     _batch,
+    _lm,
+    _lm_loss,
     _mlp,
     _mlp_loss,
     _optimizer,
@@ -116,7 +120,16 @@ def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
             "default_partition": 0,
         }
     )
-    return {"groups": (smp.get_tp_group(), smp.get_pp_group()), **_train(case, auto)}
+    out = {"groups": (smp.get_tp_group(), smp.get_pp_group()), **_train(case, auto)}
+    if auto:  # an LM head split over partitions comes back to partition 0: refused
+        smp.reset()
+        model = smp.DistributedModel(_lm())
+        ids, mask = _batch(0)
+        rows = slice(smp.dp_rank() * 4, (smp.dp_rank() + 1) * 4)
+        with pytest.raises((ModelParallelError, StepFailedError)) as refused:
+            step_of(_lm_loss)(model, ids[rows], mask[rows])
+        out["refused"] = str(refused.value)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -140,6 +153,9 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(
         if not auto:
             assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
         assert rank["split"] > 0  # every stage holds shards
+        if auto:
+            assert "module 'transformer' would compute on partition 0" in rank["refused"]
+            assert "tensor_parallel_degree above 1" in rank["refused"]
         assert rank["params"].keys() == params.keys()
         for key, value in params.items():
             torch.testing.assert_close(rank["params"][key], value, rtol=1e-4, atol=1e-6)

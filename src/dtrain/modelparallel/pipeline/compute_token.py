@@ -339,9 +339,10 @@ class ComputeToken:
             return
         raise ModelParallelError(
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
-            "needs every microbatch to go through the partitions in order (0, 1, ...) once "
-            "forward and once back; place the model's last modules on the last partition, or "
-            "set deterministic_server to false"
+            "(deterministic_server, or tensor_parallel_degree above 1) needs every microbatch "
+            "to go through the partitions in order (0, 1, ...) once forward and once back; "
+            "place the model's last modules on the last partition, or (without tensor "
+            "parallelism) set deterministic_server to false"
         )
 
     def give_way(self) -> None:
