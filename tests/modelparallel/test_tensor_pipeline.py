@@ -5,8 +5,9 @@ under the default placement (tp peers are neighbours; automatic partition: rank 
 profiles together). There an LM head split over the partitions fails at its first step naming
 its transformer, which comes back to partition 0. A region entered for a caller on another
 partition does not gather. Without processes: a split block cut by the partition fails naming
-it, the scaled-batch mark travels with a request's compute mode, and the tp styles' hooks are
-neither replayed nor run where their module does not compute."""
+it, the scaled-batch mark travels with a request's compute mode, the tp styles' hooks are
+neither replayed nor run where their module does not compute, and a swapped module keeps the
+manual partition of the one it replaced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.errors import ModelParallelError, StepFailedError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.tensor import shards
@@ -230,3 +232,14 @@ def test_hooks_marked_local_are_not_replayed_and_dropped_where_not_computed() ->
     assert hooks.hooked_submodules("", [("layer", layer)]) == ["layer"]
     hooks.drop_local_hooks(layer)
     assert list(layer._forward_pre_hooks) == [] and list(layer._forward_hooks) == [user.id]
+
+
+def test_a_swapped_module_keeps_the_partition_of_the_one_it_replaced() -> None:
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    smp.set_partition(root[1], 1)
+    placed = placement.manual_placements(root)
+    root[1] = nn.Sequential(nn.Linear(2, 2))  # as the swap puts a distributed module there
+    assert placement.manual_placements(root) == {}
+    placement.keep_placements(root, placed)
+    assert placement.manual_placements(root) == {"1": 1, "1.0": 1}
+    placement.clear()
