@@ -649,14 +649,18 @@ class DistributedModel(nn.Module):
                 raise ModelParallelError(
                     f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
                 )
+        half = self.half_precision
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values and self.tensor_shards is not None:
-                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
-                elif name in values:
-                    tensor.copy_(values[name])
-                    if self.half_precision is not None:
-                        self.half_precision.load_value(tensor, values[name])
+                if name not in values:
+                    continue
+                master = tensor if half is None else half.master(tensor)
+                # A half model's master takes the value unrounded.
+                for target in [tensor] if master is tensor else [tensor, master]:
+                    if self.tensor_shards is not None:
+                        self.tensor_shards.load_into(target, values[name], whole_value=full)
+                    else:
+                        target.copy_(values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 

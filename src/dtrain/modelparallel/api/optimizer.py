@@ -116,8 +116,8 @@ class _Adapter:
         self.model = model
         self.names = names
         self.pruned = False
-        self.pending_fp16: dict[str, Any] | None = None
-        """fp16 states loaded before the masters existed."""
+        self.pending_fp16: tuple[dict[str, Any], bool] | None = None
+        """fp16 states loaded before the masters existed, and whether they were partial."""
         self.zero: ZeroRedundancyOptimizer | None = None
         """With ``shard_optimizer_state``, what steps and holds the state (see :meth:`_shard`)."""
 
@@ -145,7 +145,8 @@ class _Adapter:
                     states[param] = placed(param, states[param], group)
         self.pruned = True
         if half is not None and self.pending_fp16 is not None:
-            half.load_masters(self.pending_fp16, self.names)
+            fp16, partial = self.pending_fp16
+            half.load_masters(fp16, self.names, self._loaded(partial))
             self.pending_fp16 = None
         st = state.current()
         if st.config["shard_optimizer_state"] and st.dp_size > 1:
@@ -205,12 +206,26 @@ class _Adapter:
         group = st.pp_process_group if st.pp_size > 1 else None
         return half.clip_master_grads(max_norm, norm_type, group)
 
-    def local_fp16_state_dict(self) -> dict[str, Any]:
-        """This rank's fp32 masters by parameter name (a sharded model's are its parameters)
-        and the loss scale (empty for an fp32 or sharded bf16 model)."""
+    def local_fp16_state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This rank's fp32 masters by parameter name (a sharded model's are its parameters;
+        a distributed module's this rank's shards, or with ``full`` their whole values,
+        gathered) and the loss scale (empty for an fp32 or sharded bf16 model)."""
         self.prune()
         scaling = self.model.loss_scaling
-        return {} if scaling is None else scaling.state_dict(self.names)
+        if scaling is None:
+            return {}
+        tensor = self.model.tensor_shards
+        if tensor is None:
+            return scaling.state_dict(self.names)
+        return scaling.state_dict(self.names, tensor.whole if full else tensor.local)
+
+    def _loaded(self, partial: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """How a saved master is copied into this rank's: a distributed module's is cut from
+        its whole value, or (``partial``) wrapped as this rank's part."""
+        tensor = self.model.tensor_shards
+        if tensor is None:
+            return lambda master, value: master.copy_(value)
+        return functools.partial(tensor.load_into, whole_value=not partial)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, with its fp16 states if any."""
@@ -254,6 +269,8 @@ class _Adapter:
         st = state.current()
         if self.model.sharding is not None or self.model.tensor_shards is not None:
             local["state"] = self._states(full=True)
+        if self.model.tensor_shards is not None and FP16_STATES in local:
+            local[FP16_STATES] = self.local_fp16_state_dict(full=True)
         parts = [local]
         if self.zero is not None:
             parts = all_gather_objects(local, st.object_groups["world"], st.seals)
@@ -311,9 +328,9 @@ class _Adapter:
             scaling.scaler.load_state_dict(fp16["loss_scaler"])
         if fp16 is not None and half is not None:  # a sharded model's masters are its shards
             if self.pruned:
-                half.load_masters(fp16, self.names)
+                half.load_masters(fp16, self.names, self._loaded(partial))
             else:  # the masters are made at partitioning
-                self.pending_fp16 = fp16
+                self.pending_fp16 = (fp16, partial)
 
     def _stepped_ids(self) -> set[int]:
         """ids of the tensors the optimizer steps for this rank's parameters."""

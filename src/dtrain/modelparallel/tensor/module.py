@@ -19,7 +19,8 @@ TUNING_ARGUMENTS = frozenset(
     {"fused_softmax", "fused_bias_gelu", "attention_in_fp32", "query_key_layer_scaling"}
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
-without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32."""
+without effect: they choose fused kernels, and fp32 softmax and query-key scaling for fp16
+stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,
