@@ -18,22 +18,18 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.test_tensor_equivalence import (
+    CASES,
+    GLOBAL_BATCH,
+    LR,
+    STEPS,
+    _batch,
+    _lm,
+    _one_process,
+    _optimizer,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-GLOBAL_BATCH = 8
-LR = 0.2
-LM = {
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "attention_head_size": 4,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "vocab_size": 32,
-    "num_positions": 8,
-    "attention_dropout_prob": 0.0,
-    "hidden_dropout_prob": 0.0,
-    "causal_mask_size": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -48,18 +44,6 @@ class Recipe:
     poisoned_at: int | None = None
     """Step in whose backward rank 0 alone writes an inf into its shard of a gradient."""
     clip: float | None = None
-
-
-def _lm() -> nn.Module:
-    return smp.nn.DistributedTransformerLMHead(**LM)
-
-
-def _batch(step: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(50 + step)
-    ids = torch.randint(0, 32, (GLOBAL_BATCH, 8), generator=g)
-    mask = torch.ones(GLOBAL_BATCH, 8)
-    mask[:, 7] = (torch.arange(GLOBAL_BATCH) % 2).float()
-    return ids, mask
 
 
 def _loss(model: nn.Module, ids: Tensor, mask: Tensor, recipe: Recipe, step: int) -> Tensor:
@@ -275,3 +259,92 @@ def test_grad_scaler_skips_an_overflow_in_one_rank_shard_on_both() -> None:
         assert got["scales"] == expected["scales"]
         for name, value in expected["model"].items():
             torch.testing.assert_close(got["model"][name], value, rtol=1e-4, atol=1e-6)
+
+
+# --- delayed initialisation ---------------------------------------------------------------------
+
+
+def _whole_split(model: Any) -> dict[str, Tensor]:
+    """The whole values of the parameters split over the tp group (a gather; a replicated
+    one's is its local tensor: copied)."""
+    return {
+        name: param.full_tensor().detach().clone()
+        for name, param in model.module.named_parameters()
+        if isinstance(param, DTensor)
+    }
+
+
+def _delayed(case: str) -> dict[str, Any]:
+    """``case`` created eagerly at tp=2, then inside ``smp.model_creation`` without memory:
+    the split parameters when each is wrapped; then the delayed one trained as
+    ``test_tensor_equivalence`` trains the eager one."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "delayed_parameter_initialization": True})
+    build, loss_fn = CASES[case]
+    eager = build()
+    if case == "mlp":
+        smp.set_tensor_parallelism(eager)
+    out: dict[str, Any] = {"eager": _whole_split(smp.DistributedModel(eager))}
+    smp.reset()
+    with smp.model_creation(tensor_parallelism=True):
+        module = build()
+    model = smp.DistributedModel(module)
+    out["split"] = _whole_split(model)
+    out["meta"] = sorted(n for n, p in model.module.named_parameters() if p.is_meta)
+    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        loss = loss_fn(model, ids, mask)
+        model.backward(loss)
+        return loss
+
+    mine = _rows(smp.dp_rank(), smp.dp_size())
+    losses = []
+    for step in range(STEPS):
+        ids, mask = _batch(step)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+        optimizer.step()
+    out["losses"] = losses
+    out["trained"] = model.state_dict()
+    smp.reset()
+    with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16):
+        module = build()
+    model = smp.DistributedModel(module)
+    out["bf16"] = _whole_split(model)
+    out["dtypes"] = {str(p.dtype) for p in model.parameters()}
+    return out
+
+
+UNMADE_WHEN_WRAPPED = {"lm": ["position_embedding.weight", "word_embedding.weight"], "mlp": []}
+"""Parameters still without memory once the model is wrapped: those outside the distributed
+modules (the LM's embeddings; the MLP's layers are all swapped, their originals made to be)."""
+
+
+@pytest.mark.parametrize("case", ["lm", "mlp"])
+def test_delayed_creation_makes_each_rank_shards_with_eager_values(case: str) -> None:
+    build, _ = CASES[case]
+    losses, params, _ = _one_process(case)
+    with single_process({}):
+        first = build().state_dict()
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            in_bf16 = build().state_dict()
+        finally:
+            torch.set_default_dtype(previous)
+    ranks = run_ranks(2, _delayed, case, timeout=120)
+    for got in ranks:
+        # Split when wrapped, bit for bit as eager tp=2 and one process create them; the
+        # rest of the model is still without memory.
+        assert got["split"].keys() == got["eager"].keys() and got["split"]
+        for name, value in got["split"].items():
+            assert torch.equal(value, got["eager"][name]), name
+            assert torch.equal(value, first[name]), name
+            assert torch.equal(got["bf16"][name], in_bf16[name]), name
+        assert got["meta"] == UNMADE_WHEN_WRAPPED[case]
+        assert got["dtypes"] == {"torch.bfloat16"}
+        for name, value in params.items():
+            torch.testing.assert_close(got["trained"][name], value, rtol=1e-4, atol=1e-6)
+    mean = [sum(got["losses"][step] for got in ranks) / len(ranks) for step in range(STEPS)]
+    assert mean == pytest.approx(losses, rel=1e-5)

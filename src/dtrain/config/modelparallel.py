@@ -404,8 +404,6 @@ TENSOR_PARALLEL_EXCLUSIONS: tuple[tuple[str, Any, str], ...] = (
      "deterministic order, which dtrain does not have yet"),
     ("shard_optimizer_state", False, "the sharded optimizer does not handle DTensor "
      "parameters yet"),
-    ("delayed_parameter_initialization", False, "delayed initialization does not make "
-     "DTensor shards yet"),
 )  # fmt: skip
 """What ``tensor_parallel_degree`` above 1 cannot be combined with yet: (parameter, the value
 it must keep, why)."""

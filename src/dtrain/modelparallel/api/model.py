@@ -116,7 +116,9 @@ class DistributedModel(nn.Module):
         if self._state.tp_size > 1:
             from dtrain.modelparallel.tensor import shards, swap
 
+            self._sync_random_states(module)  # a delayed model's shards are made now
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
+            shards.split_delayed(module, self._state.device)
             self.tensor_shards = shards
         state.register_model(self)
         self.module = module
@@ -269,9 +271,11 @@ class DistributedModel(nn.Module):
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
 
-    def _sync_random_states(self) -> None:
-        """A delayed model's share will be made from rank 0's random states, on every rank."""
-        recordings = deferred.recordings_of(self._all_tensors())
+    def _sync_random_states(self, root: nn.Module | None = None) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank
+        (``root``: the module before it is wrapped)."""
+        tensors = self._all_tensors() if root is None else [*root.parameters(), *root.buffers()]
+        recordings = deferred.recordings_of(tensors)
         if recordings and self._state.size > 1:
             deferred.sync_random_states(recordings, self._rank0_states)
 

@@ -17,12 +17,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.linear import DistributedLinear
+from dtrain.modelparallel.tensor.module import DistributedModule
 
 
 def _linear_args(layer: nn.Linear) -> marks.Args:
@@ -59,6 +62,7 @@ def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
 
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    _keep_inside_distributed(root)
     _refuse_untying(root)
     done: dict[int, nn.Module] = {}
 
@@ -85,6 +89,15 @@ def distribute(root: nn.Module) -> nn.Module:
         return swapped
 
     return visit(root, "")
+
+
+def _keep_inside_distributed(root: nn.Module) -> None:
+    """The layers an ``smp.nn`` module builds (its embeddings, its tied head) are its own, made
+    inside ``smp.tensor_parallelism()`` as it was: never swapped."""
+    for module in root.modules():
+        if isinstance(module, (DistributedModule, DistributedLinear, DistributedEmbedding)):
+            for inner in list(module.modules())[1:]:
+                marks.set_tensor_parallelism(inner, enabled=False)
 
 
 def _swaps(module: nn.Module) -> bool:
@@ -147,7 +160,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if registration.init_hook is not None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
-    dist = registration.dist_module(*positional, **keywords)
+    dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
     _copy_weights(module, dist, registration.translate)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
@@ -156,6 +169,19 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if return_hook is not None:
         dist.register_forward_hook(lambda _m, _a, out: return_hook(out))
     return dist
+
+
+def _created_as(original: nn.Module, create: Callable[[], nn.Module]) -> nn.Module:
+    """``create()`` with the default dtype the floating parameters of ``original`` have (a
+    model made inside ``smp.model_creation(dtype=...)`` keeps it when swapped)."""
+    dtypes = {p.dtype for p in original.parameters() if p.is_floating_point()}
+    previous = torch.get_default_dtype()
+    if len(dtypes) == 1:
+        torch.set_default_dtype(dtypes.pop())
+    try:
+        return create()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +209,9 @@ def _copy_weights(
     dist: nn.Module,
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
+    # An original created without memory is made first: the one module whole at a time.
+    tensors = [*original.parameters(), *original.buffers()]
+    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return
