@@ -44,6 +44,9 @@ class Recipe:
     poisoned_at: int | None = None
     """Step in whose backward rank 0 alone writes an inf into its shard of a gradient."""
     clip: float | None = None
+    rdp: int = 1
+    """Replicas of the tp=2 model; above 1 their optimizer state is sharded over them
+    (``shard_optimizer_state``)."""
 
 
 def _loss(model: nn.Module, ids: Tensor, mask: Tensor, recipe: Recipe, step: int) -> Tensor:
@@ -120,7 +123,8 @@ def _wrapped(recipe: Recipe) -> tuple[Any, Any]:
 def _train(recipe: Recipe, checkpoint: str | None) -> dict[str, Any]:
     """With ``checkpoint`` (a folder), a partial checkpoint is saved before the last step and
     a fresh model and optimizer resume from it."""
-    smp.init({"tensor_parallel_degree": 2, "ddp": True, recipe.dtype: True})
+    config = {"tensor_parallel_degree": 2, "ddp": True, recipe.dtype: True}
+    smp.init({**config, "shard_optimizer_state": recipe.rdp > 1})
     model, optimizer = _wrapped(recipe)
 
     @smp.step
@@ -163,6 +167,7 @@ def _train(recipe: Recipe, checkpoint: str | None) -> dict[str, Any]:
             f"{type(p).__name__} {p.dtype}" for g in optimizer.param_groups for p in g["params"]
         },
         "half": {str(p.dtype) for p in model.parameters()},
+        "dp_rank": smp.dp_rank(),
     }
 
 
@@ -174,15 +179,18 @@ steps) and 4.9e-5 (fp16, two steps taken), while a step moves the masters by abo
 
 
 def _check(results: list[dict[str, Any]], recipe: Recipe) -> dict[str, Any]:
-    expected = reference(recipe)
+    expected = reference(recipe, replicas=2 * recipe.rdp)
     dtype = DTYPES[recipe.dtype]
-    for rank, got in enumerate(results):
-        want = [step[rank] for step in expected["losses"]]
+    for got in results:
+        want = [step[got["dp_rank"]] for step in expected["losses"]]
         assert got["losses"] == pytest.approx(want, rel=8 * torch.finfo(dtype).eps)
         assert got["scales"] == expected["scales"]
         assert got["norms"] == pytest.approx(expected["norms"], rel=1e-2)
         assert got["half"] == {str(dtype)}
-        assert got["stepped"] == {"DTensor torch.float32", "Parameter torch.float32"}
+        # fp32 masters, a DTensor for each split parameter (through a plain proxy sharing
+        # its memory when ZeRO steps it).
+        split = "Tensor" if recipe.rdp > 1 else "DTensor"
+        assert got["stepped"] == {f"{split} torch.float32", "Parameter torch.float32"}
         for name, value in expected["masters"].items():
             master = got["masters"][name]
             torch.testing.assert_close(master, value, rtol=0, atol=TOLERANCE[recipe.dtype])
@@ -195,15 +203,17 @@ def test_bf16_tensor_parallel_trains_like_one_process_with_fp32_dtensor_masters(
     _check(run_ranks(2, _train, recipe, None), recipe)
 
 
-def test_fp16_tensor_parallel_scales_and_skips_an_overflow_of_one_rank_on_both(
+def test_fp16_tensor_parallel_with_sharded_state_skips_an_overflow_of_one_rank_on_all(
     tmp_path: Path,
 ) -> None:
-    # Step 1 overflows everywhere; at step 2 only rank 0's shard of one gradient holds an
-    # inf: both steps are skipped on both ranks, and each halves the dynamic scale.
+    # tp=2 x rdp=2, the optimizer state sharded over the replicas (AWS's GPT-2 example's
+    # combination). Step 1 overflows everywhere; at step 2 only rank 0's shard of one gradient
+    # holds an inf: both steps are skipped on every rank, and each halves the dynamic scale.
     recipe = Recipe(
-        "fp16", steps=4, static_loss_scale=1024.0, dynamic=True, huge_loss_at=1, poisoned_at=2
-    )
-    _check(run_ranks(2, _train, recipe, str(tmp_path)), recipe)
+        "fp16", steps=4, static_loss_scale=1024.0, dynamic=True, huge_loss_at=1, poisoned_at=2,
+        rdp=2,
+    )  # fmt: skip
+    _check(run_ranks(4, _train, recipe, str(tmp_path), timeout=120), recipe)
 
 
 def _scaler_steps() -> dict[str, Any]:
@@ -348,3 +358,67 @@ def test_delayed_creation_makes_each_rank_shards_with_eager_values(case: str) ->
             torch.testing.assert_close(got["trained"][name], value, rtol=1e-4, atol=1e-6)
     mean = [sum(got["losses"][step] for got in ranks) / len(ranks) for step in range(STEPS)]
     assert mean == pytest.approx(losses, rel=1e-5)
+
+
+# --- shard_optimizer_state ----------------------------------------------------------------------
+
+
+def _sharded_state() -> dict[str, Any]:
+    """Each case trained at tp=2 x rdp=2 with its optimizer state sharded over the rdp group:
+    the losses, the whole model, the state elements this rank holds and the whole state's
+    shapes."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "shard_optimizer_state": True})
+    out: dict[str, Any] = {}
+    for case, (build, loss_fn) in CASES.items():
+        module = build()
+        if case == "mlp":
+            smp.set_tensor_parallelism(module)
+        model = smp.DistributedModel(module)
+        optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+        @smp.step
+        def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+            loss = loss_fn(model, ids, mask)  # noqa: B023 (called in this iteration)
+            model.backward(loss)
+            return loss
+
+        mine = _rows(smp.dp_rank(), smp.dp_size())
+        losses = []
+        for step in range(STEPS):
+            ids, mask = _batch(step)
+            optimizer.zero_grad()
+            losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+            optimizer.step()
+        held = optimizer.local_state_dict()["state"].values()
+        whole = optimizer.state_dict()["state"]
+        out[case] = {
+            "losses": losses,
+            "model": model.state_dict(),
+            "held": sum(v["momentum_buffer"].numel() for v in held),
+            "shapes": {name: tuple(v["momentum_buffer"].shape) for name, v in whole.items()},
+            "local": sum(
+                p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                for p in model.parameters()
+            ),
+        }
+        smp.reset()
+    return out
+
+
+def test_shard_optimizer_state_with_tensor_parallelism_trains_like_one_process() -> None:
+    ranks = run_ranks(4, _sharded_state, timeout=180)
+    for case in CASES:
+        losses, params, _ = _one_process(case)
+        mean = [sum(r[case]["losses"][step] for r in ranks) / len(ranks) for step in range(STEPS)]
+        assert mean == pytest.approx(losses, rel=1e-5), case
+        # Whole momenta, one per parameter (the LM's head is tied to its word embedding).
+        shapes = {n: tuple(v.shape) for n, v in params.items() if n != "lm_head.weight"}
+        for got in ranks:
+            assert got[case]["shapes"] == shapes
+            for name, value in params.items():
+                torch.testing.assert_close(got[case]["model"][name], value, rtol=1e-4, atol=1e-6)
+        # The two replicas of a tp rank (ranks r and r + 2) share its momentum between them.
+        for tp_rank in range(2):
+            pair = [ranks[tp_rank][case], ranks[tp_rank + 2][case]]
+            assert sum(got["held"] for got in pair) == pair[0]["local"], case
+            assert max(got["held"] for got in pair) < 0.75 * pair[0]["local"], case
