@@ -1,27 +1,29 @@
-"""Tensor parallelism with the memory features: bf16 and fp16 parameters (fp32 masters as
-DTensors, loss scaling, an overflow on one rank skipping the step on all), each trained at tp=2
-like one process running the same recipe by hand (the model in half, an fp32 master per
-parameter stepped by the optimizer and rounded back, each replica's half gradients unscaled
-into fp32 and averaged); ``smp.amp.GradScaler`` on DTensor gradients."""
+"""Tensor parallelism with the memory features, each against one process on the same global
+batch. bf16 and fp16 parameters: tp=2 (and tp=2 x rdp=2 with the optimizer state sharded)
+trains like one process running ``test_half_precision``'s recipe by hand (the model in half,
+fp32 masters, here DTensors, stepped and rounded back; fp16's scale and an overflow on one
+rank skipping the step on all; a partial checkpoint resumed); ``smp.amp.GradScaler`` on DTensor
+gradients. Delayed creation: each rank makes its shards with eager values. ``shard_optimizer_state``
+at tp=2 x rdp=2: ``test_tensor_equivalence``'s models train like one process."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
+from tests.modelparallel import test_half_precision as half
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_tensor_equivalence import (
     CASES,
     GLOBAL_BATCH,
-    LR,
     STEPS,
     _batch,
     _lm,
@@ -29,107 +31,40 @@ from tests.modelparallel.test_tensor_equivalence import (
     _optimizer,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TP_LM = half.Case(
+    _lm,
+    (),
+    lambda step: dict(zip(("ids", "mask"), _batch(step), strict=True)),
+    lambda model, b: model((b["ids"], b["mask"], None, None, b["ids"]))[0],
+)
+"""The LM of ``test_tensor_equivalence`` as a case of ``test_half_precision``'s recipes (one
+microbatch, ``dp`` the tp=2 model's data-parallel degree: 2 per replica)."""
 
 
-@dataclass(frozen=True)
-class Recipe:
-    dtype: str
-    steps: int = 3
-    static_loss_scale: float = 1.0
-    dynamic: bool = False
-    """A dynamic scale from ``static_loss_scale``: halved by each overflow."""
-    huge_loss_at: int | None = None
-    """Step whose loss every rank multiplies by 1e30 (an fp16 overflow everywhere)."""
-    poisoned_at: int | None = None
-    """Step in whose backward rank 0 alone writes an inf into its shard of a gradient."""
-    clip: float | None = None
-    rdp: int = 1
-    """Replicas of the tp=2 model; above 1 their optimizer state is sharded over them
-    (``shard_optimizer_state``)."""
+def _reference(recipe: half.Recipe) -> dict[str, Any]:
+    with single_process({}):  # smp.nn modules are created and run under smp
+        return half.reference(recipe, TP_LM)
 
 
-def _loss(model: nn.Module, ids: Tensor, mask: Tensor, recipe: Recipe, step: int) -> Tensor:
-    loss = model((ids, mask, None, None, ids))[0].float()  # as a half model's outputs leave
-    return loss * 1e30 if step == recipe.huge_loss_at else loss
-
-
-def _rows(rank: int, size: int) -> slice:
-    rows = GLOBAL_BATCH // size
-    return slice(rank * rows, (rank + 1) * rows)
-
-
-def reference(recipe: Recipe, replicas: int = 2) -> dict[str, Any]:
-    """The recipe in one process, each of ``replicas`` data-parallel ranks' rows apart."""
-    with single_process({}):
-        return _reference(recipe, replicas)
-
-
-def _reference(recipe: Recipe, replicas: int) -> dict[str, Any]:
-    model = _lm()
-    named = dict(model.named_parameters())
-    masters = {n: nn.Parameter(p.detach().clone()) for n, p in named.items()}
-    model.to(DTYPES[recipe.dtype])
-    optimizer = torch.optim.SGD(masters.values(), lr=LR, momentum=0.9)
-    scale = recipe.static_loss_scale
-    losses, scales, norms = [], [], []
-    for step in range(recipe.steps):
-        ids, mask = _batch(step)
-        for master in masters.values():
-            master.grad = None
-        step_losses = []
-        for replica in range(replicas):
-            mine = _rows(replica, replicas)
-            for param in named.values():
-                param.grad = None
-            loss = _loss(model, ids[mine], mask[mine], recipe, step)
-            loss.backward(torch.full_like(loss, scale))
-            step_losses.append(loss.item())
-            for name, param in named.items():
-                grad = param.grad.float() / scale
-                master = masters[name]
-                master.grad = grad if master.grad is None else master.grad + grad
-        for master in masters.values():
-            master.grad /= replicas
-        if recipe.clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(masters.values(), recipe.clip)))
-        finite = all(torch.isfinite(m.grad).all() for m in masters.values())
-        if finite and step != recipe.poisoned_at:
-            optimizer.step()
-            with torch.no_grad():
-                for name, param in named.items():
-                    param.copy_(masters[name])
-        elif recipe.dynamic:
-            scale /= 2
-        losses.append(step_losses)
-        scales.append(scale)
-    return {
-        "losses": losses,
-        "scales": scales,
-        "norms": norms,
-        "masters": {n: m.detach() for n, m in masters.items()},
-    }
-
-
-def _wrapped(recipe: Recipe) -> tuple[Any, Any]:
+def _wrapped(recipe: half.Recipe) -> tuple[Any, Any]:
     model = smp.DistributedModel(_lm())
     args: dict[str, Any] = {"static_loss_scale": recipe.static_loss_scale}
     if recipe.dynamic:
         args = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": args.popitem()[1]}}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=half.LR, momentum=0.9)
     return model, smp.DistributedOptimizer(optimizer, **args)
 
 
-def _train(recipe: Recipe, checkpoint: str | None) -> dict[str, Any]:
+def _train(recipe: half.Recipe, checkpoint: str | None) -> dict[str, Any]:
     """With ``checkpoint`` (a folder), a partial checkpoint is saved before the last step and
     a fresh model and optimizer resume from it."""
     config = {"tensor_parallel_degree": 2, "ddp": True, recipe.dtype: True}
-    smp.init({**config, "shard_optimizer_state": recipe.rdp > 1})
+    smp.init({**config, "shard_optimizer_state": recipe.shard_optimizer_state})
     model, optimizer = _wrapped(recipe)
 
     @smp.step
-    def train_step(model: Any, ids: Tensor, mask: Tensor, step: int) -> Tensor:
-        loss = _loss(model, ids, mask, recipe, step)
+    def train_step(model: Any, batch: half.Batch, step: int) -> Tensor:
+        loss = half._loss(recipe, step, TP_LM.loss(model, batch))
         model.backward(loss)
         return loss
 
@@ -146,10 +81,9 @@ def _train(recipe: Recipe, checkpoint: str | None) -> dict[str, Any]:
         if step == recipe.poisoned_at and smp.rank() == 0:
             split = next(p for p in model.module.parameters() if isinstance(p, DTensor))
             hook = split.register_post_accumulate_grad_hook(poison)
-        ids, mask = _batch(step)
-        mine = _rows(smp.dp_rank(), smp.dp_size())
+        batch = half._rows(TP_LM.batch(step), smp.dp_rank(), smp.dp_size())
         optimizer.zero_grad()
-        losses.append(float(train_step(model, ids[mine], mask[mine], step).reduce_mean()))
+        losses.append(float(train_step(model, batch, step).reduce_mean()))
         if step == recipe.poisoned_at and smp.rank() == 0:
             hook.remove()
         if recipe.clip is not None:
@@ -171,16 +105,15 @@ def _train(recipe: Recipe, checkpoint: str | None) -> dict[str, Any]:
     }
 
 
-TOLERANCE = {"bf16": 1e-3, "fp16": 2e-4}
-"""How far a tp=2 master may end from one process's (the pipelines' tolerance): a row-split
-layer sums each rank's half partial product, and a scaled-batch gradient sums the tp group's
-batches in half, where one process rounds each replica's apart; measured 5.6e-4 (bf16, three
-steps) and 4.9e-5 (fp16, two steps taken), while a step moves the masters by about 2e-2."""
+# half.TOLERANCE holds here too: a row-split layer sums each rank's half partial product, and
+# a scaled-batch gradient sums the tp group's batches in half, where one process rounds each
+# replica's apart. Measured (lr 0.2): 5.6e-4 (bf16, three steps), 4.9e-5 (fp16, two steps
+# taken), while a step moves the masters by about 2e-2.
 
 
-def _check(results: list[dict[str, Any]], recipe: Recipe) -> dict[str, Any]:
-    expected = reference(recipe, replicas=2 * recipe.rdp)
-    dtype = DTYPES[recipe.dtype]
+def _check(results: list[dict[str, Any]], recipe: half.Recipe) -> None:
+    expected = _reference(recipe)
+    dtype = half.DTYPES[recipe.dtype]
     for got in results:
         want = [step[got["dp_rank"]] for step in expected["losses"]]
         assert got["losses"] == pytest.approx(want, rel=8 * torch.finfo(dtype).eps)
@@ -189,17 +122,16 @@ def _check(results: list[dict[str, Any]], recipe: Recipe) -> dict[str, Any]:
         assert got["half"] == {str(dtype)}
         # fp32 masters, a DTensor for each split parameter (through a plain proxy sharing
         # its memory when ZeRO steps it).
-        split = "Tensor" if recipe.rdp > 1 else "DTensor"
+        split = "Tensor" if recipe.shard_optimizer_state else "DTensor"
         assert got["stepped"] == {f"{split} torch.float32", "Parameter torch.float32"}
         for name, value in expected["masters"].items():
             master = got["masters"][name]
-            torch.testing.assert_close(master, value, rtol=0, atol=TOLERANCE[recipe.dtype])
+            torch.testing.assert_close(master, value, rtol=0, atol=half.TOLERANCE[recipe.dtype])
             assert torch.equal(got["model"][name], master.to(dtype)), name
-    return expected
 
 
 def test_bf16_tensor_parallel_trains_like_one_process_with_fp32_dtensor_masters() -> None:
-    recipe = Recipe("bf16", clip=0.5)
+    recipe = half.Recipe("tp_lm", "bf16", microbatches=1, dp=2, clip=0.5, pp=1)
     _check(run_ranks(2, _train, recipe, None), recipe)
 
 
@@ -209,9 +141,9 @@ def test_fp16_tensor_parallel_with_sharded_state_skips_an_overflow_of_one_rank_o
     # tp=2 x rdp=2, the optimizer state sharded over the replicas (AWS's GPT-2 example's
     # combination). Step 1 overflows everywhere; at step 2 only rank 0's shard of one gradient
     # holds an inf: both steps are skipped on every rank, and each halves the dynamic scale.
-    recipe = Recipe(
-        "fp16", steps=4, static_loss_scale=1024.0, dynamic=True, huge_loss_at=1, poisoned_at=2,
-        rdp=2,
+    recipe = half.Recipe(
+        "tp_lm", "fp16", steps=4, microbatches=1, dp=4, static_loss_scale=1024.0, dynamic=True,
+        huge_loss_at=1, poisoned_at=2, pp=1, shard_optimizer_state=True,
     )  # fmt: skip
     _check(run_ranks(4, _train, recipe, str(tmp_path), timeout=120), recipe)
 
@@ -221,21 +153,19 @@ def _scaler_steps() -> dict[str, Any]:
     inf into its shard of a gradient."""
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
     model = smp.DistributedModel(_lm())
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=half.LR))
     scaler = smp.amp.GradScaler(init_scale=4.0)
 
     @smp.step
-    def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
-        loss = _loss(model, ids, mask, Recipe("fp32"), 0)
+    def train_step(model: Any, batch: half.Batch) -> Tensor:
+        loss = TP_LM.loss(model, batch)
         model.backward(scaler.scale(loss))
         return loss
 
     scales = []
     for step in range(2):
-        ids, mask = _batch(step)
-        mine = _rows(smp.dp_rank(), smp.dp_size())
         optimizer.zero_grad()
-        train_step(model, ids[mine], mask[mine])
+        train_step(model, half._rows(TP_LM.batch(step), smp.dp_rank(), smp.dp_size()))
         if step == 0 and smp.rank() == 0:
             split = next(p for p in model.parameters() if isinstance(p, DTensor))
             split.grad.to_local().view(-1)[0] = math.inf
@@ -248,12 +178,12 @@ def _scaler_steps() -> dict[str, Any]:
 def _scaler_reference() -> dict[str, Any]:
     with single_process({}):
         model = _lm()
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer = torch.optim.SGD(model.parameters(), lr=half.LR)
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         scales = []
         for step in range(2):
             optimizer.zero_grad()
-            scaler.scale(_loss(model, *_batch(step), Recipe("fp32"), 0)).backward()
+            scaler.scale(TP_LM.loss(model, TP_LM.batch(step))).backward()
             if step == 0:
                 next(iter(model.parameters())).grad.view(-1)[0] = math.inf
             scaler.step(optimizer)
@@ -284,6 +214,28 @@ def _whole_split(model: Any) -> dict[str, Tensor]:
     }
 
 
+def _trained(model: Any, loss_fn: Callable[..., Tensor]) -> tuple[list[float], Any]:
+    """``test_tensor_equivalence``'s training of ``model`` on this rank's rows of each global
+    batch; the losses and the optimizer."""
+    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+        loss = loss_fn(model, ids, mask)
+        model.backward(loss)
+        return loss
+
+    rows = GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    losses = []
+    for step in range(STEPS):
+        ids, mask = _batch(step)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+        optimizer.step()
+    return losses, optimizer
+
+
 def _delayed(case: str) -> dict[str, Any]:
     """``case`` created eagerly at tp=2, then inside ``smp.model_creation`` without memory:
     the split parameters when each is wrapped; then the delayed one trained as
@@ -300,22 +252,7 @@ def _delayed(case: str) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     out["split"] = _whole_split(model)
     out["meta"] = sorted(n for n, p in model.module.named_parameters() if p.is_meta)
-    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
-        loss = loss_fn(model, ids, mask)
-        model.backward(loss)
-        return loss
-
-    mine = _rows(smp.dp_rank(), smp.dp_size())
-    losses = []
-    for step in range(STEPS):
-        ids, mask = _batch(step)
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
-        optimizer.step()
-    out["losses"] = losses
+    out["losses"], _ = _trained(model, loss_fn)
     out["trained"] = model.state_dict()
     smp.reset()
     with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16):
@@ -374,21 +311,7 @@ def _sharded_state() -> dict[str, Any]:
         if case == "mlp":
             smp.set_tensor_parallelism(module)
         model = smp.DistributedModel(module)
-        optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-        @smp.step
-        def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
-            loss = loss_fn(model, ids, mask)  # noqa: B023 (called in this iteration)
-            model.backward(loss)
-            return loss
-
-        mine = _rows(smp.dp_rank(), smp.dp_size())
-        losses = []
-        for step in range(STEPS):
-            ids, mask = _batch(step)
-            optimizer.zero_grad()
-            losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
-            optimizer.step()
+        losses, optimizer = _trained(model, loss_fn)
         held = optimizer.local_state_dict()["state"].values()
         whole = optimizer.state_dict()["state"]
         out[case] = {
