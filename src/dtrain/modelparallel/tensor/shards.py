@@ -2,7 +2,8 @@
 
 A distributed module is built whole, as its plain equivalent, then its layers are split with
 torch's parallel styles (``parallelize_module``), which cut every rank's shard from the weights
-of the group's first rank. What the rest of dtrain needs to know about such parameters lives
+of the group's first rank (created without memory, it is made and split when the model is
+wrapped: :func:`split_delayed`). What the rest of dtrain needs to know about such parameters lives
 here: the whole value behind a shard (state dicts hold whole tensors, as SMP's ``state_dict``
 does), the shard of a whole value (loading), and which parameters saw the group's combined batch
 (:mod:`.batch`), whose gradients average differently.
@@ -36,10 +37,10 @@ def parallelize(
     parameter of ``module`` as one that sees the group's combined batch. A module created
     without memory (``smp.delay_param_initialization``) keeps the plan until
     :func:`split_delayed` makes it."""
-    if any(deferred.is_deferred(p) for p in module.parameters()):
+    mesh = state.current(what).tensor_mesh
+    if mesh is not None and any(deferred.is_deferred(p) for p in module.parameters()):
         setattr(module, PENDING, (plan, what))
         return
-    mesh = state.current(what).tensor_mesh
     if mesh is not None:
         parallelize_module(module, mesh, plan)
     for param in module.parameters():
