@@ -347,4 +347,4 @@ def test_shard_optimizer_state_with_tensor_parallelism_trains_like_one_process()
         for tp_rank in range(2):
             pair = [ranks[tp_rank][case], ranks[tp_rank + 2][case]]
             assert sum(got["held"] for got in pair) == pair[0]["local"], case
-            assert max(got["held"] for got in pair) < 0.75 * pair[0]["local"], case
+            assert max(got["held"] for got in pair) <= 0.55 * pair[0]["local"], case
