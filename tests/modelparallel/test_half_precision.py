@@ -483,12 +483,13 @@ def _dynamic() -> list[tuple[bool, float]]:
     recipe = Recipe("lm", "fp16", steps=5, huge_loss_at=2)
     _init(recipe)
     args = {"init_scale": 2.0**10, "scale_window": 2}
-    model, _, step = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
+    model, optimizer, step = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
     history = []
     for index in range(recipe.steps):
         before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
         step(index)
         changed = any(not torch.equal(before[n], p) for n, p in model.local_named_parameters())
+        assert optimizer.overflow is not changed  # SMP's flag: the step was skipped
         history.append((changed, model.half_precision.scaler.scale))
     smp.shutdown()
     return history
@@ -496,7 +497,8 @@ def _dynamic() -> list[tuple[bool, float]]:
 
 def test_dynamic_loss_scale_skips_overflowing_steps_on_every_rank() -> None:
     # The scale grows after every 2 clean steps; the huge loss of step 2 overflows the fp16
-    # gradients: every rank (each with its own partition) skips that step and halves the scale.
+    # gradients: every rank (each with its own partition) skips that step, says so in
+    # optimizer.overflow, and halves the scale.
     assert (
         run_ranks(2, _dynamic)
         == [[(True, 2.0**10), (True, 2.0**11), (False, 2.0**10), (True, 2.0**10), (True, 2.0**11)]]

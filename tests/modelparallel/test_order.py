@@ -33,7 +33,7 @@ def test_only_the_current_action_may_compute(plan: str, ended: list[str], curren
     shown = "-" if order.current is None else f"{order.current[0]}{order.current[1]}"
     assert shown == current
     for phase, mb in {(a[0], a[1]) for a in order.actions}:
-        assert order.admits(phase, mb) is (order.current == (phase, mb))
+        assert order.admits(phase, mb) is (order.current == (phase, mb, 0))
     if current.startswith("B"):
         assert order.admits("I", int(current[1:]))
 
@@ -69,3 +69,23 @@ def test_an_ended_action_passes_only_once_its_work_here_has_run(
     order.advance(lambda key: f"{key[0]}{key[1]}" in busy)
     assert order.describe() == current
     assert order.has_ended("F", 0) is (current != "F0")
+
+
+def test_a_microbatch_that_comes_back_has_an_action_per_visit() -> None:
+    """A head tied to the embedding: the leader's forward of a microbatch visits it twice
+    (before and after the other partitions), its backward twice in reverse; each visit is an
+    action of its own, and ending the forward or backward as a whole ends every visit."""
+    order = PlanOrder.of([("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)])
+    assert order.admits("F", 0) and not order.admits("F", 0, 1)
+    order.end("F", 0, 0)
+    order.advance()
+    assert order.admits("F", 1) and order.has("F", 0, 1) and not order.has("F", 1, 1)
+    order.end("F", 1)
+    order.advance()
+    assert order.describe() == "F0 (visit 1)" and order.has_ended("F", 0, 0)
+    order.end("F", 0)  # the task turned to its backward: every visit of its forward is over
+    order.advance()
+    assert order.admits("I", 0, 1)
+    order.end("B", 0, 1)
+    order.advance()
+    assert order.describe() == "B0"

@@ -12,7 +12,12 @@ import pytest
 
 from dtrain.modelparallel.scheduling.check import check
 from dtrain.modelparallel.scheduling.costs import Costs, ideal_makespan
-from dtrain.modelparallel.scheduling.planner import build_schedule, schedule_of, zero_bubble_policy
+from dtrain.modelparallel.scheduling.planner import (
+    build_schedule,
+    route_orders,
+    schedule_of,
+    zero_bubble_policy,
+)
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.schedule import (
     Action,
@@ -537,3 +542,63 @@ def test_a_recorded_split_backward_is_checked_like_a_planned_one() -> None:
     recorded = recorded_schedule(events, "interleaved", 2, 1, 1)
     assert [str(a) for a in recorded.actions[1]] == ["RECV_F0", "F0", "I0", "SEND_B0", "W0"]
     check(recorded)
+
+
+def _row(actions: list[tuple[str, int, int]]) -> str:
+    """``F0`` for a first visit, ``F0'`` for the microbatch come back."""
+    return " ".join(f"{kind}{mb}" + ("'" * visit) for kind, mb, visit in actions)
+
+
+# Pipeline, split per stage -> each rank's plan row for a head tied to the embedding (0 -> 1 -> 0).
+TIED_HEAD_ROWS = [
+    (
+        "interleaved",
+        (),
+        "F0 F1 F0' B0' F1' B1' F2 F3 B0 F2' B2' F3' B3' B1 B2 B3",
+        "F0 F1 B0 B1 F2 F3 B2 B3",
+    ),
+    (
+        "simple",
+        (),
+        "F0 F1 F0' F1' F2 F3 F2' F3' B0' B1' B0 B1 B2' B3' B2 B3",
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+    ),
+    (
+        "interleaved",
+        (0, 2, 0),  # partition 1 splits; the leader's backwards never do
+        "F0 F1 F0' B0' F1' B1' F2 F3 B0 F2' B2' F3' B3' B1 B2 B3",
+        "F0 F1 B0 B1 F2 F3 I2 W2 I3 W3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "split", "leader", "other"), TIED_HEAD_ROWS)
+def test_a_microbatch_that_comes_back_to_the_leader_is_planned_a_visit_per_stage(
+    pipeline: str, split: tuple[int, ...], leader: str, other: str
+) -> None:
+    """One core per rank schedules both of the leader's stages, as its one token does: the
+    head's forward and backward are the leader's second visit, its backward not terminal
+    (partition 1 waits for it), the embedding's backward the first visit, terminal."""
+    policy = SchedulePolicy(pipeline, 4, 4, split)
+    rows = route_orders(policy, (0, 1, 0), Costs.per_stage(3))
+    assert [_row(row) for row in rows] == [leader, other]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_chain_route_plans_what_the_chain_plan_does(stages: int) -> None:
+    policy = zero_bubble_policy(
+        SchedulePolicy("interleaved", 5, 3), stages, Costs.per_stage(stages)
+    )
+    rows = route_orders(policy, tuple(range(stages)), Costs.per_stage(stages))
+    chain = schedule_of(policy, stages, Costs.per_stage(stages))
+    assert [_row(row) for row in rows] == [
+        " ".join(map(str, chain.compute_actions(rank))) for rank in range(stages)
+    ]
+
+
+@pytest.mark.parametrize("route", [(1, 0), (0, 2, 1), (0, 1, 0, 1), (0, 0), ()])
+def test_a_route_a_plan_order_cannot_serve_is_refused(route: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"route: got .*; allowed: partitions 0, 1, \.\.\."):
+        route_orders(
+            SchedulePolicy("interleaved", 2, 2), route, Costs.per_stage(max(len(route), 1))
+        )

@@ -1,6 +1,7 @@
 """Hugging Face GPT-2 created inside smp.tensor_parallelism() trains on two tensor-parallel
 ranks like the plain HF model in one process (hf_cases' tiny GPT-2 and padded batches), and its
-state dict translates to HF's and back."""
+state dict translates to HF's and back; its config's dropout, tying and attention-scaling
+options are honoured (one process: the swap is the same at any degree) or refused by name."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import swap
 from dtrain.modelparallel.tensor.huggingface.gpt2 import (
     translate_hf_state_dict_to_smdistributed,
     translate_state_dict_to_hf_gpt2,
 )
 from tests.modelparallel import hf_cases
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, single_process
 
 pytest.importorskip("transformers")
 
@@ -40,26 +43,15 @@ def _distributed(delayed: bool) -> dict[str, Any]:
     smp.init(
         {"tensor_parallel_degree": 2, "ddp": True, "delayed_parameter_initialization": delayed}
     )
+    return _train(delayed)
+
+
+def _train(delayed: bool = False) -> dict[str, Any]:
     creation = smp.model_creation(tensor_parallelism=True) if delayed else smp.tensor_parallelism()
     with creation:
         module = hf_cases.build("gpt2")
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=hf_cases.LR))
-
-    @smp.step
-    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = model(**batch).loss
-        model.backward(loss)
-        return loss
-
-    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        batch = {k: v[mine] for k, v in hf_cases.CASES["gpt2"].batch(step).items()}
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, batch).reduce_mean()))
-        optimizer.step()
+    losses = hf_cases.train_wrapped(model, "gpt2", STEPS)
     return {"losses": losses, "state": model.state_dict(), "kind": type(model.module).__name__}
 
 
@@ -78,3 +70,51 @@ def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model(delayed: bool)
     assert again.keys() == ranks[1]["state"].keys()
     for key, value in again.items():
         assert torch.equal(value, ranks[1]["state"][key]), key
+
+
+def _swapped_gpt2(**options: Any) -> tuple[Any, Any]:
+    """A tiny HF GPT-2 with ``options`` and its distributed module (swapped in one process)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False, **options
+    )
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel._from_config(config, attn_implementation="eager")
+    smp.set_tensor_parallelism(plain)
+    return plain, swap.distribute(plain)
+
+
+def test_gpt2_config_options_are_honoured_or_refused() -> None:
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with single_process({}):
+        plain, dist = _swapped_gpt2(
+            tie_word_embeddings=False,
+            scale_attn_weights=False,
+            scale_attn_by_inverse_layer_idx=True,
+            embd_pdrop=0.3,
+            resid_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        assert dist.dropout.p == 0.3
+        assert dist.lm_head.weight is not dist.word_embedding.weight
+        dist.eval()
+        plain.eval()
+        torch.testing.assert_close(dist(input_ids=ids).logits, plain(input_ids=ids).logits)
+        with pytest.raises(ModelParallelError) as refused:
+            _swapped_gpt2(reorder_and_upcast_attn=True)
+    assert "reorder_and_upcast_attn=True is not supported by dtrain; allowed: False" in str(
+        refused.value
+    )
+
+
+def test_gpt2_inside_tensor_parallelism_is_swapped_at_degree_one_too() -> None:
+    """As SMP does: AWS's GPT-2 script reads ``transformer.seq_layers`` at any tp degree."""
+    with single_process({"ddp": True}):
+        result = _train()
+    losses, params = _plain()
+    assert result["kind"] == "DistributedTransformerLMHead"
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    back = translate_state_dict_to_hf_gpt2(result["state"])
+    for key, value in params.items():
+        torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 import dtrain.modelparallel as smp
+from dtrain.compat import SHIM_ROOT
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.tensor import swap
 from tests.modelparallel.harness import single_process
 
@@ -146,3 +148,54 @@ def test_tp_register_decorates_a_class() -> None:
     with smp.model_creation(tensor_parallelism=True):
         made = Decorated(2)
     assert type(swap.distribute(made)) is DistScale
+
+
+class Gated(Scale):
+    """A registered module with a submodule, which its distributed module does not have."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.gate = nn.Linear(n, n)
+
+
+@pytest.mark.filterwarnings("ignore:.*DistScale replacing Gated has other parameter names")
+def test_a_checkpointing_mark_moves_to_the_distributed_module() -> None:
+    block = Block()
+    smp.set_tensor_parallelism(block)
+    smp.set_activation_checkpointing(block.up)
+    swap.distribute(block)
+    assert type(block.up) is smp.nn.DistributedLinear
+    assert activations.kept_whole(block) == {"up"}
+    smp.tp_register_with_module(Gated, DistScale, init_hook=_scale_args)
+    with smp.tensor_parallelism():
+        holder = nn.Sequential(Gated(3))
+    smp.set_activation_checkpointing(holder[0].gate)
+    marked = r"module '0' \(Gated\) cannot be distributed: .* marked its submodule 'gate'"
+    with pytest.raises(ModelParallelError, match=marked):
+        swap.distribute(holder)
+
+
+def test_awss_scripts_imports_and_creation_switches_are_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AWS's ``train_gpt_simple.py`` imports the GPT-2 translation under its suffixed name and
+    passes SMP's kernel switches (``fused_dropout`` among them) to ``smp.model_creation``; its
+    GPT-NeoX script passes more, and transformer options at their defaults for any model."""
+    monkeypatch.syspath_prepend(str(SHIM_ROOT))
+    from smdistributed.modelparallel.torch.nn.huggingface import gpt2
+
+    from dtrain.modelparallel.tensor.huggingface.inplace import IN_PLACE_DEFAULTS
+    from dtrain.modelparallel.tensor.module import TUNING_ARGUMENTS, refuse_unsupported
+
+    assert (
+        gpt2.translate_hf_state_dict_to_smdistributed_gpt2
+        is gpt2.translate_hf_state_dict_to_smdistributed
+    )
+    switches = ("fused_softmax", "fused_dropout", "fused_bias_gelu", "attention_in_fp32")
+    switches += ("flash_attention", "zero_init")  # and AWS's GPT-NeoX script
+    assert set(switches) <= TUNING_ARGUMENTS
+    refuse_unsupported("smp.nn.X", dict.fromkeys(switches, True), {})
+    defaults = {"use_alibi": False, "fp32_residual_addition": False, "distribute_embedding": False}
+    refuse_unsupported("smp.nn.huggingface.gptneox", defaults, IN_PLACE_DEFAULTS)
+    with pytest.raises(ModelParallelError, match="distribute_embedding=True is not supported"):
+        refuse_unsupported("x", {"distribute_embedding": True}, IN_PLACE_DEFAULTS)

@@ -51,6 +51,7 @@ from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, schedule_of, zero_bubble_policy
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.schedule import Schedule
+from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport.message import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
@@ -113,13 +114,14 @@ class DistributedModel(nn.Module):
         """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
         parallelism only: DTensor takes a second to import), which knows the parameters split
         over the tp group (the optimizer asks it too)."""
-        if self._state.tp_size > 1:
+        if self._state.tp_size > 1 or marks.any_marked(module):
             from dtrain.modelparallel.tensor import shards, swap
 
             self._sync_random_states(module)  # a delayed model's shards are made now
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             shards.split_delayed(module, self._state.device)
-            self.tensor_shards = shards
+            if self._state.tp_size > 1:
+                self.tensor_shards = shards
         state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches

@@ -84,10 +84,13 @@ def DistributedOptimizer(
         adapter.prune()
         run = original_step if adapter.zero is None else adapter.zero_step
         if model.sharding is not None:  # sdp_gradient_clipping and fp16, as SMP's sharded step
-            return model.sharding.step(lambda: run(*args, **kwargs))
-        if half is None:
+            result = model.sharding.step(lambda: run(*args, **kwargs))
+        elif half is None:
             return run(*args, **kwargs)
-        return half.step(lambda: run(*args, **kwargs))
+        else:
+            result = half.step(lambda: run(*args, **kwargs))
+        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped
+        return result
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         original_zero_grad(set_to_none)
@@ -95,6 +98,9 @@ def DistributedOptimizer(
         if half is not None:
             half.zero_grad()
 
+    optimizer.overflow = False  # type: ignore[attr-defined]
+    """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some
+    rank (AWS's scripts then leave the learning rate where it was)."""
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]

@@ -222,6 +222,8 @@ class LossScaling:
         self.overflow = False
         """An inf/NaN gradient since the last optimizer step, on any rank (fp16 only); whoever
         checks the gradients sets it, the same on every rank."""
+        self.skipped = False
+        """Whether the last optimizer step was skipped (SMP's ``optimizer.overflow``)."""
 
     @property
     def scaled(self) -> bool:
@@ -236,6 +238,7 @@ class LossScaling:
         """The optimizer's ``step``, skipped (returning ``None``) after an overflow. The loss
         scale follows."""
         overflow, self.overflow = self.overflow, False
+        self.skipped = overflow
         if self.scaled:
             self.scaler.update(overflow)
         return None if overflow else step()

@@ -31,7 +31,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +116,8 @@ def set_activation_checkpointing(
     the first step). For an ``nn.Sequential``, ``strategy`` groups its children (``each``,
     ``contiguous``, ``group_<n>``; a group never spans partitions) and ``pack_args_as_tuple``
     is accepted: torch's non-reentrant checkpointing passes a tuple input through as it is,
-    which SMP's flag was needed for."""
+    which SMP's flag was needed for. An ``nn.ModuleList`` (or ``ModuleDict``) marks each of
+    its layers."""
     what = "smp.set_activation_checkpointing"
     if not isinstance(module, nn.Module):
         raise TypeError(f"{what} takes an nn.Module, got {type(module).__name__}")
@@ -126,10 +127,16 @@ def set_activation_checkpointing(
             "(model.module or one of its submodules)"
         )
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        raise ModelParallelError(
-            f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
-            "its layers); mark each layer instead"
-        )
+        if strategy != "each" or pack_args_as_tuple:
+            raise ModelParallelError(
+                f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
+                f"its layers one at a time), so its layers are checkpointed each on its own; "
+                f"got strategy={strategy!r}, pack_args_as_tuple={pack_args_as_tuple}; allowed: "
+                "strategy='each', pack_args_as_tuple=False (or an nn.Sequential to group layers)"
+            )
+        for layer in module.children():  # as AWS's GPT-NeoX script marks HF's layer list
+            set_activation_checkpointing(layer, preserve_rng_state)
+        return
     for key, value in (
         ("preserve_rng_state", preserve_rng_state),
         ("pack_args_as_tuple", pack_args_as_tuple),
@@ -155,6 +162,34 @@ def set_activation_checkpointing(
         _marks[module] = CheckpointSpec(preserve_rng_state, pack_args_as_tuple, strategy)
         if known is None:
             _unclaimed.add(module)
+
+
+def carry_over(original: nn.Module, replacement: nn.Module) -> None:
+    """Tensor parallelism swaps ``original`` for ``replacement``: its checkpointing mark moves
+    along. A mark on a module inside ``original`` has no counterpart: that fails, naming it."""
+    with _lock:
+        inner = [name for name, m in original.named_modules() if name and m in _marks]
+        if inner:
+            raise ModelParallelError(
+                f"smp.set_activation_checkpointing marked its submodule {inner[0]!r}, which the "
+                f"swap replaces with {type(replacement).__name__}; mark the distributed module's "
+                "layers after smp.DistributedModel (model.module...) instead"
+            )
+        spec = _marks.pop(original, None)
+        if spec is None:
+            return
+        if not isinstance(replacement, nn.Sequential) and spec != CheckpointSpec(
+            spec.preserve_rng_state
+        ):
+            raise ModelParallelError(
+                f"smp.set_activation_checkpointing: strategy={spec.strategy!r} and "
+                f"pack_args_as_tuple={spec.pack_args_as_tuple} were given for an nn.Sequential "
+                f"that the swap replaces with {type(replacement).__name__}; allowed: the defaults"
+            )
+        _marks[replacement] = spec
+        if original in _unclaimed:
+            _unclaimed.discard(original)
+            _unclaimed.add(replacement)
 
 
 # --- at the first step: what each rank wraps -------------------------------------------------
@@ -316,6 +351,41 @@ def _offloading() -> bool:
     return bool(st.config["offload_activations"]) and st.device.type == "cuda"
 
 
+Restorer = Callable[[], AbstractContextManager[Any]]
+"""Makes a context manager that puts back a state a checkpointed call's forward ran in."""
+
+_capturers: list[Callable[[], Restorer]] = []
+
+
+def restore_on_recompute(capture: Callable[[], Restorer]) -> None:
+    """Have every checkpointed call's recomputation run in a state of its forward's: ``capture``
+    is called when the call runs, and what it returns wraps each recomputation (tensor
+    parallelism's scaled-batch region, which has ended by then)."""
+    _capturers.append(capture)
+
+
+class _Recomputation(AbstractContextManager[None]):
+    """The captured states, entered around a recomputation (again for each backward)."""
+
+    def __init__(self, restorers: list[Restorer]) -> None:
+        self.restorers = restorers
+        self.stack = ExitStack()
+
+    def __enter__(self) -> None:
+        self.stack = ExitStack()
+        for restorer in self.restorers:
+            self.stack.enter_context(restorer())
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self.stack.__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """torch's ``context_fn``: nothing around the forward, the captured states around the
+    recomputation."""
+    return nullcontext(), _Recomputation([capture() for capture in _capturers])
+
+
 def checkpointed(forward: Callable[..., Any], spec: CheckpointSpec) -> Callable[..., Any]:
     """``forward`` under torch's non-reentrant checkpointing (recomputed in backward), its
     inputs offloaded to host memory if the job says so."""
@@ -331,6 +401,7 @@ def checkpointed(forward: Callable[..., Any], spec: CheckpointSpec) -> Callable[
             *args,
             use_reentrant=False,
             preserve_rng_state=spec.preserve_rng_state,
+            context_fn=_contexts,
             **kwargs,
         )
 
@@ -370,7 +441,11 @@ def _offloaded_call(
         return forward(*call_args, **call_kwargs)
 
     return torch.utils.checkpoint.checkpoint(
-        region, *host, use_reentrant=False, preserve_rng_state=spec.preserve_rng_state
+        region,
+        *host,
+        use_reentrant=False,
+        preserve_rng_state=spec.preserve_rng_state,
+        context_fn=_contexts,
     )
 
 

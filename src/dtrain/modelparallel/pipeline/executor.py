@@ -1,83 +1,42 @@
-"""Who computes next on a rank: one compute token, handed out by the pipeline schedule's priority.
+"""One rank's executor: its compute token, the threads its tasks run on, the leader's step and
+the main task's lending, put together.
 
-A pipeline stage is one worker, so a rank computes one task at a time. Tasks are threads: on the
-leader one per microbatch (the step body), on every rank one per stream of requests served
-(see :mod:`.runtime`). A task takes the token to compute (:meth:`Executor.computing`: a module
-this rank owns, a served request, a backward) and gives it back while it waits for a remote
-reply, so another task (another microbatch, or a nested request) can use the stage meanwhile.
+Each part is a concept of its own with a narrow interface: :mod:`.compute_token` (the
+scheduling core behind the rank's one lock, the tasks' hand-over of the token, the timeline of
+what they computed), :mod:`.leader` (the leader's microbatch tasks: admission and the hold
+before a backward), :mod:`.lending` (the main thread's token lent to served requests during a
+step it does not lead). The leader's step and the lending change the core only through the
+token's :meth:`~.compute_token.ComputeToken.decide` and read it through ``ask``; this class
+adds the pooled threads tasks run on.
 
-Between two computations a task keeps the token (*sticky*) unless a more urgent task is
-waiting: the next module of the same microbatch follows at once. Handing the token to whichever
-task waits at every module boundary interleaved two microbatches module by module, which
-delayed both on their way to the next partition and left it idle. Before a task waits, or
-computes, the requests it queued are sent (``flush``), so nothing queued waits on it.
-
-Every decision (which waiting task gets the token, whether a holder keeps it, whether the leader
-admits another microbatch and whether a backward may begin) is the rank's
-:class:`~..scheduling.scheduler.Scheduler`'s, the thread-free core the planner runs too: this module
-holds its lock, wakes the tasks it grants the token to and waits on its answers.
-
-The thread that runs the user's script is the *main* task: it holds the token outside steps, so a
-request that arrives early (the leader already started the next step) waits until this rank has
-finished its own work (e.g. ``optimizer.step()``) and entered the step.
-
-A split backward's weight half is a task of its own (:meth:`Executor.owe_weights`), ranked
+A split backward's weight half is a task of its own (:meth:`Executor.run_weights`), ranked
 after all other work, so it runs when the rank would otherwise wait. The step ends on a rank
 only once every weight half it deferred has run: while the main task waits for the token, only
 weight halves may take it.
-
-With a plan order (``deterministic_server``, :mod:`..scheduling.order`) a task may take the token
-only while its action is the rank's current one in the plan. The leader's forward of a microbatch
-ends when its task first waits for another rank or turns to its backward, its backward when the
-task ends; the runtime ends the other ranks' actions (:meth:`Executor.end_action`).
-
-Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank), in the
-rank's :class:`TimelineRecorder`, where the transport records its sends and receives too.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
+from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
+from dtrain.modelparallel.pipeline.leader import LeaderStep, MicrobatchResult
+from dtrain.modelparallel.pipeline.lending import MainLending
 from dtrain.modelparallel.pipeline.workers import WorkerPool
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
-from dtrain.modelparallel.timeline import TimelineEvent, TimelineRecorder
+from dtrain.modelparallel.timeline import TimelineEvent
 
-MicrobatchResult = tuple[bool, Any]
-"""``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
+__all__ = ["Executor", "MicrobatchResult", "Task"]
 
 
-@dataclass(eq=False)
-class Task(Work):
-    """Work of this rank with the thread that runs it: its wake-up and what it sends."""
-
-    holding: bool = False
-    """The task's thread has woken up with the token (the scheduler's holder since then)."""
-    recording: bool = True
-    """The current holding period is computation (a timeline event), not the time between."""
-    started: float = 0.0
-    granted: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when the token is handed to this task: only the new holder wakes up."""
-    calls: list[Any] = field(default_factory=list, repr=False)
-    """Remote calls this task made that are not known to have succeeded yet."""
-    outbox: list[Any] = field(default_factory=list, repr=False)
-    """Requests this task queued instead of sending (see :meth:`Executor.__init__`)."""
-    called: int | None = None
-    """The partition a leader task's forward called last."""
-
-
-class Executor:
-    """The compute token of one rank, its microbatch tasks and its timeline."""
+class Executor(ComputeToken):
+    """The compute token of one rank, the threads of its tasks, its leader's step and the
+    main task's lending."""
 
     def __init__(
         self,
@@ -89,278 +48,16 @@ class Executor:
         plan: tuple[tuple[str, int], ...] | None = None,
         forward_done: Callable[[Task], None] = lambda task: None,
     ) -> None:
-        """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
-        (for the token or a condition) and before it computes a module, so that nothing
-        queued waits on the task's own progress. ``plan`` (this rank's compute actions, in
-        order) makes the token follow it; ``forward_done`` is called when a leader task turns to
-        its backward (the runtime tells the other ranks, whose forward of the microbatch is
-        then over too)."""
-        self.pp_rank = pp_rank
-        self.flush = flush
-        self.forward_done = forward_done
-        self.policy = policy
-        self.timeout = timeout
-        self.main = Task("main")
-        self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
-        """Every decision; read and changed only with ``_cv`` held."""
-        self._cv = threading.Condition()
-        self._local = threading.local()
-        self.recorder = TimelineRecorder(pp_rank)
-        self._progress = time.monotonic()
+        """See :class:`.ComputeToken` for ``flush`` and ``plan``; ``device`` is the one task
+        threads start on; ``forward_done`` is :class:`.LeaderStep`'s."""
+        super().__init__(pp_rank, policy, timeout, flush, plan)
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
-        self._main_reclaimed = False
-        self._microbatches = 0
-        """The leader's step in progress admits this many in all."""
-        self.acquire(self.main)
+        self.leader = LeaderStep(self, self._workers.submit, forward_done)
+        self.lending = MainLending(self)
 
-    # --- the token ---------------------------------------------------------------------------
-
-    def _grant(self) -> None:
-        """Wake the task the core hands a free token to (call with the lock held)."""
-        task = self.core.grant()
-        if task is not None:
-            assert isinstance(task, Task)
-            task.granted.set()
-
-    def end_action(self, step: int, phase: str, microbatch: int) -> None:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
-        order, the next one's tasks may compute."""
-        if self.core.plan is None:  # set once, at construction: no lock needed to read it
-            return
-        with self._cv:
-            if self.core.end_action(step, phase, microbatch):
-                self._progress = time.monotonic()
-                self._grant()
-
-    def enqueue(self, task: Task) -> None:
-        """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
-        with self._cv:
-            task.granted.clear()
-            self.core.submit(task)
-            self._grant()
-
-    def announce(self, task: Task) -> None:
-        """``task`` (a stream of requests just dispatched, about to start on its thread) will
-        ask for the token: no task dispatched after it takes the token before it, unless more
-        urgent. Requests are dispatched in arrival order, but their threads start in any
-        order; a later microbatch's forward computed first changes what it leaves behind
-        (BatchNorm's running statistics, the order of random numbers)."""
-        with self._cv:
-            self.core.announce(task)
-
-    def _withdraw(self, task: Task) -> None:
-        """An announced task that ends without asking for the token stops holding others up."""
-        with self._cv:
-            if self.core.withdraw(task):
-                self._grant()
-
-    def acquire(self, task: Task) -> None:
-        self.enqueue(task)
-        self.await_token(task)
-
-    def await_token(self, task: Task) -> None:
-        """Wait until an enqueued ``task`` holds the token."""
-        if not task.granted.is_set():
-            self.flush(task)
-        if not task.granted.wait(self.timeout):
-            with self._cv:
-                if self.core.holder is not task:
-                    self.core.drop(task)
-                    holder = self.core.holder
-                    held_by = holder.describe() if holder else "nobody"
-                    raise CommunicationTimeoutError(
-                        f"pp rank {self.pp_rank}: {task.describe()} waited {self.timeout:g} s "
-                        f"for the compute token, held by {held_by}"
-                    )
-        with self._cv:
-            task.holding = True
-            task.recording = True
-            task.started = self._now()
-            self._progress = time.monotonic()
-
-    def release(self, task: Task, grant: bool = True) -> None:
-        """``task`` gives the token back; it goes on at once unless not ``grant``."""
-        with self._cv:
-            self.core.release(task)
-            self._record(task)
-            task.holding = False
-            self._progress = time.monotonic()
-            if grant:
-                self._grant()
-
-    def _record(self, task: Task) -> None:
-        """The holder's computation up to now, as a timeline event."""
-        if task.role != "main" and task.recording:
-            name = task.name or f"{task.phase}{task.microbatch}"
-            self.recorder.add(task.phase, task.microbatch, task.started, name)
-
-    def _yield_if_urgent(self, task: Task) -> None:
-        """A task holding the token between computations gives it to a more urgent waiter
-        (or gives it up: a plan order has moved on from the task's action)."""
-        with self._cv:
-            if self.core.outranked(task):
-                self.release(task)
-
-    def _sticky(self, task: Task) -> bool:
-        with self._cv:
-            return task.holding and self.core.holder is task and self.core.sticky
-
-    def activity(self) -> str:
-        """What holds the token now, and for how long (for stall reports)."""
-        with self._cv:
-            holder = self.core.holder
-            waiting = self.core.waiting
-            turn = self.core.turn()
-            turn = f"; in the plan's order it is the turn of {turn}" if turn else ""
-            if not isinstance(holder, Task):
-                return f"nothing computes (the compute token is free, {waiting} wait){turn}"
-            held = self._now() - holder.started
-        what = holder.describe()
-        if holder.role != "main":
-            what += f" computing {holder.name!r}" if holder.recording else " between computations"
-        held_for = f"has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
-        return f"{what} {held_for}{turn}"
-
-    @property
-    def last_progress(self) -> float:
-        """Monotonic time of the last token hand-over: work is still moving on this rank."""
-        return self._progress
-
-    # --- the main task on the other ranks of the pipeline --------------------------------------
-
-    def lend_main(self) -> None:
-        """The main thread waits for the step to end: served tasks may compute meanwhile."""
-        with self._cv:
-            if not self._main_reclaimed:
-                self.release(self.main)
-
-    def reclaim_main(self) -> None:
-        """The step ended (called by the receiver, in message order): the main task gets the
-        token before any request that arrives later, which belongs to the next step and must
-        wait until this rank has finished its own work (e.g. the optimizer step)."""
-        with self._cv:
-            self._main_reclaimed = True
-            if self.core.holder is not self.main and not self.core.is_waiting(self.main):
-                self.enqueue(self.main)
-
-    def resume_main(self) -> None:
-        """Back on the main thread after :meth:`reclaim_main`: hold the token again."""
-        if not self.main.holding:
-            self.await_token(self.main)
-        with self._cv:
-            self._main_reclaimed = False
-
-    def _now(self) -> float:
-        """Wall-clock seconds from a monotonic clock, comparable across processes."""
-        return self.recorder.now()
-
-    # --- tasks -------------------------------------------------------------------------------
-
-    def current(self) -> Task | None:
-        """The task running on this thread, or the token holder (autograd's device threads).
-
-        The main task never counts: code running there is outside any step.
-        """
-        task = getattr(self._local, "task", None)
-        if task is None:
-            holder = self.core.holder
-            task = holder if isinstance(holder, Task) and holder.role != "main" else None
-        return task
-
-    @contextmanager
-    def serving(self, task: Task) -> Iterator[Task]:
-        """Run served requests as ``task`` on this thread; it gives the token back at the end."""
-        previous = getattr(self._local, "task", None)
-        self._local.task = task
-        try:
-            yield task
-        finally:
-            if task.holding:
-                self.release(task)
-            self._withdraw(task)
-            self._local.task = previous
-
-    @contextmanager
-    def computing(self, name: str) -> Iterator[None]:
-        """Compute ``name`` (a module, or a served request) as the current task, with the token.
-
-        The task keeps the token afterwards (*sticky*) unless a more urgent task waits: its
-        next computation (the next module of the same forward, the next request of the same
-        stream) follows at once instead of queueing behind a less urgent microbatch, which
-        would only delay this one on its way through the pipeline. Code that already computes
-        (a module inside a module) runs as it is.
-        """
-        task = self.current()
-        if task is None or (task.holding and not self._sticky(task)):
-            yield
-            return
-        self._take(task, name)
-        try:
-            yield
-        finally:
-            if task.holding:
-                self._hold_between(task)
-                self._yield_if_urgent(task)
-
-    def _hold_between(self, task: Task) -> None:
-        """The holder's computation ended (recorded); it keeps the token for its next one."""
-        with self._cv:
-            self._record(task)
-            task.recording = False
-            self.core.between(task)
-
-    def _take(self, task: Task, name: str) -> None:
-        """Hold the token to compute ``name``: kept from the task's last computation unless a
-        more urgent task waits, else queued for; what the task queued is sent first."""
-        self._check_plan_shape(task, name)
-        if task.outbox:
-            self.flush(task)
-        if task.holding:
-            self._yield_if_urgent(task)
-        task.name = name
-        if task.holding:
-            with self._cv:
-                task.started = self._now()
-                task.recording = True
-                self.core.resume(task)
-        else:
-            self.acquire(task)  # a token just granted is not sticky
-
-    def _check_plan_shape(self, task: Task, name: str) -> None:
-        """Work that a plan order cannot order (:meth:`.Scheduler.off_plan`) fails naming the
-        module."""
-        if self.core.plan is None:
-            return
-        with self._cv:
-            where = self.core.off_plan(task)
-        if where is None:
-            return
-        raise ModelParallelError(
-            f"deterministic_server: module {name!r} would compute {where}: the plan's order "
-            "needs every microbatch to go through the partitions in order (0, 1, ...) once "
-            "forward and once back; place the model's last modules on the last partition, or "
-            "set deterministic_server to false"
-        )
-
-    def give_way(self) -> None:
-        """The current task, computing, lets a more urgent waiting task compute first, then
-        goes on (a weight half between its autograd calls, a terminal backward at its
-        weights)."""
-        task = self.current()
-        if task is None or not task.holding:
-            return
-        with self._cv:
-            if not self.core.outranked(task):
-                return
-            self.release(task)  # records the work so far
-        self.acquire(task)
-
-    def owe_weights(self, task: Task) -> None:
-        """The weight half ``task`` (of a split backward, not spawned yet) is due: the main
-        task waits for it. Owed before the backward replies, so that no end of the microbatch
-        can be taken for the end of its weights."""
-        with self._cv:
-            self.core.owe(task.step, task.microbatch)
+    def spawn(self, target: Callable[[], None]) -> None:
+        """Run a served task on a pooled thread."""
+        self._workers.submit(target)
 
     def run_weights(self, task: Task, run: Callable[[], None]) -> None:
         """Run the owed weight half ``task`` (``run``) when nothing more urgent waits."""
@@ -373,181 +70,27 @@ class Executor:
         finally:
             self.weights_paid(task)
 
-    def weights_paid(self, task: Task) -> None:
-        """The owed weight half ``task`` has run (or failed): its action is over, and the main
-        task may be next."""
-        with self._cv:
-            self.core.paid(task.step, task.microbatch)
-            self._progress = time.monotonic()
-            self._grant()
-
-    def end_microbatch(self, step: int, microbatch: int) -> None:
-        """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
-        with self._cv:
-            if self.core.end_microbatch(step, microbatch):
-                self._progress = time.monotonic()
-                self._grant()
-
-    def step_aside(self) -> None:
-        """The current task, holding the token between computations, is about to do other work
-        (send a reply): any waiting task may compute meanwhile."""
-        task = self.current()
-        if task is not None and task.holding:
-            with self._cv:
-                if self.core.steps_aside(task):
-                    self.release(task)
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Give the token away while the current task waits for another rank (or for another
-        task's result); a sticky holder does not take it back afterwards."""
-        task = self.current()
-        if task is not None and self.core.plan is not None:
-            with self._cv:
-                if self.core.waits(task):
-                    self._progress = time.monotonic()
-                    self._grant()
-        if task is None or not task.holding:
-            yield
-            return
-        sticky = self._sticky(task)
-        self.release(task)
-        try:
-            yield
-        finally:
-            if not sticky:
-                self._check_plan_shape(task, task.name)
-                self.acquire(task)
-
-    def spawn(self, target: Callable[[], None]) -> None:
-        """Run a served task on a pooled thread."""
-        self._workers.submit(target)
-
-    # --- the leader's step -------------------------------------------------------------------
+    # --- the leader's step and the main task's lending (see their modules) ----------------------
 
     def run_microbatches(
         self, count: int, body: Callable[[int], Any], step_number: int = 0
     ) -> list[MicrobatchResult]:
-        """Run ``body(mb)`` for every microbatch as leader tasks; the main task waits meanwhile."""
-        core = self.core
-        outcomes: list[MicrobatchResult] = [(False, None)] * count
-        with self._cv:
-            core.begin_step()
-            self._microbatches = count
-        self.release(self.main)
-        try:
-            for mb in range(count):
-                self._wait(core.may_admit, f"a free slot for microbatch {mb}")
-                with self._cv:
-                    task = Task("leader", core.admit(), step=step_number)
-                self.enqueue(task)  # here, not on its thread: the token goes in microbatch order
-                self._workers.submit(functools.partial(self._leader_task, task, body, outcomes))
-            self._wait(lambda: core.finished_count == count, "the microbatch tasks to finish")
-        finally:
-            self.acquire(self.main)
-            with self._cv:
-                core.end_step()
-        return outcomes
-
-    def _leader_task(
-        self,
-        task: Task,
-        body: Callable[[int], Any],
-        outcomes: list[MicrobatchResult],
-    ) -> None:
-        """A microbatch's step body. Its task was queued for the token when it was admitted,
-        so microbatches start in order: whichever thread the pool started first took the token
-        before, and a later microbatch often computed its first modules ahead of microbatch 0
-        (measured: the last stage's first input came up to 16 ms late)."""
-        mb = task.microbatch
-        previous = getattr(self._local, "task", None)
-        self._local.task = task
-        try:
-            self.await_token(task)
-            with self._cv:  # held between computations, as after one (not a computation itself)
-                task.recording = False
-                self.core.between(task)
-            outcomes[mb] = (True, body(mb))
-        except BaseException as exc:
-            outcomes[mb] = (False, exc)
-        finally:
-            self._local.task = previous
-            with self._cv:
-                if task.holding:
-                    self.release(task, grant=False)
-                self.core.finished(task)
-                self._progress = time.monotonic()
-                if not self._admits_next():
-                    self._grant()
-                self._cv.notify_all()
-
-    def _admits_next(self) -> bool:
-        """The main thread is about to admit a microbatch (call with the lock held): it queues
-        for the token before the token goes on, as the plan has it (a forward, which feeds the
-        other stages, before a terminal backward)."""
-        core = self.core
-        return core.leading and core.admitted < self._microbatches and core.may_admit()
+        return self.leader.run_microbatches(count, body, step_number)
 
     def start_backward(self) -> Task | None:
-        """A microbatch task turns to its backward: the policy's hold.
+        return self.leader.start_backward()
 
-        ``simple`` holds the task, without the token, until every microbatch has finished its
-        forward. ``interleaved`` lets a task keep a token it holds from its forward, so the
-        backward request goes out before the next microbatch computes. Returns the task
-        (``None`` outside a microbatch task).
-        """
-        task = self.current()
-        if task is None or task.role != "leader" or not self.core.leading:
-            return None
-        if task.holding and not self._sticky(task):  # called inside a computation
-            self.release(task)
-        if task.phase == "F":
-            with self._cv:
-                self.core.forward_done(task.microbatch)
-                self._cv.notify_all()
-            self.end_action(task.step, "F", task.microbatch)
-            self.forward_done(task)
-            task.phase = "B"
-            with self._cv:
-                held = not self.core.backward_may_start()
-            if held:
-                if task.holding:
-                    self.release(task)
-                self.flush(task)
-                self._wait(
-                    self.core.backward_may_start,
-                    f"every forward before backward {task.microbatch} ({self.policy.pipeline})",
-                )
-        return task
+    def backward(self) -> AbstractContextManager[None]:
+        return self.leader.backward()
 
-    @contextmanager
-    def backward(self) -> Iterator[None]:
-        """A microbatch task's backward: :meth:`start_backward`, then compute with the token
-        (queued with backward priority). The task keeps the token after it, between
-        computations: when the task ends, the leader admits the next microbatch before the
-        token moves on (:meth:`_leader_task`), as the plan has it."""
-        task = self.start_backward()
-        if task is None:
-            yield
-            return
-        self._take(task, "")
-        try:
-            yield
-        finally:
-            if task.holding:
-                self._hold_between(task)
+    def lend_main(self) -> None:
+        self.lending.lend()
 
-    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait for ``predicate``; time out only after ``timeout`` seconds without progress."""
-        with self._cv:
-            while not predicate():
-                remaining = self._progress + self.timeout - time.monotonic()
-                if remaining <= 0:
-                    raise CommunicationTimeoutError(
-                        f"pp rank {self.pp_rank}: no progress for {self.timeout:g} s while "
-                        f"waiting for {what}"
-                    )
-                self._cv.wait(remaining)
+    def reclaim_main(self) -> None:
+        self.lending.reclaim()
+
+    def resume_main(self) -> None:
+        self.lending.resume()
 
     # --- timeline ----------------------------------------------------------------------------
 

@@ -88,30 +88,63 @@ def schedule_of(policy: SchedulePolicy, stages: int, costs: Costs) -> Schedule:
     order, _ = _run_policy(policy, stages, costs)
     actions = tuple(
         tuple(
-            action for kind, mb in rank_order for action in with_messages(kind, mb, stage, stages)
+            action
+            for kind, mb, _ in rank_order
+            for action in with_messages(kind, mb, stage, stages)
         )
         for stage, rank_order in enumerate(order)
     )
     return Schedule(policy.pipeline, stages, policy.microbatches, policy.active, actions)
 
 
+Visit = tuple[str, int, int]
+"""A compute action of a rank: ``(kind, microbatch, visit)`` (see :mod:`.order`)."""
+
+
+def route_orders(policy: SchedulePolicy, route: tuple[int, ...], costs: Costs) -> list[list[Visit]]:
+    """Each rank's compute actions, in order, for a microbatch whose stages run on the ranks
+    of ``route`` (stage ``s`` on rank ``route[s]``; ``costs`` per stage): the plan order of a
+    model whose forward comes back to the leader after the other partitions, ``(0, 1, 0)``
+    for a head tied to the embedding. One core per rank schedules all of that rank's stages,
+    as the runtime's one token does; a rank's visits are its stages in forward order."""
+    check_route(route)
+    return _run_policy(policy, len(route), costs, route)[0]
+
+
+def check_route(route: tuple[int, ...]) -> None:
+    """A route starts on the leader, goes through partitions 1, 2, ... in order, each once,
+    and may come back to the leader at the end: the shapes a plan order serves."""
+    ranks = max(route, default=0) + 1
+    chain = tuple(range(ranks))
+    if route not in (chain, (*chain, 0)) or (ranks == 1 and len(route) > 1):
+        raise ValueError(
+            f"route: got {route}; allowed: partitions 0, 1, ... in order, each once, "
+            "then back to partition 0 or not"
+        )
+
+
 def _run_policy(
-    policy: SchedulePolicy, stages: int, costs: Costs
-) -> tuple[list[list[tuple[str, int]]], float]:
+    policy: SchedulePolicy, stages: int, costs: Costs, route: tuple[int, ...] | None = None
+) -> tuple[list[list[Visit]], float]:
     """Each rank's compute actions in the order the runtime runs them under ``policy``, and
     when the last one ends.
 
-    One :class:`~.scheduler.Scheduler` per stage, the runtime's own, decides: work asks it for
-    the token when it is ready, a free stage computes what it grants, and the leader (stage 0)
+    One :class:`~.scheduler.Scheduler` per rank, the runtime's own, decides: work asks it for
+    the token when it is ready, a free rank computes what it grants, and the leader (stage 0)
     admits microbatches while it lets it (a microbatch finishes with its backward on stage 0).
     What this adds is a model of times: an activation reaches the next stage ``costs.comm``
     after its forward ends, a gradient the previous stage ``costs.comm`` after its (input)
     backward; the last stage's backward request travels with the forward, and the leader's
-    hold (``simple``) counts a forward done once it has reached the last stage.
+    hold (``simple``) counts a forward done once it has reached the last stage. Stage ``s``
+    runs on rank ``route[s]`` (default: rank ``s``); a leader's stage after the first is the
+    leader's task come back (its backward is not terminal: the earlier stages wait for it).
     """
     microbatches = policy.microbatches
     last = stages - 1
-    cores = [Scheduler(policy, rank=stage) for stage in range(stages)]
+    if route is None:
+        route = tuple(range(stages))
+    visit_of = [route[:s].count(rank) for s, rank in enumerate(route)]
+    cores = [Scheduler(policy, rank=rank) for rank in range(max(route) + 1)]
     leader = cores[0]
     leader.begin_step()
     # Work that will be ready: (time, order, stage, work).
@@ -120,14 +153,21 @@ def _run_policy(
     requested: dict[int, float] = {}
     """When the last stage gets each microbatch's backward request."""
     submitted: set[tuple[str, int, int]] = set()
-    running: list[tuple[Work, float] | None] = [None] * stages
-    order: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
-    ends = [0.0] * stages
+    running: list[tuple[Work, int, float] | None] = [None] * len(cores)
+    order: list[list[Visit]] = [[] for _ in cores]
+    ends = [0.0] * len(cores)
     counter = itertools.count()
 
     def phases(mb: int, stage: int) -> tuple[Phase, ...]:
-        """The work ``mb`` has on ``stage``."""
-        return ("F", *backward_phases(stage > 0 and policy.splits_backward(stage, mb)))
+        """The work ``mb`` has on ``stage`` (the leader's backwards are never split)."""
+        return ("F", *backward_phases(route[stage] > 0 and policy.splits_backward(stage, mb)))
+
+    def work(mb: int, phase: Phase, stage: int) -> Work:
+        rank = route[stage]
+        done = Work("leader" if rank == 0 else "serve", mb, phase, visit=visit_of[stage])
+        if rank == 0 and stage > 0:
+            done.remote_nodes[route[stage - 1]] += 1
+        return done
 
     def offer(mb: int, stage: int) -> None:
         """Put ``mb``'s work on ``stage`` whose needs are met in line for when they are."""
@@ -141,8 +181,7 @@ def _run_policy(
                 ready = None if mb not in requested else max(ready, requested[mb])
             if ready is not None:
                 submitted.add((phase, mb, stage))
-                work = Work("leader" if stage == 0 else "serve", mb, phase)
-                heapq.heappush(pending, (ready, next(counter), stage, work))
+                heapq.heappush(pending, (ready, next(counter), stage, work(mb, phase, stage)))
 
     def forward_arrived(mb: int, time: float) -> None:
         """``mb``'s forward reached the last stage: once the leader's hold lets backwards
@@ -159,34 +198,41 @@ def _run_policy(
         for neighbour in (stage - 1, stage, stage + 1):
             if 0 <= neighbour < stages:
                 offer(mb, neighbour)
-        if done.phase == "F" and stage == max(last - 1, 0):
+        if done.phase == "F" and route[last] == 0 and stage == last:
+            forward_arrived(mb, end)  # the leader's own task turns to its backward
+        elif done.phase == "F" and route[last] > 0 and stage == max(last - 1, 0):
             forward_arrived(mb, end + (costs.comm if stage < last else 0.0))
         if stage == 0 and is_gradient(done.phase):
             leader.finished(done)
 
+    stage_of: dict[Work, int] = {}
     now = 0.0
     while True:
-        for stage, core in enumerate(cores):
-            current = running[stage]
-            if current is not None and current[1] <= now:
-                running[stage] = None
+        for rank, core in enumerate(cores):
+            current = running[rank]
+            if current is not None and current[2] <= now:
+                running[rank] = None
                 core.release(current[0])
-                ended(stage, current[0], current[1])
+                ended(current[1], current[0], current[2])
         while pending and pending[0][0] <= now:
             _, _, stage, ready = heapq.heappop(pending)
-            cores[stage].submit(ready)
+            stage_of[ready] = stage
+            cores[route[stage]].submit(ready)
         while leader.admitted < microbatches and leader.may_admit():
             mb = leader.admit()
             submitted.add(("F", mb, 0))
-            leader.submit(Work("leader", mb, "F"))
-        for stage, core in enumerate(cores):
+            first = Work("leader", mb, "F")
+            stage_of[first] = 0
+            leader.submit(first)
+        for rank, core in enumerate(cores):
             chosen = core.grant()
             if chosen is not None:
+                stage = stage_of.pop(chosen)
                 end = now + costs.of(chosen.phase, stage)
-                running[stage] = (chosen, end)
-                order[stage].append((chosen.phase, chosen.microbatch))
-                ends[stage] = end
-        times = [r[1] for r in running if r is not None] + [p[0] for p in pending[:1]]
+                running[rank] = (chosen, stage, end)
+                order[rank].append((chosen.phase, chosen.microbatch, chosen.visit))
+                ends[rank] = end
+        times = [r[2] for r in running if r is not None] + [p[0] for p in pending[:1]]
         if not times:
             break
         now = max(now, min(times))

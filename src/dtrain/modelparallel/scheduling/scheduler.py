@@ -51,6 +51,9 @@ class Work:
     name: str = ""
     step: int = 0
     """The leader's step this work belongs to."""
+    visit: int = 0
+    """Which of this rank's stages on the microbatch's way the work is (0 unless the
+    microbatch comes back to the rank, see :mod:`.order`)."""
     remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
     """Per owner (pp rank), the outputs this work fetched onto its autograd graph whose
     backward has not run yet: each will send the owner a backward request."""
@@ -222,7 +225,7 @@ class Scheduler:
         """Whether the plan order (if any) lets ``work`` compute now."""
         if self.plan is None or work.role == "main":
             return True
-        return self.order(work.step).admits(work.phase, work.microbatch)
+        return self.order(work.step).admits(work.phase, work.microbatch, work.visit)
 
     def order(self, step: int) -> PlanOrder:
         """The plan's order for ``step``, moved on past every ended action no work here still
@@ -250,27 +253,53 @@ class Scheduler:
             w is not None
             and w.role != "main"
             and w.step == step
-            and action_key(w.phase, w.microbatch) == key
+            and action_key(w.phase, w.microbatch, w.visit) == key
             for w in works
         )
 
-    def end_action(self, step: int, phase: str, microbatch: int) -> bool:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over once no work of it
-        is left here; whether there is a plan order (the token may then go on)."""
+    def end_action(self, step: int, phase: str, microbatch: int, visit: int | None = None) -> bool:
+        """This rank's action ``phase`` of ``microbatch`` in ``step`` (at ``visit``, or every
+        visit) is over once no work of it is left here; whether there is a plan order (the
+        token may then go on)."""
         if self.plan is None:
             return False
-        self.order(step).end(phase, microbatch)
+        self.order(step).end(phase, microbatch, visit)
         return True
 
-    def action_ended(self, step: int, phase: str, microbatch: int) -> bool:
-        return self.plan is not None and self.order(step).has_ended(phase, microbatch)
+    def action_ended(self, step: int, phase: str, microbatch: int, visit: int = 0) -> bool:
+        return self.plan is not None and self.order(step).has_ended(phase, microbatch, visit)
 
     def waits(self, work: Work) -> bool:
         """``work`` waits for another rank: a leader's forward has then left partition 0, and
-        its action is over. Whether there is a plan order (the token may then go on)."""
-        if work.role == "leader" and work.phase == "F":
-            return self.end_action(work.step, "F", work.microbatch)
+        its visit is over; so is a leader's backward's visit where the plan has an earlier one
+        to come back to (the backward of a head on partition 0 waits for the partitions before
+        it). Whether that ended an action (the token may then go on)."""
+        if work.role != "leader":
+            return False
+        if work.phase == "F":
+            return self.end_action(work.step, "F", work.microbatch, work.visit)
+        if is_gradient(work.phase) and self._has(work, "B", work.visit - 1):
+            return self.end_action(work.step, "B", work.microbatch, work.visit)
         return False
+
+    def returns(self, work: Work) -> None:
+        """``work`` computes here again after it waited: where its visit is over and the plan
+        has the next one (forward) or the earlier one (backward), it is that visit's work now."""
+        if work.role != "leader" or not self.action_ended(
+            work.step, work.phase, work.microbatch, work.visit
+        ):
+            return
+        visit = work.visit + (-1 if is_gradient(work.phase) else 1)
+        if self._has(work, work.phase, visit):
+            work.visit = visit
+
+    def _has(self, work: Work, phase: str, visit: int) -> bool:
+        """Whether the plan order has ``phase`` of ``work``'s microbatch at ``visit``."""
+        return (
+            self.plan is not None
+            and visit >= 0
+            and self.order(work.step).has(phase, work.microbatch, visit)
+        )
 
     def off_plan(self, work: Work) -> str | None:
         """Where ``work`` would compute that a plan order cannot order (None: nowhere). The
@@ -279,7 +308,7 @@ class Scheduler:
         if self.plan is None or work.role == "main":
             return None
         mb = work.microbatch
-        over = self.action_ended(work.step, work.phase, mb)
+        over = self.action_ended(work.step, work.phase, mb, work.visit)
         if work.role == "leader" and work.phase == "F" and over:
             return f"on partition 0 after microbatch {mb} waited for another partition"
         if work.role == "serve" and self.rank == 0:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from dtrain.modelparallel.tensor.module import (
@@ -34,7 +35,10 @@ class DistributedAttentionLayer(DistributedModule):
     ``forward((hidden_states, attention_mask))``: hidden states ``[N, S, hidden_size]`` and an
     additive mask broadcastable to ``[N, 1, S, S]`` (SMP's ``[N, 1, 1, S]``, 0 where attended);
     returns the layer's output, ``[N, S, hidden_size]``. With ``causal_mask_size`` each
-    position attends only to itself and earlier ones. Cross attention is not implemented.
+    position attends only to itself and earlier ones. Scores are scaled by
+    ``1/sqrt(attention_head_size)`` (not with ``scale_attention_scores=False``) and with
+    ``scale_attn_by_layer_idx`` by ``1/(layer_idx + 1)``, as SMP's ``FlashAttentionLayer`` and
+    HF's GPT-2 do. Cross attention is not implemented.
     """
 
     def __init__(
@@ -51,6 +55,9 @@ class DistributedAttentionLayer(DistributedModule):
         causal_mask_size: int | None = None,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
+        scale_attention_scores: bool = True,
+        scale_attn_by_layer_idx: bool = False,
+        layer_idx: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -64,6 +71,14 @@ class DistributedAttentionLayer(DistributedModule):
         self.attention_head_size = attention_head_size
         self.causal_mask_size = causal_mask_size
         self.attention_dropout_prob = attention_dropout_prob
+        self.scale = attention_head_size**-0.5 if scale_attention_scores else 1.0
+        if scale_attn_by_layer_idx:
+            if layer_idx is None:
+                raise ValueError(
+                    f"{self.what}: scale_attn_by_layer_idx=True needs layer_idx; allowed: the "
+                    "layer's number, counted from 0"
+                )
+            self.scale /= layer_idx + 1
         size = num_attention_heads * attention_head_size
         with seeded(self.what):
             self.query = nn.Linear(hidden_size, size)
@@ -80,7 +95,7 @@ class DistributedAttentionLayer(DistributedModule):
 
     def forward(self, inp: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             hidden = self.attend(batch.gather(hidden_states), batch.gather(attention_mask))
             return batch.scatter(hidden)
 
@@ -103,13 +118,35 @@ class DistributedAttentionLayer(DistributedModule):
             bias = causal_bias if bias is None else bias + causal_bias
         if bias is not None:
             bias = bias.to(hidden.dtype)
-        context = F.scaled_dot_product_attention(
-            heads(self.query),
-            heads(self.key),
-            heads(self.value),
-            attn_mask=bias,
-            dropout_p=self.attention_dropout_prob if self.training else 0.0,
-        )
+        query, key, value = heads(self.query), heads(self.key), heads(self.value)
+        if self.training and self.attention_dropout_prob > 0:
+            context = self._dropped_out(query, key, value, bias)
+        else:
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=bias, scale=self.scale
+            )
         context = context.transpose(1, 2).reshape(batch, length, -1)
         out = self.dropout2(self.dense(context)) + residual
         return out if self.layernorm is None else self.layernorm(out)
+
+    def _dropped_out(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention with dropout on its probabilities, each head's mask drawn by a generator of
+        its own, seeded from the region's generator and the head's number in the whole layer:
+        a rank draws the masks one process draws for the same heads (SDPA's dropout draws one
+        mask for this rank's heads, alike on every rank of the group)."""
+        scores = query @ key.transpose(-2, -1) * self.scale
+        probs = (scores if bias is None else scores + bias).softmax(dim=-1)
+        base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
+        local = probs.shape[1]
+        first = state.current(self.what).tp_rank * local
+        keep = torch.empty_like(probs)
+        for head in range(local):
+            generator = torch.Generator(device=probs.device).manual_seed(base + first + head)
+            keep[:, head].bernoulli_(1 - self.attention_dropout_prob, generator=generator)
+        return (probs * keep / (1 - self.attention_dropout_prob)) @ value

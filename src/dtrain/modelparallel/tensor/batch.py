@@ -13,23 +13,30 @@ gradient, the scatter's an all-gather of every rank's output gradient. A paramet
 therefore accumulates the gradient of the whole group's batch (:mod:`.shards` averages it
 accordingly). Activations in the region are the same on every rank of the group, so dropout
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
-first rank from its own generator (so activation checkpointing, which restores the generator
-for the recomputation, draws the same seed again).
+first rank from its own generator (at tp 1 by the process, so one process draws the masks the
+group does), and sent with the shape of every rank's input, which must agree (one small
+all-gather per outermost forward). A layer checkpointed inside the region is recomputed in it
+too: the region's depth is restored around the recomputation, and the checkpoint restores the
+generator, so the recomputation draws the same masks.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline.activations import restore_on_recompute
 
 T = TypeVar("T", torch.Tensor, None)
 
@@ -59,30 +66,80 @@ class ScaledBatch:
 
 
 @contextmanager
-def scaled_batch(what: str) -> Iterator[ScaledBatch]:
-    """The region of a distributed module's forward; ``what`` names it in errors."""
+def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
+    """The region of a distributed module's forward, entered with its leading input (this
+    rank's batch, whose shape every rank of the group must share); ``what`` names the module in
+    errors."""
     st = state.current(what)
-    outermost = not getattr(_inside, "depth", 0)
-    if not outermost or st.tp_size == 1:
-        _inside.depth = getattr(_inside, "depth", 0) + 1
+    depth = getattr(_inside, "depth", 0)
+    if depth:
+        _inside.depth = depth + 1
         try:
             yield ScaledBatch(None)
         finally:
-            _inside.depth -= 1
+            _inside.depth = depth
         return
-    mesh = None if st.config["prescaled_batch"] else st.tensor_mesh
+    seed = agree(what, leading, int(torch.randint(2**62, (1,), dtype=torch.int64).item()))
+    mesh = None if st.tp_size == 1 or st.config["prescaled_batch"] else st.tensor_mesh
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
     try:
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_group_seed(st))
+            torch.manual_seed(seed)
             yield ScaledBatch(mesh)
     finally:
         _inside.depth = 0
 
 
-def _group_seed(st: state.MPState) -> int:
-    """A seed from the generator of the tp group's first rank, on every rank of the group."""
-    seed = torch.randint(2**62, (1,), dtype=torch.int64)
-    dist.broadcast(seed, src=st.tp_group[0], group=st.object_groups["tp"])
-    return int(seed.item())
+@contextmanager
+def _resumed(depth: int) -> Iterator[None]:
+    saved = getattr(_inside, "depth", 0)
+    _inside.depth = depth
+    try:
+        yield
+    finally:
+        _inside.depth = saved
+
+
+def _capture() -> Callable[[], AbstractContextManager[None]]:
+    """Where a checkpointed call runs, for its recomputation: a layer checkpointed inside the
+    region is recomputed in backward, after the region's forward has ended; it must again see
+    itself inside (nested), or it would gather the group's rows a second time."""
+    return functools.partial(_resumed, getattr(_inside, "depth", 0))
+
+
+restore_on_recompute(_capture)
+
+MAX_DIMS = 4
+"""Dimensions of the leading input that :func:`agree` compares (a batch's rows, sequence and
+features; further ones are compared through the gather itself)."""
+
+
+def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
+    """The tp group's first rank's ``seed`` (the region's, drawn by each rank from its own
+    generator), after checking that every rank of the group brings ``leading`` of one shape:
+    one small all-gather carries both, so batches of different sizes fail here, naming them,
+    instead of aborting the gather."""
+    st = state.current(what)
+    if st.tp_size == 1:
+        return seed
+    shape = list(leading.shape[:MAX_DIMS])
+    mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape))])
+    rows = [torch.empty_like(mine) for _ in range(st.tp_size)]
+    dist.all_gather(rows, mine, group=st.object_groups["tp"])
+    shapes = [row[2 : 2 + min(int(row[1]), MAX_DIMS)].tolist() for row in rows]
+    if any(shape != shapes[0] for shape in shapes):
+        given = ", ".join(f"rank {r} {s}" for r, s in zip(st.tp_group, shapes, strict=True))
+        share = "the same batch" if st.config["prescaled_batch"] else "as many rows"
+        raise ModelParallelError(
+            f"{what}: the ranks of tensor-parallel group {st.tp_group} bring inputs of different "
+            f"shapes: {given}; with prescaled_batch={st.config['prescaled_batch']} every rank of "
+            f"a tp group must bring {share} (shard the data evenly, drop the last uneven batch)"
+        )
+    return int(rows[0][0].item())
+
+
+def check_batch(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of ``DistributedLinear`` and ``DistributedEmbedding``, whose exchange
+    of the ranks' rows needs equal shapes: different ones fail naming them."""
+    agree(f"smp.nn.{type(module).__name__}", args[0])

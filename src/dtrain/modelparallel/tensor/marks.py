@@ -153,6 +153,12 @@ def mark_of(module: nn.Module) -> Mark | None:
     return _marks.get(module)
 
 
+def any_marked(root: nn.Module) -> bool:
+    """Whether a module under ``root`` is marked to be distributed: SMP swaps those at
+    ``tensor_parallel_degree`` 1 too (AWS's GPT-2 script reads the swapped model's layers)."""
+    return any((mark := _marks.get(m)) is not None and mark.enabled for m in root.modules())
+
+
 def init_args_of(module: nn.Module) -> Args | None:
     """The constructor arguments of an instance of a registered class, if recorded."""
     return _init_args.get(module)

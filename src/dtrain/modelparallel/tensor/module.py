@@ -16,11 +16,21 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 
 TUNING_ARGUMENTS = frozenset(
-    {"fused_softmax", "fused_bias_gelu", "attention_in_fp32", "query_key_layer_scaling"}
+    {
+        "fused_softmax",
+        "fused_bias_gelu",
+        "fused_dropout",
+        "flash_attention",
+        "attention_in_fp32",
+        "query_key_layer_scaling",
+        "zero_init",
+    }
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
 without effect: they choose fused kernels, and fp32 softmax and query-key scaling for fp16
-stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches."""
+stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches; and
+``zero_init``, SMP's creation of sharded-data-parallel models in shards, which dtrain's delayed
+initialisation does without being asked."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,

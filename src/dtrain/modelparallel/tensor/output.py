@@ -69,7 +69,7 @@ class DistributedTransformerOutputLayer(DistributedModule):
         shards.parallelize(self, plan, self.what)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             return batch.scatter(self.feed_forward(batch.gather(hidden_states)))
 
     def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ distributed module from its constructor arguments (``init_hook`` applied, then t
 context's arguments that the distributed module accepts), takes the original's weights when
 their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
 initialization, as SMP's do), and gets the registration's forward and return hooks. Its
-submodules are not visited: the distributed module replaces all of it.
+submodules are not visited: the distributed module replaces all of it. A Hugging Face model of
+a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place, whole.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from torch import nn
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
+from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
 from dtrain.modelparallel.tensor.module import DistributedModule
 
@@ -60,6 +63,14 @@ def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
     return translation.REGISTRATION, translation.args_of
 
 
+def _family(kind: type[nn.Module]) -> inplace.Family | None:
+    """The family of an HF model class split in place (:mod:`.huggingface.inplace`), or None."""
+    name = inplace.family_of(kind)
+    if name is None:
+        return None
+    return importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}").FAMILY
+
+
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
     _keep_inside_distributed(root)
@@ -71,6 +82,8 @@ def distribute(root: nn.Module) -> nn.Module:
             return done[id(module)]
         try:
             swapped = _swapped(module)
+            if swapped is not None and swapped is not module:  # split in place: marks stay
+                activations.carry_over(module, swapped)
         except ModelParallelError as exc:
             where = f"module {path!r}" if path else "the model"
             raise ModelParallelError(
@@ -106,7 +119,7 @@ def _swaps(module: nn.Module) -> bool:
     if mark is None or not mark.enabled:
         return False
     kind = type(module)
-    return kind in marks.registered() or _built_in(kind) is not None
+    return kind in marks.registered() or _built_in(kind) is not None or _family(kind) is not None
 
 
 def _refuse_untying(root: nn.Module) -> None:
@@ -145,6 +158,10 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     kind = type(module)
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
+    family = _family(kind) if registration is None else None
+    if family is not None:  # its own modules split in place, made first if without memory
+        _made(module)
+        return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
         registration, read_args = built_in
@@ -204,14 +221,19 @@ def _state_keys(module: nn.Module) -> set[str]:
     return keys
 
 
+def _made(module: nn.Module) -> None:
+    """A module created without memory made whole (with its eager values) before it is swapped
+    or split: the one module whole at a time."""
+    tensors = [*module.parameters(), *module.buffers()]
+    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
+
+
 def _copy_weights(
     original: nn.Module,
     dist: nn.Module,
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
-    # An original created without memory is made first: the one module whole at a time.
-    tensors = [*original.parameters(), *original.buffers()]
-    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
+    _made(original)
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return

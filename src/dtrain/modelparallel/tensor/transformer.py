@@ -46,6 +46,9 @@ class DistributedTransformerLayer(DistributedModule):
         add_cross_attention: bool = False,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
+        scale_attention_scores: bool = True,
+        scale_attn_by_layer_idx: bool = False,
+        layer_idx: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -68,6 +71,9 @@ class DistributedTransformerLayer(DistributedModule):
             attention_dropout_prob=attention_dropout_prob,
             causal_mask_size=causal_mask_size,
             post_layernorm=post_layernorm and not pre_layernorm,
+            scale_attention_scores=scale_attention_scores,
+            scale_attn_by_layer_idx=scale_attn_by_layer_idx,
+            layer_idx=layer_idx,
             **shared,
         )
         self.output = DistributedTransformerOutputLayer(
@@ -79,7 +85,7 @@ class DistributedTransformerLayer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             mask = batch.gather(attention_mask)
             hidden = self.attention((batch.gather(hidden_states), mask))
             return batch.scatter(self.output(hidden)), attention_mask
@@ -89,7 +95,8 @@ class DistributedTransformer(DistributedModule):
     """``num_layers`` :class:`DistributedTransformerLayer` in ``seq_layers``, built with the
     other arguments (SMP's: the layer's, with the same defaults). With both
     ``pre_layernorm`` and ``post_layernorm`` only the last layer has a norm after its output
-    (as SMP builds it). ``forward((hidden_states, attention_mask))`` →
+    (as SMP builds it), and each layer its ``layer_idx``, counted from 0.
+    ``forward((hidden_states, attention_mask))`` →
     ``(output, attention_mask)``; the tp group's batches are gathered once for all layers."""
 
     def __init__(
@@ -106,6 +113,7 @@ class DistributedTransformer(DistributedModule):
             *(
                 DistributedTransformerLayer(
                     **layer,
+                    layer_idx=i,
                     pre_layernorm=pre_layernorm,
                     post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
                 )
@@ -115,7 +123,7 @@ class DistributedTransformer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what) as batch:
+        with scaled_batch(self.what, hidden_states) as batch:
             hidden, _ = self.seq_layers((batch.gather(hidden_states), batch.gather(attention_mask)))
             return batch.scatter(hidden), attention_mask
 
@@ -126,9 +134,11 @@ class DistributedTransformerLMHead(DistributedModule):
     ``num_layers``, ``num_attention_heads``, ``attention_head_size``, ``intermediate_size``,
     ``attention_dropout_prob``, ``activation``, ``layernorm_epsilon``,
     ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
-    ``add_lm_head``, a head tied to the word embedding. The embeddings and head are plain (each
-    rank holds them whole and runs them on its own batch); the transformer is split. Arguments
-    are keywords only (SMP also took them in its order).
+    ``add_lm_head``, a head tied to the word embedding. dtrain's own arguments, for Hugging
+    Face translations: ``embedding_dropout_prob`` (the embeddings' dropout; None: SMP's
+    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). The
+    embeddings and head are plain (each rank holds them whole and runs them on its own batch);
+    the transformer is split. Arguments are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
@@ -148,6 +158,8 @@ class DistributedTransformerLMHead(DistributedModule):
         add_lm_head: bool = True,
         initializer_range: float = 0.02,
         distribute_embedding: bool = False,
+        embedding_dropout_prob: float | None = None,
+        tie_word_embeddings: bool = True,
         **transformer: Any,
     ) -> None:
         super().__init__()
@@ -170,7 +182,9 @@ class DistributedTransformerLMHead(DistributedModule):
             for table in (self.word_embedding, self.position_embedding, self.token_type_embedding):
                 if table is not None:
                     nn.init.normal_(table.weight, std=initializer_range)
-        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.dropout = nn.Dropout(
+            hidden_dropout_prob if embedding_dropout_prob is None else embedding_dropout_prob
+        )
         self.transformer = DistributedTransformer(
             hidden_size=hidden_size,
             hidden_dropout_prob=hidden_dropout_prob,
@@ -179,9 +193,13 @@ class DistributedTransformerLMHead(DistributedModule):
             **transformer,
         )
         self.lm_head: nn.Linear | None = None
-        if add_lm_head:
+        if add_lm_head and tie_word_embeddings:
             self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
             self.lm_head.weight = self.word_embedding.weight
+        elif add_lm_head:
+            with seeded(self.what):
+                self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+                nn.init.normal_(self.lm_head.weight, std=initializer_range)
 
     def forward(
         self, inputs: tuple[torch.Tensor | None, ...]
@@ -199,7 +217,12 @@ class DistributedTransformerLMHead(DistributedModule):
         if attention_mask is not None:
             flat = attention_mask.view(input_ids.shape[0], -1).to(hidden.dtype)
             mask = (1.0 - flat[:, None, None, :]) * -10000.0
-        hidden, _ = self.transformer((self.dropout(hidden), mask))
+        with scaled_batch(self.what, hidden) as batch:
+            # The embeddings' dropout draws its mask on the group's combined batch, under the
+            # group's seed: the transformer takes its input as the same on every rank.
+            combined = self.dropout(batch.gather(hidden))
+            out, _ = self.transformer((combined, batch.gather(mask)))
+            hidden = batch.scatter(out)
         if self.lm_head is None:
             return hidden
         logits = self.lm_head(hidden)

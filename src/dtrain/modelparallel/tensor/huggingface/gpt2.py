@@ -5,7 +5,10 @@ A ``GPT2LMHeadModel`` created inside ``smp.tensor_parallelism()`` (or marked wit
 ``smp.set_tensor_parallelism``) becomes, when the model is wrapped, a distributed LM head built
 from its config, with its weights translated: GPT-2's ``Conv1D`` layers hold ``[in, out]``
 weights (``nn.Linear``: ``[out, in]``), its fused ``c_attn`` is split into query, key and value,
-and ``ln_f`` is the last layer's norm after its output. The model is then called as the HF
+and ``ln_f`` is the last layer's norm after its output. The config's dropouts (``embd_pdrop``
+too), ``tie_word_embeddings`` and attention scaling (``scale_attn_weights``,
+``scale_attn_by_inverse_layer_idx``) are honoured; ``reorder_and_upcast_attn=True`` (a
+half-precision kernel choice) is refused. The model is then called as the HF
 model (keywords) and returns a ``CausalLMOutputWithCrossAttentions`` (loss and logits). The two
 ``translate_*`` functions (SMP's names) turn state dicts either way, so a distributed model's
 checkpoint loads into the plain HF model and back.
@@ -48,6 +51,11 @@ def init_hook(config: Any) -> Args:
             f"smp.nn.huggingface.gpt2: n_embd={config.n_embd} is not a multiple of "
             f"n_head={config.n_head}"
         )
+    if getattr(config, "reorder_and_upcast_attn", False):
+        raise ModelParallelError(
+            "smp.nn.huggingface.gpt2: reorder_and_upcast_attn=True is not supported by dtrain; "
+            "allowed: False"
+        )
     if config.activation_function not in ACTIVATIONS:
         raise ModelParallelError(
             f"smp.nn.huggingface.gpt2: activation_function={config.activation_function!r}; "
@@ -63,6 +71,10 @@ def init_hook(config: Any) -> Args:
         "num_positions": config.n_positions,
         "attention_dropout_prob": config.attn_pdrop,
         "hidden_dropout_prob": config.resid_pdrop,
+        "embedding_dropout_prob": config.embd_pdrop,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "scale_attention_scores": config.scale_attn_weights,
+        "scale_attn_by_layer_idx": config.scale_attn_by_inverse_layer_idx,
         "activation": ACTIVATIONS[config.activation_function],
         "layernorm_epsilon": config.layer_norm_epsilon,
         "add_cross_attention": config.add_cross_attention,
@@ -220,3 +232,7 @@ REGISTRATION = Registration(
     return_hook=return_hook,
     translate=translate_hf_state_dict_to_smdistributed,
 )
+
+
+translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smdistributed
+"""The name later SMP versions give it, which AWS's ``train_gpt_simple.py`` imports."""

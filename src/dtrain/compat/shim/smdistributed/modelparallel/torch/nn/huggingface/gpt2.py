@@ -3,5 +3,6 @@
 
 from dtrain.modelparallel.tensor.huggingface.gpt2 import (  # noqa: F401  (the module is the API)
     translate_hf_state_dict_to_smdistributed,
+    translate_hf_state_dict_to_smdistributed_gpt2,
     translate_state_dict_to_hf_gpt2,
 )

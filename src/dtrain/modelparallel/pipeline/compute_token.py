@@ -1,0 +1,405 @@
+"""Who computes next on a rank: one compute token, handed out by the scheduling core.
+
+A pipeline stage is one worker, so a rank computes one task at a time. Tasks are threads: on the
+leader one per microbatch (the step body), on every rank one per stream of requests served
+(see :mod:`.runtime`). A task takes the token to compute (:meth:`ComputeToken.computing`: a
+module this rank owns, a served request, a backward) and gives it back while it waits for a
+remote reply, so another task (another microbatch, or a nested request) can use the stage
+meanwhile.
+
+Between two computations a task keeps the token (*sticky*) unless a more urgent task is
+waiting: the next module of the same microbatch follows at once. Handing the token to whichever
+task waits at every module boundary interleaved two microbatches module by module, which
+delayed both on their way to the next partition and left it idle. Before a task waits, or
+computes, the requests it queued are sent (``flush``), so nothing queued waits on it.
+
+Every decision (which waiting task gets the token, whether a holder keeps it, whether the leader
+admits another microbatch and whether a backward may begin) is the rank's
+:class:`~..scheduling.scheduler.Scheduler`'s, the thread-free core the planner runs too. This
+module is the only place that holds its lock: it wakes the tasks the core grants the token to,
+and others change or read the core through :meth:`ComputeToken.decide`,
+:meth:`ComputeToken.ask` and :meth:`ComputeToken.wait_until`, never under a lock of their own.
+
+The thread that runs the user's script is the *main* task: it holds the token outside steps
+(:mod:`.lending` lends it to served requests during one).
+
+With a plan order (``deterministic_server``, :mod:`..scheduling.order`) a task may take the token
+only while its action is the rank's current one in the plan. The leader's forward of a microbatch
+ends when its task first waits for another rank or turns to its backward, its backward when the
+task ends; the runtime ends the other ranks' actions (:meth:`ComputeToken.end_action`).
+
+Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank), in the
+rank's :class:`TimelineRecorder`, where the transport records its sends and receives too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
+from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
+from dtrain.modelparallel.timeline import TimelineRecorder
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Task(Work):
+    """Work of this rank with the thread that runs it: its wake-up and what it sends."""
+
+    holding: bool = False
+    """The task's thread has woken up with the token (the scheduler's holder since then)."""
+    recording: bool = True
+    """The current holding period is computation (a timeline event), not the time between."""
+    started: float = 0.0
+    granted: threading.Event = field(default_factory=threading.Event, repr=False)
+    """Set when the token is handed to this task: only the new holder wakes up."""
+    calls: list[Any] = field(default_factory=list, repr=False)
+    """Remote calls this task made that are not known to have succeeded yet."""
+    outbox: list[Any] = field(default_factory=list, repr=False)
+    """Requests this task queued instead of sending (see :class:`ComputeToken`)."""
+    called: int | None = None
+    """The partition a leader task's forward called last."""
+
+
+class ComputeToken:
+    """The compute token of one rank: its scheduling core behind one lock, the tasks' hand-over
+    and the timeline of what they computed."""
+
+    def __init__(
+        self,
+        pp_rank: int,
+        policy: SchedulePolicy,
+        timeout: float,
+        flush: Callable[[Task], None] = lambda task: None,
+        plan: tuple[tuple[str, int], ...] | None = None,
+    ) -> None:
+        """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
+        (for the token or a condition) and before it computes a module, so that nothing
+        queued waits on the task's own progress. ``plan`` (this rank's compute actions, in
+        order) makes the token follow it. The main task holds the token from here on."""
+        self.pp_rank = pp_rank
+        self.flush = flush
+        self.policy = policy
+        self.timeout = timeout
+        self.main = Task("main")
+        self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
+        """Every decision; read and changed only with ``_cv`` held."""
+        self._cv = threading.Condition()
+        self._local = threading.local()
+        self.recorder = TimelineRecorder(pp_rank)
+        self._progress = time.monotonic()
+        self.acquire(self.main)
+
+    # --- the core, under the lock ---------------------------------------------------------------
+
+    def decide(self, change: Callable[[Scheduler], bool | None]) -> None:
+        """Change the core: ``change`` returns whether the token may go on (it is then handed
+        to whom the core grants it). Either way work moved, and whoever waits in
+        :meth:`wait_until` looks again."""
+        with self._cv:
+            if change(self.core):
+                self._grant()
+            self._progress = time.monotonic()
+            self._cv.notify_all()
+
+    def ask(self, question: Callable[[Scheduler], T]) -> T:
+        """Read the core."""
+        with self._cv:
+            return question(self.core)
+
+    def wait_until(self, predicate: Callable[[Scheduler], bool], what: str) -> None:
+        """Wait for ``predicate`` of the core (changed by :meth:`decide`); time out only after
+        ``timeout`` seconds without progress."""
+        with self._cv:
+            while not predicate(self.core):
+                remaining = self._progress + self.timeout - time.monotonic()
+                if remaining <= 0:
+                    raise CommunicationTimeoutError(
+                        f"pp rank {self.pp_rank}: no progress for {self.timeout:g} s while "
+                        f"waiting for {what}"
+                    )
+                self._cv.wait(remaining)
+
+    def _grant(self) -> None:
+        """Wake the task the core hands a free token to (call with the lock held)."""
+        task = self.core.grant()
+        if task is not None:
+            assert isinstance(task, Task)
+            task.granted.set()
+
+    # --- the token ---------------------------------------------------------------------------
+
+    def end_action(self, step: int, phase: str, microbatch: int) -> None:
+        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
+        order, the next one's tasks may compute."""
+        if self.core.plan is None:  # set once, at construction: no lock needed to read it
+            return
+        self.decide(lambda core: core.end_action(step, phase, microbatch))
+
+    def end_microbatch(self, step: int, microbatch: int) -> None:
+        """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
+        self.decide(lambda core: core.end_microbatch(step, microbatch))
+
+    def enqueue(self, task: Task) -> None:
+        """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
+        with self._cv:
+            task.granted.clear()
+            self.core.submit(task)
+            self._grant()
+
+    def announce(self, task: Task) -> None:
+        """``task`` (a stream of requests just dispatched, about to start on its thread) will
+        ask for the token: no task dispatched after it takes the token before it, unless more
+        urgent. Requests are dispatched in arrival order, but their threads start in any
+        order; a later microbatch's forward computed first changes what it leaves behind
+        (BatchNorm's running statistics, the order of random numbers)."""
+        with self._cv:
+            self.core.announce(task)
+
+    def acquire(self, task: Task) -> None:
+        self.enqueue(task)
+        self.await_token(task)
+
+    def await_token(self, task: Task) -> None:
+        """Wait until an enqueued ``task`` holds the token."""
+        if not task.granted.is_set():
+            self.flush(task)
+        if not task.granted.wait(self.timeout):
+            with self._cv:
+                if self.core.holder is not task:
+                    self.core.drop(task)
+                    holder = self.core.holder
+                    held_by = holder.describe() if holder else "nobody"
+                    raise CommunicationTimeoutError(
+                        f"pp rank {self.pp_rank}: {task.describe()} waited {self.timeout:g} s "
+                        f"for the compute token, held by {held_by}"
+                    )
+        with self._cv:
+            task.holding = True
+            task.recording = True
+            task.started = self._now()
+            self._progress = time.monotonic()
+
+    def release(self, task: Task, grant: bool = True) -> None:
+        """``task`` gives the token back; it goes on at once unless not ``grant``."""
+        with self._cv:
+            self.core.release(task)
+            self._record(task)
+            task.holding = False
+            self._progress = time.monotonic()
+            if grant:
+                self._grant()
+
+    def _record(self, task: Task) -> None:
+        """The holder's computation up to now, as a timeline event."""
+        if task.role != "main" and task.recording:
+            name = task.name or f"{task.phase}{task.microbatch}"
+            self.recorder.add(task.phase, task.microbatch, task.started, name)
+
+    def _yield_if_urgent(self, task: Task) -> None:
+        """A task holding the token between computations gives it to a more urgent waiter
+        (or gives it up: a plan order has moved on from the task's action)."""
+        with self._cv:
+            if self.core.outranked(task):
+                self.release(task)
+
+    def sticky(self, task: Task) -> bool:
+        """Whether ``task`` holds the token between two computations."""
+        with self._cv:
+            return task.holding and self.core.holder is task and self.core.sticky
+
+    def activity(self) -> str:
+        """What holds the token now, and for how long (for stall reports)."""
+        with self._cv:
+            holder = self.core.holder
+            waiting = self.core.waiting
+            turn = self.core.turn()
+            turn = f"; in the plan's order it is the turn of {turn}" if turn else ""
+            if not isinstance(holder, Task):
+                return f"nothing computes (the compute token is free, {waiting} wait){turn}"
+            held = self._now() - holder.started
+        what = holder.describe()
+        if holder.role != "main":
+            what += f" computing {holder.name!r}" if holder.recording else " between computations"
+        held_for = f"has held the compute token for {held:.0f} s ({waiting} tasks wait for it)"
+        return f"{what} {held_for}{turn}"
+
+    @property
+    def last_progress(self) -> float:
+        """Monotonic time of the last token hand-over: work is still moving on this rank."""
+        return self._progress
+
+    def _now(self) -> float:
+        """Wall-clock seconds from a monotonic clock, comparable across processes."""
+        return self.recorder.now()
+
+    # --- tasks -------------------------------------------------------------------------------
+
+    def current(self) -> Task | None:
+        """The task running on this thread, or the token holder (autograd's device threads).
+
+        The main task never counts: code running there is outside any step.
+        """
+        task = getattr(self._local, "task", None)
+        if task is None:
+            holder = self.core.holder
+            task = holder if isinstance(holder, Task) and holder.role != "main" else None
+        return task
+
+    @contextmanager
+    def running(self, task: Task) -> Iterator[Task]:
+        """This thread runs as ``task`` (:meth:`current`) meanwhile."""
+        previous = getattr(self._local, "task", None)
+        self._local.task = task
+        try:
+            yield task
+        finally:
+            self._local.task = previous
+
+    @contextmanager
+    def serving(self, task: Task) -> Iterator[Task]:
+        """Run served requests as ``task`` on this thread; it gives the token back at the end,
+        and, announced, stops holding others up."""
+        with self.running(task):
+            try:
+                yield task
+            finally:
+                if task.holding:
+                    self.release(task)
+                self.decide(lambda core: core.withdraw(task))
+
+    @contextmanager
+    def computing(self, name: str) -> Iterator[None]:
+        """Compute ``name`` (a module, or a served request) as the current task, with the token.
+
+        The task keeps the token afterwards (*sticky*) unless a more urgent task waits: its
+        next computation (the next module of the same forward, the next request of the same
+        stream) follows at once instead of queueing behind a less urgent microbatch, which
+        would only delay this one on its way through the pipeline. Code that already computes
+        (a module inside a module) runs as it is.
+        """
+        task = self.current()
+        if task is None or (task.holding and not self.sticky(task)):
+            yield
+            return
+        self.take(task, name)
+        try:
+            yield
+        finally:
+            if task.holding:
+                self.hold_between(task)
+                self._yield_if_urgent(task)
+
+    def hold_between(self, task: Task, computed: bool = True) -> None:
+        """The holder keeps the token for its next computation: its computation ended
+        (recorded), or, not ``computed``, it has just woken up with the token."""
+        with self._cv:
+            if computed:
+                self._record(task)
+            task.recording = False
+            self.core.between(task)
+
+    def take(self, task: Task, name: str) -> None:
+        """Hold the token to compute ``name``: kept from the task's last computation unless a
+        more urgent task waits, else queued for; what the task queued is sent first."""
+        self._check_plan_shape(task, name)
+        if task.outbox:
+            self.flush(task)
+        if task.holding:
+            self._yield_if_urgent(task)
+        task.name = name
+        if task.holding:
+            with self._cv:
+                task.started = self._now()
+                task.recording = True
+                self.core.resume(task)
+        else:
+            self.acquire(task)  # a token just granted is not sticky
+
+    def _check_plan_shape(self, task: Task, name: str) -> None:
+        """Work that comes back after it waited is its next visit's, if the plan has one
+        (:meth:`.Scheduler.returns`); work that a plan order cannot order
+        (:meth:`.Scheduler.off_plan`) fails naming the module."""
+        if self.core.plan is None:
+            return
+
+        def placed(core: Scheduler) -> str | None:
+            core.returns(task)
+            return core.off_plan(task)
+
+        where = self.ask(placed)
+        if where is None:
+            return
+        raise ModelParallelError(
+            f"deterministic_server: module {name!r} would compute {where}: the plan's order "
+            "needs every microbatch to go through the partitions in order (0, 1, ...) once "
+            "forward and once back; place the model's last modules on the last partition, or "
+            "set deterministic_server to false"
+        )
+
+    def give_way(self) -> None:
+        """The current task, computing, lets a more urgent waiting task compute first, then
+        goes on (a weight half between its autograd calls, a terminal backward at its
+        weights)."""
+        task = self.current()
+        if task is None or not task.holding:
+            return
+        with self._cv:
+            if not self.core.outranked(task):
+                return
+            self.release(task)  # records the work so far
+        self.acquire(task)
+
+    def step_aside(self) -> None:
+        """The current task, holding the token between computations, is about to do other work
+        (send a reply): any waiting task may compute meanwhile."""
+        task = self.current()
+        if task is not None and task.holding:
+            with self._cv:
+                if self.core.steps_aside(task):
+                    self.release(task)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Give the token away while the current task waits for another rank (or for another
+        task's result); a sticky holder does not take it back afterwards."""
+        task = self.current()
+        if task is not None and self.core.plan is not None:
+            self.decide(lambda core: core.waits(task))
+        if task is None or not task.holding:
+            yield
+            return
+        sticky = self.sticky(task)
+        self.release(task)
+        try:
+            yield
+        finally:
+            if not sticky:
+                self._check_plan_shape(task, task.name)
+                self.acquire(task)
+
+    # --- weight halves -------------------------------------------------------------------------
+
+    def owe_weights(self, task: Task) -> None:
+        """The weight half ``task`` (of a split backward, not spawned yet) is due: the main
+        task waits for it. Owed before the backward replies, so that no end of the microbatch
+        can be taken for the end of its weights."""
+        with self._cv:
+            self.core.owe(task.step, task.microbatch)
+
+    def weights_paid(self, task: Task) -> None:
+        """The owed weight half ``task`` has run (or failed): its action is over, and the main
+        task may be next."""
+
+        def paid(core: Scheduler) -> bool:
+            core.paid(task.step, task.microbatch)
+            return True
+
+        self.decide(paid)

@@ -1,0 +1,156 @@
+"""The scaled-batch region at its edges: with dropout on (embeddings, attention probabilities,
+hidden states) and layers checkpointed inside it, an LM head on two tensor-parallel ranks
+trains to the losses and parameters of one process drawing from the same generator, with and
+without prescaled_batch; ranks bringing batches of different shapes fail naming them; a
+checkpointing mark on a swapped module moves to its distributed module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import activations
+from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.test_tensor_equivalence import LM as EQUIVALENCE_LM
+
+STEPS = 2
+GLOBAL_BATCH = 8
+SEED = 3
+LM = {**EQUIVALENCE_LM, "attention_dropout_prob": 0.3, "hidden_dropout_prob": 0.2}
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 32, (GLOBAL_BATCH, 8), generator=torch.Generator().manual_seed(step))
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    with single_process({}):
+        torch.manual_seed(SEED)
+        model = smp.nn.DistributedTransformerLMHead(**LM)
+        optimizer = _optimizer(model.parameters())
+        losses = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            ids = _batch(step)
+            loss, _ = model((ids, None, None, None, ids))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, model.state_dict()
+
+
+def _train(checkpointed: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """This rank's rows of each global batch (all of them with prescaled_batch: rdp is 1). The
+    ranks' own generators differ; the group draws its masks from its first rank's."""
+    torch.manual_seed(SEED + smp.rank())
+    model = smp.DistributedModel(smp.nn.DistributedTransformerLMHead(**LM))
+    layers = model.module.transformer.seq_layers
+    # As SMP's GPT-2 script does, after wrapping: the Sequential (each layer) or one layer.
+    smp.set_activation_checkpointing(layers if checkpointed == "layers" else layers[1])
+    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss, _ = model((ids, None, None, None, ids))
+        model.backward(loss)
+        return loss
+
+    prescaled = smp.state.current().config["prescaled_batch"]
+    rows = GLOBAL_BATCH // (1 if prescaled else smp.dp_size())
+    rank = 0 if prescaled else smp.dp_rank()
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        ids = _batch(step)[rank * rows : (rank + 1) * rows]
+        losses.append(float(train_step(model, ids).reduce_mean()))
+        optimizer.step()
+    return losses, model.state_dict()
+
+
+def _mismatched() -> list[str]:
+    """Rank 0 brings 4 rows, rank 1 brings 3, to a transformer layer and a DistributedLinear."""
+    layer = smp.nn.DistributedTransformerLayer(
+        num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16
+    )
+    linear = smp.nn.DistributedLinear(8, 4)
+    rows = 4 - smp.tp_rank()
+    errors = []
+    for call in (
+        lambda: layer((torch.zeros(rows, 5, 8), None)),
+        lambda: linear(torch.zeros(rows, 8)),
+    ):
+        try:
+            call()
+        except ModelParallelError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _swapped_mark() -> tuple[bool, float]:
+    """A Linear marked for checkpointing, then swapped: its distributed module is checkpointed."""
+    torch.manual_seed(SEED)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    smp.set_tensor_parallelism(module)
+    smp.set_activation_checkpointing(module[0])
+    model = smp.DistributedModel(module)
+    marked = "0" in activations.kept_whole(model.module)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    return marked, float(train_step(model, torch.ones(4, 8)).reduce_mean())
+
+
+def _on_ranks(prescaled: bool) -> dict[str, Any]:
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": prescaled})
+    out: dict[str, Any] = {}
+    out["trained"] = _train("layer" if prescaled else "layers")
+    smp.reset()
+    if not prescaled:
+        out["errors"] = _mismatched()
+        out["swapped"] = _swapped_mark()
+    return out
+
+
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
+    prescaled: bool,
+) -> None:
+    ranks = run_ranks(2, _on_ranks, prescaled, timeout=180)
+    losses, params = _one_process()
+    for rank in ranks:
+        trained_losses, trained = rank["trained"]
+        if prescaled:  # each rank the whole batch's loss
+            assert trained_losses == pytest.approx(losses, rel=1e-5)
+        for key, value in params.items():
+            torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
+    mean = [sum(rank["trained"][0][step] for rank in ranks) / 2 for step in range(STEPS)]
+    assert mean == pytest.approx(losses, rel=1e-5)
+    if prescaled:
+        return
+    group = "smp.nn.{}: the ranks of tensor-parallel group [0, 1] bring inputs of different shapes"
+    rule = "with prescaled_batch=False every rank of a tp group must bring as many rows"
+    assert ranks[0]["errors"] == ranks[1]["errors"]
+    layer, linear = ranks[0]["errors"]
+    assert layer.startswith(group.format("DistributedTransformerLayer"))
+    assert "rank 0 [4, 5, 8], rank 1 [3, 5, 8]; " + rule in layer
+    assert linear.startswith(group.format("DistributedLinear"))
+    assert "rank 0 [4, 8], rank 1 [3, 8]; " + rule in linear
+    with single_process({}):
+        torch.manual_seed(SEED)
+        plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        expected = plain(torch.ones(4, 8)).pow(2).mean().item()
+    for rank in ranks:
+        assert rank["swapped"] == (True, pytest.approx(expected, rel=1e-5))
