@@ -9,6 +9,7 @@ at tp=2 x rdp=2: ``test_tensor_equivalence``'s models train like one process."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -252,7 +253,10 @@ def _delayed(case: str) -> dict[str, Any]:
     smp.reset()
     with smp.model_creation(tensor_parallelism=True):
         module = build()
-    model = smp.DistributedModel(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = smp.DistributedModel(module)
+    out["warnings"] = [str(w.message) for w in caught if "distributed" in str(w.message)]
     out["split"] = _whole_split(model)
     out["meta"] = sorted(n for n, p in model.module.named_parameters() if p.is_meta)
     out["losses"], _ = _trained(model, loss_fn)
@@ -293,6 +297,7 @@ def test_delayed_creation_makes_each_rank_shards_with_eager_values(case: str) ->
             assert torch.equal(value, first[name]), name
             assert torch.equal(got["bf16"][name], in_bf16[name]), name
         assert got["meta"] == UNMADE_WHEN_WRAPPED[case]
+        assert got["warnings"] == []  # seen as distributed before it is split
         assert got["dtypes"] == {"torch.bfloat16"}
         for name, value in params.items():
             torch.testing.assert_close(got["trained"][name], value, rtol=1e-4, atol=1e-6)

@@ -40,10 +40,9 @@ def parallelize(
     mesh = state.current(what).tensor_mesh
     if mesh is not None and any(deferred.is_deferred(p) for p in module.parameters()):
         setattr(module, PENDING, (plan, what))
-        return
-    if mesh is not None:
+    elif mesh is not None:
         parallelize_module(module, mesh, plan)
-    for param in module.parameters():
+    for param in module.parameters():  # marked again once split, when made
         setattr(param, SCALED_BATCH, True)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor import marks, shards
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
@@ -101,7 +101,17 @@ def distribute(root: nn.Module) -> nn.Module:
         done[id(module)] = swapped
         return swapped
 
-    return visit(root, "")
+    root = visit(root, "")
+    degree = state.current("smp.DistributedModel").tp_size
+    if degree > 1 and not any(shards.is_scaled_batch(p) for p in root.parameters()):
+        warnings.warn(
+            f"smp.DistributedModel: tensor_parallel_degree={degree}, but no module of the model "
+            "is distributed (none was created inside smp.tensor_parallelism() or marked with "
+            "smp.set_tensor_parallelism, or none of those has a distributed counterpart): every "
+            "rank of a tensor-parallel group computes the whole model",
+            stacklevel=3,
+        )
+    return root
 
 
 def _keep_inside_distributed(root: nn.Module) -> None:
