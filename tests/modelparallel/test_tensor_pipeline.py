@@ -3,7 +3,8 @@ process (losses and parameters): a chain of smp.nn transformer layers under ``sp
 are ranks 0 and 2; manual placement), a plain model marked with smp.set_tensor_parallelism
 under the default placement (tp peers are neighbours; automatic partition: rank 0's tp group
 profiles together). There an LM head split over the partitions fails at its first step naming
-its transformer, which comes back to partition 0. A region entered for a caller on another
+its transformer, which comes back to partition 0, and a model created without memory fails
+naming the automatic partition. A region entered for a caller on another
 partition does not gather. Without processes: a split block cut by the partition fails naming
 it, the scaled-batch mark travels with a request's compute mode, the tp styles' hooks are
 neither replayed nor run where their module does not compute, and a swapped module keeps the
@@ -131,6 +132,13 @@ def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
         with pytest.raises((ModelParallelError, StepFailedError)) as refused:
             step_of(_lm_loss)(model, ids[rows], mask[rows])
         out["refused"] = str(refused.value)
+        smp.reset()
+        with smp.delay_param_initialization():
+            layers = _layers()
+        model = smp.DistributedModel(layers)
+        with pytest.raises(ModelParallelError) as refused:
+            step_of(_layers_loss)(model, ids[rows], mask[rows])
+        out["delayed"] = str(refused.value)
     return out
 
 
@@ -158,6 +166,8 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(
         if auto:
             assert "module 'transformer' would compute on partition 0" in rank["refused"]
             assert "tensor_parallel_degree above 1" in rank["refused"]
+            assert "model created without memory" in rank["delayed"]
+            assert "allowed: auto_partition: false" in rank["delayed"]
         assert rank["params"].keys() == params.keys()
         for key, value in params.items():
             torch.testing.assert_close(rank["params"][key], value, rtol=1e-4, atol=1e-6)

@@ -140,9 +140,11 @@ class DistributedModel(nn.Module):
         if self._state.tp_size > 1 or marks.any_marked(module):
             from dtrain.modelparallel.tensor import shards, swap
 
+            self._sync_random_states(module)  # a delayed model's shards are made now
             placed = placement.manual_placements(module)
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             placement.keep_placements(module, placed)
+            shards.split_delayed(module, self._state.device)
             if self._state.tp_size > 1:
                 self.tensor_shards = shards
         state.register_model(self)
@@ -296,9 +298,11 @@ class DistributedModel(nn.Module):
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
 
-    def _sync_random_states(self) -> None:
-        """A delayed model's share will be made from rank 0's random states, on every rank."""
-        recordings = deferred.recordings_of(self._all_tensors())
+    def _sync_random_states(self, root: nn.Module | None = None) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank
+        (``root``: the module before it is wrapped)."""
+        tensors = self._all_tensors() if root is None else [*root.parameters(), *root.buffers()]
+        recordings = deferred.recordings_of(tensors)
         if recordings and self._state.size > 1:
             deferred.sync_random_states(recordings, self._rank0_states)
 
@@ -308,6 +312,14 @@ class DistributedModel(nn.Module):
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
+            if st.tp_size > 1 and self._delayed():
+                raise ModelParallelError(
+                    "smp.DistributedModel: a model created without memory, with "
+                    f"pipeline_parallel_degree {st.pp_size} x tensor_parallel_degree "
+                    f"{st.tp_size}, is not partitioned automatically by dtrain (the profile "
+                    "without memory does not handle its split modules); allowed: "
+                    "auto_partition: false with smp.partition / smp.set_partition"
+                )
             plan = self._auto_plan(make_body, fixed)
         else:
             plan = manual_plan(
@@ -690,14 +702,18 @@ class DistributedModel(nn.Module):
                 raise ModelParallelError(
                     f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
                 )
+        half = self.half_precision
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values and self.tensor_shards is not None:
-                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
-                elif name in values:
-                    tensor.copy_(values[name])
-                    if self.half_precision is not None:
-                        self.half_precision.load_value(tensor, values[name])
+                if name not in values:
+                    continue
+                master = tensor if half is None else half.master(tensor)
+                # A half model's master takes the value unrounded.
+                for target in [tensor] if master is tensor else [tensor, master]:
+                    if self.tensor_shards is not None:
+                        self.tensor_shards.load_into(target, values[name], whole_value=full)
+                    else:
+                        target.copy_(values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 

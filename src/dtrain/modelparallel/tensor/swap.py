@@ -18,15 +18,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from dtrain.modelparallel import state
+from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.tensor import marks, shards
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
+from dtrain.modelparallel.tensor.module import DistributedModule
 
 
 def _linear_args(layer: nn.Linear) -> marks.Args:
@@ -71,6 +73,7 @@ def _family(kind: type[nn.Module]) -> inplace.Family | None:
 
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    _keep_inside_distributed(root)
     _refuse_untying(root)
     done: dict[int, nn.Module] = {}
 
@@ -109,6 +112,15 @@ def distribute(root: nn.Module) -> nn.Module:
             stacklevel=3,
         )
     return root
+
+
+def _keep_inside_distributed(root: nn.Module) -> None:
+    """The layers an ``smp.nn`` module builds (its embeddings, its tied head) are its own, made
+    inside ``smp.tensor_parallelism()`` as it was: never swapped."""
+    for module in root.modules():
+        if isinstance(module, (DistributedModule, DistributedLinear, DistributedEmbedding)):
+            for inner in list(module.modules())[1:]:
+                marks.set_tensor_parallelism(inner, enabled=False)
 
 
 def _swaps(module: nn.Module) -> bool:
@@ -157,7 +169,8 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
     family = _family(kind) if registration is None else None
-    if family is not None:  # its own modules split in place
+    if family is not None:  # its own modules split in place, made first if without memory
+        _made(module)
         return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
@@ -174,7 +187,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if registration.init_hook is not None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
-    dist = registration.dist_module(*positional, **keywords)
+    dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
     _copy_weights(module, dist, registration.translate)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
@@ -183,6 +196,19 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if return_hook is not None:
         dist.register_forward_hook(lambda _m, _a, out: return_hook(out))
     return dist
+
+
+def _created_as(original: nn.Module, create: Callable[[], nn.Module]) -> nn.Module:
+    """``create()`` with the default dtype the floating parameters of ``original`` have (a
+    model made inside ``smp.model_creation(dtype=...)`` keeps it when swapped)."""
+    dtypes = {p.dtype for p in original.parameters() if p.is_floating_point()}
+    previous = torch.get_default_dtype()
+    if len(dtypes) == 1:
+        torch.set_default_dtype(dtypes.pop())
+    try:
+        return create()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str, Any]:
@@ -205,11 +231,19 @@ def _state_keys(module: nn.Module) -> set[str]:
     return keys
 
 
+def _made(module: nn.Module) -> None:
+    """A module created without memory made whole (with its eager values) before it is swapped
+    or split: the one module whole at a time."""
+    tensors = [*module.parameters(), *module.buffers()]
+    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
+
+
 def _copy_weights(
     original: nn.Module,
     dist: nn.Module,
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
+    _made(original)
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return
