@@ -28,8 +28,8 @@ from tests.modelparallel.test_tensor_equivalence import (
     STEPS,
     _batch,
     _lm,
-    _one_process,
     _optimizer,
+    one_process,
 )
 
 TP_LM = half.Case(
@@ -278,7 +278,7 @@ modules (the LM's embeddings; the MLP's layers are all swapped, their originals 
 @pytest.mark.parametrize("case", ["lm", "mlp"])
 def test_delayed_creation_makes_each_rank_shards_with_eager_values(case: str) -> None:
     build, _ = CASES[case]
-    losses, params, _ = _one_process(case)
+    losses, params, _ = one_process(*CASES[case])
     with single_process({}):
         first = build().state_dict()
         previous = torch.get_default_dtype()
@@ -339,7 +339,7 @@ def _sharded_state() -> dict[str, Any]:
 def test_shard_optimizer_state_with_tensor_parallelism_trains_like_one_process() -> None:
     ranks = run_ranks(4, _sharded_state, timeout=180)
     for case in CASES:
-        losses, params, _ = _one_process(case)
+        losses, params, _ = one_process(*CASES[case])
         mean = [sum(r[case]["losses"][step] for r in ranks) / len(ranks) for step in range(STEPS)]
         assert mean == pytest.approx(losses, rel=1e-5), case
         # Whole momenta, one per parameter (the LM's head is tied to its word embedding).
