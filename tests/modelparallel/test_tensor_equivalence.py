@@ -90,6 +90,22 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+def trained(model: Any, loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], Any]:
+    """``model`` (wrapped) trained for STEPS steps on this rank's rows of each global batch
+    (sharded by ``dp_rank``); the losses and the optimizer."""
+    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+    train_step = step_of(loss_fn)
+    rows = GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    losses = []
+    for step in range(STEPS):
+        ids, mask = _batch(step)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+        optimizer.step()
+    return losses, optimizer
+
+
 def one_process(
     build: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor]
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:

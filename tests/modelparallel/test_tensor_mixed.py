@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,11 @@ from tests.modelparallel import test_half_precision as half
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_tensor_equivalence import (
     CASES,
-    GLOBAL_BATCH,
     STEPS,
     _batch,
     _lm,
-    _optimizer,
     one_process,
+    trained,
 )
 
 TP_LM = half.Case(
@@ -218,28 +216,6 @@ def _whole_split(model: Any) -> dict[str, Tensor]:
     }
 
 
-def _trained(model: Any, loss_fn: Callable[..., Tensor]) -> tuple[list[float], Any]:
-    """``test_tensor_equivalence``'s training of ``model`` on this rank's rows of each global
-    batch; the losses and the optimizer."""
-    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
-        loss = loss_fn(model, ids, mask)
-        model.backward(loss)
-        return loss
-
-    rows = GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        ids, mask = _batch(step)
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
-        optimizer.step()
-    return losses, optimizer
-
-
 def _delayed(case: str) -> dict[str, Any]:
     """``case`` created eagerly at tp=2, then inside ``smp.model_creation`` without memory:
     the split parameters when each is wrapped; then the delayed one trained as
@@ -259,7 +235,7 @@ def _delayed(case: str) -> dict[str, Any]:
     out["warnings"] = [str(w.message) for w in caught if "distributed" in str(w.message)]
     out["split"] = _whole_split(model)
     out["meta"] = sorted(n for n, p in model.module.named_parameters() if p.is_meta)
-    out["losses"], _ = _trained(model, loss_fn)
+    out["losses"], _ = trained(model, loss_fn)
     out["trained"] = model.state_dict()
     smp.reset()
     with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16):
@@ -319,7 +295,7 @@ def _sharded_state() -> dict[str, Any]:
         if case == "mlp":
             smp.set_tensor_parallelism(module)
         model = smp.DistributedModel(module)
-        losses, optimizer = _trained(model, loss_fn)
+        losses, optimizer = trained(model, loss_fn)
         held = optimizer.local_state_dict()["state"].values()
         whole = optimizer.state_dict()["state"]
         out[case] = {

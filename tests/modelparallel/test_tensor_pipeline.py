@@ -29,7 +29,6 @@ from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_tensor_equivalence import (
-    GLOBAL_BATCH,
     LM,
     STEPS,
     _batch,
@@ -37,9 +36,9 @@ from tests.modelparallel.test_tensor_equivalence import (
     _lm_loss,
     _mlp,
     _mlp_loss,
-    _optimizer,
     one_process,
     step_of,
+    trained,
 )
 
 
@@ -92,16 +91,7 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
         for index in second:
             smp.set_partition(module[index], 1)
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
-    train_step = step_of(loss_fn)
-    rows = GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        ids, mask = _batch(step)
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
-        optimizer.step()
+    losses, _ = trained(model, loss_fn)
     plan = model.partition_plan()
     return {
         "losses": losses,
