@@ -239,6 +239,33 @@ def test_a_weight_half_ends_its_action_only_once_paid_even_after_the_reply() -> 
         core.paid(0, 0)  # paid twice: a bug, not a second half
 
 
+def test_a_microbatchs_weight_action_waits_for_every_half_of_its_modules_backwards() -> None:
+    """A rank whose two modules the caller calls one by one gets two backward requests of a
+    microbatch. The first split (its weight half owed), the last ran whole: its end must not
+    end the weight action while the first's half is owed (that half then found its action over
+    and failed, at random, as timing decided the split). A half paid before the microbatch's
+    last backward ran does not end it either."""
+    plan = (("F", 0), ("B", 0), ("W", 0), ("F", 1))
+    core = _core(plan=plan, rank=1)
+    core.end_action(0, "F", 0)
+    core.owe(0, 0)  # the first module's backward split
+    assert core.end_backward(0, 0)  # the second module's, the last, ran whole
+    assert core.order(0).describe() == "W0" and core.off_plan(_work("W0")) is None
+    core.paid(0, 0)
+    assert core.in_turn(_work("F1"))
+
+    core = _core(plan=plan, rank=1)
+    core.end_action(0, "F", 0)
+    core.owe(0, 0)
+    core.paid(0, 0)  # the first half ran before the last backward arrived
+    assert core.order(0).describe() == "B0" and core.off_plan(_work("W0")) is None
+    core.owe(0, 0)  # the last backward split too
+    core.end_backward(0, 0)
+    assert core.order(0).describe() == "W0"
+    core.paid(0, 0)
+    assert core.in_turn(_work("F1"))
+
+
 # A plan order: actions ended -> whose work may compute.
 PLAN = (("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1))
 IN_TURN = [

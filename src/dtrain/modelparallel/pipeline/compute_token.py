@@ -143,6 +143,12 @@ class ComputeToken:
             return
         self.decide(lambda core: core.end_action(step, phase, microbatch))
 
+    def end_backward(self, step: int, microbatch: int) -> None:
+        """The microbatch's last backward here has run (see :meth:`.Scheduler.end_backward`)."""
+        if self.core.plan is None:
+            return
+        self.decide(lambda core: core.end_backward(step, microbatch))
+
     def end_microbatch(self, step: int, microbatch: int) -> None:
         """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
         self.decide(lambda core: core.end_microbatch(step, microbatch))

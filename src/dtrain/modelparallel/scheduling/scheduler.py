@@ -314,7 +314,7 @@ class Scheduler:
         if work.role == "serve" and self.rank == 0:
             return "on partition 0, called from another partition"
         if work.role == "serve" and over:
-            what = "backward" if is_gradient(work.phase) else "forward"
+            what = {"F": "forward", "W": "weight half"}.get(work.phase, "backward")
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
 
@@ -327,10 +327,24 @@ class Scheduler:
         self.weights_owed.append((step, microbatch))
 
     def paid(self, step: int, microbatch: int) -> None:
-        """The owed weight half has run (or failed): its action is over, and the main task may
-        be next."""
+        """The owed weight half has run (or failed): the main task may be next. The weight
+        action is over once the microbatch's last backward here has run and no half of it is
+        owed: a rank whose modules the caller calls one by one has a backward, and perhaps a
+        weight half, for each."""
         self.weights_owed.remove((step, microbatch))
-        self.end_action(step, "W", microbatch)
+        if not self.owes(step, microbatch) and self.action_ended(step, "B", microbatch):
+            self.end_action(step, "W", microbatch)
+
+    def end_backward(self, step: int, microbatch: int) -> bool:
+        """The microbatch's last backward here has run: its backward action is over, and its
+        weight action too unless a half of it is still owed (another module's, split earlier).
+        Whether there is a plan order (the token may then go on)."""
+        if self.plan is None:
+            return False
+        self.end_action(step, "B", microbatch)
+        if not self.owes(step, microbatch):
+            self.end_action(step, "W", microbatch)
+        return True
 
     def owes(self, step: int, microbatch: int) -> bool:
         return (step, microbatch) in self.weights_owed
