@@ -33,7 +33,6 @@ initialisation does without being asked."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,
-    "rotary_dim": None,
     "use_alibi": False,
     "alibi_bias_max": 8,
     "_scale_qkv_fan_out": False,

@@ -72,11 +72,16 @@ class DistributedTransformerOutputLayer(DistributedModule):
         with scaled_batch(self.what, hidden_states) as batch:
             return batch.scatter(self.feed_forward(batch.gather(hidden_states)))
 
-    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The block on the tp group's combined batch (every rank its share of ``dense1``)."""
-        residual = hidden
+    def feed_forward(self, hidden: torch.Tensor, residual: bool = True) -> torch.Tensor:
+        """The block on the tp group's combined batch (every rank its share of ``dense1``);
+        without ``residual`` (a parallel layer adds it once, to both blocks' sum) nor a norm
+        after."""
+        inputs = hidden
         if self.pre_layernorm is not None:
             hidden = self.pre_layernorm(hidden)
         inner = ACTIVATIONS[self.activation](self.dense1(hidden))
-        out = self.dropout(self.dense2(inner)) + residual
+        out = self.dropout(self.dense2(inner))
+        if not residual:
+            return out
+        out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)

@@ -27,6 +27,10 @@ class DistributedTransformerLayer(DistributedModule):
     ``output`` (:class:`DistributedTransformerOutputLayer`). With both ``pre_layernorm`` and
     ``post_layernorm`` the attention has only its norm before, as SMP builds it.
 
+    With ``parallel_attn_output`` (SMP's name; GPT-NeoX's ``use_parallel_residual``) both
+    blocks read the layer's input, each through its own ``pre_layernorm``, and the layer returns
+    their sum plus the input (the output's ``post_layernorm``, if any, after it).
+
     ``forward((hidden_states, attention_mask))`` → ``(output, attention_mask)``, so layers
     chain in an ``nn.Sequential``."""
 
@@ -49,6 +53,10 @@ class DistributedTransformerLayer(DistributedModule):
         scale_attention_scores: bool = True,
         scale_attn_by_layer_idx: bool = False,
         layer_idx: int | None = None,
+        parallel_attn_output: bool = False,
+        rotary_dim: int | None = None,
+        rotary_emb_base: float = 10000,
+        gpt_neox_type_rotary: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -56,6 +64,12 @@ class DistributedTransformerLayer(DistributedModule):
             self.what, {"add_cross_attention": add_cross_attention}, {"add_cross_attention": False}
         )
         _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        if parallel_attn_output and not pre_layernorm:
+            raise ValueError(
+                f"{self.what}: parallel_attn_output=True needs pre_layernorm=True (each block "
+                "normalizes the layer's input)"
+            )
+        self.parallel = parallel_attn_output
         shared = {
             "hidden_size": hidden_size,
             "hidden_dropout_prob": hidden_dropout_prob,
@@ -74,6 +88,9 @@ class DistributedTransformerLayer(DistributedModule):
             scale_attention_scores=scale_attention_scores,
             scale_attn_by_layer_idx=scale_attn_by_layer_idx,
             layer_idx=layer_idx,
+            rotary_dim=rotary_dim,
+            rotary_emb_base=rotary_emb_base,
+            gpt_neox_type_rotary=gpt_neox_type_rotary,
             **shared,
         )
         self.output = DistributedTransformerOutputLayer(
@@ -86,9 +103,16 @@ class DistributedTransformerLayer(DistributedModule):
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
         with scaled_batch(self.what, hidden_states) as batch:
-            mask = batch.gather(attention_mask)
-            hidden = self.attention((batch.gather(hidden_states), mask))
-            return batch.scatter(self.output(hidden)), attention_mask
+            hidden, mask = batch.gather(hidden_states), batch.gather(attention_mask)
+            if not self.parallel:
+                return batch.scatter(self.output(self.attention((hidden, mask)))), attention_mask
+            both = self.output.feed_forward(hidden, residual=False) + self.attention.attend(
+                hidden, mask, residual=False
+            )
+            out = both + hidden
+            if self.output.layernorm is not None:
+                out = self.output.layernorm(out)
+            return batch.scatter(out), attention_mask
 
 
 class DistributedTransformer(DistributedModule):
@@ -136,15 +160,18 @@ class DistributedTransformerLMHead(DistributedModule):
     ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
     ``add_lm_head``, a head tied to the word embedding. dtrain's own arguments, for Hugging
     Face translations: ``embedding_dropout_prob`` (the embeddings' dropout; None: SMP's
-    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). The
+    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). SMP's
+    ``use_positional_embedding=False`` leaves out the position table (for rotary attention,
+    ``rotary_dim``). The
     embeddings and head are plain (each rank holds them whole and runs them on its own batch);
     the transformer is split. Arguments are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
     ``labels`` may be None (positions then count from 0; SMP always counts from 0, dtrain uses
-    given ones). Returns the logits, or with ``labels`` ``(loss, logits)``: the mean cross
-    entropy of each position's logits against the next position's label."""
+    given ones; without a position table they are refused). Returns the logits, or with
+    ``labels`` ``(loss, logits)``: the mean cross entropy of each position's logits against the
+    next position's label."""
 
     def __init__(
         self,
@@ -160,6 +187,7 @@ class DistributedTransformerLMHead(DistributedModule):
         distribute_embedding: bool = False,
         embedding_dropout_prob: float | None = None,
         tie_word_embeddings: bool = True,
+        use_positional_embedding: bool = True,
         **transformer: Any,
     ) -> None:
         super().__init__()
@@ -175,11 +203,14 @@ class DistributedTransformerLMHead(DistributedModule):
             )
         with seeded(self.what):
             self.word_embedding = nn.Embedding(vocab_size, hidden_size)
-            self.position_embedding = nn.Embedding(num_positions, hidden_size)
+            self.position_embedding = (
+                nn.Embedding(num_positions, hidden_size) if use_positional_embedding else None
+            )
             self.token_type_embedding = (
                 nn.Embedding(num_token_types, hidden_size) if num_token_types > 0 else None
             )
-            for table in (self.word_embedding, self.position_embedding, self.token_type_embedding):
+            tables = (self.word_embedding, self.position_embedding, self.token_type_embedding)
+            for table in tables:
                 if table is not None:
                     nn.init.normal_(table.weight, std=initializer_range)
         self.dropout = nn.Dropout(
@@ -206,9 +237,16 @@ class DistributedTransformerLMHead(DistributedModule):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask, token_type_ids, position_ids, labels = inputs
         assert input_ids is not None, f"{self.what}: input_ids are required"
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        hidden = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        hidden = self.word_embedding(input_ids)
+        if self.position_embedding is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            hidden = hidden + self.position_embedding(position_ids)
+        elif position_ids is not None:
+            raise ValueError(
+                f"{self.what}: position_ids given to a model without position embeddings "
+                "(use_positional_embedding=False: rotary positions count from 0); allowed: None"
+            )
         if token_type_ids is not None:
             # HF GPT-2 embeds token types with the word embedding when it has no table of them.
             types = self.token_type_embedding or self.word_embedding
