@@ -41,7 +41,8 @@ class DistributedAttentionLayer(DistributedModule):
     HF's GPT-2 do. With ``rotary_dim`` the first ``rotary_dim`` dimensions of every query and
     key head are rotated by their position (counted from 0) with base ``rotary_emb_base``:
     their halves against each other with ``gpt_neox_type_rotary`` (GPT-NeoX's), neighbouring
-    pairs otherwise (GPT-J's). Cross attention is not implemented.
+    pairs otherwise (GPT-J's). ``use_qkv_bias`` and ``use_attn_dense_bias`` (SMP's names): the
+    projections' biases. Cross attention is not implemented.
     """
 
     def __init__(
@@ -64,6 +65,8 @@ class DistributedAttentionLayer(DistributedModule):
         rotary_dim: int | None = None,
         rotary_emb_base: float = 10000,
         gpt_neox_type_rotary: bool = False,
+        use_qkv_bias: bool = True,
+        use_attn_dense_bias: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -92,10 +95,10 @@ class DistributedAttentionLayer(DistributedModule):
             )
         size = num_attention_heads * attention_head_size
         with seeded(self.what):
-            self.query = nn.Linear(hidden_size, size)
-            self.key = nn.Linear(hidden_size, size)
-            self.value = nn.Linear(hidden_size, size)
-            self.dense = nn.Linear(size, hidden_size)
+            self.query = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.key = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.value = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.dense = nn.Linear(size, hidden_size, bias=use_attn_dense_bias)
             for layer in (self.query, self.key, self.value, self.dense):
                 init_linear(layer, use_normal_initialization, initializer_range)
         self.pre_layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if pre_layernorm else None

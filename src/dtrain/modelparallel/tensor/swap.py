@@ -48,6 +48,7 @@ instance's constructor arguments back from it."""
 HUGGING_FACE = {
     "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2",
     "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": "gptneox",
+    "transformers.models.gptj.modeling_gptj.GPTJForCausalLM": "gptj",
 }
 """Hugging Face classes by qualified name → their module in :mod:`.huggingface` (imported when
 a model of the class is seen, so ``transformers`` is never imported for nothing). A class of a
@@ -180,10 +181,10 @@ def _swapped(module: nn.Module) -> nn.Module | None:
 
 
 def _translates(kind: type[nn.Module], mark: marks.Mark) -> bool:
-    """Whether a model of a family split in place that SMP translates (GPT-NeoX's LM) becomes
-    SMP's ``DistributedTransformerLMHead``: its mark says ``zero_init=False``, which AWS's
-    scripts pass exactly when they use the distributed transformer (``zero_init=True``, or
-    none, keeps HF's own modules, split in place)."""
+    """Whether a model of a family split in place that SMP translates (GPT-NeoX's and GPT-J's
+    causal LMs) becomes SMP's ``DistributedTransformerLMHead``: its mark says
+    ``zero_init=False``, which AWS's scripts pass exactly when they use the distributed
+    transformer (``zero_init=True``, or none, keeps HF's own modules, split in place)."""
     translated = f"{kind.__module__}.{kind.__qualname__}" in HUGGING_FACE
     return translated and mark.options.get("zero_init", True) is False
 

@@ -29,7 +29,8 @@ class DistributedTransformerLayer(DistributedModule):
 
     With ``parallel_attn_output`` (SMP's name; GPT-NeoX's ``use_parallel_residual``) both
     blocks read the layer's input, each through its own ``pre_layernorm``, and the layer returns
-    their sum plus the input (the output's ``post_layernorm``, if any, after it).
+    their sum plus the input (the output's ``post_layernorm``, if any, after it); with
+    ``single_pre_layernorm`` too both read it through the attention's norm (GPT-J's).
 
     ``forward((hidden_states, attention_mask))`` → ``(output, attention_mask)``, so layers
     chain in an ``nn.Sequential``."""
@@ -54,9 +55,12 @@ class DistributedTransformerLayer(DistributedModule):
         scale_attn_by_layer_idx: bool = False,
         layer_idx: int | None = None,
         parallel_attn_output: bool = False,
+        single_pre_layernorm: bool = False,
         rotary_dim: int | None = None,
         rotary_emb_base: float = 10000,
         gpt_neox_type_rotary: bool = False,
+        use_qkv_bias: bool = True,
+        use_attn_dense_bias: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -68,6 +72,11 @@ class DistributedTransformerLayer(DistributedModule):
             raise ValueError(
                 f"{self.what}: parallel_attn_output=True needs pre_layernorm=True (each block "
                 "normalizes the layer's input)"
+            )
+        if single_pre_layernorm and not parallel_attn_output:
+            raise ValueError(
+                f"{self.what}: single_pre_layernorm=True needs parallel_attn_output=True (one "
+                "norm of the layer's input for both blocks)"
             )
         self.parallel = parallel_attn_output
         shared = {
@@ -91,13 +100,15 @@ class DistributedTransformerLayer(DistributedModule):
             rotary_dim=rotary_dim,
             rotary_emb_base=rotary_emb_base,
             gpt_neox_type_rotary=gpt_neox_type_rotary,
+            use_qkv_bias=use_qkv_bias,
+            use_attn_dense_bias=use_attn_dense_bias,
             **shared,
         )
         self.output = DistributedTransformerOutputLayer(
             intermediate_size=intermediate_size,
             activation=activation,
             post_layernorm=post_layernorm,
-            **shared,
+            **{**shared, "pre_layernorm": pre_layernorm and not single_pre_layernorm},
         )
 
     def forward(self, inp: Pair) -> Pair:
@@ -106,7 +117,10 @@ class DistributedTransformerLayer(DistributedModule):
             hidden, mask = batch.gather(hidden_states), batch.gather(attention_mask)
             if not self.parallel:
                 return batch.scatter(self.output(self.attention((hidden, mask)))), attention_mask
-            both = self.output.feed_forward(hidden, residual=False) + self.attention.attend(
+            normed, single = hidden, self.attention.pre_layernorm
+            if self.output.pre_layernorm is None and single is not None:  # one norm for both
+                normed = single(hidden)
+            both = self.output.feed_forward(normed, residual=False) + self.attention.attend(
                 hidden, mask, residual=False
             )
             out = both + hidden
@@ -162,7 +176,7 @@ class DistributedTransformerLMHead(DistributedModule):
     Face translations: ``embedding_dropout_prob`` (the embeddings' dropout; None: SMP's
     ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). SMP's
     ``use_positional_embedding=False`` leaves out the position table (for rotary attention,
-    ``rotary_dim``). The
+    ``rotary_dim``), ``use_lm_head_bias`` gives the head a bias. The
     embeddings and head are plain (each rank holds them whole and runs them on its own batch);
     the transformer is split. Arguments are keywords only (SMP also took them in its order).
 
@@ -188,6 +202,7 @@ class DistributedTransformerLMHead(DistributedModule):
         embedding_dropout_prob: float | None = None,
         tie_word_embeddings: bool = True,
         use_positional_embedding: bool = True,
+        use_lm_head_bias: bool = False,
         **transformer: Any,
     ) -> None:
         super().__init__()
@@ -225,12 +240,14 @@ class DistributedTransformerLMHead(DistributedModule):
         )
         self.lm_head: nn.Linear | None = None
         if add_lm_head and tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=use_lm_head_bias)
             self.lm_head.weight = self.word_embedding.weight
         elif add_lm_head:
             with seeded(self.what):
-                self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+                self.lm_head = nn.Linear(hidden_size, vocab_size, bias=use_lm_head_bias)
                 nn.init.normal_(self.lm_head.weight, std=initializer_range)
+        if self.lm_head is not None and self.lm_head.bias is not None:
+            nn.init.zeros_(self.lm_head.bias)
 
     def forward(
         self, inputs: tuple[torch.Tensor | None, ...]

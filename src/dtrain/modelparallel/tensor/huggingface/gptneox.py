@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.huggingface import causal
 from dtrain.modelparallel.tensor.huggingface.inplace import Family
 from dtrain.modelparallel.tensor.marks import Args, Registration
 from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
@@ -100,35 +100,12 @@ def init_hook(config: Any) -> Args:
     }
 
 
-def forward_hook(
-    input_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    return_dict: bool | None = None,
-    logits_to_keep: int = 0,
-    **others: Any,
-) -> Args:
-    """HF's keyword inputs → the LM head's input tuple; what it cannot honour is refused
-    (``position_ids`` too: the rotary positions count from 0, as SMP's do)."""
-    given = sorted(name for name, value in others.items() if value is not None)
-    if given or use_cache or logits_to_keep:
-        extra = ["use_cache"] * bool(use_cache) + ["logits_to_keep"] * bool(logits_to_keep)
-        raise ModelParallelError(f"{WHAT}: the distributed GPT-NeoX does not take {given + extra}")
-    if return_dict is False:
-        raise ModelParallelError(f"{WHAT}: return_dict=False is not supported")
-    return ((input_ids, attention_mask, None, None, labels),), {}
+def forward_hook(*args: Any, **kwargs: Any) -> Args:
+    return causal.forward_inputs(WHAT, *args, **kwargs)
 
 
-def return_hook(outputs: Any) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    loss, logits = outputs if isinstance(outputs, tuple) else (None, outputs)
-    return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-def args_of(model: nn.Module) -> Args:
-    return (model.config,), {}
+return_hook = causal.output
+args_of = causal.args_of
 
 
 _BLOCK = {
@@ -154,13 +131,6 @@ def _head_count(num_attention_heads: int | None) -> int:
     return _heads[0]
 
 
-def _layers(state_dict: dict[str, Any], prefix: str) -> int:
-    """The number of layers in a state dict whose layer keys start with ``prefix``."""
-    depth = prefix.count(".")
-    found = [int(key.split(".")[depth]) for key in state_dict if key.startswith(prefix)]
-    return max(found, default=-1) + 1
-
-
 def translate_hf_state_dict_to_smdistributed_gptneox(
     state_dict: dict[str, torch.Tensor],
     max_seq_len: int | None = None,
@@ -170,7 +140,7 @@ def translate_hf_state_dict_to_smdistributed_gptneox(
     (``max_seq_len``, which SMP's older name takes, is not needed)."""
     del max_seq_len
     heads = _head_count(num_attention_heads)
-    last = _layers(state_dict, "gpt_neox.layers.") - 1
+    last = causal.layer_count(state_dict, "gpt_neox.layers.") - 1
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         parts = key.split(".")
@@ -208,7 +178,7 @@ def translate_state_dict_to_hf_gptneox(
     needed)."""
     del max_seq_len
     heads = _head_count(num_attention_heads)
-    last = str(_layers(state_dict, "transformer.seq_layers.") - 1)
+    last = str(causal.layer_count(state_dict, "transformer.seq_layers.") - 1)
     block = {mine: theirs for theirs, mine in _BLOCK.items()}
     out: dict[str, torch.Tensor] = {}
     qkv: dict[str, dict[str, torch.Tensor]] = {}
