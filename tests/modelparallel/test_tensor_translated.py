@@ -177,28 +177,15 @@ def _train() -> list[dict[str, Any]]:
     return results
 
 
-def _reference(family: str, options: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _plain(family, **options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=hf_cases.LR)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(**hf_cases.CASES["gpt2"].batch(step)).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 def test_translated_models_train_on_two_ranks_as_the_plain_models() -> None:
     ranks = run_ranks(2, _train, timeout=180, env=hf_cases.HF_ENV)
     for index, (family, options) in enumerate(TRAINED):
         first, second = ranks[0][index], ranks[1][index]
-        losses, params = _reference(family, options)
+        expected = hf_cases.reference("gpt2", STEPS, model=_plain(family, **options))
         assert first["kind"] == "DistributedTransformerLMHead"
         mean = [(first["losses"][s] + second["losses"][s]) / 2 for s in range(STEPS)]
-        assert mean == pytest.approx(losses, rel=1e-5), family
+        assert mean == pytest.approx(expected.losses, rel=1e-5), family
         back = TRANSLATIONS[family][0](second["state"])
         _plain(family, **options).load_state_dict(back)  # strict: every key of the HF model
-        for key, value in params.items():
+        for key, value in expected.params.items():
             torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)

@@ -21,8 +21,7 @@ import torch
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.huggingface import causal
 from dtrain.modelparallel.tensor.huggingface.inplace import Family
-from dtrain.modelparallel.tensor.marks import Args, Registration
-from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
+from dtrain.modelparallel.tensor.marks import Args
 
 WHAT = "smp.nn.huggingface.gptj"
 
@@ -61,7 +60,6 @@ def init_hook(config: Any) -> Args:
         "vocab_size": config.vocab_size,
         "num_positions": config.n_positions,
         "causal_mask_size": config.n_positions,
-        "use_positional_embedding": False,
         "rotary_dim": config.rotary_dim or head_size,
         "parallel_attn_output": True,
         "single_pre_layernorm": True,
@@ -75,31 +73,27 @@ def init_hook(config: Any) -> Args:
         "activation": ACTIVATIONS[config.activation_function],
         "layernorm_epsilon": config.layer_norm_epsilon,
         "initializer_range": config.initializer_range,
-        "use_normal_initialization": True,
-        "pre_layernorm": True,
-        "post_layernorm": True,
+        **causal.COMMON,
     }
 
 
-def forward_hook(*args: Any, **kwargs: Any) -> Args:
-    return causal.forward_inputs(WHAT, *args, **kwargs)
-
-
-return_hook = causal.output
 args_of = causal.args_of
 
-_BLOCK = {
-    "ln_1": "attention.pre_layernorm",
-    "attn.q_proj": "attention.query",
-    "attn.k_proj": "attention.key",
-    "attn.v_proj": "attention.value",
-    "attn.out_proj": "attention.dense",
-    "mlp.fc_in": "output.dense1",
-    "mlp.fc_out": "output.dense2",
-}
-"""A GPT-J block's modules → the distributed layer's."""
+NAMES: causal.Names = (
+    ("lm_head", "lm_head"),
+    ("transformer.wte", "word_embedding"),
+    ("transformer.ln_f", "transformer.seq_layers.{last}.output.layernorm"),
+    ("transformer.h.{n}.ln_1", "transformer.seq_layers.{n}.attention.pre_layernorm"),
+    ("transformer.h.{n}.attn.q_proj", "transformer.seq_layers.{n}.attention.query"),
+    ("transformer.h.{n}.attn.k_proj", "transformer.seq_layers.{n}.attention.key"),
+    ("transformer.h.{n}.attn.v_proj", "transformer.seq_layers.{n}.attention.value"),
+    ("transformer.h.{n}.attn.out_proj", "transformer.seq_layers.{n}.attention.dense"),
+    ("transformer.h.{n}.mlp.fc_in", "transformer.seq_layers.{n}.output.dense1"),
+    ("transformer.h.{n}.mlp.fc_out", "transformer.seq_layers.{n}.output.dense2"),
+)
+"""``GPTJForCausalLM``'s modules → the distributed LM head's."""
 
-_BUFFERS = ("attn.bias", "attn.masked_bias", "attn.embed_positions")
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".attn.embed_positions")
 """Older transformers' causal masks and rotary tables in a block's state dict."""
 
 
@@ -109,24 +103,7 @@ def translate_hf_state_dict_to_smdistributed_gptj(
     """A ``GPTJForCausalLM`` state dict under the distributed LM head's names (``max_seq_len``,
     which SMP's older name takes, is not needed)."""
     del max_seq_len
-    last = causal.layer_count(state_dict, "transformer.h.") - 1
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        parts = key.split(".")
-        kind, name = parts[-1], ".".join(parts[3:-1])
-        if parts[0] == "lm_head":
-            out[key] = value
-        elif parts[:2] == ["transformer", "wte"]:
-            out[f"word_embedding.{kind}"] = value
-        elif parts[:2] == ["transformer", "ln_f"]:
-            out[f"transformer.seq_layers.{last}.output.layernorm.{kind}"] = value
-        elif parts[:2] == ["transformer", "h"] and name in _BUFFERS:
-            continue
-        elif parts[:2] == ["transformer", "h"] and name in _BLOCK:
-            out[f"transformer.seq_layers.{parts[2]}.{_BLOCK[name]}.{kind}"] = value
-        else:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-    return out
+    return causal.rename(WHAT, state_dict, NAMES, "transformer.h.", skipped=_BUFFERS)
 
 
 def translate_state_dict_to_hf_gptj(
@@ -134,34 +111,11 @@ def translate_state_dict_to_hf_gptj(
 ) -> dict[str, torch.Tensor]:
     """The distributed LM head's state dict under ``GPTJForCausalLM``'s names."""
     del max_seq_len
-    last = str(causal.layer_count(state_dict, "transformer.seq_layers.") - 1)
-    block = {mine: theirs for theirs, mine in _BLOCK.items()}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        parts = key.split(".")
-        kind, name = parts[-1], ".".join(parts[3:-1])
-        if parts[0] == "lm_head":
-            out[key] = value
-        elif parts[0] == "word_embedding":
-            out[f"transformer.wte.{kind}"] = value
-        elif parts[:2] != ["transformer", "seq_layers"]:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-        elif name == "output.layernorm" and parts[2] == last:
-            out[f"transformer.ln_f.{kind}"] = value
-        elif name in block:
-            out[f"transformer.h.{parts[2]}.{block[name]}.{kind}"] = value
-        else:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-    return out
+    back = tuple((mine, theirs) for theirs, mine in NAMES)
+    return causal.rename(WHAT, state_dict, back, "transformer.seq_layers.")
 
 
 translate_hf_gptj_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_gptj
 """SMP's older name."""
 
-REGISTRATION = Registration(
-    DistributedTransformerLMHead,
-    init_hook=init_hook,
-    forward_hook=forward_hook,
-    return_hook=return_hook,
-    translate=translate_hf_state_dict_to_smdistributed_gptj,
-)
+REGISTRATION = causal.registration(WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptj)

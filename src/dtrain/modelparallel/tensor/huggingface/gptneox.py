@@ -19,6 +19,7 @@ count, which the last translated config gives (as SMP's do) or ``num_attention_h
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -26,8 +27,7 @@ import torch
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.huggingface import causal
 from dtrain.modelparallel.tensor.huggingface.inplace import Family
-from dtrain.modelparallel.tensor.marks import Args, Registration
-from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
+from dtrain.modelparallel.tensor.marks import Args
 
 WHAT = "smp.nn.huggingface.gptneox"
 
@@ -82,7 +82,6 @@ def init_hook(config: Any) -> Args:
         "vocab_size": config.vocab_size,
         "num_positions": config.max_position_embeddings,
         "causal_mask_size": config.max_position_embeddings,
-        "use_positional_embedding": False,
         "rotary_dim": int(head_size * fraction),
         "rotary_emb_base": base,
         "gpt_neox_type_rotary": True,
@@ -94,30 +93,34 @@ def init_hook(config: Any) -> Args:
         "activation": ACTIVATIONS[config.hidden_act],
         "layernorm_epsilon": config.layer_norm_eps,
         "initializer_range": config.initializer_range,
-        "use_normal_initialization": True,
-        "pre_layernorm": True,
-        "post_layernorm": True,
+        **causal.COMMON,
     }
 
 
-def forward_hook(*args: Any, **kwargs: Any) -> Args:
-    return causal.forward_inputs(WHAT, *args, **kwargs)
-
-
-return_hook = causal.output
 args_of = causal.args_of
 
+NAMES: causal.Names = (
+    ("lm_head", "lm_head"),
+    ("embed_out", "lm_head"),  # older transformers' name; back, the first pair wins
+    ("gpt_neox.embed_in", "word_embedding"),
+    ("gpt_neox.final_layer_norm", "transformer.seq_layers.{last}.output.layernorm"),
+    ("gpt_neox.layers.{n}.input_layernorm", "transformer.seq_layers.{n}.attention.pre_layernorm"),
+    (
+        "gpt_neox.layers.{n}.post_attention_layernorm",
+        "transformer.seq_layers.{n}.output.pre_layernorm",
+    ),
+    ("gpt_neox.layers.{n}.attention.dense", "transformer.seq_layers.{n}.attention.dense"),
+    ("gpt_neox.layers.{n}.mlp.dense_h_to_4h", "transformer.seq_layers.{n}.output.dense1"),
+    ("gpt_neox.layers.{n}.mlp.dense_4h_to_h", "transformer.seq_layers.{n}.output.dense2"),
+)
+"""``GPTNeoXForCausalLM``'s modules → the distributed LM head's (``query_key_value`` apart)."""
 
-_BLOCK = {
-    "input_layernorm": "attention.pre_layernorm",
-    "post_attention_layernorm": "output.pre_layernorm",
-    "attention.dense": "attention.dense",
-    "mlp.dense_h_to_4h": "output.dense1",
-    "mlp.dense_4h_to_h": "output.dense2",
-}
-"""A GPT-NeoX layer's modules → the distributed layer's (``query_key_value`` apart)."""
+_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.inv_freq")
+"""Older transformers' causal masks and rotary frequencies in a layer's state dict."""
 
 _QKV = ("query", "key", "value")
+_FUSED = re.compile(r"gpt_neox\.layers\.(\d+)\.attention\.query_key_value\.(\w+)")
+_SPLIT = re.compile(r"transformer\.seq_layers\.(\d+)\.attention\.(query|key|value)\.(\w+)")
 
 
 def _head_count(num_attention_heads: int | None) -> int:
@@ -140,32 +143,18 @@ def translate_hf_state_dict_to_smdistributed_gptneox(
     (``max_seq_len``, which SMP's older name takes, is not needed)."""
     del max_seq_len
     heads = _head_count(num_attention_heads)
-    last = causal.layer_count(state_dict, "gpt_neox.layers.") - 1
+    rest = dict(state_dict)
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
-        parts = key.split(".")
-        kind = parts[-1]
-        name = ".".join(parts[3:-1])
-        if parts[0] in ("lm_head", "embed_out"):  # embed_out: older transformers' name
-            out[f"lm_head.{kind}"] = value
-        elif parts[:2] == ["gpt_neox", "embed_in"]:
-            out[f"word_embedding.{kind}"] = value
-        elif parts[:2] == ["gpt_neox", "final_layer_norm"]:
-            out[f"transformer.seq_layers.{last}.output.layernorm.{kind}"] = value
-        elif parts[:2] != ["gpt_neox", "layers"]:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-        elif name in ("attention.bias", "attention.masked_bias", "attention.rotary_emb"):
-            continue  # older transformers' causal masks and rotary buffers
-        elif name == "attention.query_key_value":
+        fused = _FUSED.fullmatch(key)
+        if fused:
+            del rest[key]
+            layer, kind = fused.groups()
             per_head = value.view(heads, 3, -1, *value.shape[1:])  # each head's q, k, v rows
             for i, part in enumerate(_QKV):
                 whole = per_head[:, i].reshape(-1, *value.shape[1:])
-                out[f"transformer.seq_layers.{parts[2]}.attention.{part}.{kind}"] = whole
-        elif name in _BLOCK:
-            out[f"transformer.seq_layers.{parts[2]}.{_BLOCK[name]}.{kind}"] = value
-        else:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-    return out
+                out[f"transformer.seq_layers.{layer}.attention.{part}.{kind}"] = whole
+    return out | causal.rename(WHAT, rest, NAMES, "gpt_neox.layers.", skipped=_BUFFERS)
 
 
 def translate_state_dict_to_hf_gptneox(
@@ -178,42 +167,25 @@ def translate_state_dict_to_hf_gptneox(
     needed)."""
     del max_seq_len
     heads = _head_count(num_attention_heads)
-    last = str(causal.layer_count(state_dict, "transformer.seq_layers.") - 1)
-    block = {mine: theirs for theirs, mine in _BLOCK.items()}
-    out: dict[str, torch.Tensor] = {}
-    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    rest = dict(state_dict)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state_dict.items():
-        parts = key.split(".")
-        kind = parts[-1]
-        name = ".".join(parts[3:-1])
-        if parts[0] == "lm_head":
-            out[key] = value
-        elif parts[0] == "word_embedding":
-            out[f"gpt_neox.embed_in.{kind}"] = value
-        elif parts[:2] != ["transformer", "seq_layers"]:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-        elif name == "output.layernorm" and parts[2] == last:
-            out[f"gpt_neox.final_layer_norm.{kind}"] = value
-        elif name in (f"attention.{part}" for part in _QKV):
-            fused = f"gpt_neox.layers.{parts[2]}.attention.query_key_value.{kind}"
-            qkv.setdefault(fused, {})[parts[4]] = value
-        elif name in block:
-            out[f"gpt_neox.layers.{parts[2]}.{block[name]}.{kind}"] = value
-        else:
-            raise ModelParallelError(f"{WHAT}: unknown key {key!r}")
-    for key, parts_of in qkv.items():
-        per_head = [parts_of[part].view(heads, -1, *parts_of[part].shape[1:]) for part in _QKV]
-        out[key] = torch.stack(per_head, dim=1).reshape(-1, *per_head[0].shape[2:])
+        split = _SPLIT.fullmatch(key)
+        if split:
+            del rest[key]
+            layer, part, kind = split.groups()
+            fused = f"gpt_neox.layers.{layer}.attention.query_key_value.{kind}"
+            parts.setdefault(fused, {})[part] = value.view(heads, -1, *value.shape[1:])
+    back = tuple((mine, theirs) for theirs, mine in NAMES)
+    out = causal.rename(WHAT, rest, back, "transformer.seq_layers.")
+    for key, of in parts.items():
+        out[key] = torch.stack([of[part] for part in _QKV], dim=1).flatten(0, 2)
     return out
 
 
 translate_hf_gptneox_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_gptneox
 """SMP's older name, which takes ``max_seq_len`` too."""
 
-REGISTRATION = Registration(
-    DistributedTransformerLMHead,
-    init_hook=init_hook,
-    forward_hook=forward_hook,
-    return_hook=return_hook,
-    translate=translate_hf_state_dict_to_smdistributed_gptneox,
+REGISTRATION = causal.registration(
+    WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptneox
 )
