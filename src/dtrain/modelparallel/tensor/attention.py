@@ -104,6 +104,9 @@ class DistributedAttentionLayer(DistributedModule):
         self.pre_layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if pre_layernorm else None
         self.layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if post_layernorm else None
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
+        self.residual = True
+        """False in a parallel layer, which adds the residual once to both blocks' sum (and
+        then the block has no norm after)."""
         plan = {name: ColwiseParallel() for name in ("query", "key", "value")}
         shards.parallelize(self, {**plan, "dense": RowwiseParallel()}, self.what)
 
@@ -113,11 +116,8 @@ class DistributedAttentionLayer(DistributedModule):
             hidden = self.attend(batch.gather(hidden_states), batch.gather(attention_mask))
             return batch.scatter(hidden)
 
-    def attend(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, residual: bool = True
-    ) -> torch.Tensor:
-        """The layer on the tp group's combined batch (every rank its heads); without
-        ``residual`` (a parallel layer adds it once, to both blocks' sum) nor a norm after."""
+    def attend(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer on the tp group's combined batch (every rank its heads)."""
         inputs = hidden
         if self.pre_layernorm is not None:
             hidden = self.pre_layernorm(hidden)
@@ -146,7 +146,7 @@ class DistributedAttentionLayer(DistributedModule):
             )
         context = context.transpose(1, 2).reshape(batch, length, -1)
         out = self.dropout2(self.dense(context))
-        if not residual:
+        if not self.residual:
             return out
         out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)

@@ -110,6 +110,8 @@ class DistributedTransformerLayer(DistributedModule):
             post_layernorm=post_layernorm,
             **{**shared, "pre_layernorm": pre_layernorm and not single_pre_layernorm},
         )
+        # Each block through its module (a checkpointing mark on it applies), without its residual.
+        self.attention.residual = self.output.residual = not parallel_attn_output
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
@@ -120,10 +122,7 @@ class DistributedTransformerLayer(DistributedModule):
             normed, single = hidden, self.attention.pre_layernorm
             if self.output.pre_layernorm is None and single is not None:  # one norm for both
                 normed = single(hidden)
-            both = self.output.feed_forward(normed, residual=False) + self.attention.attend(
-                hidden, mask, residual=False
-            )
-            out = both + hidden
+            out = self.output(normed) + self.attention((hidden, mask)) + hidden
             if self.output.layernorm is not None:
                 out = self.output.layernorm(out)
             return batch.scatter(out), attention_mask
