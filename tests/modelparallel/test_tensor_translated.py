@@ -3,7 +3,8 @@
 option (rotary share and base, parallel or sequential residual, one norm or two, tying,
 activation) gives HF's logits and loss, and the state dict translates to HF's and back exactly;
 on two tensor-parallel ranks both train as the plain HF models. Without the intent a model is
-split in place, as before; what the translation cannot honour is refused by name."""
+split in place, as before; what the translation cannot honour is refused by name; checkpointing
+marks on a parallel layer's blocks apply."""
 
 from __future__ import annotations
 
@@ -189,3 +190,19 @@ def test_translated_models_train_on_two_ranks_as_the_plain_models() -> None:
         _plain(family, **options).load_state_dict(back)  # strict: every key of the HF model
         for key, value in expected.params.items():
             torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_checkpointing_marks_on_a_parallel_layers_blocks_apply() -> None:
+    """A parallel layer calls its blocks as modules: marked, the attention recomputes in the
+    backward (AWS's script marks each layer's ``attention`` and ``output`` so)."""
+    calls: list[int] = []
+    with single_process({"ddp": True}):
+        plain = _plain()
+        smp.set_tensor_parallelism(plain, zero_init=False)
+        model = smp.DistributedModel(plain)
+        attention = model.module.transformer.seq_layers[0].attention
+        smp.set_activation_checkpointing(attention)
+        attend = attention.attend
+        attention.attend = lambda *args: calls.append(1) or attend(*args)
+        hf_cases.train_wrapped(model, "gpt2", 1)
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
