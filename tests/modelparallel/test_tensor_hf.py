@@ -129,8 +129,8 @@ def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _train(name: str) -> dict[str, Any]:
     spec = MODELS[name]
-    if spec.inside:
-        with smp.tensor_parallelism():
+    if spec.inside:  # without memory when the layout delays initialization
+        with smp.model_creation(tensor_parallelism=True):
             module = spec.build()
     else:
         module = spec.build()
@@ -197,9 +197,11 @@ HIDDEN = "llama"
 LAYOUTS = {
     "prescaled": ({"prescaled_batch": True}, "bert"),
     "microbatches": ({"microbatches": 2}, "llama"),
+    "delayed": ({"delayed_parameter_initialization": True}, "gptneox"),
 }
 """Models trained again in other layouts: with ``prescaled_batch`` both ranks bring the whole
-batch; with two microbatches each rank runs its rows in two forwards (the plan's order)."""
+batch; with two microbatches each rank runs its rows in two forwards (the plan's order); delayed,
+the model is created without memory and made whole to be split in place when wrapped."""
 
 
 @pytest.fixture(scope="module")

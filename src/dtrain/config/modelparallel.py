@@ -158,8 +158,7 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         int,
         1,
         "Tensor-parallel degree: smp.nn modules and modules marked for tensor parallelism are "
-        "split over this many neighbouring ranks (DTensor); not yet with pipelines, fp16/bf16, "
-        "shard_optimizer_state or delayed parameter initialization.",
+        "split over this many neighbouring ranks (DTensor); not yet with pipelines.",
         minimum=1,
         requires=(("ddp", True),),
     ),
@@ -402,12 +401,6 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
 TENSOR_PARALLEL_EXCLUSIONS: tuple[tuple[str, Any, str], ...] = (
     ("pipeline_parallel_degree", 1, "pipeline x tensor parallelism needs the pipeline's "
      "deterministic order, which dtrain does not have yet"),
-    ("fp16", False, "the half-precision masters do not handle DTensor parameters yet"),
-    ("bf16", False, "the half-precision masters do not handle DTensor parameters yet"),
-    ("shard_optimizer_state", False, "the sharded optimizer does not handle DTensor "
-     "parameters yet"),
-    ("delayed_parameter_initialization", False, "delayed initialization does not make "
-     "DTensor shards yet"),
 )  # fmt: skip
 """What ``tensor_parallel_degree`` above 1 cannot be combined with yet: (parameter, the value
 it must keep, why)."""

@@ -117,7 +117,9 @@ class DistributedModel(nn.Module):
         if self._state.tp_size > 1 or marks.any_marked(module):
             from dtrain.modelparallel.tensor import shards, swap
 
+            self._sync_random_states(module)  # a delayed model's shards are made now
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
+            shards.split_delayed(module, self._state.device)
             if self._state.tp_size > 1:
                 self.tensor_shards = shards
         state.register_model(self)
@@ -271,9 +273,11 @@ class DistributedModel(nn.Module):
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
 
-    def _sync_random_states(self) -> None:
-        """A delayed model's share will be made from rank 0's random states, on every rank."""
-        recordings = deferred.recordings_of(self._all_tensors())
+    def _sync_random_states(self, root: nn.Module | None = None) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank
+        (``root``: the module before it is wrapped)."""
+        tensors = self._all_tensors() if root is None else [*root.parameters(), *root.buffers()]
+        recordings = deferred.recordings_of(tensors)
         if recordings and self._state.size > 1:
             deferred.sync_random_states(recordings, self._rank0_states)
 
@@ -651,14 +655,18 @@ class DistributedModel(nn.Module):
                 raise ModelParallelError(
                     f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
                 )
+        half = self.half_precision
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values and self.tensor_shards is not None:
-                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
-                elif name in values:
-                    tensor.copy_(values[name])
-                    if self.half_precision is not None:
-                        self.half_precision.load_value(tensor, values[name])
+                if name not in values:
+                    continue
+                master = tensor if half is None else half.master(tensor)
+                # A half model's master takes the value unrounded.
+                for target in [tensor] if master is tensor else [tensor, master]:
+                    if self.tensor_shards is not None:
+                        self.tensor_shards.load_into(target, values[name], whole_value=full)
+                    else:
+                        target.copy_(values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 

@@ -27,9 +27,11 @@ TUNING_ARGUMENTS = frozenset(
     }
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
-without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32; and
+without effect: they choose fused kernels, and fp32 softmax and query-key scaling for fp16
+stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches; and
 ``zero_init``, SMP's creation of sharded-data-parallel models in shards, which dtrain's delayed
-initialisation does without being asked."""
+initialisation does without being asked (``zero_init=False`` on a GPT-NeoX or GPT-J model
+also asks for its translation, :func:`.swap._translates`)."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,

@@ -2,7 +2,8 @@
 
 A distributed module is built whole, as its plain equivalent, then its layers are split with
 torch's parallel styles (``parallelize_module``), which cut every rank's shard from the weights
-of the group's first rank. What the rest of dtrain needs to know about such parameters lives
+of the group's first rank (created without memory, it is made and split when the model is
+wrapped: :func:`split_delayed`). What the rest of dtrain needs to know about such parameters lives
 here: the whole value behind a shard (state dicts hold whole tensors, as SMP's ``state_dict``
 does), the shard of a whole value (loading), and which parameters saw the group's combined batch
 (:mod:`.batch`), whose gradients average differently.
@@ -19,7 +20,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from dtrain.modelparallel import state
+from dtrain.modelparallel import deferred, state
+
+PENDING = "_dtrain_pending_split"
+"""The attribute holding the plan of a module created without memory, split once made."""
 
 SCALED_BATCH = "_dtrain_scaled_batch"
 """The attribute marking a parameter of a distributed module (set on the parameter itself: a
@@ -30,12 +34,31 @@ def parallelize(
     module: nn.Module, plan: ParallelStyle | dict[str, ParallelStyle], what: str
 ) -> None:
     """Split ``module``'s layers by ``plan`` over the tp group (nothing at tp 1), and mark every
-    parameter of ``module`` as one that sees the group's combined batch."""
+    parameter of ``module`` as one that sees the group's combined batch. A module created
+    without memory (``smp.delay_param_initialization``) keeps the plan until
+    :func:`split_delayed` makes it."""
     mesh = state.current(what).tensor_mesh
-    if mesh is not None:
+    if mesh is not None and any(deferred.is_deferred(p) for p in module.parameters()):
+        setattr(module, PENDING, (plan, what))
+    elif mesh is not None:
         parallelize_module(module, mesh, plan)
-    for param in module.parameters():
+    for param in module.parameters():  # marked again once split, when made
         setattr(param, SCALED_BATCH, True)
+
+
+def split_delayed(root: nn.Module, device: torch.device) -> None:
+    """Make and split the distributed modules under ``root`` created without memory, one at a
+    time: each is made whole with its eager values (:mod:`..deferred`) and split as an eager
+    one is, so a rank holds at most one distributed module whole beside its shards. The rest
+    of the model stays without memory until the first step. Called when the model is wrapped,
+    before the script's optimizer takes its parameters."""
+    for module in root.modules():
+        pending = getattr(module, PENDING, None)
+        if pending is None:
+            continue
+        delattr(module, PENDING)
+        deferred.materialize([*module.parameters(), *module.buffers()], device)
+        parallelize(module, *pending)
 
 
 def is_scaled_batch(tensor: torch.Tensor) -> bool:

@@ -18,14 +18,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor import marks, shards
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
+from dtrain.modelparallel.tensor.module import DistributedModule
 
 
 def _linear_args(layer: nn.Linear) -> marks.Args:
@@ -76,6 +79,7 @@ def _family(kind: type[nn.Module]) -> inplace.Family | None:
 
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    _keep_inside_distributed(root)
     _refuse_untying(root)
     done: dict[int, nn.Module] = {}
 
@@ -103,7 +107,26 @@ def distribute(root: nn.Module) -> nn.Module:
         done[id(module)] = swapped
         return swapped
 
-    return visit(root, "")
+    root = visit(root, "")
+    degree = state.current("smp.DistributedModel").tp_size
+    if degree > 1 and not any(shards.is_scaled_batch(p) for p in root.parameters()):
+        warnings.warn(
+            f"smp.DistributedModel: tensor_parallel_degree={degree}, but no module of the model "
+            "is distributed (none was created inside smp.tensor_parallelism() or marked with "
+            "smp.set_tensor_parallelism, or none of those has a distributed counterpart): every "
+            "rank of a tensor-parallel group computes the whole model",
+            stacklevel=3,
+        )
+    return root
+
+
+def _keep_inside_distributed(root: nn.Module) -> None:
+    """The layers an ``smp.nn`` module builds (its embeddings, its tied head) are its own, made
+    inside ``smp.tensor_parallelism()`` as it was: never swapped."""
+    for module in root.modules():
+        if isinstance(module, (DistributedModule, DistributedLinear, DistributedEmbedding)):
+            for inner in list(module.modules())[1:]:
+                marks.set_tensor_parallelism(inner, enabled=False)
 
 
 def _swaps(module: nn.Module) -> bool:
@@ -152,7 +175,8 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
     family = _family(kind) if registration is None and not _translates(kind, mark) else None
-    if family is not None:  # its own modules split in place
+    if family is not None:  # its own modules split in place, made first if without memory
+        _made(module)
         return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
@@ -169,7 +193,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if registration.init_hook is not None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
-    dist = registration.dist_module(*positional, **keywords)
+    dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
     _copy_weights(module, dist, registration.translate)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
@@ -187,6 +211,19 @@ def _translates(kind: type[nn.Module], mark: marks.Mark) -> bool:
     transformer (``zero_init=True``, or none, keeps HF's own modules, split in place)."""
     translated = f"{kind.__module__}.{kind.__qualname__}" in HUGGING_FACE
     return translated and mark.options.get("zero_init", True) is False
+
+
+def _created_as(original: nn.Module, create: Callable[[], nn.Module]) -> nn.Module:
+    """``create()`` with the default dtype the floating parameters of ``original`` have (a
+    model made inside ``smp.model_creation(dtype=...)`` keeps it when swapped)."""
+    dtypes = {p.dtype for p in original.parameters() if p.is_floating_point()}
+    previous = torch.get_default_dtype()
+    if len(dtypes) == 1:
+        torch.set_default_dtype(dtypes.pop())
+    try:
+        return create()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str, Any]:
@@ -209,11 +246,19 @@ def _state_keys(module: nn.Module) -> set[str]:
     return keys
 
 
+def _made(module: nn.Module) -> None:
+    """A module created without memory made whole (with its eager values) before it is swapped
+    or split: the one module whole at a time."""
+    tensors = [*module.parameters(), *module.buffers()]
+    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
+
+
 def _copy_weights(
     original: nn.Module,
     dist: nn.Module,
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
+    _made(original)
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return
