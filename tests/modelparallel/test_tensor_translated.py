@@ -160,15 +160,24 @@ TRAINED = (
     OPTIONS["neox: parallel residual, a quarter rotary, untied"],
     OPTIONS["gptj: rotary on 4 of 8, untied head with a bias"],
 )
+"""Trained on two ranks: GPT-NeoX as AWS's script makes it (inside ``smp.model_creation``, without
+memory), GPT-J marked after creation."""
 
 
 def _train() -> list[dict[str, Any]]:
     dist.init_process_group("gloo")
     results = []
     for family, options in TRAINED:
-        smp.init({"tensor_parallel_degree": 2, "ddp": True})
-        plain = _plain(family, **options)
-        smp.set_tensor_parallelism(plain, zero_init=False)
+        delayed = family == "GPTNeoX"
+        smp.init(
+            {"tensor_parallel_degree": 2, "ddp": True, "delayed_parameter_initialization": delayed}
+        )
+        if delayed:
+            with smp.model_creation(tensor_parallelism=True, zero_init=False):
+                plain = _plain(family, **options)
+        else:
+            plain = _plain(family, **options)
+            smp.set_tensor_parallelism(plain, zero_init=False)
         model = smp.DistributedModel(plain)
         losses = hf_cases.train_wrapped(model, "gpt2", STEPS)
         kind = type(model.module).__name__
