@@ -202,14 +202,19 @@ def _autocast(layout: Layout | None) -> AbstractContextManager[Any]:
 
 
 def reference(
-    case_name: str, steps: int, layout: Layout | None = None, microbatches: int = 1
+    case_name: str,
+    steps: int,
+    layout: Layout | None = None,
+    microbatches: int = 1,
+    model: nn.Module | None = None,
 ) -> Trained:
-    """Single-process SGD on the whole global batch (same checkpointing / autocast settings).
+    """Single-process SGD on the whole global batch (same checkpointing / autocast settings)
+    of the case's model, or of ``model`` on the case's batches.
 
     With ``microbatches`` > 1, each step runs the model on that many consecutive slices of the
     batch and averages their gradients, as a pipeline does (same shapes in every matmul).
     """
-    model = build(case_name, layout)
+    model = build(case_name, layout) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for index in range(steps):

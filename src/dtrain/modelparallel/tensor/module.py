@@ -30,11 +30,11 @@ TUNING_ARGUMENTS = frozenset(
 without effect: they choose fused kernels, and fp32 softmax and query-key scaling for fp16
 stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches; and
 ``zero_init``, SMP's creation of sharded-data-parallel models in shards, which dtrain's delayed
-initialisation does without being asked."""
+initialisation does without being asked (``zero_init=False`` on a GPT-NeoX or GPT-J model
+also asks for its translation, :func:`.swap._translates`)."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,
-    "rotary_dim": None,
     "use_alibi": False,
     "alibi_bias_max": 8,
     "_scale_qkv_fan_out": False,

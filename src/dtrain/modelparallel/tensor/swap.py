@@ -48,9 +48,15 @@ BUILT_IN: dict[type[nn.Module], tuple[marks.Registration, Any]] = {
 """Classes SMP distributes without a registration: the distributed class and how to read an
 instance's constructor arguments back from it."""
 
-HUGGING_FACE = {"transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2"}
+HUGGING_FACE = {
+    "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2",
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": "gptneox",
+    "transformers.models.gptj.modeling_gptj.GPTJForCausalLM": "gptj",
+}
 """Hugging Face classes by qualified name → their module in :mod:`.huggingface` (imported when
-a model of the class is seen, so ``transformers`` is never imported for nothing)."""
+a model of the class is seen, so ``transformers`` is never imported for nothing). A class of a
+family split in place (:mod:`.huggingface.inplace`) is translated only with SMP's
+distributed-transformer intent (:func:`_translates`)."""
 
 
 def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
@@ -168,7 +174,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     kind = type(module)
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
-    family = _family(kind) if registration is None else None
+    family = _family(kind) if registration is None and not _translates(kind, mark) else None
     if family is not None:  # its own modules split in place, made first if without memory
         _made(module)
         return inplace.parallelize(module, family, mark.options)
@@ -196,6 +202,15 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if return_hook is not None:
         dist.register_forward_hook(lambda _m, _a, out: return_hook(out))
     return dist
+
+
+def _translates(kind: type[nn.Module], mark: marks.Mark) -> bool:
+    """Whether a model of a family split in place that SMP translates (GPT-NeoX's and GPT-J's
+    causal LMs) becomes SMP's ``DistributedTransformerLMHead``: its mark says
+    ``zero_init=False``, which AWS's scripts pass exactly when they use the distributed
+    transformer (``zero_init=True``, or none, keeps HF's own modules, split in place)."""
+    translated = f"{kind.__module__}.{kind.__qualname__}" in HUGGING_FACE
+    return translated and mark.options.get("zero_init", True) is False
 
 
 def _created_as(original: nn.Module, create: Callable[[], nn.Module]) -> nn.Module:

@@ -18,7 +18,8 @@ names and forward. When ``smp.DistributedModel`` wraps it, its base model (HF's
 Every parameter of the region (all of the base model's but the word embedding's) sees the
 group's combined batch and averages as :mod:`..shards` says. ``state_dict()`` holds whole
 tensors under HF's own names, so it loads into the plain model and back unchanged: SMP's
-translation functions of these families (kept for scripts that call them) return their input.
+translation functions of these families (kept for scripts that call them) return their input
+(GPT-NeoX's and GPT-J's translate, for their translation to SMP's LM head).
 """
 
 from __future__ import annotations
