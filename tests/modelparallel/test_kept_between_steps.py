@@ -94,8 +94,8 @@ def _steps(steps: int) -> list[list[str]]:
 
 
 def test_a_rank_keeps_nothing_of_a_step_once_it_is_over() -> None:
-    for rank, found in enumerate(run_ranks(3, _steps, 3, timeout=180)):
-        assert found == [[], [], []], f"rank {rank} kept, after each step: {found}"
+    for rank, found in enumerate(run_ranks(3, _steps, 2, timeout=180)):
+        assert found == [[], []], f"rank {rank} kept, after each step: {found}"
 
 
 def _released(ref: weakref.ref[Any]) -> bool:
