@@ -191,7 +191,9 @@ class RemoteCaller:
                 self._predictions.clear()
             self._predictions[signature] = outputs
         self._note_graph(record, record.meta)
-        return attach(record, (), outputs, record.outputs, record.meta)
+        # Handed over, not kept: the record is on the graph of the outputs it would keep.
+        tensors, record.outputs = record.outputs, []
+        return attach(record, (), outputs, tensors, record.meta)
 
     def _moved_on(self, task: Task, owner: int) -> None:
         """A leader task's forward calls partition ``owner``: with a plan order, the partition

@@ -82,3 +82,4 @@ class Dispatcher(Generic[Stream]):
                 self._handle(item[0])
             except BaseException as exc:  # a bug must not silence the rank's messages
                 self._failed(exc)
+            item = None  # its tensors are not kept while waiting for the next stream

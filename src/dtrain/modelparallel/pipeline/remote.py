@@ -156,37 +156,46 @@ class CallRecord:
 
 @dataclass
 class _FetchContext:
+    """What the backward of fetched outputs needs; not the outputs themselves (see
+    :class:`RemoteFetch`)."""
+
     record: CallRecord
     path: tuple[Any, ...]
     leaves: list[LeafId]
-    outputs: list[torch.Tensor]
-    meta: tuple[TensorMeta, ...]
 
 
 class RemoteFetch(torch.autograd.Function):
-    """Autograd node of a fetched remote value: its backward runs on the owner."""
+    """Autograd node of a fetched remote value: its backward runs on the owner.
+
+    The outputs come in a list, not as tensor arguments (they are this node's outputs, not its
+    inputs), and nothing the node keeps refers to them: an output's ``grad_fn`` is this node,
+    and a reference back from its context would make a cycle through autograd's nodes, which
+    Python's collector does not see, keeping the outputs alive after the step."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, fetch: _FetchContext, anchor: torch.Tensor, *inputs: torch.Tensor
+        ctx: Any,
+        fetch: _FetchContext,
+        outputs: list[tuple[torch.Tensor, TensorMeta]],
+        anchor: torch.Tensor,
+        *inputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         del anchor, inputs  # the owner computed the outputs; these put the chain on the graph
         ctx.fetch = fetch
         ctx.set_materialize_grads(False)
-        frozen = [t for t, m in zip(fetch.outputs, fetch.meta, strict=True) if not m.requires_grad]
-        ctx.mark_non_differentiable(*frozen)
+        ctx.mark_non_differentiable(*[t for t, meta in outputs if not meta.requires_grad])
         ctx.input_count = len(fetch.leaves)
-        return tuple(fetch.outputs)
+        return tuple(t for t, _ in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         fetch: _FetchContext = ctx.fetch
         if all(g is None for g in grads):
-            return (None, None) + (None,) * ctx.input_count
+            return (None, None, None) + (None,) * ctx.input_count
         input_grads = fetch.record.runtime.backward_call(
             fetch.record, fetch.path, fetch.leaves, list(grads)
         )
-        return (None, None, *input_grads)
+        return (None, None, None, *input_grads)
 
 
 def attach(
@@ -200,10 +209,11 @@ def attach(
     outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = tensors
     if record.grad and any(m.requires_grad for m in meta):
         leaves, inputs = record.closure()
-        context = _FetchContext(record, path, leaves, tensors, meta)
+        context = _FetchContext(record, path, leaves)
+        pairs = list(zip(tensors, meta, strict=True))
         with torch.enable_grad():  # fetched under no_grad, still differentiable later
             anchor = torch.empty(0, requires_grad=True)
-            outputs = RemoteFetch.apply(context, anchor, *inputs)
+            outputs = RemoteFetch.apply(context, pairs, anchor, *inputs)
     return unflatten(structure, list(outputs))
 
 

@@ -55,6 +55,11 @@ class WorkerPool:
             try:
                 work()
             finally:
+                # An idle thread must not keep its last task alive: a served forward's
+                # partial holds the received inputs and the call's outputs, with them its
+                # autograd graph (what a split backward left of it), until the thread's next
+                # task; with a pool of threads that is any number of steps later.
+                del work
                 with self._lock:
                     self._idle.append(inbox)
 

@@ -133,7 +133,9 @@ class Pending:
         return self._error if self._done.is_set() else None
 
     def wait(self, timeout: float, rank: int) -> tuple[Message, list[torch.Tensor]]:
-        """The reply; raises the remote error, or a timeout naming the peer and the request."""
+        """The reply, handed to its one waiter and not kept (the request's caller keeps this
+        future for its error, and the reply's tensors would live as long); raises the remote
+        error, or a timeout naming the peer and the request."""
         if not self._done.wait(timeout):
             raise CommunicationTimeoutError(
                 f"rank {rank}: no reply from rank {self.peer} to {self.request.describe()} "
@@ -141,5 +143,6 @@ class Pending:
             )
         if self._error is not None:
             raise self._error
-        assert self._reply is not None
-        return self._reply
+        reply, self._reply = self._reply, None
+        assert reply is not None, "a reply is waited for once"
+        return reply

@@ -275,24 +275,33 @@ class Transport:
             buffer = torch.empty(self._first_bytes, dtype=torch.uint8, pin_memory=copies.gpu)
             stopped = False
             while not stopped:
-                others = []
-                for message, tensors in self._receive_one(peer, buffer, copies):
-                    if message.kind == STOP:
-                        stopped = True
-                    elif message.kind == FAILED:  # the peer's pipeline broke: so is ours
-                        self.fail(message.body, tell_peers=False)
-                    elif message.kind in (REPLY, ERROR):
-                        with self._pending_lock:
-                            pending = self._pending.pop(message.call_id, None)
-                        if pending is not None:
-                            pending.resolve(message, tensors)
-                    else:
-                        others.append((message, tensors))
-                self.last_activity = time.monotonic()
-                if others:
-                    self._on_messages(others)
+                # Handled in a call of its own: nothing of one stream (the inputs of a served
+                # call, a reply's gradients) stays referenced while the next receive waits.
+                stopped = self._take(self._receive_one(peer, buffer, copies))
         except BaseException as exc:  # the process group broke: fail every waiter
             self.fail(exc, tell_peers=False)
+
+    def _take(self, received: list[tuple[Message, list[torch.Tensor]]]) -> bool:
+        """Hand on one stream's messages: replies to their waiters, requests and notices to the
+        runtime; whether the peer stopped."""
+        stopped = False
+        others = []
+        for message, tensors in received:
+            if message.kind == STOP:
+                stopped = True
+            elif message.kind == FAILED:  # the peer's pipeline broke: so is ours
+                self.fail(message.body, tell_peers=False)
+            elif message.kind in (REPLY, ERROR):
+                with self._pending_lock:
+                    pending = self._pending.pop(message.call_id, None)
+                if pending is not None:
+                    pending.resolve(message, tensors)
+            else:
+                others.append((message, tensors))
+        self.last_activity = time.monotonic()
+        if others:
+            self._on_messages(others)
+        return stopped
 
     def _receive_one(
         self, src: int, first: torch.Tensor, copies: SideStream
