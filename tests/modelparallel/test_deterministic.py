@@ -101,6 +101,19 @@ def test_a_tied_head_computes_in_the_plans_order_and_trains_like_one_process() -
     assert_equivalent(got, expected, "deterministic_server, tied head, pp=2")
 
 
+def test_three_partitions_and_a_tied_head_compute_in_the_plans_order() -> None:
+    """Route 0 -> 1 -> 2 -> 0: the leader relays the activations and computes the head after
+    the last partition; every step runs each rank's plan row and trains like one process."""
+    ranks = run_ranks(3, _train_in_plan_order, "lm3tied", 3, timeout=240)
+    assert "route 0 -> 1 -> 2 -> 0" in ranks[0]["printed"]
+    for rank in ranks:
+        assert all(order == rank["plan"] for order in rank["orders"])
+    assert "F0.1" in ranks[0]["plan"]
+    expected = reference("lm3tied", STEPS)
+    got = type(expected)(ranks[0]["losses"], ranks[0]["params"])
+    assert_equivalent(got, expected, "deterministic_server, tied head, pp=3")
+
+
 def _task(text: str, step: int = 1) -> Task:
     return Task("serve", int(text[1:]), phase=text[0], step=step)  # type: ignore[arg-type]
 
