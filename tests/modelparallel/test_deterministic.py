@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import torch
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
@@ -112,6 +114,37 @@ def test_three_partitions_and_a_tied_head_compute_in_the_plans_order() -> None:
     expected = reference("lm3tied", STEPS)
     got = type(expected)(ranks[0]["losses"], ranks[0]["params"])
     assert_equivalent(got, expected, "deterministic_server, tied head, pp=3")
+
+
+def _unused_module_last(partitions: int) -> None:
+    """GroupedNet with a module registered last and never called: its registration order
+    goes back to partition 0, its forward does not."""
+    dist.init_process_group("gloo")
+    smp.init({"pipeline_parallel_degree": partitions, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0,
+              "deterministic_server": True})  # fmt: skip
+    case = ALL_CASES["grouped"]
+    module = case.build()
+    smp.set_partition(module.get_submodule("group2"), 1)
+    module.unused = torch.nn.Linear(2, 2)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> None:
+        model.backward(case.loss(model, x, y))
+
+    try:
+        train_step(model, *case.batch(0))
+    finally:
+        smp.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_forward_that_does_not_come_back_as_registered_fails_naming_the_visit() -> None:
+    with pytest.raises(Exception, match="deterministic_server") as caught:
+        run_ranks(2, _unused_module_last, 2, timeout=120)
+    message = str(caught.value)
+    assert "forward ended at visit 0 of partition 0, but the plan has it come back" in message
 
 
 def _task(text: str, step: int = 1) -> Task:

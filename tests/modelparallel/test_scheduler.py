@@ -384,3 +384,16 @@ def test_a_forward_with_no_visit_left_still_fails_naming_where() -> None:
         core.waits(work)
         core.returns(work)  # the second time: the plan has no third visit
     assert work.visit == 1 and "after microbatch 0 waited" in (core.off_plan(work) or "")
+
+
+def test_a_forward_that_never_comes_back_as_planned_says_so() -> None:
+    """A plan made for a route back to the leader, run by a model whose forward ends on
+    partition 1's return without computing on partition 0 again: its backward would wait for
+    the head's turn forever; it fails instead, naming the visit."""
+    core = _core(plan=TIED_HEAD_PLAN)
+    work = Work("leader", 0, "F")
+    core.computes(work)
+    core.waits(work)
+    assert "ended at visit 0 of partition 0" in (core.visit_missed(work) or "")
+    core.returns(work)
+    assert core.visit_missed(work) is None

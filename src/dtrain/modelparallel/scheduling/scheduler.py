@@ -339,6 +339,17 @@ class Scheduler:
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
 
+    def visit_missed(self, work: Work) -> str | None:
+        """Why a leader's forward ``work`` may not turn to its backward (None: it may): the
+        plan has it come back to partition 0 for a later visit it never made (the model's
+        modules run in another order than they are registered in)."""
+        if work.role != "leader" or not self._has(work, "F", work.visit + 1):
+            return None
+        return (
+            f"microbatch {work.microbatch}'s forward ended at visit {work.visit} of partition "
+            f"0, but the plan has it come back for visit {work.visit + 1}"
+        )
+
     # --- weight halves -------------------------------------------------------------------------
 
     def owe(self, step: int, microbatch: int) -> None:
