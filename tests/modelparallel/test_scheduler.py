@@ -104,6 +104,22 @@ def test_a_holder_between_computations_steps_aside_to_send(
     assert not core.steps_aside(work)
 
 
+def test_with_a_plan_a_holder_whose_action_ended_steps_aside_to_send() -> None:
+    """Its last backward computed, a served request sends its reply: the plan's next action
+    computes meanwhile (the turn passes once the holder gives the token up), as the dynamic
+    runtime lets whatever is ready compute."""
+    core = _core(plan=(("B", 0), ("F", 1)), rank=1)
+    work = _holding(core, "B0")
+    core.between(work)
+    forward = _work("F1")
+    core.submit(forward)
+    assert not core.steps_aside(work)  # B0's turn goes on
+    core.end_action(0, "B", 0)
+    assert core.steps_aside(work)
+    core.release(work)
+    assert core.grant() is forward
+
+
 def test_the_token_goes_to_the_first_ranked_and_is_released_only_by_its_holder() -> None:
     core = _core()
     for text in ("F2", "W0", "B1", "F1"):

@@ -291,7 +291,8 @@ class Owner:
         is an ``I``); the weights' wait as a ``W`` task of their own for idle time, and the
         step does not end on this rank before they have run (:mod:`.executor`). A request
         marked ``last`` is the microbatch's last backward here: the rank's backward action of
-        it is over once it has run (in a plan's order, the next action may begin).
+        it is over once it has run (in a plan's order, the next action may begin while the
+        reply is sent).
         """
         task = self.executor.current()
         assert task is not None
@@ -305,17 +306,19 @@ class Owner:
         except BaseException as exc:
             self._send_error(message, exc)
             return
+        # A last backward's action ends before its reply goes out: in a plan's order the next
+        # action computes while it is sent (:meth:`.Scheduler.steps_aside`).
         if weights is None:
-            self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
             if message.body.get("last"):
                 self.executor.end_action(message.step, "B", message.microbatch)
                 self.executor.end_action(message.step, "W", message.microbatch)
+            self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
             return
         weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
         self.executor.owe_weights(weights_task)
-        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         if message.body.get("last"):
             self.executor.end_action(message.step, "B", message.microbatch)
+        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         run = functools.partial(self._run_weights, weights, mode)
         self.executor.run_weights(weights_task, run)
 

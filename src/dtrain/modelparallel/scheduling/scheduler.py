@@ -218,8 +218,18 @@ class Scheduler:
 
     def steps_aside(self, work: Work) -> bool:
         """Whether the holder ``work``, between computations and about to do other work (send a
-        reply), should let any eligible waiter compute meanwhile."""
-        return self.holder is work and self.sticky and bool(self.eligible())
+        reply), should let any eligible waiter compute meanwhile; with a plan order, also once
+        its action has ended: the next action's work may then become eligible (the holder's
+        own action passes only once it gives the token up)."""
+        if self.holder is not work or not self.sticky:
+            return False
+        return bool(self.eligible()) or self._own_action_ended(work)
+
+    def _own_action_ended(self, work: Work) -> bool:
+        if self.plan is None or work.role == "main":
+            return False
+        key = action_key(work.phase, work.microbatch, work.visit)
+        return key in self.order(work.step).ended
 
     # --- the plan's order (deterministic_server) ------------------------------------------------
 
