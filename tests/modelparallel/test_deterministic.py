@@ -32,13 +32,13 @@ def _collapsed(keys: list[tuple[str, int, int]]) -> list[str]:
     return shown
 
 
-def _train_in_plan_order(case_name: str, partitions: int = 2) -> dict[str, Any]:
+def _train_in_plan_order(case_name: str, partitions: int = 2, auto: bool = False) -> dict[str, Any]:
     dist.init_process_group("gloo")
     smp.init({"pipeline_parallel_degree": partitions, "microbatches": MICROBATCHES,
-              "auto_partition": False, "default_partition": 0, "deterministic_server": True,
+              "auto_partition": auto, "default_partition": 0, "deterministic_server": True,
               "ddp": dist.get_world_size() > partitions})  # fmt: skip
     case = ALL_CASES[case_name]
-    model, step = case_pipeline(case, auto=False)
+    model, step = case_pipeline(case, auto=auto)
     losses, orders = [], []
     for index in range(STEPS):
         losses.append(step(*replica_rows(*case.batch(index))))
@@ -90,14 +90,18 @@ def test_a_tied_head_computes_in_the_plans_order_and_trains_like_one_process() -
     """The LM's head shares its weight with the embedding, so it stays on partition 0 while
     the last blocks are on partition 1: each microbatch's forward comes back to the leader
     (route 0 -> 1 -> 0). The plan has an action per visit, and every step runs each rank's
-    plan row, visits included (the root's code fetching the blocks' output between them)."""
-    ranks = run_ranks(2, _train_in_plan_order, "lm", timeout=240)
+    plan row, visits included (the root's code fetching the blocks' output between them).
+    Partitioned automatically: the plan, made for the profiled times, splits partition 1's
+    backwards, each microbatch's in two requests (the root's skip connection), so it owes two
+    weight halves, whose action ends after both."""
+    ranks = run_ranks(2, _train_in_plan_order, "lm", 2, True, timeout=240)
     leader, blocks = ranks
     assert "route 0 -> 1 -> 0" in leader["printed"] and "2:F0" in leader["printed"]
     for rank in ranks:
         assert all(order == rank["plan"] for order in rank["orders"])
     assert {"F0.1", "B0.1"} <= set(leader["plan"]) and {"F0", "B0"} <= set(leader["plan"])
     assert not any("." in action for action in blocks["plan"])
+    assert any(action.startswith("W") for action in blocks["plan"])
     expected = reference("lm", STEPS)
     got = type(expected)(leader["losses"], leader["params"])
     assert_equivalent(got, expected, "deterministic_server, tied head, pp=2")

@@ -413,3 +413,18 @@ def test_a_forward_that_never_comes_back_as_planned_says_so() -> None:
     assert "ended at visit 0 of partition 0" in (core.visit_missed(work) or "")
     core.returns(work)
     assert core.visit_missed(work) is None
+
+
+def test_a_microbatch_owing_two_weight_halves_ends_its_weights_after_both() -> None:
+    """A microbatch's backward that reaches this rank in two requests (the root's code adds a
+    skip connection) owes a weight half per request: its W action ends once the last request
+    has come and both halves have run, not when the first half is paid."""
+    core = _core(plan=(("B", 0), ("W", 0), ("F", 1)), rank=1)
+    core.owe(0, 0)  # the first request's weight half
+    core.paid(0, 0)
+    assert not core.action_ended(0, "W", 0)  # the last request has not come
+    core.owe(0, 0)
+    assert core.end_backward(0, 0)
+    assert core.order(0).describe() == "W0"  # owed: the weights go on
+    core.paid(0, 0)
+    assert core.order(0).describe() == "F1"

@@ -144,6 +144,12 @@ class ComputeToken:
             return
         self.decide(lambda core: core.end_action(step, phase, microbatch))
 
+    def end_backward(self, step: int, microbatch: int) -> None:
+        """This rank's last backward of ``microbatch`` has run (see
+        :meth:`.Scheduler.end_backward`)."""
+        if self.core.plan is not None:
+            self.decide(lambda core: core.end_backward(step, microbatch))
+
     def end_microbatch(self, step: int, microbatch: int) -> None:
         """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
         self.decide(lambda core: core.end_microbatch(step, microbatch))

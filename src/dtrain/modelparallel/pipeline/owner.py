@@ -306,21 +306,15 @@ class Owner:
         except BaseException as exc:
             self._send_error(message, exc)
             return
-        # A last backward's action ends before its reply goes out: in a plan's order the next
-        # action computes while it is sent (:meth:`.Scheduler.steps_aside`).
-        if weights is None:
-            if message.body.get("last"):
-                self.executor.end_action(message.step, "B", message.microbatch)
-                self.executor.end_action(message.step, "W", message.microbatch)
-            self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
-            return
         weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
-        self.executor.owe_weights(weights_task)
-        if message.body.get("last"):
-            self.executor.end_action(message.step, "B", message.microbatch)
+        if weights is not None:
+            self.executor.owe_weights(weights_task)
+        if message.body.get("last"):  # before the reply: the next action computes meanwhile
+            self.executor.end_backward(message.step, message.microbatch)
         self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
-        run = functools.partial(self._run_weights, weights, mode)
-        self.executor.run_weights(weights_task, run)
+        if weights is not None:
+            run = functools.partial(self._run_weights, weights, mode)
+            self.executor.run_weights(weights_task, run)
 
     def _run_weights(self, weights: WeightHalf, mode: ComputeMode) -> None:
         """The weight half of a split backward, letting more urgent work go first between its

@@ -345,7 +345,7 @@ class Scheduler:
         if work.role == "serve" and self.rank == 0:
             return "on partition 0, called from another partition"
         if work.role == "serve" and over:
-            what = "backward" if is_gradient(work.phase) else "forward"
+            what = {"F": "forward", "W": "weight half"}.get(work.phase, "backward")
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
 
@@ -369,10 +369,27 @@ class Scheduler:
         self.weights_owed.append((step, microbatch))
 
     def paid(self, step: int, microbatch: int) -> None:
-        """The owed weight half has run (or failed): its action is over, and the main task may
-        be next."""
+        """The owed weight half has run (or failed): the main task may be next, and the
+        microbatch's weight action is over unless another of its halves is owed or its last
+        backward request has not come yet (a microbatch whose backward reaches this rank in
+        several requests, as where the root's code adds a skip connection, owes a weight half
+        per request)."""
         self.weights_owed.remove((step, microbatch))
-        self.end_action(step, "W", microbatch)
+        if self.plan is None or self.owes(step, microbatch):
+            return
+        if action_key("B", microbatch) in self.order(step).ended:
+            self.end_action(step, "W", microbatch)
+
+    def end_backward(self, step: int, microbatch: int) -> bool:
+        """This rank's last backward of ``microbatch`` has run: its backward action is over,
+        and its weight action unless a weight half is owed (it ends when paid). Whether there
+        is a plan order (the token may then go on)."""
+        if self.plan is None:
+            return False
+        self.end_action(step, "B", microbatch)
+        if not self.owes(step, microbatch):
+            self.end_action(step, "W", microbatch)
+        return True
 
     def owes(self, step: int, microbatch: int) -> bool:
         return (step, microbatch) in self.weights_owed
