@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.models import seeded
 
@@ -201,14 +202,19 @@ def _autocast(layout: Layout | None) -> AbstractContextManager[Any]:
 
 
 def reference(
-    case_name: str, steps: int, layout: Layout | None = None, microbatches: int = 1
+    case_name: str,
+    steps: int,
+    layout: Layout | None = None,
+    microbatches: int = 1,
+    model: nn.Module | None = None,
 ) -> Trained:
-    """Single-process SGD on the whole global batch (same checkpointing / autocast settings).
+    """Single-process SGD on the whole global batch (same checkpointing / autocast settings)
+    of the case's model, or of ``model`` on the case's batches.
 
     With ``microbatches`` > 1, each step runs the model on that many consecutive slices of the
     batch and averages their gradients, as a pipeline does (same shapes in every matmul).
     """
-    model = build(case_name, layout)
+    model = build(case_name, layout) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for index in range(steps):
@@ -333,3 +339,27 @@ def pipelined_attentions(layout: Layout) -> list[Tensor] | None:
     smp.shutdown()
     dist.destroy_process_group()
     return result
+
+
+def train_wrapped(model: smp.DistributedModel, batches: str, steps: int) -> list[float]:
+    """SGD steps of a wrapped HF model on this rank's share of ``CASES[batches]``' global
+    batches, as SMP shards data: by ``dp_rank``, or with ``prescaled_batch`` by ``rdp_rank``
+    (the tp group shares its rows); this rank's losses."""
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, batch: Batch) -> Any:
+        loss = model(**batch).loss
+        model.backward(loss)
+        return loss
+
+    prescaled = state.current().config["prescaled_batch"]
+    rank, size = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+    rows = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        output = train_step(model, {k: v[rows] for k, v in CASES[batches].batch(step).items()})
+        losses.append(float(output.reduce_mean()))
+        optimizer.step()
+    return losses

@@ -337,9 +337,7 @@ class RuntimeModel:
         if phase == "I":
             rank.core.owe(STEP, mb)  # before the reply
         self._at(self.costs.comm, stage - 1, lambda: self._gradients_arrived(stage - 1, mb))
-        rank.core.end_action(STEP, "B", mb)  # the microbatch's last backward request here
+        rank.core.end_backward(STEP, mb)  # the microbatch's last backward request here
         if phase == "I":
             weights = Work("serve", mb, "W", step=STEP)
             self._ask(stage, Stream(weights, ["W"]))
-        else:
-            rank.core.end_action(STEP, "W", mb)

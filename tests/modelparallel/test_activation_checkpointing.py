@@ -398,9 +398,13 @@ def test_bad_arguments_are_refused_naming_the_value(
         set_activation_checkpointing(module, **kwargs)
 
 
-def test_a_module_list_is_refused_as_it_never_runs() -> None:
-    with pytest.raises(ModelParallelError, match=r"ModuleList has no forward .*mark each layer"):
-        set_activation_checkpointing(nn.ModuleList([nn.Linear(2, 2)]))
+def test_a_module_list_marks_each_layer_as_it_never_runs_itself() -> None:
+    """AWS's GPT-NeoX script marks HF's ``gpt_neox.layers`` (a ModuleList) with ``each``."""
+    layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    set_activation_checkpointing(layers, preserve_rng_state=False, strategy="each")
+    assert activations.kept_whole(layers) == {"0", "1"}  # the layers, not the list
+    with pytest.raises(ModelParallelError, match=r"ModuleList has no forward .*got strategy='gr"):
+        set_activation_checkpointing(layers, strategy="group_2")
 
 
 def test_smp_checkpoint_takes_modules_only() -> None:

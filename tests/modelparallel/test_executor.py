@@ -59,3 +59,26 @@ def test_work_that_waits_inside_a_module_and_loses_its_turn_fails_naming_it() ->
         executor._local.task = second
         executor.release(second)
         executor._local.task = first
+
+
+def test_a_weight_half_that_cannot_take_its_turn_fails_the_step_not_just_its_thread() -> None:
+    """A weight half refused its turn (its action already over) raised on its pooled thread,
+    where it was only printed: the step went on without its gradients. It now reaches the
+    owner's failure, which fails the step; the half still counts as paid."""
+    plan = (("F", 0), ("B", 0), ("W", 0))
+    executor = Executor(1, SchedulePolicy("interleaved", 1, 1), 5.0, plan=plan)
+    executor.release(executor.main)
+    for phase in ("F", "B", "W"):
+        executor.end_action(1, phase, 0)
+    half = Task("serve", 0, "W", "blocks.3", step=1)
+    executor.owe_weights(half)
+    failures: list[BaseException] = []
+    executor.run_weights(half, lambda: None, failures.append)
+    deadline = time.monotonic() + 5
+    while executor.core.owes(1, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not executor.core.owes(1, 0)
+    assert len(failures) == 1 and isinstance(failures[0], ModelParallelError)
+    assert "module 'blocks.3' would compute on partition 1 after microbatch 0's weight half" in (
+        str(failures[0])
+    )

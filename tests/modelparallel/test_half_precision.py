@@ -104,9 +104,10 @@ def _loss(recipe: Recipe, step: int, loss: Tensor) -> Tensor:
     return loss * 1e30 if step == recipe.huge_loss_at else loss
 
 
-def reference(recipe: Recipe) -> dict[str, Any]:
-    """The recipe in one process (static loss scale only)."""
-    case = CASES[recipe.case]
+def reference(recipe: Recipe, case: Case | None = None) -> dict[str, Any]:
+    """The recipe in one process (static loss scale only), on ``case`` (default: the
+    recipe's)."""
+    case = case or CASES[recipe.case]
     model = case.build()
     named = dict(model.named_parameters())
     masters = {n: nn.Parameter(p.detach().clone()) for n, p in named.items()}

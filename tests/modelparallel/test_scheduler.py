@@ -255,6 +255,33 @@ def test_a_weight_half_ends_its_action_only_once_paid_even_after_the_reply() -> 
         core.paid(0, 0)  # paid twice: a bug, not a second half
 
 
+def test_a_microbatchs_weight_action_waits_for_every_half_of_its_modules_backwards() -> None:
+    """A rank whose two modules the caller calls one by one gets two backward requests of a
+    microbatch. The first split (its weight half owed), the last ran whole: its end must not
+    end the weight action while the first's half is owed (that half then found its action over
+    and failed, at random, as timing decided the split). A half paid before the microbatch's
+    last backward ran does not end it either."""
+    plan = (("F", 0), ("B", 0), ("W", 0), ("F", 1))
+    core = _core(plan=plan, rank=1)
+    core.end_action(0, "F", 0)
+    core.owe(0, 0)  # the first module's backward split
+    assert core.end_backward(0, 0)  # the second module's, the last, ran whole
+    assert core.order(0).describe() == "W0" and core.off_plan(_work("W0")) is None
+    core.paid(0, 0)
+    assert core.in_turn(_work("F1"))
+
+    core = _core(plan=plan, rank=1)
+    core.end_action(0, "F", 0)
+    core.owe(0, 0)
+    core.paid(0, 0)  # the first half ran before the last backward arrived
+    assert core.order(0).describe() == "B0" and core.off_plan(_work("W0")) is None
+    core.owe(0, 0)  # the last backward split too
+    core.end_backward(0, 0)
+    assert core.order(0).describe() == "W0"
+    core.paid(0, 0)
+    assert core.in_turn(_work("F1"))
+
+
 # A plan order: actions ended -> whose work may compute.
 PLAN = (("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1))
 IN_TURN = [
@@ -413,18 +440,3 @@ def test_a_forward_that_never_comes_back_as_planned_says_so() -> None:
     assert "ended at visit 0 of partition 0" in (core.visit_missed(work) or "")
     core.returns(work)
     assert core.visit_missed(work) is None
-
-
-def test_a_microbatch_owing_two_weight_halves_ends_its_weights_after_both() -> None:
-    """A microbatch's backward that reaches this rank in two requests (the root's code adds a
-    skip connection) owes a weight half per request: its W action ends once the last request
-    has come and both halves have run, not when the first half is paid."""
-    core = _core(plan=(("B", 0), ("W", 0), ("F", 1)), rank=1)
-    core.owe(0, 0)  # the first request's weight half
-    core.paid(0, 0)
-    assert not core.action_ended(0, "W", 0)  # the last request has not come
-    core.owe(0, 0)
-    assert core.end_backward(0, 0)
-    assert core.order(0).describe() == "W0"  # owed: the weights go on
-    core.paid(0, 0)
-    assert core.order(0).describe() == "F1"

@@ -159,8 +159,8 @@ def test_api_needs_init(call: Any) -> None:
 def test_bad_config_fails_before_joining_a_world() -> None:
     with pytest.raises(UnknownKeyError, match="did you mean 'microbatches'"):
         smp.init({"microbatch": 2})
-    with pytest.raises(ConfigError, match="pipeline x tensor parallelism"):
-        smp.init({"tensor_parallel_degree": 2, "partitions": 2, "ddp": True})
+    with pytest.raises(ConfigError, match=r"mp_parameters\.placement_strategy: got 'PTX'"):
+        smp.init({"tensor_parallel_degree": 2, "partitions": 2, "placement_strategy": "PTX"})
     with pytest.raises(ConfigError, match=r"mp_parameters\.pipeline: got 'fast'"):
         smp.init({"pipeline": "fast"})
     assert not smp.is_initialized() and not dist.is_initialized()

@@ -74,13 +74,42 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]] = 
 }
 
 
+def step_of(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """The ``@smp.step`` function of one training step with ``loss_fn``."""
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, ids, mask)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _one_process(case: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+def trained(model: Any, loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], Any]:
+    """``model`` (wrapped) trained for STEPS steps on this rank's rows of each global batch
+    (sharded by ``dp_rank``); the losses and the optimizer."""
+    optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
+    train_step = step_of(loss_fn)
+    rows = GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    losses = []
+    for step in range(STEPS):
+        ids, mask = _batch(step)
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
+        optimizer.step()
+    return losses, optimizer
+
+
+def one_process(
+    build: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor]
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
     """The losses, the final parameters and those after SAVED_AFTER steps."""
-    build, loss_fn = CASES[case]
     with single_process({}):
         model = build()
         optimizer = _optimizer(model.parameters())
@@ -102,13 +131,7 @@ def _train(case: str, checkpoint: str | None) -> tuple[list[float], dict[str, to
     the model is saved after SAVED_AFTER steps and a fresh one resumes from it."""
     build, loss_fn = CASES[case]
     model, optimizer = _wrapped(case, build)
-
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(model, ids, mask)
-        model.backward(loss)
-        return loss
-
+    train_step = step_of(loss_fn)
     prescaled = state.current().config["prescaled_batch"]
     rank, size = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
     rows = GLOBAL_BATCH // size
@@ -169,7 +192,7 @@ def test_tensor_parallel_training_equals_one_process(
     checkpoint = str(tmp_path) if microbatches > 1 else None
     ranks = run_ranks(world, _on_ranks, microbatches, prescaled, checkpoint, timeout=180)
     for case in CASES:
-        losses, params, saved = _one_process(case)
+        losses, params, saved = one_process(*CASES[case])
         if case == "lm" and checkpoint is not None:
             whole = torch.load(tmp_path / "whole")
             with single_process({}):

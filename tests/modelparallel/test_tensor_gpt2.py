@@ -38,36 +38,26 @@ def _plain() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
-def _distributed() -> dict[str, Any]:
-    smp.init({"tensor_parallel_degree": 2, "ddp": True})
-    return _train()
+def _distributed(delayed: bool) -> dict[str, Any]:
+    """``delayed``: created without memory inside ``smp.model_creation``, as AWS's scripts do."""
+    smp.init(
+        {"tensor_parallel_degree": 2, "ddp": True, "delayed_parameter_initialization": delayed}
+    )
+    return _train(delayed)
 
 
-def _train() -> dict[str, Any]:
-    with smp.tensor_parallelism():
+def _train(delayed: bool = False) -> dict[str, Any]:
+    creation = smp.model_creation(tensor_parallelism=True) if delayed else smp.tensor_parallelism()
+    with creation:
         module = hf_cases.build("gpt2")
     model = smp.DistributedModel(module)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=hf_cases.LR))
-
-    @smp.step
-    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = model(**batch).loss
-        model.backward(loss)
-        return loss
-
-    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
-    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
-    losses = []
-    for step in range(STEPS):
-        batch = {k: v[mine] for k, v in hf_cases.CASES["gpt2"].batch(step).items()}
-        optimizer.zero_grad()
-        losses.append(float(train_step(model, batch).reduce_mean()))
-        optimizer.step()
+    losses = hf_cases.train_wrapped(model, "gpt2", STEPS)
     return {"losses": losses, "state": model.state_dict(), "kind": type(model.module).__name__}
 
 
-def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model() -> None:
-    ranks = run_ranks(2, _distributed, timeout=180, env=hf_cases.HF_ENV)
+@pytest.mark.parametrize("delayed", [False, True])
+def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model(delayed: bool) -> None:
+    ranks = run_ranks(2, _distributed, delayed, timeout=180, env=hf_cases.HF_ENV)
     losses, params = _plain()
     assert ranks[0]["kind"] == "DistributedTransformerLMHead"
     mean = [(ranks[0]["losses"][s] + ranks[1]["losses"][s]) / 2 for s in range(STEPS)]

@@ -175,14 +175,16 @@ def test_a_checkpointing_mark_moves_to_the_distributed_module() -> None:
         swap.distribute(holder)
 
 
-def test_awss_gpt2_script_imports_and_creation_switches_are_accepted(
+def test_awss_scripts_imports_and_creation_switches_are_accepted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """AWS's ``train_gpt_simple.py`` imports the GPT-2 translation under its suffixed name and
-    passes SMP's kernel switches (``fused_dropout`` among them) to ``smp.model_creation``."""
+    passes SMP's kernel switches (``fused_dropout`` among them) to ``smp.model_creation``; its
+    GPT-NeoX script passes more, and transformer options at their defaults for any model."""
     monkeypatch.syspath_prepend(str(SHIM_ROOT))
     from smdistributed.modelparallel.torch.nn.huggingface import gpt2
 
+    from dtrain.modelparallel.tensor.huggingface.inplace import IN_PLACE_DEFAULTS
     from dtrain.modelparallel.tensor.module import TUNING_ARGUMENTS, refuse_unsupported
 
     assert (
@@ -190,5 +192,10 @@ def test_awss_gpt2_script_imports_and_creation_switches_are_accepted(
         is gpt2.translate_hf_state_dict_to_smdistributed
     )
     switches = ("fused_softmax", "fused_dropout", "fused_bias_gelu", "attention_in_fp32")
+    switches += ("flash_attention", "zero_init")  # and AWS's GPT-NeoX script
     assert set(switches) <= TUNING_ARGUMENTS
     refuse_unsupported("smp.nn.X", dict.fromkeys(switches, True), {})
+    defaults = {"use_alibi": False, "fp32_residual_addition": False, "distribute_embedding": False}
+    refuse_unsupported("smp.nn.huggingface.gptneox", defaults, IN_PLACE_DEFAULTS)
+    with pytest.raises(ModelParallelError, match="distribute_embedding=True is not supported"):
+        refuse_unsupported("x", {"distribute_embedding": True}, IN_PLACE_DEFAULTS)

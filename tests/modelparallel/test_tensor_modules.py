@@ -4,13 +4,16 @@ load both ways; sizes that do not split are named before any step."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import swap
 from dtrain.modelparallel.tensor.shards import whole
 from tests.modelparallel.harness import run_ranks, single_process
 
@@ -82,6 +85,10 @@ def _on_two_ranks() -> dict[str, Any]:
         except ModelParallelError as exc:
             errors.append(str(exc))
     result["errors"] = errors
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        swap.distribute(nn.Sequential(nn.Linear(2, 2)))  # nothing marked
+    result["unsplit"] = [str(w.message) for w in caught]
     return result
 
 
@@ -98,6 +105,10 @@ def test_two_ranks_compute_as_one_process_and_name_sizes_that_do_not_split() -> 
             assert state.keys() == rank["state"][name].keys()
             for key, value in state.items():
                 assert torch.equal(rank["state"][name][key], value), (name, key)
+    assert (
+        "tensor_parallel_degree=2, but no module of the model is distributed"
+        in (ranks[0]["unsplit"][0])
+    )
     for key, value in ranks[0]["reloaded"].items():
         torch.testing.assert_close(value, one["state"]["lm"][key] * 2)
     with single_process({}):  # and the two ranks' state loads into the plain module

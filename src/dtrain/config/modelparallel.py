@@ -158,8 +158,7 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         int,
         1,
         "Tensor-parallel degree: smp.nn modules and modules marked for tensor parallelism are "
-        "split over this many neighbouring ranks (DTensor); not yet with pipelines, fp16/bf16, "
-        "shard_optimizer_state or delayed parameter initialization.",
+        "split over this many neighbouring ranks (DTensor).",
         minimum=1,
         requires=(("ddp", True),),
     ),
@@ -399,33 +398,6 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
         )
 
 
-TENSOR_PARALLEL_EXCLUSIONS: tuple[tuple[str, Any, str], ...] = (
-    ("pipeline_parallel_degree", 1, "pipeline x tensor parallelism needs the pipeline's "
-     "deterministic order, which dtrain does not have yet"),
-    ("fp16", False, "the half-precision masters do not handle DTensor parameters yet"),
-    ("bf16", False, "the half-precision masters do not handle DTensor parameters yet"),
-    ("shard_optimizer_state", False, "the sharded optimizer does not handle DTensor "
-     "parameters yet"),
-    ("delayed_parameter_initialization", False, "delayed initialization does not make "
-     "DTensor shards yet"),
-)  # fmt: skip
-"""What ``tensor_parallel_degree`` above 1 cannot be combined with yet: (parameter, the value
-it must keep, why)."""
-
-
-def _check_tensor_parallel(values: Mapping[str, Any], where: str) -> None:
-    degree = values["tensor_parallel_degree"]
-    if degree == 1:
-        return
-    for name, allowed, why in TENSOR_PARALLEL_EXCLUSIONS:
-        if values[name] != allowed:
-            raise ConfigError(
-                f"{where}.{name}",
-                values[name],
-                f"{_show(allowed)} with tensor_parallel_degree={degree}: {why}",
-            )
-
-
 def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
     """The model's degrees must tile the processes, extra replicas need DDP and the sharded
     data-parallel degree must divide the replicas (SMP v1 rules)."""
@@ -480,7 +452,6 @@ def validate_mp_parameters(
     _check_partitioning(values, where)
     if values["fp16_params"]:
         values["fp16"] = True
-    _check_tensor_parallel(values, where)
     if world_size is not None:
         check_world_size(values, world_size, where)
     return values

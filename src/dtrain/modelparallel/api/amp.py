@@ -4,7 +4,8 @@ Each rank holds only its partition's gradients, so an inf/NaN seen by one rank m
 rank skip the step and back off the scale together, or the replicas' parameters and scales drift
 apart. The scaler agrees on the found-inf flag over the whole world (every mp group and every dp
 group) before ``step`` and ``update`` read it. Only the pipeline rank that computes the loss calls
-``scale(loss)`` (inside ``@smp.step``), so every scaler holds its scale from the start.
+``scale(loss)`` (inside ``@smp.step``), so every scaler holds its scale from the start. A
+tensor-parallel model's DTensor gradients are checked and unscaled on each rank's part of them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.modelparallel import state
+from dtrain.modelparallel.api.precision import local_part
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -49,7 +51,28 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        """torch's unscaling, on this rank's part of each gradient: torch's groups a tensor
+        parallel model's DTensor gradients with plain ones of the same device and dtype, which
+        its kernel refuses. Each rank checks what it holds; the flag is then agreed."""
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:  # duplicate indices summed first, as torch's does
+                        if grad.dtype == torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grad = local_part(grad)
+                    grads.setdefault((grad.device, grad.dtype), []).append(grad)
+            per_device: dict[torch.device, torch.Tensor] = {}
+            for (device, _), same in grads.items():
+                flag = per_device.setdefault(device, found_inf.to(device, copy=True))
+                torch._amp_foreach_non_finite_check_and_unscale_(same, flag, inv_scale.to(device))
         seen = torch.zeros((), dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():
             seen += flag.to(seen.device)

@@ -36,6 +36,7 @@ import torch
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api import comm
+from dtrain.modelparallel.api.model import check_degrees
 from dtrain.modelparallel.api.precision import FP16_STATES
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
@@ -245,11 +246,12 @@ def resume_from_checkpoint(
     tag = newest_tag(root) if tag is None else _valid_tag(tag)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
+        _check_saved_degrees(folder, st)
         model_file = folder / _rank_file("model", st, _share(st, "model")[1])
         if not model_file.is_file():
             raise FileNotFoundError(
-                f"no partial checkpoint for pp_rank {st.pp_rank}: {model_file} does not exist "
-                f"(saved with another pipeline_parallel_degree, or not a partial checkpoint?)"
+                f"no partial checkpoint for pp_rank {st.pp_rank}, tp_rank {st.tp_rank}: "
+                f"{model_file} does not exist (not a partial checkpoint?)"
             )
         model.load_state_dict(_read(model_file), strict=strict)
         _, index = _share(st, "optimizer")
@@ -273,6 +275,20 @@ def resume_from_checkpoint(
         model.load_state_dict(_read(root / tag), strict=strict)
         user_file = root / f"user_content_{tag}"
     return _read(user_file, weights_only) if user_file.is_file() else None
+
+
+def _check_saved_degrees(folder: Path, st: MPState) -> None:
+    """The degrees a partial checkpoint was saved at, read from its model files' pp and tp
+    ranks, must be this job's (on every rank alike, before anything loads)."""
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    found = [re.fullmatch(r"model_(\d+)_(\d+)_\d+\.pt", name) for name in names]
+    ranks = [(int(match[1]), int(match[2])) for match in found if match]
+    if ranks:
+        saved = {
+            "pipeline_parallel_degree": max(pp for pp, _ in ranks) + 1,
+            "tensor_parallel_degree": max(tp for _, tp in ranks) + 1,
+        }
+        check_degrees(saved, st, f"smp.resume_from_checkpoint({folder})")
 
 
 def _read(file: Path, weights_only: bool = True) -> Any:

@@ -32,7 +32,7 @@ from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.api.precision import HalfParameters, LossScaling, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.pipeline import activations, solo
+from dtrain.modelparallel.pipeline import activations, hooks, solo
 from dtrain.modelparallel.pipeline.group import PipelineGroup
 from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
 from dtrain.modelparallel.pipeline.split_backward import scaled_grads
@@ -59,6 +59,29 @@ if TYPE_CHECKING:
     from dtrain.modelparallel.api.sharded import ShardedModel
 
 PARTIAL_KEY = "_smp_is_partial"
+
+DEGREES_KEY = "_dtrain_degrees"
+"""The pipeline and tensor-parallel degrees a partial state dict was saved at: its tensors are
+one partition's (and one tp rank's shards), which load only at the same degrees."""
+
+
+def degrees(st: state.MPState) -> dict[str, int]:
+    """The degrees that lay a model's tensors out over the ranks, as a partial state names them."""
+    return {"pipeline_parallel_degree": st.pp_size, "tensor_parallel_degree": st.tp_size}
+
+
+def check_degrees(saved: dict[str, int], st: state.MPState, what: str) -> None:
+    """A partial state saved at ``saved`` degrees loads only at the same ones."""
+    here = degrees(st)
+    if saved != here:
+        shown = " x ".join(f"{name} {value}" for name, value in saved.items())
+        raise ModelParallelError(
+            f"{what}: the partial state was saved at {shown}, this job runs at "
+            f"{' x '.join(f'{name} {value}' for name, value in here.items())}; allowed: the "
+            "same degrees (a partial state holds one partition's tensors, split over its tp "
+            "group); save a full one (partial=False) to load it at other degrees"
+        )
+
 
 _PLANS = itertools.count()
 """Names the store keys of each automatic plan: every rank partitions its models in one order."""
@@ -116,7 +139,11 @@ class DistributedModel(nn.Module):
         if self._state.tp_size > 1 or marks.any_marked(module):
             from dtrain.modelparallel.tensor import shards, swap
 
+            self._sync_random_states(module)  # a delayed model's shards are made now
+            placed = placement.manual_placements(module)
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
+            placement.keep_placements(module, placed)
+            shards.split_delayed(module, self._state.device)
             if self._state.tp_size > 1:
                 self.tensor_shards = shards
         state.register_model(self)
@@ -270,9 +297,11 @@ class DistributedModel(nn.Module):
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for _, t, _ in self._state_tensors(local_only=False, persistent_only=False)]
 
-    def _sync_random_states(self) -> None:
-        """A delayed model's share will be made from rank 0's random states, on every rank."""
-        recordings = deferred.recordings_of(self._all_tensors())
+    def _sync_random_states(self, root: nn.Module | None = None) -> None:
+        """A delayed model's share will be made from rank 0's random states, on every rank
+        (``root``: the module before it is wrapped)."""
+        tensors = self._all_tensors() if root is None else [*root.parameters(), *root.buffers()]
+        recordings = deferred.recordings_of(tensors)
         if recordings and self._state.size > 1:
             deferred.sync_random_states(recordings, self._rank0_states)
 
@@ -282,6 +311,14 @@ class DistributedModel(nn.Module):
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
+            if st.tp_size > 1 and self._delayed():
+                raise ModelParallelError(
+                    "smp.DistributedModel: a model created without memory, with "
+                    f"pipeline_parallel_degree {st.pp_size} x tensor_parallel_degree "
+                    f"{st.tp_size}, is not partitioned automatically by dtrain (the profile "
+                    "without memory does not handle its split modules); allowed: "
+                    "auto_partition: false with smp.partition / smp.set_partition"
+                )
             plan = self._auto_plan(make_body, fixed)
         else:
             plan = manual_plan(
@@ -299,19 +336,24 @@ class DistributedModel(nn.Module):
 
         The others wait for as long as rank 0 works and shows signs of life
         (:mod:`..pipeline.solo`): profiling a large model, on the CPU above all, may take longer
-        than any wait for a peer (``DTRAIN_MP_TIMEOUT``) should.
+        than any wait for a peer (``DTRAIN_MP_TIMEOUT``) should. With tensor parallelism rank
+        0's tp group profiles with it (its modules' collectives need the whole group), each
+        on its own first microbatch, and only rank 0 plans.
         """
         st = self._state
         store, name = default_store(), f"dtrain/mp-plan/{next(_PLANS)}"
         if st.rank == 0:
             try:
                 with solo.working(store, name, st.options.timeout):
-                    plan = self._profile_and_plan(make_body, fixed)
+                    self._traced_step(make_body)
+                    plan = self._plan_from_profile(fixed)
             except BaseException as exc:
                 self._broadcast_objects([("error", error_body(0, exc))])
                 raise
             payload: list[Any] = [("plan", plan.to_dict())]
         else:
+            if st.rank in st.topology.group("tp", 0):
+                self._traced_step(make_body)
             what = "rank 0 to profile the model and plan its partition"
             solo.wait_for(store, name, st.options.timeout, st.rank, what)
             payload = [None]
@@ -320,15 +362,13 @@ class DistributedModel(nn.Module):
             raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
         return PartitionPlan.from_dict(value)
 
-    def _profile_and_plan(
-        self, make_body: Callable[[torch.device], Callable[[int], Any]], fixed: dict[str, int]
-    ) -> PartitionPlan:
-        """Rank 0's part: the profiling step, then the plan.
+    def _traced_step(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
+        """The profiling step: the first microbatch's step body, the model profiled in it.
 
-        The profiling step runs the module and its tensor arguments on the trace device: SMP's
-        scripts leave the model on the CPU and move their batches to the GPU, which would not
-        run together. A model created without memory runs on the meta device instead (see
-        :meth:`forward`): the plan then weighs operation counts, not times.
+        It runs the module and its tensor arguments on the trace device: SMP's scripts leave
+        the model on the CPU and move their batches to the GPU, which would not run together.
+        A model created without memory runs on the meta device instead (see :meth:`forward`):
+        the plan then weighs operation counts, not times.
         """
         st = self._state
         # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
@@ -344,11 +384,17 @@ class DistributedModel(nn.Module):
             snapshot.restore()
             if device.type == "cuda":  # the whole model's blocks, cached for nothing
                 torch.cuda.empty_cache()
+
+    def _plan_from_profile(self, fixed: dict[str, int]) -> PartitionPlan:
+        """Rank 0's plan from its profiling step."""
+        st = self._state
         if self._profile is None:
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
         whole = activations.kept_whole(self.module)
+        if self.tensor_shards is not None:
+            whole |= self.tensor_shards.split_blocks(self.module)
         plan = auto_plan(
             self._profile,
             st.pp_size,
@@ -388,10 +434,15 @@ class DistributedModel(nn.Module):
 
     def _apply_plan(self, plan: PartitionPlan) -> None:
         st = self._state
+        if self.tensor_shards is not None:
+            self.tensor_shards.check_partition(self.module, plan.owner)
         modules = dict(self.module.named_modules())
         self._plan = plan
         owners = {name: plan.owner(name) for name in modules}
         self._local_modules = {id(m) for name, m in modules.items() if owners[name] == st.pp_rank}
+        for name, module in modules.items():
+            if owners[name] != st.pp_rank:
+                hooks.drop_local_hooks(module)
         mine = [t for _, t, _ in self._state_tensors(local_only=True, persistent_only=False)]
         local = {id(t) for t in mine}
         with torch.no_grad():
@@ -586,13 +637,13 @@ class DistributedModel(nn.Module):
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
         """This rank's parameters (its shards of them, when sharded) and persistent buffers, by
         their names in the full model."""
+        partial = {PARTIAL_KEY: True, DEGREES_KEY: degrees(self._state)}
         if self.sharding is not None:
-            return {**self.sharding.local_state_dict(cast_to_cpu), PARTIAL_KEY: True}
+            return {**self.sharding.local_state_dict(cast_to_cpu), **partial}
         result: dict[str, Any] = {
             name: (t.cpu() if cast_to_cpu else t) for name, t in self._tensor_values(whole=False)
         }
-        result[PARTIAL_KEY] = True
-        return result
+        return {**result, **partial}
 
     def state_dict(  # type: ignore[override]
         self,
@@ -605,10 +656,8 @@ class DistributedModel(nn.Module):
         del args, kwargs, gather_to_rank0  # every pipeline rank gets the whole dict
         if self.sharding is not None:
             return self.sharding.full_state_dict()
-        if self.tensor_shards is not None:  # every rank of the tp group gathers (pp is 1)
-            return {name: t.cpu() for name, t in self._tensor_values(whole=True)}
-        local = self.local_state_dict(cast_to_cpu=True)
-        local.pop(PARTIAL_KEY)
+        # Every rank of a tp group gathers its whole tensors, then the pipeline its partitions.
+        local = {name: t.cpu() for name, t in self._tensor_values(whole=True)}
         st = self._state
         if self._runtime is None or st.pp_size == 1:
             return local
@@ -636,7 +685,9 @@ class DistributedModel(nn.Module):
         """Load a full or a partial (``local_state_dict``) state; before the first step a
         partial one is kept and applied once this rank knows its share."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
-        values = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
+        if partial and DEGREES_KEY in state_dict:
+            check_degrees(state_dict[DEGREES_KEY], self._state, "load_state_dict")
+        values = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, DEGREES_KEY)}
         if self.sharding is not None:
             self.sharding.load(values, partial, strict)
             return None
@@ -658,14 +709,18 @@ class DistributedModel(nn.Module):
                 raise ModelParallelError(
                     f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
                 )
+        half = self.half_precision
         with torch.no_grad():
             for name, tensor in mine.items():
-                if name in values and self.tensor_shards is not None:
-                    self.tensor_shards.load_into(tensor, values[name], whole_value=full)
-                elif name in values:
-                    tensor.copy_(values[name])
-                    if self.half_precision is not None:
-                        self.half_precision.load_value(tensor, values[name])
+                if name not in values:
+                    continue
+                master = tensor if half is None else half.master(tensor)
+                # A half model's master takes the value unrounded.
+                for target in [tensor] if master is tensor else [tensor, master]:
+                    if self.tensor_shards is not None:
+                        self.tensor_shards.load_into(target, values[name], whole_value=full)
+                    else:
+                        target.copy_(values[name])
 
     # --- timeline ----------------------------------------------------------------------------
 

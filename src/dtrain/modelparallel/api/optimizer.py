@@ -82,7 +82,7 @@ def DistributedOptimizer(
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
-        run = original_step if adapter.zero is None else adapter.zero.step
+        run = original_step if adapter.zero is None else adapter.zero_step
         if model.sharding is not None:  # sdp_gradient_clipping and fp16, as SMP's sharded step
             result = model.sharding.step(lambda: run(*args, **kwargs))
         elif half is None:
@@ -94,6 +94,7 @@ def DistributedOptimizer(
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         original_zero_grad(set_to_none)
+        adapter.zero_distributed_grads(set_to_none)
         if half is not None:
             half.zero_grad()
 
@@ -122,10 +123,15 @@ class _Adapter:
         self.model = model
         self.names = names
         self.pruned = False
-        self.pending_fp16: dict[str, Any] | None = None
-        """fp16 states loaded before the masters existed."""
+        self.pending_fp16: tuple[dict[str, Any], bool] | None = None
+        """fp16 states loaded before the masters existed, and whether they were partial."""
         self.zero: ZeroRedundancyOptimizer | None = None
         """With ``shard_optimizer_state``, what steps and holds the state (see :meth:`_shard`)."""
+        self.proxies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """With ``shard_optimizer_state`` and tensor parallelism: id(proxy) → (the DTensor the
+        optimizer would step, its proxy), a plain tensor sharing the DTensor's local memory."""
+        self._proxy_of: dict[int, torch.Tensor] = {}
+        """id(DTensor) → its proxy."""
 
     def prune(self) -> None:
         """Keep only the local parameters (their fp32 masters for a half model), once the model
@@ -151,24 +157,39 @@ class _Adapter:
                     states[param] = placed(param, states[param], group)
         self.pruned = True
         if half is not None and self.pending_fp16 is not None:
-            half.load_masters(self.pending_fp16, self.names)
+            fp16, partial = self.pending_fp16
+            half.load_masters(fp16, self.names, self._loaded(partial))
             self.pending_fp16 = None
         st = state.current()
-        if st.config["shard_optimizer_state"] and st.dp_size > 1:
-            self._shard(st.dp_process_group)
+        if st.config["shard_optimizer_state"] and st.rdp_size > 1:
+            self._shard(st.rdp_process_group)
 
     def _shard(self, group: dist.ProcessGroup) -> None:
         """``shard_optimizer_state``: torch's ``ZeroRedundancyOptimizer`` over this rank's
-        parameters and its data-parallel ``group``, with the script's optimizer class and
-        options. Each replica keeps the state of, and steps, its share of the parameters
-        (whole ones, balanced by size) and broadcasts them to the others. The script's
-        optimizer object stays what the script holds: its ``param_groups`` become ZeRO's, so
-        learning-rate schedulers still reach every step; state loaded before the first step
-        moves into ZeRO's for the parameters this rank steps."""
+        parameters and its replicas' ``group`` (the rdp group: the data-parallel group without
+        tensor parallelism), with the script's optimizer class and options. Each replica keeps
+        the state of, and steps, its share of the parameters (whole ones, balanced by size) and
+        broadcasts them to the others. The script's optimizer object stays what the script
+        holds: its ``param_groups`` become ZeRO's, so learning-rate schedulers still reach every
+        step; state loaded before the first step moves into ZeRO's for the parameters this rank
+        steps. ZeRO broadcasts plain tensors: a DTensor is stepped through a proxy (see
+        :attr:`proxies`), whose gradient is pointed at the DTensor's local one before each
+        step; the tp group's ranks hold equal shards, so they step the same share."""
         # Imported here: torch.distributed.optim scripts its functional optimizers on import.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = self.optimizer
+        tensor = self.model.tensor_shards
+        if tensor is not None:
+            for options in optimizer.param_groups:
+                options["params"] = [self._proxy(p) for p in options["params"]]
+            for param in list(optimizer.state):
+                if tensor.is_distributed(param):
+                    values = optimizer.state.pop(param)
+                    optimizer.state[self._proxy(param)] = {
+                        k: tensor.local(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in values.items()
+                    }
         first, *others = optimizer.param_groups
         options = {key: first[key] for key in optimizer.defaults if key in first}
         zero = ZeroRedundancyOptimizer(
@@ -183,6 +204,41 @@ class _Adapter:
         optimizer.state.clear()
         optimizer.param_groups = zero.param_groups
         self.zero = zero
+
+    def _proxy(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor ZeRO steps for ``param``: itself, or a DTensor's proxy (made once)."""
+        tensor = self.model.tensor_shards
+        if not tensor.is_distributed(param):
+            return param
+        proxy = self._proxy_of.get(id(param))
+        if proxy is None:
+            proxy = tensor.local(param).detach().requires_grad_(param.requires_grad)
+            self.proxies[id(proxy)] = (param, proxy)
+            self._proxy_of[id(param)] = proxy
+            self.names[id(proxy)] = self.names[id(param)]
+        return proxy
+
+    def zero_step(self, *args: Any, **kwargs: Any) -> Any:
+        """ZeRO's step, each proxy's gradient first pointed at its DTensor's local one."""
+        assert self.zero is not None
+        for distributed, proxy in self.proxies.values():
+            grad = distributed.grad
+            proxy.grad = None if grad is None else self.model.tensor_shards.local(grad)
+        return self.zero.step(*args, **kwargs)
+
+    def zero_distributed_grads(self, set_to_none: bool) -> None:
+        """The DTensors' own gradients, which the optimizer's ``zero_grad`` (holding proxies)
+        does not reach."""
+        for distributed, _ in self.proxies.values():
+            if set_to_none:
+                distributed.grad = None
+            elif distributed.grad is not None:
+                distributed.grad.zero_()
+
+    def _distributed(self, param: torch.Tensor) -> torch.Tensor:
+        """The DTensor a proxy stands for; any other tensor itself."""
+        pair = self.proxies.get(id(param))
+        return param if pair is None else pair[0]
 
     @property
     def _holder(self) -> torch.optim.Optimizer:
@@ -211,12 +267,26 @@ class _Adapter:
         group = st.pp_process_group if st.pp_size > 1 else None
         return half.clip_master_grads(max_norm, norm_type, group)
 
-    def local_fp16_state_dict(self) -> dict[str, Any]:
-        """This rank's fp32 masters by parameter name (a sharded model's are its parameters)
-        and the loss scale (empty for an fp32 or sharded bf16 model)."""
+    def local_fp16_state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This rank's fp32 masters by parameter name (a sharded model's are its parameters;
+        a distributed module's this rank's shards, or with ``full`` their whole values,
+        gathered) and the loss scale (empty for an fp32 or sharded bf16 model)."""
         self.prune()
         scaling = self.model.loss_scaling
-        return {} if scaling is None else scaling.state_dict(self.names)
+        if scaling is None:
+            return {}
+        tensor = self.model.tensor_shards
+        if tensor is None:
+            return scaling.state_dict(self.names)
+        return scaling.state_dict(self.names, tensor.whole if full else tensor.local)
+
+    def _loaded(self, partial: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """How a saved master is copied into this rank's: a distributed module's is cut from
+        its whole value, or (``partial``) wrapped as this rank's part."""
+        tensor = self.model.tensor_shards
+        if tensor is None:
+            return lambda master, value: master.copy_(value)
+        return functools.partial(tensor.load_into, whole_value=not partial)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, with its fp16 states if any."""
@@ -246,8 +316,14 @@ class _Adapter:
         if tensor is not None:  # a DTensor parameter's state: its whole value, or this rank's
             saved = functools.partial(_picked, pick=tensor.whole if full else tensor.local)
 
+        def value(p: torch.Tensor, key: str, v: Any) -> Any:
+            """A proxy's state laid out as its DTensor's."""
+            if id(p) in self.proxies and _is_state_tensor(key, v):
+                return tensor.laid_out_as(self._distributed(p), v, whole_value=False)
+            return v
+
         return {
-            self.names[id(p)]: {k: saved(v) for k, v in holder.state[p].items()}
+            self.names[id(p)]: {k: saved(value(p, k, v)) for k, v in holder.state[p].items()}
             for group in holder.param_groups
             for p in group["params"]
             if id(p) in local and p in holder.state
@@ -260,6 +336,8 @@ class _Adapter:
         st = state.current()
         if self.model.sharding is not None or self.model.tensor_shards is not None:
             local["state"] = self._states(full=True)
+        if self.model.tensor_shards is not None and FP16_STATES in local:
+            local[FP16_STATES] = self.local_fp16_state_dict(full=True)
         parts = [local]
         if self.zero is not None:
             parts = all_gather_objects(local, st.object_groups["world"], st.seals)
@@ -305,9 +383,13 @@ class _Adapter:
                         for k, v in saved_state.items()
                     }
                 elif self.model.tensor_shards is not None:
-                    laid_out = self.model.tensor_shards.laid_out_as
+                    shards = self.model.tensor_shards
+                    distributed = self._distributed(param)  # a proxy's state is local
+                    pick = shards.local if distributed is not param else (lambda v: v)
                     saved_state = {
-                        k: laid_out(param, v, not partial) if _is_state_tensor(k, v) else v
+                        k: pick(shards.laid_out_as(distributed, v, not partial))
+                        if _is_state_tensor(k, v)
+                        else v
                         for k, v in saved_state.items()
                     }
                 holder.state[param] = placed(param, saved_state, group)
@@ -317,14 +399,15 @@ class _Adapter:
             scaling.scaler.load_state_dict(fp16["loss_scaler"])
         if fp16 is not None and half is not None:  # a sharded model's masters are its shards
             if self.pruned:
-                half.load_masters(fp16, self.names)
+                half.load_masters(fp16, self.names, self._loaded(partial))
             else:  # the masters are made at partitioning
-                self.pending_fp16 = fp16
+                self.pending_fp16 = (fp16, partial)
 
     def _stepped_ids(self) -> set[int]:
         """ids of the tensors the optimizer steps for this rank's parameters."""
         half = self.model.half_precision
-        return {id(p if half is None else half.master(p)) for p in self.model.local_parameters()}
+        stepped = [p if half is None else half.master(p) for p in self.model.local_parameters()]
+        return {id(self._proxy_of.get(id(p), p)) for p in stepped}
 
 
 def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:

@@ -68,6 +68,15 @@ def manual_placements(root: nn.Module) -> dict[str, int]:
     return {name: _assigned[m] for name, m in root.named_modules() if m in _assigned}
 
 
+def keep_placements(root: nn.Module, placements: dict[str, int]) -> None:
+    """A module swapped for another under ``root`` (tensor parallelism's swap) takes the
+    partition of the one it replaced, given by name in ``placements``, for its whole subtree."""
+    for name, module in root.named_modules():
+        if name in placements and module not in _assigned:
+            for each in module.modules():
+                _assigned.setdefault(each, placements[name])
+
+
 def clear() -> None:
     """Forget every manual placement (``smp.reset``)."""
     _assigned.clear()

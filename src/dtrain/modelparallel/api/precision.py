@@ -17,6 +17,12 @@ inf/NaN in any rank's gradients makes every rank skip that optimizer step (the f
 the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
 ``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
 
+With tensor parallelism the parameters of distributed modules are DTensors, and so are their
+masters (a master is made as its parameter is, and carries its marks); the step, the rounding
+and the overflow check run on DTensors alike, the clipping norm counts a shard's squares once over
+the tp group, and checkpoints hold the masters whole or as this rank's shards, as the model's and
+the optimizer's states are held.
+
 This is the pipelines' half precision; a sharded model (:mod:`.sharded`) is half on FSDP2's
 mixed precision, its fp32 shards the masters, and with fp16 it scales its loss and skips its
 overflowing steps by the same :class:`LossScaling`.
@@ -31,10 +37,71 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel.pipeline.remote import RemoteValue
 from dtrain.modelparallel.transport.structure import map_leaves
+
+Saved = Callable[[torch.Tensor], torch.Tensor]
+"""How a master is saved: as it is, or (tensor parallelism) its whole value or this rank's part."""
+
+Loaded = Callable[[torch.Tensor, torch.Tensor], None]
+"""How a saved value is copied into a master: as it is, or (tensor parallelism) cut or wrapped."""
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
+
+
+def _copied(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    tensor.copy_(value)
+
+
+def _by_type(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by their class (plain tensors, DTensors): torch's fused kernels take
+    one kind at a time, and a DTensor group's results are resolved over its mesh."""
+    groups: dict[type, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(type(tensor), []).append(tensor)
+    return list(groups.values())
+
+
+def _keep_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` the attributes set on ``source`` that it lacks (marks such as tensor
+    parallelism's, which decide over which group a parameter's gradient averages)."""
+    for key, value in vars(source).items():
+        vars(target).setdefault(key, value)
+
+
+def _convert(tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Make ``tensor`` ``dtype`` in place: the model, the optimizer and the masters hold the
+    object. A tensor made of other tensors (a DTensor: ``.data`` would change its wrapper, not
+    the local tensor inside) is swapped with its converted copy, as ``nn.Module.to`` does, and
+    keeps its attributes."""
+    converted = tensor.data.to(dtype)
+    if is_traceable_wrapper_subclass(converted):
+        if isinstance(tensor, nn.Parameter):
+            converted = nn.Parameter(converted, tensor.requires_grad)
+        _keep_attributes(tensor, converted)
+        torch.utils.swap_tensors(tensor, converted)
+    else:
+        tensor.data = converted
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, a plain tensor as it is. Duck-typed: DTensor takes a
+    second to import, and only tensor-parallel models hold them."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor result (a partial sum, a shard's norm) as its whole value, on every rank of its
+    mesh; a plain tensor as it is. Duck-typed: DTensor takes a second to import."""
+    full = getattr(value, "full_tensor", None)
+    return value if full is None else full()
+
 
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """``smp.init`` parameters that make the model half, and the dtype each gives."""
@@ -176,9 +243,10 @@ class LossScaling:
             self.scaler.update(overflow)
         return None if overflow else step()
 
-    def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
+    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
         """What a checkpoint keeps under ``"fp16_states"`` (``names``: id of a model parameter
-        → its name, for the masters a subclass keeps): the loss scaler."""
+        → its name, ``saved``: how a tensor is saved, for the masters a subclass keeps): the
+        loss scaler."""
         return {"loss_scaler": self.scaler.state_dict()}
 
 
@@ -199,17 +267,20 @@ class HalfParameters(LossScaling):
         """Make the model half: ``own`` (this rank's parameters, where they will compute) get
         fp32 masters holding their values as they are now, then every floating tensor in
         ``tensors`` (the model's parameters and buffers, placed or freed) becomes half; another
-        rank's tensors never made (on the meta device) stay as they are."""
+        rank's tensors never made (on the meta device) stay as they are. A master is laid out as
+        its parameter (a DTensor for a distributed module's) and carries its attributes (such
+        as tensor parallelism's mark of which gradients average over which group)."""
         for param in own:
             if param.is_floating_point() and id(param) not in self._masters:
                 master = nn.Parameter(
                     param.detach().to(torch.float32, copy=True), param.requires_grad
                 )
+                _keep_attributes(param, master)
                 self._masters[id(param)] = (param, master)
         with torch.no_grad():
             for tensor in tensors:
                 if tensor.is_floating_point() and not tensor.is_meta:
-                    tensor.data = tensor.data.to(self.dtype)
+                    _convert(tensor, self.dtype)
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for model parameter ``param``."""
@@ -261,8 +332,9 @@ class HalfParameters(LossScaling):
             return
         grads = [m.grad for m in self.masters() if m.grad is not None]
         found = torch.zeros((), dtype=torch.float32, device=self._device)
-        for grad in grads:
-            found += (~torch.isfinite(grad)).any().to(found.device, torch.float32)
+        one = torch.ones((), dtype=torch.float32, device=self._device)
+        for group in _by_type(grads):  # torch's GradScaler kernel, unscaling by 1
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
         if self._world is not None:
             dist.all_reduce(found, group=self._world)
         self.overflow = self.overflow or bool(found.item() > 0)
@@ -293,51 +365,52 @@ class HalfParameters(LossScaling):
     ) -> float:
         """Clip the masters' gradients to a global norm ``max_norm`` over every partition
         (``group``: the pipeline); returns the norm before clipping, -1 after an overflow
-        (apex's convention: the step will be skipped, nothing to clip)."""
+        (apex's convention: the step will be skipped, nothing to clip). A DTensor gradient's
+        norm is its whole parameter's (the tp group's shards resolved in one collective per
+        clip), counted once."""
         if self.overflow:
             return -1.0
         grads = [m.grad for m in self.masters() if m.grad is not None]
-        device = self._device
         norm_type = float(norm_type)
-        if norm_type == math.inf:
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for grad in grads:
-                total = torch.maximum(total, grad.abs().max())
-            if group is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for grad in grads:
-                total += torch.linalg.vector_norm(grad, norm_type).pow(norm_type)
-            if group is not None:
-                dist.all_reduce(total, group=group)
+        total = torch.zeros((), dtype=torch.float32, device=self._device)
+        for kind in _by_type(grads):
+            norms = _whole(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in kind]))
+            if norm_type == math.inf:
+                total = torch.maximum(total, norms.max().to(total.device))
+            else:
+                total += norms.pow(norm_type).sum().to(total.device)
+        if group is not None:
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=group)
+        if norm_type != math.inf:
             total = total.pow(1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_(self.masters(), max_norm, total)
+        coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient)
         return float(total)
 
     # --- state dicts ---------------------------------------------------------------------------
 
-    def load_value(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """A model state dict loaded ``value`` into ``param``: its master takes it unrounded."""
-        pair = self._masters.get(id(param))
-        if pair is not None:
-            with torch.no_grad():
-                pair[1].copy_(value)
-
-    def state_dict(self, names: dict[int, str]) -> dict[str, Any]:
-        """The masters by parameter name and the loss scaler."""
+    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
+        """The masters by parameter name, each as ``saved`` gives it, on the CPU, and the loss
+        scaler."""
         masters = {
-            names[id(param)]: master.detach().cpu() for param, master in self._masters.values()
+            names[id(param)]: saved(master.detach()).cpu()
+            for param, master in self._masters.values()
         }
         return {MASTERS: masters, **super().state_dict(names)}
 
-    def load_masters(self, values: dict[str, Any], names: dict[int, str]) -> None:
-        """Load the masters this rank owns from :meth:`state_dict`'s ``values`` and round them
-        into the model (the loss scaler is loaded at once: the next backward uses it)."""
+    def load_masters(
+        self, values: dict[str, Any], names: dict[int, str], load: Loaded = _copied
+    ) -> None:
+        """Load the masters this rank owns from :meth:`state_dict`'s ``values`` (each copied
+        in by ``load``) and round them into the model (the loss scaler is loaded at once: the
+        next backward uses it)."""
         saved = values[MASTERS]
         with torch.no_grad():
             for param, master in self._masters.values():
                 name = names[id(param)]
                 if name in saved:
-                    master.copy_(saved[name])
+                    load(master, saved[name])
                     param.copy_(master)

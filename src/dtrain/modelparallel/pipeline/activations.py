@@ -116,7 +116,8 @@ def set_activation_checkpointing(
     the first step). For an ``nn.Sequential``, ``strategy`` groups its children (``each``,
     ``contiguous``, ``group_<n>``; a group never spans partitions) and ``pack_args_as_tuple``
     is accepted: torch's non-reentrant checkpointing passes a tuple input through as it is,
-    which SMP's flag was needed for."""
+    which SMP's flag was needed for. An ``nn.ModuleList`` (or ``ModuleDict``) marks each of
+    its layers."""
     what = "smp.set_activation_checkpointing"
     if not isinstance(module, nn.Module):
         raise TypeError(f"{what} takes an nn.Module, got {type(module).__name__}")
@@ -126,10 +127,16 @@ def set_activation_checkpointing(
             "(model.module or one of its submodules)"
         )
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        raise ModelParallelError(
-            f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
-            "its layers); mark each layer instead"
-        )
+        if strategy != "each" or pack_args_as_tuple:
+            raise ModelParallelError(
+                f"{what}: a {type(module).__name__} has no forward of its own (its parent calls "
+                f"its layers one at a time), so its layers are checkpointed each on its own; "
+                f"got strategy={strategy!r}, pack_args_as_tuple={pack_args_as_tuple}; allowed: "
+                "strategy='each', pack_args_as_tuple=False (or an nn.Sequential to group layers)"
+            )
+        for layer in module.children():  # as AWS's GPT-NeoX script marks HF's layer list
+            set_activation_checkpointing(layer, preserve_rng_state)
+        return
     for key, value in (
         ("preserve_rng_state", preserve_rng_state),
         ("pack_args_as_tuple", pack_args_as_tuple),

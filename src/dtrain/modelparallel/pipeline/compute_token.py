@@ -145,10 +145,10 @@ class ComputeToken:
         self.decide(lambda core: core.end_action(step, phase, microbatch))
 
     def end_backward(self, step: int, microbatch: int) -> None:
-        """This rank's last backward of ``microbatch`` has run (see
-        :meth:`.Scheduler.end_backward`)."""
-        if self.core.plan is not None:
-            self.decide(lambda core: core.end_backward(step, microbatch))
+        """The microbatch's last backward here has run (see :meth:`.Scheduler.end_backward`)."""
+        if self.core.plan is None:
+            return
+        self.decide(lambda core: core.end_backward(step, microbatch))
 
     def end_microbatch(self, step: int, microbatch: int) -> None:
         """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
@@ -348,9 +348,10 @@ class ComputeToken:
             return
         raise ModelParallelError(
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
-            "needs every microbatch to go through the partitions in order (0, 1, ...), then "
-            "back to partition 0 or not, as the model's modules are registered; place its "
-            "modules so, or set deterministic_server to false"
+            "(deterministic_server, or tensor_parallel_degree above 1) needs every microbatch "
+            "to go through the partitions in order (0, 1, ...), then back to partition 0 or "
+            "not, as the model's modules are registered; place its modules so, or (without "
+            "tensor parallelism) set deterministic_server to false"
         )
 
     def came_back(self, task: Task) -> None:

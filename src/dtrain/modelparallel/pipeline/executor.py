@@ -63,14 +63,22 @@ class Executor(ComputeToken):
         """Run a served task on a pooled thread."""
         self._workers.submit(target)
 
-    def run_weights(self, task: Task, run: Callable[[], None]) -> None:
-        """Run the owed weight half ``task`` (``run``) when nothing more urgent waits."""
-        self.spawn(functools.partial(self._weights_task, task, run))
+    def run_weights(
+        self, task: Task, run: Callable[[], None], failed: Callable[[BaseException], None]
+    ) -> None:
+        """Run the owed weight half ``task`` (``run``) when nothing more urgent waits; what
+        fails it, its turn included, goes to ``failed`` (the step fails: on its own thread it
+        would only be printed, and the gradients would silently lack it)."""
+        self.spawn(functools.partial(self._weights_task, task, run, failed))
 
-    def _weights_task(self, task: Task, run: Callable[[], None]) -> None:
+    def _weights_task(
+        self, task: Task, run: Callable[[], None], failed: Callable[[BaseException], None]
+    ) -> None:
         try:
             with self.serving(task), self.computing(task.name):
                 run()
+        except BaseException as exc:
+            failed(exc)
         finally:
             self.weights_paid(task)
 

@@ -6,11 +6,16 @@ and serves remote calls on other ranks' threads, so without care a ``torch.no_gr
 computing in float32 while partition 0 sends bfloat16, or building graphs under ``no_grad``.
 A :class:`ComputeMode` is read on the thread that has the mode, travels with each task and
 request (as plain values), and is applied where the work runs.
+
+Tensor parallelism's scaled-batch region (:mod:`..tensor.batch`) is such a mode too: a module
+the region calls on another partition gets the tp group's combined batch, which it must not
+gather again. The mark lives here, so the pipeline carries it without importing DTensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +35,30 @@ class Autocast:
     cache: bool
 
 
+_region = threading.local()
+
+
+def in_tensor_region() -> bool:
+    """Whether the calling thread computes inside a tensor-parallel scaled-batch region."""
+    return getattr(_region, "inside", False)
+
+
+@contextlib.contextmanager
+def tensor_region(inside: bool = True) -> Iterator[None]:
+    """Mark (or, ``inside`` false, unmark) the block as inside a scaled-batch region."""
+    before = in_tensor_region()
+    _region.inside = inside
+    try:
+        yield
+    finally:
+        _region.inside = before
+
+
 @dataclass(frozen=True)
 class ComputeMode:
     grad: bool = True
     autocast: tuple[Autocast, ...] = ()
+    tensor_region: bool = False
 
     @classmethod
     def current(cls) -> ComputeMode:
@@ -47,7 +72,7 @@ class ComputeMode:
             for device_type in AUTOCAST_DEVICE_TYPES
             if torch.is_autocast_enabled(device_type)
         )
-        return cls(torch.is_grad_enabled(), regions)
+        return cls(torch.is_grad_enabled(), regions, in_tensor_region())
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -55,6 +80,7 @@ class ComputeMode:
         wanted = {region.device_type: region for region in self.autocast}
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad))
+            stack.enter_context(tensor_region(self.tensor_region))
             for device_type in AUTOCAST_DEVICE_TYPES:
                 region = wanted.get(device_type)
                 if region is not None:
@@ -73,6 +99,7 @@ class ComputeMode:
         return {
             "grad": self.grad,
             "autocast": [[r.device_type, r.dtype, r.cache] for r in self.autocast],
+            "tensor_region": self.tensor_region,
         }
 
     @classmethod
@@ -84,4 +111,4 @@ class ComputeMode:
             ):
                 raise ValueError(f"unknown autocast region {device_type!r}/{dtype!r}")
             regions.append(Autocast(device_type, str(dtype), bool(cache)))
-        return cls(bool(value["grad"]), tuple(regions))
+        return cls(bool(value["grad"]), tuple(regions), bool(value["tensor_region"]))

@@ -306,24 +306,25 @@ class Owner:
         except BaseException as exc:
             self._send_error(message, exc)
             return
-        weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
         if weights is not None:
+            weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
             self.executor.owe_weights(weights_task)
         if message.body.get("last"):  # before the reply: the next action computes meanwhile
             self.executor.end_backward(message.step, message.microbatch)
         self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         if weights is not None:
             run = functools.partial(self._run_weights, weights, mode)
-            self.executor.run_weights(weights_task, run)
+            self.executor.run_weights(weights_task, run, self._weights_failed)
 
     def _run_weights(self, weights: WeightHalf, mode: ComputeMode) -> None:
         """The weight half of a split backward, letting more urgent work go first between its
-        autograd calls; its failure fails this rank's step."""
-        try:
-            with mode.applied():
-                weights.run(between=self.executor.give_way)
-        except BaseException as exc:
-            self._weights_failure = error_body(self.group.rank, exc)
+        autograd calls."""
+        with mode.applied():
+            weights.run(between=self.executor.give_way)
+
+    def _weights_failed(self, exc: BaseException) -> None:
+        """A weight half failed (computing, or waiting for its turn): this rank's step fails."""
+        self._weights_failure = error_body(self.group.rank, exc)
 
     def _own_parameters(self) -> Iterator[nn.Parameter]:
         for name, module in self._modules.items():

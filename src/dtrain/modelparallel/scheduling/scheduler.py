@@ -369,21 +369,18 @@ class Scheduler:
         self.weights_owed.append((step, microbatch))
 
     def paid(self, step: int, microbatch: int) -> None:
-        """The owed weight half has run (or failed): the main task may be next, and the
-        microbatch's weight action is over unless another of its halves is owed or its last
-        backward request has not come yet (a microbatch whose backward reaches this rank in
-        several requests, as where the root's code adds a skip connection, owes a weight half
-        per request)."""
+        """The owed weight half has run (or failed): the main task may be next. The weight
+        action is over once the microbatch's last backward here has run and no half of it is
+        owed: a rank whose modules the caller calls one by one has a backward, and perhaps a
+        weight half, for each."""
         self.weights_owed.remove((step, microbatch))
-        if self.plan is None or self.owes(step, microbatch):
-            return
-        if action_key("B", microbatch) in self.order(step).ended:
+        if not self.owes(step, microbatch) and self.action_ended(step, "B", microbatch):
             self.end_action(step, "W", microbatch)
 
     def end_backward(self, step: int, microbatch: int) -> bool:
-        """This rank's last backward of ``microbatch`` has run: its backward action is over,
-        and its weight action unless a weight half is owed (it ends when paid). Whether there
-        is a plan order (the token may then go on)."""
+        """The microbatch's last backward here has run: its backward action is over, and its
+        weight action too unless a half of it is still owed (another module's, split earlier).
+        Whether there is a plan order (the token may then go on)."""
         if self.plan is None:
             return False
         self.end_action(step, "B", microbatch)

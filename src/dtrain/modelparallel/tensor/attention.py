@@ -38,7 +38,11 @@ class DistributedAttentionLayer(DistributedModule):
     position attends only to itself and earlier ones. Scores are scaled by
     ``1/sqrt(attention_head_size)`` (not with ``scale_attention_scores=False``) and with
     ``scale_attn_by_layer_idx`` by ``1/(layer_idx + 1)``, as SMP's ``FlashAttentionLayer`` and
-    HF's GPT-2 do. Cross attention is not implemented.
+    HF's GPT-2 do. With ``rotary_dim`` the first ``rotary_dim`` dimensions of every query and
+    key head are rotated by their position (counted from 0) with base ``rotary_emb_base``:
+    their halves against each other with ``gpt_neox_type_rotary`` (GPT-NeoX's), neighbouring
+    pairs otherwise (GPT-J's). ``use_qkv_bias`` and ``use_attn_dense_bias`` (SMP's names): the
+    projections' biases. Cross attention is not implemented.
     """
 
     def __init__(
@@ -58,6 +62,11 @@ class DistributedAttentionLayer(DistributedModule):
         scale_attention_scores: bool = True,
         scale_attn_by_layer_idx: bool = False,
         layer_idx: int | None = None,
+        rotary_dim: int | None = None,
+        rotary_emb_base: float = 10000,
+        gpt_neox_type_rotary: bool = False,
+        use_qkv_bias: bool = True,
+        use_attn_dense_bias: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -79,17 +88,25 @@ class DistributedAttentionLayer(DistributedModule):
                     "layer's number, counted from 0"
                 )
             self.scale /= layer_idx + 1
+        self.rotary: Rotary | None = None
+        if rotary_dim is not None:
+            self.rotary = Rotary(
+                self.what, rotary_dim, attention_head_size, rotary_emb_base, gpt_neox_type_rotary
+            )
         size = num_attention_heads * attention_head_size
         with seeded(self.what):
-            self.query = nn.Linear(hidden_size, size)
-            self.key = nn.Linear(hidden_size, size)
-            self.value = nn.Linear(hidden_size, size)
-            self.dense = nn.Linear(size, hidden_size)
+            self.query = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.key = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.value = nn.Linear(hidden_size, size, bias=use_qkv_bias)
+            self.dense = nn.Linear(size, hidden_size, bias=use_attn_dense_bias)
             for layer in (self.query, self.key, self.value, self.dense):
                 init_linear(layer, use_normal_initialization, initializer_range)
         self.pre_layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if pre_layernorm else None
         self.layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if post_layernorm else None
         self.dropout2 = nn.Dropout(hidden_dropout_prob)
+        self.residual = True
+        """False in a parallel layer, which adds the residual once to both blocks' sum (and
+        then the block has no norm after)."""
         plan = {name: ColwiseParallel() for name in ("query", "key", "value")}
         shards.parallelize(self, {**plan, "dense": RowwiseParallel()}, self.what)
 
@@ -101,7 +118,7 @@ class DistributedAttentionLayer(DistributedModule):
 
     def attend(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The layer on the tp group's combined batch (every rank its heads)."""
-        residual = hidden
+        inputs = hidden
         if self.pre_layernorm is not None:
             hidden = self.pre_layernorm(hidden)
         batch, length = hidden.shape[:2]
@@ -119,6 +136,8 @@ class DistributedAttentionLayer(DistributedModule):
         if bias is not None:
             bias = bias.to(hidden.dtype)
         query, key, value = heads(self.query), heads(self.key), heads(self.value)
+        if self.rotary is not None:
+            query, key = self.rotary(query), self.rotary(key)
         if self.training and self.attention_dropout_prob > 0:
             context = self._dropped_out(query, key, value, bias)
         else:
@@ -126,7 +145,10 @@ class DistributedAttentionLayer(DistributedModule):
                 query, key, value, attn_mask=bias, scale=self.scale
             )
         context = context.transpose(1, 2).reshape(batch, length, -1)
-        out = self.dropout2(self.dense(context)) + residual
+        out = self.dropout2(self.dense(context))
+        if not self.residual:
+            return out
+        out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)
 
     def _dropped_out(
@@ -150,3 +172,36 @@ class DistributedAttentionLayer(DistributedModule):
             generator = torch.Generator(device=probs.device).manual_seed(base + first + head)
             keep[:, head].bernoulli_(1 - self.attention_dropout_prob, generator=generator)
         return (probs * keep / (1 - self.attention_dropout_prob)) @ value
+
+
+class Rotary:
+    """Rotary position embeddings on the first ``dim`` dimensions of ``[N, heads, S, head]``
+    queries or keys, position ``p`` turning dimension pair ``i`` by ``p / base**(2i / dim)``.
+    ``halves``: pairs are dimensions ``i`` and ``i + dim/2`` (GPT-NeoX); otherwise ``2i`` and
+    ``2i + 1`` (GPT-J)."""
+
+    def __init__(self, what: str, dim: int, head_size: int, base: float, halves: bool) -> None:
+        if dim <= 0 or dim % 2 or dim > head_size:
+            raise ValueError(
+                f"{what}: rotary_dim={dim}; allowed: an even number from 2 to "
+                f"attention_head_size={head_size}"
+            )
+        self.dim = dim
+        self.inverse = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.halves = halves
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[-2], dtype=torch.float32, device=x.device)
+        angles = positions[:, None] * self.inverse.to(x.device)[None]
+        if self.halves:
+            angles = torch.cat((angles, angles), dim=-1)
+        else:
+            angles = angles.repeat_interleave(2, dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        turned, kept = x[..., : self.dim], x[..., self.dim :]
+        if self.halves:
+            first, second = turned.chunk(2, dim=-1)
+            partner = torch.cat((-second, first), dim=-1)
+        else:
+            partner = torch.stack((-turned[..., 1::2], turned[..., ::2]), dim=-1).flatten(-2)
+        return torch.cat((turned * cos + partner * sin, kept), dim=-1)

@@ -18,6 +18,11 @@ group does), and sent with the shape of every rank's input, which must agree (on
 all-gather per outermost forward). A layer checkpointed inside the region is recomputed in it
 too: the region's depth is restored around the recomputation, and the checkpoint restores the
 generator, so the recomputation draws the same masks.
+
+With pipelines the region may call a module another partition owns: the request carries the
+region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
+batch they are and gives its outputs back whole; it agrees on its own group seed (that
+partition's tp group runs the same requests in the same order).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.pipeline.activations import restore_on_recompute
 
 T = TypeVar("T", torch.Tensor, None)
@@ -80,13 +86,14 @@ def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
             _inside.depth = depth
         return
     seed = agree(what, leading, int(torch.randint(2**62, (1,), dtype=torch.int64).item()))
-    mesh = None if st.tp_size == 1 or st.config["prescaled_batch"] else st.tensor_mesh
+    # Gathered already: at tp 1, with prescaled_batch, or by a caller on another partition.
+    gathered = st.tp_size == 1 or st.config["prescaled_batch"] or modes.in_tensor_region()
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), modes.tensor_region():
             torch.manual_seed(seed)
-            yield ScaledBatch(mesh)
+            yield ScaledBatch(None if gathered else st.tensor_mesh)
     finally:
         _inside.depth = 0
 
@@ -143,3 +150,10 @@ def check_batch(module: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook of ``DistributedLinear`` and ``DistributedEmbedding``, whose exchange
     of the ranks' rows needs equal shapes: different ones fail naming them."""
     agree(f"smp.nn.{type(module).__name__}", args[0])
+
+
+def check_batches(module: nn.Module) -> None:
+    """Run :func:`check_batch` before each forward of ``module``, where the module computes (a
+    collective of its tp group: never on a rank that calls it on another partition)."""
+    handle = module.register_forward_pre_hook(check_batch, prepend=True)
+    hooks.run_where_computed(module, {handle.id})

@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
-from dtrain.modelparallel.tensor.batch import check_batch
+from dtrain.modelparallel.tensor.batch import check_batches
 from dtrain.modelparallel.tensor.module import (
     refuse_unsupported,
     seeded,
@@ -76,4 +76,4 @@ class DistributedEmbedding(nn.Embedding):
         whole_state_dicts(self)
         batch = Replicate() if state.current(WHAT).config["prescaled_batch"] else Shard(0)
         shards.parallelize(self, ColwiseParallel(input_layouts=batch, output_layouts=batch), WHAT)
-        self.register_forward_pre_hook(check_batch, prepend=True)
+        check_batches(self)

@@ -8,7 +8,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
-from dtrain.modelparallel.tensor.batch import check_batch
+from dtrain.modelparallel.tensor.batch import check_batches
 from dtrain.modelparallel.tensor.module import seeded, split, whole_state_dicts
 
 WHAT = "smp.nn.DistributedLinear"
@@ -29,4 +29,4 @@ class DistributedLinear(nn.Linear):
         whole_state_dicts(self)
         batch = Replicate() if state.current(WHAT).config["prescaled_batch"] else Shard(0)
         shards.parallelize(self, RowwiseParallel(input_layouts=batch, output_layouts=batch), WHAT)
-        self.register_forward_pre_hook(check_batch, prepend=True)
+        check_batches(self)

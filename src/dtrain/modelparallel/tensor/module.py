@@ -20,16 +20,21 @@ TUNING_ARGUMENTS = frozenset(
         "fused_softmax",
         "fused_bias_gelu",
         "fused_dropout",
+        "flash_attention",
         "attention_in_fp32",
         "query_key_layer_scaling",
+        "zero_init",
     }
 )
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``): accepted and
-without effect, since they change no fp32 result and dtrain's tensor parallelism is fp32."""
+without effect: they choose fused kernels, and fp32 softmax and query-key scaling for fp16
+stability, which dtrain's ``scaled_dot_product_attention`` does not offer as switches; and
+``zero_init``, SMP's creation of sharded-data-parallel models in shards, which dtrain's delayed
+initialisation does without being asked (``zero_init=False`` on a GPT-NeoX or GPT-J model
+also asks for its translation, :func:`.swap._translates`)."""
 
 UNSUPPORTED_EXTRAS: dict[str, Any] = {
     "fp32_residual_addition": False,
-    "rotary_dim": None,
     "use_alibi": False,
     "alibi_bias_max": 8,
     "_scale_qkv_fan_out": False,

@@ -65,6 +65,9 @@ class DistributedTransformerOutputLayer(DistributedModule):
         self.pre_layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if pre_layernorm else None
         self.layernorm = nn.LayerNorm(hidden_size, layernorm_epsilon) if post_layernorm else None
         self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.residual = True
+        """False in a parallel layer, which adds the residual once to both blocks' sum (and
+        then applies this block's norm after, if any)."""
         plan = {"dense1": ColwiseParallel(), "dense2": RowwiseParallel()}
         shards.parallelize(self, plan, self.what)
 
@@ -74,9 +77,12 @@ class DistributedTransformerOutputLayer(DistributedModule):
 
     def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The block on the tp group's combined batch (every rank its share of ``dense1``)."""
-        residual = hidden
+        inputs = hidden
         if self.pre_layernorm is not None:
             hidden = self.pre_layernorm(hidden)
         inner = ACTIVATIONS[self.activation](self.dense1(hidden))
-        out = self.dropout(self.dense2(inner)) + residual
+        out = self.dropout(self.dense2(inner))
+        if not self.residual:
+            return out
+        out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)

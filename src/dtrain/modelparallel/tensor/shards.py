@@ -2,7 +2,8 @@
 
 A distributed module is built whole, as its plain equivalent, then its layers are split with
 torch's parallel styles (``parallelize_module``), which cut every rank's shard from the weights
-of the group's first rank. What the rest of dtrain needs to know about such parameters lives
+of the group's first rank (created without memory, it is made and split when the model is
+wrapped: :func:`split_delayed`). What the rest of dtrain needs to know about such parameters lives
 here: the whole value behind a shard (state dicts hold whole tensors, as SMP's ``state_dict``
 does), the shard of a whole value (loading), and which parameters saw the group's combined batch
 (:mod:`.batch`), whose gradients average differently.
@@ -10,7 +11,7 @@ does), the shard of a whole value (loading), and which parameters saw the group'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,23 +20,80 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from dtrain.modelparallel import state
+from dtrain.modelparallel import deferred, state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import hooks
+
+PENDING = "_dtrain_pending_split"
+"""The attribute holding the plan of a module created without memory, split once made."""
 
 SCALED_BATCH = "_dtrain_scaled_batch"
 """The attribute marking a parameter of a distributed module (set on the parameter itself: a
 set of tensors would compare them by value)."""
+
+SPLIT_BLOCK = "_dtrain_split_block"
+"""The attribute marking a module whose layers ``parallelize`` split. Its forward computes on
+their shards (and, for a distributed module, in the scaled-batch region), so a layer on another
+partition would return there in the middle of the block's forward, which the pipeline's plan
+order refuses: the block runs whole on one pipeline partition."""
 
 
 def parallelize(
     module: nn.Module, plan: ParallelStyle | dict[str, ParallelStyle], what: str
 ) -> None:
     """Split ``module``'s layers by ``plan`` over the tp group (nothing at tp 1), and mark every
-    parameter of ``module`` as one that sees the group's combined batch."""
+    parameter of ``module`` as one that sees the group's combined batch. A module created
+    without memory (``smp.delay_param_initialization``) keeps the plan until
+    :func:`split_delayed` makes it."""
     mesh = state.current(what).tensor_mesh
-    if mesh is not None:
+    if mesh is not None and any(deferred.is_deferred(p) for p in module.parameters()):
+        setattr(module, PENDING, (plan, what))
+    elif mesh is not None:
+        before = {id(m): {*m._forward_pre_hooks, *m._forward_hooks} for m in module.modules()}
         parallelize_module(module, mesh, plan)
-    for param in module.parameters():
+        for layer in module.modules():  # the styles' hooks convert where the layer computes
+            added = {*layer._forward_pre_hooks, *layer._forward_hooks} - before[id(layer)]
+            hooks.run_where_computed(layer, added)
+    setattr(module, SPLIT_BLOCK, True)
+    for param in module.parameters():  # marked again once split, when made
         setattr(param, SCALED_BATCH, True)
+
+
+def split_delayed(root: nn.Module, device: torch.device) -> None:
+    """Make and split the distributed modules under ``root`` created without memory, one at a
+    time: each is made whole with its eager values (:mod:`..deferred`) and split as an eager
+    one is, so a rank holds at most one distributed module whole beside its shards. The rest
+    of the model stays without memory until the first step. Called when the model is wrapped,
+    before the script's optimizer takes its parameters."""
+    for module in root.modules():
+        pending = getattr(module, PENDING, None)
+        if pending is None:
+            continue
+        delattr(module, PENDING)
+        deferred.materialize([*module.parameters(), *module.buffers()], device)
+        parallelize(module, *pending)
+
+
+def split_blocks(root: nn.Module) -> set[str]:
+    """Names of ``root``'s modules split by :func:`parallelize`: each stays on one pipeline
+    partition (the automatic planner keeps them whole)."""
+    return {name for name, module in root.named_modules() if getattr(module, SPLIT_BLOCK, False)}
+
+
+def check_partition(root: nn.Module, owner: Callable[[str], int]) -> None:
+    """Every split block of ``root`` and its submodules on one partition (``owner`` maps a
+    module name to its partition); otherwise the first one cut, named with both partitions."""
+    modules = dict(root.named_modules())
+    for block in sorted(split_blocks(root)):
+        for name, module in modules[block].named_modules(prefix=block):
+            if owner(name) != owner(block):
+                raise ModelParallelError(
+                    f"smp.DistributedModel: module {block!r} "
+                    f"({type(modules[block]).__name__}) is split over the tensor-parallel group "
+                    f"and runs whole on one pipeline partition, but its submodule {name!r} "
+                    f"({type(module).__name__}) is placed on partition {owner(name)} and it on "
+                    f"{owner(block)}; allowed: the same partition"
+                )
 
 
 def is_scaled_batch(tensor: torch.Tensor) -> bool:

@@ -6,7 +6,8 @@ distributed module from its constructor arguments (``init_hook`` applied, then t
 context's arguments that the distributed module accepts), takes the original's weights when
 their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
 initialization, as SMP's do), and gets the registration's forward and return hooks. Its
-submodules are not visited: the distributed module replaces all of it.
+submodules are not visited: the distributed module replaces all of it. A Hugging Face model of
+a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place, whole.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor import marks, shards
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
+from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
+from dtrain.modelparallel.tensor.module import DistributedModule
 
 
 def _linear_args(layer: nn.Linear) -> marks.Args:
@@ -43,9 +48,15 @@ BUILT_IN: dict[type[nn.Module], tuple[marks.Registration, Any]] = {
 """Classes SMP distributes without a registration: the distributed class and how to read an
 instance's constructor arguments back from it."""
 
-HUGGING_FACE = {"transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2"}
+HUGGING_FACE = {
+    "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel": "gpt2",
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": "gptneox",
+    "transformers.models.gptj.modeling_gptj.GPTJForCausalLM": "gptj",
+}
 """Hugging Face classes by qualified name → their module in :mod:`.huggingface` (imported when
-a model of the class is seen, so ``transformers`` is never imported for nothing)."""
+a model of the class is seen, so ``transformers`` is never imported for nothing). A class of a
+family split in place (:mod:`.huggingface.inplace`) is translated only with SMP's
+distributed-transformer intent (:func:`_translates`)."""
 
 
 def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
@@ -58,8 +69,17 @@ def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
     return translation.REGISTRATION, translation.args_of
 
 
+def _family(kind: type[nn.Module]) -> inplace.Family | None:
+    """The family of an HF model class split in place (:mod:`.huggingface.inplace`), or None."""
+    name = inplace.family_of(kind)
+    if name is None:
+        return None
+    return importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}").FAMILY
+
+
 def distribute(root: nn.Module) -> nn.Module:
     """Swap the marked modules under ``root`` (``root`` too); the root afterwards."""
+    _keep_inside_distributed(root)
     _refuse_untying(root)
     done: dict[int, nn.Module] = {}
 
@@ -68,7 +88,7 @@ def distribute(root: nn.Module) -> nn.Module:
             return done[id(module)]
         try:
             swapped = _swapped(module)
-            if swapped is not None:
+            if swapped is not None and swapped is not module:  # split in place: marks stay
                 activations.carry_over(module, swapped)
         except ModelParallelError as exc:
             where = f"module {path!r}" if path else "the model"
@@ -87,7 +107,26 @@ def distribute(root: nn.Module) -> nn.Module:
         done[id(module)] = swapped
         return swapped
 
-    return visit(root, "")
+    root = visit(root, "")
+    degree = state.current("smp.DistributedModel").tp_size
+    if degree > 1 and not any(shards.is_scaled_batch(p) for p in root.parameters()):
+        warnings.warn(
+            f"smp.DistributedModel: tensor_parallel_degree={degree}, but no module of the model "
+            "is distributed (none was created inside smp.tensor_parallelism() or marked with "
+            "smp.set_tensor_parallelism, or none of those has a distributed counterpart): every "
+            "rank of a tensor-parallel group computes the whole model",
+            stacklevel=3,
+        )
+    return root
+
+
+def _keep_inside_distributed(root: nn.Module) -> None:
+    """The layers an ``smp.nn`` module builds (its embeddings, its tied head) are its own, made
+    inside ``smp.tensor_parallelism()`` as it was: never swapped."""
+    for module in root.modules():
+        if isinstance(module, (DistributedModule, DistributedLinear, DistributedEmbedding)):
+            for inner in list(module.modules())[1:]:
+                marks.set_tensor_parallelism(inner, enabled=False)
 
 
 def _swaps(module: nn.Module) -> bool:
@@ -96,7 +135,7 @@ def _swaps(module: nn.Module) -> bool:
     if mark is None or not mark.enabled:
         return False
     kind = type(module)
-    return kind in marks.registered() or _built_in(kind) is not None
+    return kind in marks.registered() or _built_in(kind) is not None or _family(kind) is not None
 
 
 def _refuse_untying(root: nn.Module) -> None:
@@ -135,6 +174,10 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     kind = type(module)
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
+    family = _family(kind) if registration is None and not _translates(kind, mark) else None
+    if family is not None:  # its own modules split in place, made first if without memory
+        _made(module)
+        return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
         registration, read_args = built_in
@@ -150,7 +193,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if registration.init_hook is not None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
-    dist = registration.dist_module(*positional, **keywords)
+    dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
     _copy_weights(module, dist, registration.translate)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
@@ -159,6 +202,28 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if return_hook is not None:
         dist.register_forward_hook(lambda _m, _a, out: return_hook(out))
     return dist
+
+
+def _translates(kind: type[nn.Module], mark: marks.Mark) -> bool:
+    """Whether a model of a family split in place that SMP translates (GPT-NeoX's and GPT-J's
+    causal LMs) becomes SMP's ``DistributedTransformerLMHead``: its mark says
+    ``zero_init=False``, which AWS's scripts pass exactly when they use the distributed
+    transformer (``zero_init=True``, or none, keeps HF's own modules, split in place)."""
+    translated = f"{kind.__module__}.{kind.__qualname__}" in HUGGING_FACE
+    return translated and mark.options.get("zero_init", True) is False
+
+
+def _created_as(original: nn.Module, create: Callable[[], nn.Module]) -> nn.Module:
+    """``create()`` with the default dtype the floating parameters of ``original`` have (a
+    model made inside ``smp.model_creation(dtype=...)`` keeps it when swapped)."""
+    dtypes = {p.dtype for p in original.parameters() if p.is_floating_point()}
+    previous = torch.get_default_dtype()
+    if len(dtypes) == 1:
+        torch.set_default_dtype(dtypes.pop())
+    try:
+        return create()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str, Any]:
@@ -181,11 +246,19 @@ def _state_keys(module: nn.Module) -> set[str]:
     return keys
 
 
+def _made(module: nn.Module) -> None:
+    """A module created without memory made whole (with its eager values) before it is swapped
+    or split: the one module whole at a time."""
+    tensors = [*module.parameters(), *module.buffers()]
+    deferred.materialize(tensors, state.current("smp.DistributedModel").device)
+
+
 def _copy_weights(
     original: nn.Module,
     dist: nn.Module,
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
+    _made(original)
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return

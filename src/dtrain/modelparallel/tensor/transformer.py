@@ -27,6 +27,11 @@ class DistributedTransformerLayer(DistributedModule):
     ``output`` (:class:`DistributedTransformerOutputLayer`). With both ``pre_layernorm`` and
     ``post_layernorm`` the attention has only its norm before, as SMP builds it.
 
+    With ``parallel_attn_output`` (SMP's name; GPT-NeoX's ``use_parallel_residual``) both
+    blocks read the layer's input, each through its own ``pre_layernorm``, and the layer returns
+    their sum plus the input (the output's ``post_layernorm``, if any, after it); with
+    ``single_pre_layernorm`` too both read it through the attention's norm (GPT-J's).
+
     ``forward((hidden_states, attention_mask))`` → ``(output, attention_mask)``, so layers
     chain in an ``nn.Sequential``."""
 
@@ -49,6 +54,13 @@ class DistributedTransformerLayer(DistributedModule):
         scale_attention_scores: bool = True,
         scale_attn_by_layer_idx: bool = False,
         layer_idx: int | None = None,
+        parallel_attn_output: bool = False,
+        single_pre_layernorm: bool = False,
+        rotary_dim: int | None = None,
+        rotary_emb_base: float = 10000,
+        gpt_neox_type_rotary: bool = False,
+        use_qkv_bias: bool = True,
+        use_attn_dense_bias: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -56,6 +68,17 @@ class DistributedTransformerLayer(DistributedModule):
             self.what, {"add_cross_attention": add_cross_attention}, {"add_cross_attention": False}
         )
         _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        if parallel_attn_output and not pre_layernorm:
+            raise ValueError(
+                f"{self.what}: parallel_attn_output=True needs pre_layernorm=True (each block "
+                "normalizes the layer's input)"
+            )
+        if single_pre_layernorm and not parallel_attn_output:
+            raise ValueError(
+                f"{self.what}: single_pre_layernorm=True needs parallel_attn_output=True (one "
+                "norm of the layer's input for both blocks)"
+            )
+        self.parallel = parallel_attn_output
         shared = {
             "hidden_size": hidden_size,
             "hidden_dropout_prob": hidden_dropout_prob,
@@ -74,21 +97,35 @@ class DistributedTransformerLayer(DistributedModule):
             scale_attention_scores=scale_attention_scores,
             scale_attn_by_layer_idx=scale_attn_by_layer_idx,
             layer_idx=layer_idx,
+            rotary_dim=rotary_dim,
+            rotary_emb_base=rotary_emb_base,
+            gpt_neox_type_rotary=gpt_neox_type_rotary,
+            use_qkv_bias=use_qkv_bias,
+            use_attn_dense_bias=use_attn_dense_bias,
             **shared,
         )
         self.output = DistributedTransformerOutputLayer(
             intermediate_size=intermediate_size,
             activation=activation,
             post_layernorm=post_layernorm,
-            **shared,
+            **{**shared, "pre_layernorm": pre_layernorm and not single_pre_layernorm},
         )
+        # Each block through its module (a checkpointing mark on it applies), without its residual.
+        self.attention.residual = self.output.residual = not parallel_attn_output
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
         with scaled_batch(self.what, hidden_states) as batch:
-            mask = batch.gather(attention_mask)
-            hidden = self.attention((batch.gather(hidden_states), mask))
-            return batch.scatter(self.output(hidden)), attention_mask
+            hidden, mask = batch.gather(hidden_states), batch.gather(attention_mask)
+            if not self.parallel:
+                return batch.scatter(self.output(self.attention((hidden, mask)))), attention_mask
+            normed, single = hidden, self.attention.pre_layernorm
+            if self.output.pre_layernorm is None and single is not None:  # one norm for both
+                normed = single(hidden)
+            out = self.output(normed) + self.attention((hidden, mask)) + hidden
+            if self.output.layernorm is not None:
+                out = self.output.layernorm(out)
+            return batch.scatter(out), attention_mask
 
 
 class DistributedTransformer(DistributedModule):
@@ -136,15 +173,18 @@ class DistributedTransformerLMHead(DistributedModule):
     ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
     ``add_lm_head``, a head tied to the word embedding. dtrain's own arguments, for Hugging
     Face translations: ``embedding_dropout_prob`` (the embeddings' dropout; None: SMP's
-    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). The
+    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). SMP's
+    ``use_positional_embedding=False`` leaves out the position table (for rotary attention,
+    ``rotary_dim``), ``use_lm_head_bias`` gives the head a bias. The
     embeddings and head are plain (each rank holds them whole and runs them on its own batch);
     the transformer is split. Arguments are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
     ``labels`` may be None (positions then count from 0; SMP always counts from 0, dtrain uses
-    given ones). Returns the logits, or with ``labels`` ``(loss, logits)``: the mean cross
-    entropy of each position's logits against the next position's label."""
+    given ones; without a position table they are refused). Returns the logits, or with
+    ``labels`` ``(loss, logits)``: the mean cross entropy of each position's logits against the
+    next position's label."""
 
     def __init__(
         self,
@@ -160,6 +200,8 @@ class DistributedTransformerLMHead(DistributedModule):
         distribute_embedding: bool = False,
         embedding_dropout_prob: float | None = None,
         tie_word_embeddings: bool = True,
+        use_positional_embedding: bool = True,
+        use_lm_head_bias: bool = False,
         **transformer: Any,
     ) -> None:
         super().__init__()
@@ -175,11 +217,14 @@ class DistributedTransformerLMHead(DistributedModule):
             )
         with seeded(self.what):
             self.word_embedding = nn.Embedding(vocab_size, hidden_size)
-            self.position_embedding = nn.Embedding(num_positions, hidden_size)
+            self.position_embedding = (
+                nn.Embedding(num_positions, hidden_size) if use_positional_embedding else None
+            )
             self.token_type_embedding = (
                 nn.Embedding(num_token_types, hidden_size) if num_token_types > 0 else None
             )
-            for table in (self.word_embedding, self.position_embedding, self.token_type_embedding):
+            tables = (self.word_embedding, self.position_embedding, self.token_type_embedding)
+            for table in tables:
                 if table is not None:
                     nn.init.normal_(table.weight, std=initializer_range)
         self.dropout = nn.Dropout(
@@ -194,21 +239,30 @@ class DistributedTransformerLMHead(DistributedModule):
         )
         self.lm_head: nn.Linear | None = None
         if add_lm_head and tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=use_lm_head_bias)
             self.lm_head.weight = self.word_embedding.weight
         elif add_lm_head:
             with seeded(self.what):
-                self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+                self.lm_head = nn.Linear(hidden_size, vocab_size, bias=use_lm_head_bias)
                 nn.init.normal_(self.lm_head.weight, std=initializer_range)
+        if self.lm_head is not None and self.lm_head.bias is not None:
+            nn.init.zeros_(self.lm_head.bias)
 
     def forward(
         self, inputs: tuple[torch.Tensor | None, ...]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask, token_type_ids, position_ids, labels = inputs
         assert input_ids is not None, f"{self.what}: input_ids are required"
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        hidden = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        hidden = self.word_embedding(input_ids)
+        if self.position_embedding is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            hidden = hidden + self.position_embedding(position_ids)
+        elif position_ids is not None:
+            raise ValueError(
+                f"{self.what}: position_ids given to a model without position embeddings "
+                "(use_positional_embedding=False: rotary positions count from 0); allowed: None"
+            )
         if token_type_ids is not None:
             # HF GPT-2 embeds token types with the word embedding when it has no table of them.
             types = self.token_type_embedding or self.word_embedding

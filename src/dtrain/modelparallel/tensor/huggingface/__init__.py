@@ -1,6 +1,17 @@
-"""``smp.nn.huggingface``: Hugging Face models as SMP's distributed modules, and their state
-dicts translated both ways. Only GPT-2 so far; ``transformers`` is imported when needed."""
+"""``smp.nn.huggingface``: Hugging Face models made tensor-parallel, and SMP's state-dict
+translations. GPT-2's LM head model becomes a ``DistributedTransformerLMHead`` (:mod:`.gpt2`),
+and so do GPT-NeoX's and GPT-J's marked with ``zero_init=False`` (:mod:`.gptneox`,
+:mod:`.gptj`); GPT-NeoX, Llama, GPT-J, BERT, RoBERTa and GPT-Neo models otherwise keep their
+modules, split in place (:mod:`.inplace`). ``transformers`` is imported when needed."""
 
-from dtrain.modelparallel.tensor.huggingface import gpt2
+from dtrain.modelparallel.tensor.huggingface import (
+    bert,
+    gpt2,
+    gptj,
+    gptneo,
+    gptneox,
+    llama,
+    roberta,
+)
 
-__all__ = ["gpt2"]
+__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "llama", "roberta"]

@@ -1,0 +1,241 @@
+"""Hugging Face models split in place: their own attention and feed-forward layers, cut by torch's
+``ColwiseParallel`` / ``RowwiseParallel`` inside SMP's scaled batch (:mod:`..batch`).
+
+A model of a supported family (:data:`FAMILIES`) marked for tensor parallelism keeps its modules,
+names and forward. When ``smp.DistributedModel`` wraps it, its base model (HF's
+``model.base_model``: ``LlamaModel``, ``BertModel``, ...) is changed in place:
+
+* the linear layers of the family's plan are split: query / key / value and the feed-forward's
+  first layers by output features (heads), the attention's output and the feed-forward's last
+  layer by input features (one all-reduce each); attention modules that keep a head count for
+  their reshapes get the rank's count (the others reshape with ``-1``);
+* its forward becomes the tp group's scaled-batch region: the word embedding runs on the rank's
+  own rows first (so a head tied to it, BERT's and RoBERTa's, sees one batch), then the
+  embeddings and the batch inputs are gathered over the group, the base model runs on the
+  combined batch, and its outputs are cut back to the rank's rows. Heads, poolers' users and
+  losses outside the base model run on the rank's rows, as in the plain model.
+
+Every parameter of the region (all of the base model's but the word embedding's) sees the
+group's combined batch and averages as :mod:`..shards` says. ``state_dict()`` holds whole
+tensors under HF's own names, so it loads into the plain model and back unchanged: SMP's
+translation functions of these families (kept for scripts that call them) return their input
+(GPT-NeoX's and GPT-J's translate, for their translation to SMP's LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
+from dtrain.modelparallel.tensor.module import refuse_unsupported, split, whole_state_dicts
+
+FAMILIES = {
+    "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
+    "transformers.models.llama.modeling_llama": "llama",
+    "transformers.models.gptj.modeling_gptj": "gptj",
+    "transformers.models.bert.modeling_bert": "bert",
+    "transformers.models.roberta.modeling_roberta": "roberta",
+    "transformers.models.gpt_neo.modeling_gpt_neo": "gptneo",
+}
+"""HF modelling modules → their family's file in :mod:`..huggingface`; every ``PreTrainedModel``
+of such a module (``LlamaForCausalLM``, ``BertForMaskedLM``, ``RobertaModel``, ...) is split."""
+
+BATCH_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
+"""Base-model inputs holding the batch's rows, gathered over the tp group (``position_ids`` of
+one row, shared by the batch, stays as it is)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the families: layer names, size fields, head-count attributes."""
+
+    name: str
+    """SMP's name, ``smp.nn.huggingface.<name>``."""
+    layers: str
+    """The base model's transformer layers, a pattern (``layers.*``)."""
+    colwise: tuple[str, ...]
+    """Linear layers of a layer split by output features (query, key, value, the first of the
+    feed-forward)."""
+    rowwise: tuple[str, ...]
+    """Linear layers of a layer split by input features (the attention's output, the last of
+    the feed-forward)."""
+    sizes: tuple[str, ...]
+    """Config fields that must split over the tp degree (heads, kv heads, intermediate size)."""
+    head_counts: dict[str, str] = field(default_factory=dict)
+    """Modules of a layer whose attribute holds the head count their reshapes use → its name."""
+    refused_inputs: dict[str, str] = field(default_factory=dict)
+    """Base-model inputs this family cannot take, with why."""
+    positions: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    """Position ids the base model would derive from ``input_ids`` (it derives others from
+    embeddings): computed before the embedding replaces them."""
+    check: Callable[[Any], None] | None = None
+    """Further refusals of a config (raising :class:`ModelParallelError`)."""
+
+    @property
+    def what(self) -> str:
+        return f"smp.nn.huggingface.{self.name}"
+
+
+def same_names(state_dict: dict[str, Any], max_seq_len: int | None = None) -> dict[str, Any]:
+    """SMP's translation between HF's and SMP's names: dtrain keeps HF's, so none is needed
+    (``max_seq_len``, SMP's argument, is not needed either)."""
+    del max_seq_len
+    return dict(state_dict)
+
+
+def family_of(kind: type[nn.Module]) -> str | None:
+    """The family file of an HF model class, None for any other class."""
+    name = FAMILIES.get(kind.__module__)
+    return name if name is not None and hasattr(kind, "base_model_prefix") else None
+
+
+IN_PLACE_DEFAULTS = {
+    "use_alibi": False,
+    "fp32_residual_addition": False,
+    "distribute_embedding": False,
+}
+"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model:
+a model split in place keeps its own layers, so only their defaults describe it."""
+
+
+def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
+    """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's."""
+    what = family.what
+    refuse_unsupported(what, options, IN_PLACE_DEFAULTS)
+    config = model.config
+    if family.check is not None:
+        family.check(config)
+    degree = state.current(what).tp_size
+    for name in family.sizes:
+        size = getattr(config, name, None)
+        if size is not None:
+            split(what, name, size)
+    base = model.base_model
+    embedding = base.get_input_embeddings()
+    _refuse_ties(model, base, embedding, what)
+    for name, attribute in family.head_counts.items():
+        for path, module in base.named_modules():
+            if _matches(path, f"{family.layers}.{name}"):
+                setattr(module, attribute, getattr(module, attribute) // degree)
+    plan: dict[str, ParallelStyle] = {}
+    for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
+        plan.update({f"{family.layers}.{name}": style() for name in names})
+    shards.parallelize(base, plan, what)
+    for param in embedding.parameters():  # runs on the rank's own rows, before the region
+        setattr(param, shards.SCALED_BATCH, False)
+    whole_state_dicts(base)
+    base.forward = _region(base, embedding, family)
+    return model
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """Whether module ``path`` matches ``pattern`` name by name (as ``parallelize_module``'s
+    plan keys do: ``*`` stands for one name)."""
+    parts, wanted = path.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(map(fnmatch, parts, wanted))
+
+
+def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: str) -> None:
+    """A parameter of the region that the model also uses outside it would add gradients of
+    the group's batch to those of the rank's: refused, naming both."""
+    kept = {id(p) for p in embedding.parameters()}
+    region = {
+        id(p): name
+        for name, p in base.named_parameters(remove_duplicate=False)
+        if id(p) not in kept
+    }
+    where = next(path for path, module in model.named_modules() if module is base)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        under_base = not where or name.startswith(f"{where}.")
+        if id(param) in region and not under_base:
+            raise ModelParallelError(
+                f"{what}: parameter {name!r} is {region[id(param)]!r} of the base model, which "
+                "runs on the tp group's combined batch while the rest runs on the rank's own "
+                "rows; untie them, or leave the model undistributed"
+            )
+
+
+def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[..., Any]:
+    """``base``'s forward as the tp group's scaled-batch region."""
+    original = base.forward
+    names = list(inspect.signature(original).parameters)
+    what = family.what
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inputs = {**dict(zip(names, args, strict=False)), **kwargs}
+        _refuse_inputs(inputs, base.config, family)
+        ids = inputs.pop("input_ids", None)
+        if ids is not None and inputs.get("inputs_embeds") is None:
+            if family.positions is not None and inputs.get("position_ids") is None:
+                inputs["position_ids"] = family.positions(base, ids)
+            inputs["inputs_embeds"] = embedding(ids)
+        elif ids is not None:
+            inputs["input_ids"] = ids  # both given: the base model says so
+        embeddings = inputs["inputs_embeds"]
+        rows = embeddings.shape[0]
+        with scaled_batch(what, embeddings) as batch:
+            for name in BATCH_INPUTS:
+                value = inputs.get(name)
+                if isinstance(value, torch.Tensor) and value.shape[0] == rows:
+                    inputs[name] = batch.gather(value)
+            combined = inputs["inputs_embeds"].shape[0]
+            inputs["use_cache"] = False
+            return _own_rows(original(**inputs), batch, combined)
+
+    return forward
+
+
+def _refuse_inputs(inputs: dict[str, Any], config: Any, family: Family) -> None:
+    """Inputs the region cannot honour, named before anything runs."""
+    what = family.what
+    for name, why in family.refused_inputs.items():
+        if inputs.get(name) is not None:
+            raise ModelParallelError(f"{what}: {name} is not supported: {why}")
+    if inputs.get("use_cache") or inputs.get("past_key_values") is not None:
+        raise ModelParallelError(
+            f"{what}: use_cache and past_key_values are not supported with tensor parallelism "
+            "(a cache would hold the tp group's combined batch and the rank's heads)"
+        )
+    if inputs.get("output_attentions") or getattr(config, "output_attentions", False):
+        raise ModelParallelError(
+            f"{what}: output_attentions is not supported with tensor parallelism (each rank "
+            "holds its own heads' attention maps)"
+        )
+    if inputs.get("input_ids") is None and inputs.get("inputs_embeds") is None:
+        raise ModelParallelError(f"{what}: input_ids or inputs_embeds are required")
+    unknown = sorted(
+        name
+        for name, value in inputs.items()
+        if isinstance(value, torch.Tensor) and name not in (*BATCH_INPUTS, "input_ids")
+    )
+    if unknown:
+        raise ModelParallelError(
+            f"{what}: inputs {unknown} are not supported with tensor parallelism; allowed "
+            f"tensors: input_ids, {', '.join(BATCH_INPUTS)}"
+        )
+
+
+def _own_rows(value: Any, batch: ScaledBatch, combined: int) -> Any:
+    """The base model's outputs with every tensor of the combined batch cut to the rank's rows."""
+    if isinstance(value, torch.Tensor):
+        return batch.scatter(value) if value.dim() and value.shape[0] == combined else value
+    if isinstance(value, dict):  # HF's ModelOutput too, whose items are its non-None fields
+        for key, item in list(value.items()):
+            value[key] = _own_rows(item, batch, combined)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_own_rows(item, batch, combined) for item in value)
+    return value

@@ -1,0 +1,27 @@
+"""``smp.nn.huggingface.roberta``: Hugging Face RoBERTa models split in place
+(:mod:`.inplace`), as BERT's (same encoder layers).
+
+RoBERTa numbers positions from the ``input_ids`` (padding keeps the padding position), but from
+embeddings it can only count; the region embeds the ids before the base model runs, so it
+derives the positions from them first, as the model would. SMP's translation functions return
+their input: the model keeps HF's names.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from dtrain.modelparallel.tensor.huggingface import bert
+from dtrain.modelparallel.tensor.huggingface.inplace import same_names
+
+
+def positions(base: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    embeddings = base.embeddings
+    return embeddings.create_position_ids_from_input_ids(input_ids, embeddings.padding_idx)
+
+
+FAMILY = dataclasses.replace(bert.FAMILY, name="roberta", positions=positions)
+
+translate_hf_state_dict_to_smdistributed = same_names
+translate_state_dict_to_hf_roberta = same_names

@@ -1,0 +1,366 @@
+"""Hugging Face models beyond GPT-2 split in place (``tensor/huggingface/inplace.py``) train on two
+tensor-parallel ranks like the plain HF model in one process: losses, and the whole parameters
+of ``state_dict()``, which loads into the plain model unchanged, as the plain model's loads
+into the split one. Tiny configs (2 layers, hidden 32, 4 heads), hf_cases' batches (padded
+causal LM, masked LM); one spawn trains every model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.huggingface import inplace
+from tests.modelparallel import hf_cases
+from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.models import seeded
+
+pytest.importorskip("transformers")
+
+STEPS = 2
+SIZES = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}
+LAYERS = {"vocab_size": hf_cases.VOCAB, "num_hidden_layers": 2, **SIZES}
+GPT = {"n_positions": hf_cases.SEQ, "n_embd": 32, "n_layer": 2, "n_head": 4}
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+LLAMA = {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2}
+ENCODER = {**LAYERS, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+@dataclass(frozen=True)
+class Model:
+    kind: str
+    """``transformers``' prefix: ``<kind>Config`` and ``<kind>For<head>``."""
+    head: str
+    config: dict[str, Any]
+    batches: str
+    """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
+    inside: bool = True
+    """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
+    checkpointed: str | None = None
+    """Layers recompute in the backward: ``hf`` (HF's activation checkpointing, non-reentrant)
+    or ``smp`` (``smp.set_activation_checkpointing`` on each of ``model.layers``)."""
+
+    def build(self, **changes: Any) -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, f"{self.kind}Config")(**{**self.config, **changes})
+        kind = getattr(transformers, f"{self.kind}For{self.head}")
+        model = seeded(0, lambda: kind._from_config(config, attn_implementation="eager"))
+        if self.checkpointed == "hf":
+            kwargs = {"use_reentrant": False}
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.train()
+
+
+MODELS = {
+    "gptneox": Model(
+        "GPTNeoX",
+        "CausalLM",
+        {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "hidden_dropout": 0.0},
+        "gpt2",
+    ),
+    "llama": Model(
+        "Llama",
+        "CausalLM",
+        LLAMA,
+        "gpt2",
+    ),
+    "llama_checkpointed": Model(
+        "Llama",
+        "CausalLM",
+        LLAMA,
+        "gpt2",
+        checkpointed="hf",
+    ),
+    "llama_smp_checkpointed": Model("Llama", "CausalLM", LLAMA, "gpt2", checkpointed="smp"),
+    "gptj": Model("GPTJ", "CausalLM", {**GPT, **NO_DROPOUT, "rotary_dim": 4}, "gpt2"),
+    "bert": Model("Bert", "MaskedLM", {**ENCODER, "max_position_embeddings": hf_cases.SEQ}, "bert"),
+    # Token 1 pads: RoBERTa's positions skip it, so the batches' ids exercise that rule.
+    "roberta": Model(
+        "Roberta",
+        "MaskedLM",
+        {**ENCODER, "max_position_embeddings": hf_cases.SEQ + 2},
+        "bert",
+        inside=False,
+    ),
+    "gptneo": Model(
+        "GPTNeo",
+        "CausalLM",
+        {
+            "max_position_embeddings": hf_cases.SEQ,
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 4,
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": 4,
+            "resid_dropout": 0.0,
+            "embed_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "vocab_size": hf_cases.VOCAB,
+        },
+        "gpt2",
+        inside=False,
+    ),
+}
+
+
+def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = MODELS[name].build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=hf_cases.LR)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(**hf_cases.CASES[MODELS[name].batches].batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _train(name: str) -> dict[str, Any]:
+    spec = MODELS[name]
+    if spec.inside:  # without memory when the layout delays initialization
+        with smp.model_creation(tensor_parallelism=True):
+            module = spec.build()
+    else:
+        module = spec.build()
+        smp.set_tensor_parallelism(module)
+    if spec.checkpointed == "smp":
+        for layer in module.model.layers:
+            smp.set_activation_checkpointing(layer)
+    model = smp.DistributedModel(module)
+    losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
+    split = sum(isinstance(p, DTensor) for p in model.parameters())
+    rows = sorted(n for n, p in module.named_parameters() if not shards.is_scaled_batch(p))
+    trained = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(spec.build().state_dict())  # the plain model's, back in
+    reloaded = model.state_dict()
+    return {"losses": losses, "state": trained, "split": split, "reloaded": reloaded, "rows": rows}
+
+
+def _rows() -> slice:
+    rows = hf_cases.GLOBAL_BATCH // smp.dp_size()
+    return slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+
+
+def _hidden_states() -> tuple[slice, list[torch.Tensor]]:
+    """This rank's rows and every layer's hidden states of them (``output_hidden_states``)."""
+    with smp.tensor_parallelism():
+        model = smp.DistributedModel(MODELS[HIDDEN].build())
+
+    @smp.step
+    def forward_step(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(model(**batch, output_hidden_states=True).hidden_states)
+
+    batch = hf_cases.CASES[MODELS[HIDDEN].batches].batch(0)
+    with torch.no_grad():
+        outputs = forward_step(model, {k: v[_rows()] for k, v in batch.items()})
+    return _rows(), [output.concat() for output in outputs]
+
+
+def _on_ranks() -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    out: dict[str, Any] = {}
+    for name in MODELS:
+        out[name] = _train(name)
+        smp.reset()
+    with smp.tensor_parallelism():
+        bad = MODELS["llama"].build(num_key_value_heads=1)
+    try:
+        smp.DistributedModel(bad)
+    except ModelParallelError as exc:
+        out["bad"] = str(exc)
+    smp.reset()
+    out["hidden"] = _hidden_states()
+    smp.shutdown()
+    for layout, (config, name) in LAYOUTS.items():
+        smp.init({"tensor_parallel_degree": 2, "ddp": True, **config})
+        out[layout] = _train(name)
+        smp.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
+HIDDEN = "llama"
+"""Asked for every layer's hidden states (HF 5 collects them with hooks)."""
+LAYOUTS = {
+    "prescaled": ({"prescaled_batch": True}, "bert"),
+    "microbatches": ({"microbatches": 2}, "llama"),
+    "delayed": ({"delayed_parameter_initialization": True}, "gptneox"),
+}
+"""Models trained again in other layouts: with ``prescaled_batch`` both ranks bring the whole
+batch; with two microbatches each rank runs its rows in two forwards (the plan's order); delayed,
+the model is created without memory and made whole to be split in place when wrapped."""
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_ranks(2, _on_ranks, timeout=240, env=hf_cases.HF_ENV)
+
+
+SPLIT = {
+    "gptneox": 16,
+    "llama": 14,
+    "llama_checkpointed": 14,
+    "llama_smp_checkpointed": 14,
+    "gptj": 16,
+    "bert": 24,
+    "roberta": 24,
+    "gptneo": 18,
+}
+"""Parameters held as DTensors: each split layer's weight, and its bias where it has one."""
+
+
+def _trains_as_one_process(ranks: list[dict[str, Any]], key: str, name: str) -> None:
+    """The ranks' mean losses and every rank's parameters under ``key`` are those of model
+    ``name`` trained in one process."""
+    losses, params = _plain(name)
+    mean = [sum(rank[key]["losses"][step] for rank in ranks) / len(ranks) for step in range(STEPS)]
+    assert mean == pytest.approx(losses, rel=1e-5)
+    for rank in ranks:
+        for param, value in params.items():
+            torch.testing.assert_close(
+                rank[key]["state"][param], value, rtol=1e-4, atol=1e-6, msg=param
+            )
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    _trains_as_one_process(ranks, name, name)
+    for rank in ranks:
+        assert rank[name]["split"] == SPLIT[name]
+        state = rank[name]["state"]
+        MODELS[name].build().load_state_dict(state)  # strict: HF's own keys
+        initial = MODELS[name].build().state_dict()
+        assert rank[name]["reloaded"].keys() == initial.keys()
+        for key, value in initial.items():
+            assert torch.equal(rank[name]["reloaded"][key], value), key
+
+
+def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["bad"] == (
+        "smp.DistributedModel: the model (LlamaForCausalLM) cannot be distributed: "
+        "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
+        "tensor_parallel_degree=2; allowed: a multiple of 2"
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_other_layouts_train_as_one_process(ranks: list[dict[str, Any]], layout: str) -> None:
+    _trains_as_one_process(ranks, layout, LAYOUTS[layout][1])
+
+
+def _tied_head(to: str) -> tuple[nn.Module, nn.Module]:
+    """A model whose head shares its weight with the base model's ``to`` (``[4, 3]`` both)."""
+    root = nn.Module()
+    root.base = nn.Module()
+    root.base.embed = nn.Embedding(4, 3)
+    root.base.layer = nn.Linear(3, 4)
+    root.head = nn.Linear(3, 4, bias=False)
+    root.head.weight = root.base.get_submodule(to).weight
+    return root, root.base
+
+
+@pytest.mark.parametrize(
+    ("tied_to", "error"),
+    [
+        ("embed", None),  # BERT's decoder: the word embedding runs on the rank's rows
+        ("layer", "smp.nn.huggingface.x: parameter 'head.weight' is 'layer.weight' of the base"),
+    ],
+)
+def test_a_region_parameter_used_outside_it_is_refused(tied_to: str, error: str | None) -> None:
+    root, base = _tied_head(tied_to)
+    if error is None:
+        inplace._refuse_ties(root, base, base.embed, "smp.nn.huggingface.x")
+        return
+    with pytest.raises(ModelParallelError, match=error):
+        inplace._refuse_ties(root, base, base.embed, "smp.nn.huggingface.x")
+
+
+def test_hidden_states_come_back_as_the_ranks_rows(ranks: list[dict[str, Any]]) -> None:
+    model = MODELS[HIDDEN].build()
+    with torch.no_grad():
+        batch = hf_cases.CASES[MODELS[HIDDEN].batches].batch(0)
+        whole = model(**batch, output_hidden_states=True).hidden_states
+    for rank in ranks:
+        rows, states = rank["hidden"]
+        assert len(states) == len(whole) == 3
+        for state, expected in zip(states, whole, strict=True):
+            torch.testing.assert_close(state, expected[rows], rtol=1e-5, atol=1e-6)
+
+
+IDS = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("family", "inputs", "error"),
+    [
+        ("llama", {"input_ids": IDS, "use_cache": None, "position_ids": IDS}, None),
+        ("llama", {"inputs_embeds": torch.zeros(2, 4, 8), "use_cache": False}, None),
+        ("llama", {"input_ids": IDS, "use_cache": True}, "use_cache and past_key_values"),
+        ("llama", {"input_ids": IDS, "past_key_values": ()}, "use_cache and past_key_values"),
+        ("llama", {"input_ids": IDS, "output_attentions": True}, "output_attentions is not"),
+        ("bert", {"input_ids": IDS, "cache_position": IDS[0]}, r"inputs \['cache_position'\]"),
+        ("bert", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
+        ("bert", {"input_ids": IDS, "token_type_ids": IDS}, None),
+        ("gptj", {"input_ids": IDS, "token_type_ids": IDS}, "token_type_ids is not supported"),
+    ],
+)
+def test_inputs_a_split_model_cannot_honour_are_refused(
+    family: str, inputs: dict[str, Any], error: str | None
+) -> None:
+    spec = getattr(smp.nn.huggingface, family).FAMILY
+    config = SimpleNamespace(output_attentions=False)
+    if error is None:
+        inplace._refuse_inputs(inputs, config, spec)
+        return
+    with pytest.raises(ModelParallelError, match=error):
+        inplace._refuse_inputs(inputs, config, spec)
+
+
+def test_attention_maps_asked_by_the_config_are_refused() -> None:
+    config = SimpleNamespace(output_attentions=True)
+    with pytest.raises(ModelParallelError, match="output_attentions is not supported"):
+        inplace._refuse_inputs({"input_ids": IDS}, config, smp.nn.huggingface.llama.FAMILY)
+
+
+ROWS = {
+    "llama": ["lm_head.weight", "model.embed_tokens.weight"],
+    "bert": [
+        "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.bias",
+        "cls.predictions.transform.LayerNorm.bias",
+        "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.dense.weight",
+    ],
+}
+"""Parameters that see the rank's own rows: the word embedding and what is outside the base
+model (every other one sees the tp group's batch)."""
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_a_marked_model_at_degree_one_trains_as_the_plain_model(name: str) -> None:
+    """Marked modules are swapped at tensor_parallel_degree 1 too (as SMP does): a family's
+    model keeps its layers whole, and its base model's region gathers nothing."""
+    with single_process({"ddp": True}):
+        result = _train(name)
+    losses, params = _plain(name)
+    assert result["split"] == 0
+    assert result["rows"] == ROWS[name]
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)

@@ -1,0 +1,245 @@
+"""Pipelines x tensor parallelism: pp=2 x tp=2 (world 4, two microbatches) trains like one
+process (losses and parameters): a chain of smp.nn transformer layers under ``spread`` (tp peers
+are ranks 0 and 2; manual placement), a plain model marked with smp.set_tensor_parallelism
+under the default placement (tp peers are neighbours; automatic partition: rank 0's tp group
+profiles together). There an LM head split over the partitions fails at its first step naming
+its transformer, which comes back to partition 0, and a model created without memory fails
+naming the automatic partition. A region entered for a caller on another
+partition does not gather. Without processes: a split block cut by the partition fails naming
+it, the scaled-batch mark travels with a request's compute mode, the tp styles' hooks are
+neither replayed nor run where their module does not compute, and a swapped module keeps the
+manual partition of the one it replaced."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.api import placement
+from dtrain.modelparallel.errors import ModelParallelError, StepFailedError
+from dtrain.modelparallel.pipeline import hooks, modes
+from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.batch import scaled_batch
+from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.test_tensor_equivalence import (
+    LM,
+    STEPS,
+    _batch,
+    _lm,
+    _lm_loss,
+    _mlp,
+    _mlp_loss,
+    one_process,
+    step_of,
+    trained,
+)
+
+
+class _Embedded(nn.Module):
+    """Token ids to the ``(hidden states, mask)`` pair a transformer layer takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.table = nn.Embedding(LM["vocab_size"], LM["hidden_size"])
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.table(ids), None
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.score = nn.Linear(LM["hidden_size"], 1)
+
+    def forward(self, pair: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        return self.score(pair[0]).squeeze(-1)
+
+
+def _layers() -> nn.Module:
+    """smp.nn transformer layers on either stage, in a chain (each its own scaled batch)."""
+    sizes = {k: v for k, v in LM.items() if k not in ("num_layers", "vocab_size", "num_positions")}
+    layers = [smp.nn.DistributedTransformerLayer(**sizes) for _ in range(2)]
+    return nn.Sequential(_Embedded(), *layers, _Head())
+
+
+def _layers_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return 0.1 * F.mse_loss(model(ids), mask)  # small steps: the losses fall, as in training
+
+
+CASES = {
+    "mlp": (_mlp, _mlp_loss, (3, 4)),
+    "layers": (_layers, _layers_loss, (2, 3)),
+}
+"""Each model, its loss and the children a manual placement puts on partition 1."""
+
+
+def _train(case: str, auto: bool) -> dict[str, Any]:
+    build, loss_fn, second = CASES[case]
+    module = build()
+    if case == "mlp":
+        smp.set_tensor_parallelism(module)
+    if not auto:  # the MLP's Linear is swapped when wrapped: it keeps its partition
+        for index in second:
+            smp.set_partition(module[index], 1)
+    model = smp.DistributedModel(module)
+    losses, _ = trained(model, loss_fn)
+    plan = model.partition_plan()
+    return {
+        "losses": losses,
+        "params": model.state_dict(),
+        "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
+        "owners": [plan.owner(str(i)) for i in range(len(module))],
+    }
+
+
+def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "tensor_parallel_degree": 2,
+            "ddp": True,
+            "microbatches": 2,
+            "placement_strategy": placement,
+            "auto_partition": auto,
+            "default_partition": 0,
+        }
+    )
+    out = {"groups": (smp.get_tp_group(), smp.get_pp_group()), **_train(case, auto)}
+    if auto:  # an LM head split over partitions comes back to partition 0: refused
+        smp.reset()
+        model = smp.DistributedModel(_lm())
+        ids, mask = _batch(0)
+        rows = slice(smp.dp_rank() * 4, (smp.dp_rank() + 1) * 4)
+        with pytest.raises((ModelParallelError, StepFailedError)) as refused:
+            step_of(_lm_loss)(model, ids[rows], mask[rows])
+        out["refused"] = str(refused.value)
+        smp.reset()
+        with smp.delay_param_initialization():
+            layers = _layers()
+        model = smp.DistributedModel(layers)
+        with pytest.raises(ModelParallelError) as refused:
+            step_of(_layers_loss)(model, ids[rows], mask[rows])
+        out["delayed"] = str(refused.value)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "placement", "auto"), [("mlp", "cluster", True), ("layers", "spread", False)]
+)
+def test_pipeline_by_tensor_parallel_training_equals_one_process(
+    case: str, placement: str, auto: bool
+) -> None:
+    ranks = run_ranks(4, _on_ranks, case, placement, auto, timeout=180)
+    build, loss_fn, second = CASES[case]
+    losses, params, _ = one_process(build, loss_fn)
+    peers = {"cluster": ([0, 1], [0, 2]), "spread": ([0, 2], [0, 1])}[placement]
+    assert ranks[0]["groups"] == peers
+    for group in ([0, 1], [2, 3]) if placement == "cluster" else ([0, 2], [1, 3]):
+        # a tp group is one stage of two pipelines: their loss is the mean of its rows'
+        mean = [sum(ranks[r]["losses"][step] for r in group) / 2 for step in range(STEPS)]
+        assert mean == pytest.approx(losses, rel=1e-5)
+    for rank in ranks:
+        assert rank["owners"] == ranks[0]["owners"]
+        assert rank["owners"][0] == 0 and rank["owners"][-1] == 1
+        if not auto:
+            assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
+        assert rank["split"] > 0  # every stage holds shards
+        if auto:
+            assert "module 'transformer' would compute on partition 0" in rank["refused"]
+            assert "tensor_parallel_degree above 1" in rank["refused"]
+            assert "model created without memory" in rank["delayed"]
+            assert "allowed: auto_partition: false" in rank["delayed"]
+        assert rank["params"].keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(rank["params"][key], value, rtol=1e-4, atol=1e-6)
+
+
+class _Split(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+        setattr(self, shards.SPLIT_BLOCK, True)
+
+
+def test_a_split_block_cut_by_the_partition_fails_naming_both_partitions() -> None:
+    root = nn.Sequential(nn.Linear(2, 2), _Split())
+    same = {"": 0, "0": 0, "1": 1, "1.inner": 1}
+    shards.check_partition(root, same.__getitem__)
+    cut = {**same, "1.inner": 0}
+    with pytest.raises(ModelParallelError) as caught:
+        shards.check_partition(root, cut.__getitem__)
+    assert str(caught.value) == (
+        "smp.DistributedModel: module '1' (_Split) is split over the tensor-parallel group and "
+        "runs whole on one pipeline partition, but its submodule '1.inner' (Linear) is placed "
+        "on partition 0 and it on 1; allowed: the same partition"
+    )
+    assert shards.split_blocks(root) == {"1"}
+
+
+def test_the_scaled_batch_mark_travels_with_the_compute_mode() -> None:
+    assert not modes.ComputeMode.current().tensor_region
+    with modes.tensor_region():
+        mode = modes.ComputeMode.current()
+    assert mode.tensor_region and not modes.in_tensor_region()
+    assert modes.ComputeMode.from_wire(mode.to_wire()) == mode
+    seen: list[bool] = []
+
+    def work() -> None:
+        with mode.applied():
+            seen.append(modes.in_tensor_region())
+        seen.append(modes.in_tensor_region())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [True, False]
+
+
+def _regions() -> tuple[list[int], list[int]]:
+    """The rows a region gathers when entered here, and when entered on behalf of a caller on
+    another partition (its request's compute mode marks it inside a region)."""
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    rows = torch.full((2, 3), float(smp.rank()))
+    with scaled_batch("here", rows) as region:
+        here = region.gather(rows)[:, 0].int().tolist()
+    with modes.ComputeMode(tensor_region=True).applied(), scaled_batch("called", rows) as region:
+        called = region.gather(rows)[:, 0].int().tolist()
+    return here, called
+
+
+def test_a_region_called_from_another_partition_does_not_gather_again() -> None:
+    for rank, (here, called) in enumerate(run_ranks(2, _regions)):
+        assert here == [0, 0, 1, 1]
+        assert called == [rank, rank]
+
+
+def test_hooks_marked_local_are_not_replayed_and_dropped_where_not_computed() -> None:
+    layer = nn.Linear(2, 2)
+    style = layer.register_forward_pre_hook(lambda module, args: None)
+    assert hooks.hooked_submodules("", [("layer", layer)]) == ["layer"]
+    hooks.run_where_computed(layer, {style.id})
+    assert hooks.hooked_submodules("", [("layer", layer)]) == []
+    user = layer.register_forward_hook(lambda module, args, out: None)
+    assert hooks.hooked_submodules("", [("layer", layer)]) == ["layer"]
+    hooks.drop_local_hooks(layer)
+    assert list(layer._forward_pre_hooks) == [] and list(layer._forward_hooks) == [user.id]
+
+
+def test_a_swapped_module_keeps_the_partition_of_the_one_it_replaced() -> None:
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    smp.set_partition(root[1], 1)
+    placed = placement.manual_placements(root)
+    root[1] = nn.Sequential(nn.Linear(2, 2))  # as the swap puts a distributed module there
+    assert placement.manual_placements(root) == {}
+    placement.keep_placements(root, placed)
+    assert placement.manual_placements(root) == {"1": 1, "1.0": 1}
+    placement.clear()
