@@ -72,8 +72,13 @@ def test_a_chain_gets_the_chain_plan(ordered: bool) -> None:
     assert plan.plan_row(1)[0] == ("F", 0, 0)
 
 
-def test_without_a_plan_order_a_tied_head_keeps_the_chain_plan() -> None:
-    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, split_backward=False, ordered=False)
+@pytest.mark.parametrize(("ordered", "routes"), [(False, True), (True, False)])
+def test_without_a_plan_order_or_routes_a_tied_head_keeps_the_chain_plan(
+    ordered: bool, routes: bool
+) -> None:
+    """Without routes (tensor parallelism, whose batch scatter takes no value from another
+    partition yet) the run then fails naming the module."""
+    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, False, ordered, routes=routes)
     assert isinstance(plan, Schedule) and plan.stages == 2
 
 

@@ -95,6 +95,7 @@ def pipeline_plan(
     modules: list[tuple[int, float]],
     split_backward: bool,
     ordered: bool,
+    routes: bool = True,
 ) -> Schedule | RouteSchedule:
     """The plan of a step: each partition's actions for ``policy``, with the backwards that
     shorten it most split if ``split_backward``, from each partition's ``stage_times``
@@ -103,11 +104,12 @@ def pipeline_plan(
     Where the runtime follows the plan (``ordered``: ``deterministic_server``, tensor
     parallelism) and the modules' order takes a microbatch back to partition 0 (a head tied to
     the embedding), the plan is per visit (:func:`~.planner.route_orders`); a route no plan
-    serves fails naming it. Otherwise it is a chain plan, the runtime's order when work runs
-    as it becomes ready only where the forward is a chain.
+    serves fails naming it. Otherwise (or without ``routes``) it is a chain plan, the
+    runtime's order when work runs as it becomes ready only where the forward is a chain; a
+    forward that comes back then fails at run time naming the module.
     """
     route, route_times = route_of(modules)  # registration order: most models' forward order
-    if not ordered or is_chain(route):
+    if not (ordered and routes) or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)
         if split_backward:
             policy = zero_bubble_policy(policy, len(stage_times), costs)
