@@ -92,6 +92,12 @@ ALL_CASES: dict[str, Case] = {
         _lm_batch,
         lambda model, ids, labels: model(ids, labels=labels)["loss"],
     ),
+    "lm3tied": Case(  # three partitions and a head tied to the embedding: back to 0
+        lambda: ResidualTransformerLM(seed=0),
+        {"blocks.1": 1, "blocks.2": 2, "blocks.3": 2, "ln_f": 2},
+        _lm_batch,
+        lambda model, ids, labels: model(ids, labels=labels)["loss"],
+    ),
 }
 """The cases above (split over two partitions) and those split over more."""
 

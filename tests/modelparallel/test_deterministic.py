@@ -1,12 +1,13 @@
 """``deterministic_server``: every rank computes in the plan's order, the same on every
-data-parallel replica, and trains like one process; a model the order cannot serve fails
-naming the module."""
+data-parallel replica, and trains like one process, a tied head's visits to the leader
+included."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
@@ -20,32 +21,41 @@ STEPS = 4
 MICROBATCHES = 4
 
 
-def _collapsed(kinds: list[tuple[str, int]]) -> list[str]:
-    """Actions in order, a run of periods of one action counted once."""
+def _collapsed(keys: list[tuple[str, int, int]]) -> list[str]:
+    """Actions in order (``F0``, or ``F0.1`` at visit 1), a run of periods of one action
+    counted once."""
     shown: list[str] = []
-    for kind, mb in kinds:
-        if not shown or shown[-1] != f"{kind}{mb}":
-            shown.append(f"{kind}{mb}")
+    for kind, mb, visit in keys:
+        text = f"{kind}{mb}" + (f".{visit}" if visit else "")
+        if not shown or shown[-1] != text:
+            shown.append(text)
     return shown
 
 
-def _train_in_plan_order(case_name: str, partitions: int = 2) -> dict[str, Any]:
+def _train_in_plan_order(case_name: str, partitions: int = 2, auto: bool = False) -> dict[str, Any]:
     dist.init_process_group("gloo")
     smp.init({"pipeline_parallel_degree": partitions, "microbatches": MICROBATCHES,
-              "auto_partition": False, "default_partition": 0, "deterministic_server": True,
+              "auto_partition": auto, "default_partition": 0, "deterministic_server": True,
               "ddp": dist.get_world_size() > partitions})  # fmt: skip
     case = ALL_CASES[case_name]
-    model, step = case_pipeline(case, auto=False)
+    model, step = case_pipeline(case, auto=auto)
     losses, orders = [], []
     for index in range(STEPS):
         losses.append(step(*replica_rows(*case.batch(index))))
         events = sorted(model.timeline(), key=lambda e: e.start)
-        orders.append(_collapsed([(e.kind, e.microbatch) for e in events]))
-    plan = [str(a) for a in model.pipeline_schedule().compute_actions(smp.pp_rank())]
+        orders.append(_collapsed([(e.kind, e.microbatch, e.visit) for e in events]))
+    schedule = model.pipeline_schedule()
+    plan = _collapsed(list(schedule.plan_row(smp.pp_rank())))
     params = model.state_dict()
     smp.shutdown()
     dist.destroy_process_group()
-    return {"losses": losses, "orders": orders, "plan": plan, "params": params}
+    return {
+        "losses": losses,
+        "orders": orders,
+        "plan": plan,
+        "params": params,
+        "printed": str(schedule),
+    }
 
 
 def test_every_rank_computes_in_the_plans_order_on_every_replica() -> None:
@@ -76,13 +86,69 @@ def test_three_partitions_compute_in_the_plans_order_and_train_like_one_process(
     assert_equivalent(got, expected, "deterministic_server, pp=3")
 
 
-def test_a_forward_that_comes_back_to_partition_0_fails_naming_the_module() -> None:
+def test_a_tied_head_computes_in_the_plans_order_and_trains_like_one_process() -> None:
     """The LM's head shares its weight with the embedding, so it stays on partition 0 while
-    the last blocks are on partition 1: its forward comes back, which no fixed order serves."""
+    the last blocks are on partition 1: each microbatch's forward comes back to the leader
+    (route 0 -> 1 -> 0). The plan has an action per visit, and every step runs each rank's
+    plan row, visits included (the root's code fetching the blocks' output between them).
+    Partitioned automatically: the plan, made for the profiled times, splits partition 1's
+    backwards, each microbatch's in two requests (the root's skip connection), so it owes two
+    weight halves, whose action ends after both."""
+    ranks = run_ranks(2, _train_in_plan_order, "lm", 2, True, timeout=240)
+    leader, blocks = ranks
+    assert "route 0 -> 1 -> 0" in leader["printed"] and "2:F0" in leader["printed"]
+    for rank in ranks:
+        assert all(order == rank["plan"] for order in rank["orders"])
+    assert {"F0.1", "B0.1"} <= set(leader["plan"]) and {"F0", "B0"} <= set(leader["plan"])
+    assert not any("." in action for action in blocks["plan"])
+    assert any(action.startswith("W") for action in blocks["plan"])
+    expected = reference("lm", STEPS)
+    got = type(expected)(leader["losses"], leader["params"])
+    assert_equivalent(got, expected, "deterministic_server, tied head, pp=2")
+
+
+def test_three_partitions_and_a_tied_head_compute_in_the_plans_order() -> None:
+    """Route 0 -> 1 -> 2 -> 0: the leader relays the activations and computes the head after
+    the last partition; every step runs each rank's plan row and trains like one process."""
+    ranks = run_ranks(3, _train_in_plan_order, "lm3tied", 3, timeout=240)
+    assert "route 0 -> 1 -> 2 -> 0" in ranks[0]["printed"]
+    for rank in ranks:
+        assert all(order == rank["plan"] for order in rank["orders"])
+    assert "F0.1" in ranks[0]["plan"]
+    expected = reference("lm3tied", STEPS)
+    got = type(expected)(ranks[0]["losses"], ranks[0]["params"])
+    assert_equivalent(got, expected, "deterministic_server, tied head, pp=3")
+
+
+def _unused_module_last(partitions: int) -> None:
+    """GroupedNet with a module registered last and never called: its registration order
+    goes back to partition 0, its forward does not."""
+    dist.init_process_group("gloo")
+    smp.init({"pipeline_parallel_degree": partitions, "microbatches": 2,
+              "auto_partition": False, "default_partition": 0,
+              "deterministic_server": True})  # fmt: skip
+    case = ALL_CASES["grouped"]
+    module = case.build()
+    smp.set_partition(module.get_submodule("group2"), 1)
+    module.unused = torch.nn.Linear(2, 2)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: torch.Tensor, y: torch.Tensor) -> None:
+        model.backward(case.loss(model, x, y))
+
+    try:
+        train_step(model, *case.batch(0))
+    finally:
+        smp.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_forward_that_does_not_come_back_as_registered_fails_naming_the_visit() -> None:
     with pytest.raises(Exception, match="deterministic_server") as caught:
-        run_ranks(2, _train_in_plan_order, "lm", timeout=120)
+        run_ranks(2, _unused_module_last, 2, timeout=120)
     message = str(caught.value)
-    assert "module 'lm_head' would compute on partition 0 after microbatch 0 waited" in message
+    assert "forward ended at visit 0 of partition 0, but the plan has it come back" in message
 
 
 def _task(text: str, step: int = 1) -> Task:

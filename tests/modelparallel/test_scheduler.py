@@ -104,6 +104,22 @@ def test_a_holder_between_computations_steps_aside_to_send(
     assert not core.steps_aside(work)
 
 
+def test_with_a_plan_a_holder_whose_action_ended_steps_aside_to_send() -> None:
+    """Its last backward computed, a served request sends its reply: the plan's next action
+    computes meanwhile (the turn passes once the holder gives the token up), as the dynamic
+    runtime lets whatever is ready compute."""
+    core = _core(plan=(("B", 0), ("F", 1)), rank=1)
+    work = _holding(core, "B0")
+    core.between(work)
+    forward = _work("F1")
+    core.submit(forward)
+    assert not core.steps_aside(work)  # B0's turn goes on
+    core.end_action(0, "B", 0)
+    assert core.steps_aside(work)
+    core.release(work)
+    assert core.grant() is forward
+
+
 def test_the_token_goes_to_the_first_ranked_and_is_released_only_by_its_holder() -> None:
     core = _core()
     for text in ("F2", "W0", "B1", "F1"):
@@ -362,42 +378,65 @@ def test_announced_work_out_of_turn_does_not_hold_up_the_turn() -> None:
 
 
 # A head tied to the embedding (route 0 -> 1 -> 0): the leader's plan row has a forward and a
-# backward per visit. Step by step: the leader's work, what happens, then the turn and its visit.
+# backward per visit. Step by step: the leader's work, what happens, what the core answers
+# (whether the token may go on, or the forward came back), then the turn and the work's visit.
 TIED_HEAD_PLAN = (("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 0), ("B", 0, 0))
 TIED_HEAD = [
-    ("F", "waits", "F0 (visit 1)", 0),  # its forward left for partition 1: visit 0 is over
-    ("F", "returns", "F0 (visit 1)", 1),  # back to compute the head: the next visit's work
-    ("B", "starts backward", "B0 (visit 1)", 1),  # the head's backward first
-    ("B", "waits", "F1", 1),  # the head's backward sent partition 1 its gradients
-    ("B", "returns", "F1", 0),  # the embedding's backward: visit 0, after F1's turn
+    ("F", "computes", None, "F0", 0),  # the embedding and the first blocks
+    ("F", "waits", True, "F0 (visit 1)", 0),  # its forward left for partition 1: visit 0 over
+    ("F", "waits", False, "F0 (visit 1)", 0),  # the root's code fetches again: nothing ends
+    ("F", "returns", True, "F0 (visit 1)", 1),  # back to compute the head: the next visit
+    ("F", "computes", None, "F0 (visit 1)", 1),
+    ("B", "starts backward", None, "B0 (visit 1)", 1),  # the head's backward first
+    ("B", "sends", False, "B0 (visit 1)", 1),  # partition 1 gets gradients, more to send
+    ("B", "returns", False, "B0 (visit 1)", 1),  # the root's code between them: same visit
+    ("B", "sends", True, "F1", 1),  # the visit's last backward request: visit 1 over
+    ("B", "returns", False, "F1", 0),  # the embedding's backward: visit 0, after F1's turn
 ]
 
 
 def test_a_microbatch_that_comes_back_to_the_leader_follows_a_turn_per_visit() -> None:
     core = _core(plan=TIED_HEAD_PLAN)
     work = Work("leader", 0, "F")
-    for phase, event, turn, visit in TIED_HEAD:
+    for phase, event, answer, turn, visit in TIED_HEAD:
         work.phase = phase  # type: ignore[assignment]
-        if event == "waits":
-            assert core.waits(work)
+        if event == "computes":
+            core.computes(work)
+        elif event == "waits":
+            assert core.waits(work) is answer, event
+        elif event == "sends":
+            work.remote_nodes[1] -= 1
+            assert core.waits(work) is answer, event
         elif event == "returns":
-            core.returns(work)
+            assert core.returns(work) is answer, event
             assert core.off_plan(work) is None
         else:
             assert core.end_action(0, "F", 0)  # every visit of its forward is over
-            work.remote_nodes[1] += 1  # partition 1 still waits for its gradients
+            work.remote_nodes[1] += 2  # two outputs of partition 1 on its graph
         assert core.order(0).describe() == turn and work.visit == visit, event
     assert not core.in_turn(work)  # F1 first
     core.end_action(0, "F", 1)
-    work.remote_nodes[1] -= 1
     assert core.in_turn(work) and not core.waits(work)  # no earlier visit: waits in its turn
 
 
 def test_a_forward_with_no_visit_left_still_fails_naming_where() -> None:
     core = _core(plan=(("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)))
     work = Work("leader", 0, "F")
-    core.waits(work)
-    core.returns(work)
-    core.waits(work)
-    core.returns(work)  # the plan has no third visit
+    for _ in range(2):
+        core.computes(work)
+        core.waits(work)
+        core.returns(work)  # the second time: the plan has no third visit
     assert work.visit == 1 and "after microbatch 0 waited" in (core.off_plan(work) or "")
+
+
+def test_a_forward_that_never_comes_back_as_planned_says_so() -> None:
+    """A plan made for a route back to the leader, run by a model whose forward ends on
+    partition 1's return without computing on partition 0 again: its backward would wait for
+    the head's turn forever; it fails instead, naming the visit."""
+    core = _core(plan=TIED_HEAD_PLAN)
+    work = Work("leader", 0, "F")
+    core.computes(work)
+    core.waits(work)
+    assert "ended at visit 0 of partition 0" in (core.visit_missed(work) or "")
+    core.returns(work)
+    assert core.visit_missed(work) is None

@@ -46,6 +46,9 @@ class TimelineEvent:
     """The other rank of a send, a receive or a wait (global rank)."""
     nbytes: int = 0
     """Bytes of a stream sent or received."""
+    visit: int = 0
+    """Which of the rank's stages on the microbatch's way a computation was (0 unless the
+    microbatch comes back to the rank, a head tied to the embedding)."""
 
     @property
     def duration(self) -> float:
@@ -74,9 +77,11 @@ class TimelineRecorder:
         name: str,
         peer: int | None = None,
         nbytes: int = 0,
+        visit: int = 0,
     ) -> None:
         """An event from ``start`` until now."""
-        event = TimelineEvent(self.rank, kind, microbatch, start, self.now(), name, peer, nbytes)
+        end = self.now()
+        event = TimelineEvent(self.rank, kind, microbatch, start, end, name, peer, nbytes, visit)
         with self._lock:
             self._events.append(event)
 

@@ -47,9 +47,8 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
-from dtrain.modelparallel.scheduling.costs import Costs
-from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, schedule_of, zero_bubble_policy
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan
 from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.tensor import marks
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
@@ -154,7 +153,7 @@ class DistributedModel(nn.Module):
         self._trace_device = trace_device
         self._runtime: PipelineRuntime | None = None
         self._plan: PartitionPlan | None = None
-        self._schedule: Schedule | None = None
+        self._schedule: Schedule | RouteSchedule | None = None
         self._local_modules: set[int] | None = None
         """ids of the modules this rank owns; ``None`` before partitioning (all of them)."""
         self._tracing = threading.Event()
@@ -463,13 +462,9 @@ class DistributedModel(nn.Module):
             timeout=st.options.timeout,
         )
         self._schedule = self._planned_schedule(plan)
-        plan = None
-        # A tp group's ranks must run their collectives in one order: the plan's.
-        if st.config["deterministic_server"] or st.tp_size > 1:
-            actions = self._schedule.compute_actions(st.pp_rank)
-            plan = tuple((action.kind, action.microbatch) for action in actions)
+        row = self._schedule.plan_row(st.pp_rank) if self._plan_ordered() else None
         self._runtime = PipelineRuntime(
-            group, modules, owners, self._schedule.policy, st.options, plan
+            group, modules, owners, self._schedule.policy, st.options, row
         )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_message_group)
@@ -488,20 +483,33 @@ class DistributedModel(nn.Module):
         if self.half_precision is not None:
             self.half_precision.cast(self.local_parameters(), self._all_tensors())
 
-    def _planned_schedule(self, plan: PartitionPlan) -> Schedule:
+    def _plan_ordered(self) -> bool:
+        """Whether every rank computes in its plan row's order: with ``deterministic_server``,
+        and where a tp group's ranks must run their collectives in one order."""
+        return bool(self._state.config["deterministic_server"]) or self._state.tp_size > 1
+
+    def _planned_schedule(self, plan: PartitionPlan) -> Schedule | RouteSchedule:
         """The pipeline's policy (which backwards are split chosen for the plan's stage
-        times) and the action lists it runs with those times."""
+        times) and the action lists it runs with those times (see :func:`pipeline_plan`)."""
         st = self._state
         policy = SchedulePolicy.for_config(
             st.config["pipeline"], st.config["microbatches"], st.config["active_microbatches"]
         )
         times = [stage.compute_time for stage in plan.stages] if plan.profiled else []
-        costs = Costs.of_stages(times or [0.0] * st.pp_size, SPLIT_OVERHEAD)
-        if st.options.split_backward:
-            policy = zero_bubble_policy(policy, st.pp_size, costs)
-        return schedule_of(policy, st.pp_size, costs)
+        modules = [
+            (plan.owner(name), plan.modules[name].compute_time if plan.profiled else 0.0)
+            for name, _ in self.module.named_modules()
+        ]
+        return pipeline_plan(
+            policy,
+            times or [0.0] * st.pp_size,
+            modules,
+            st.options.split_backward,
+            self._plan_ordered(),
+            routes=st.tp_size == 1,  # tp's batch scatter takes no value from another partition
+        )
 
-    def pipeline_schedule(self) -> Schedule:
+    def pipeline_schedule(self) -> Schedule | RouteSchedule:
         """The action lists each pipeline rank runs in a step, as planned for the partition
         plan's stage times (printable: ``print(model.pipeline_schedule())``); known after the
         first step."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
+from dtrain.modelparallel.scheduling.order import PlanRow
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineRecorder
@@ -78,7 +79,7 @@ class ComputeToken:
         policy: SchedulePolicy,
         timeout: float,
         flush: Callable[[Task], None] = lambda task: None,
-        plan: tuple[tuple[str, int], ...] | None = None,
+        plan: PlanRow | None = None,
     ) -> None:
         """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
         (for the token or a condition) and before it computes a module, so that nothing
@@ -207,7 +208,7 @@ class ComputeToken:
         """The holder's computation up to now, as a timeline event."""
         if task.role != "main" and task.recording:
             name = task.name or f"{task.phase}{task.microbatch}"
-            self.recorder.add(task.phase, task.microbatch, task.started, name)
+            self.recorder.add(task.phase, task.microbatch, task.started, name, visit=task.visit)
 
     def _yield_if_urgent(self, task: Task) -> None:
         """A task holding the token between computations gives it to a more urgent waiter
@@ -328,6 +329,7 @@ class ComputeToken:
                 self.core.resume(task)
         else:
             self.acquire(task)  # a token just granted is not sticky
+        self.core.computes(task)  # the holder's own flag: no lock needed
 
     def _check_plan_shape(self, task: Task, name: str) -> None:
         """Work that comes back after it waited is its next visit's, if the plan has one
@@ -336,20 +338,25 @@ class ComputeToken:
         if self.core.plan is None:
             return
 
-        def placed(core: Scheduler) -> str | None:
-            core.returns(task)
-            return core.off_plan(task)
+        def placed(core: Scheduler) -> tuple[bool, str | None]:
+            return core.returns(task), core.off_plan(task)
 
-        where = self.ask(placed)
+        came_back, where = self.ask(placed)
+        if came_back:
+            self.came_back(task)
         if where is None:
             return
         raise ModelParallelError(
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
             "(deterministic_server, or tensor_parallel_degree above 1) needs every microbatch "
-            "to go through the partitions in order (0, 1, ...) once forward and once back; "
-            "place the model's last modules on the last partition, or (without tensor "
-            "parallelism) set deterministic_server to false"
+            "to go through the partitions in order (0, 1, ...), then back to partition 0 or "
+            "not, as the model's modules are registered; place its modules so, or (without "
+            "tensor parallelism) set deterministic_server to false"
         )
+
+    def came_back(self, task: Task) -> None:
+        """The leader's forward ``task`` came back to its last visit here (a tied head): the
+        other ranks' forwards of its microbatch are over (the executor tells them)."""
 
     def give_way(self) -> None:
         """The current task, computing, lets a more urgent waiting task compute first, then

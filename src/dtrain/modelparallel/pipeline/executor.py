@@ -28,6 +28,7 @@ from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.pipeline.leader import LeaderStep, MicrobatchResult
 from dtrain.modelparallel.pipeline.lending import MainLending
 from dtrain.modelparallel.pipeline.workers import WorkerPool
+from dtrain.modelparallel.scheduling.order import PlanRow
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
 
@@ -45,7 +46,7 @@ class Executor(ComputeToken):
         timeout: float,
         flush: Callable[[Task], None] = lambda task: None,
         device: torch.device | None = None,
-        plan: tuple[tuple[str, int], ...] | None = None,
+        plan: PlanRow | None = None,
         forward_done: Callable[[Task], None] = lambda task: None,
     ) -> None:
         """See :class:`.ComputeToken` for ``flush`` and ``plan``; ``device`` is the one task
@@ -54,6 +55,9 @@ class Executor(ComputeToken):
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
         self.leader = LeaderStep(self, self._workers.submit, forward_done)
         self.lending = MainLending(self)
+
+    def came_back(self, task: Task) -> None:
+        self.leader.forward_done(task)
 
     def spawn(self, target: Callable[[], None]) -> None:
         """Run a served task on a pooled thread."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.scheduling.scheduler import Scheduler
 
@@ -112,6 +113,13 @@ class LeaderStep:
         if task.holding and not token.sticky(task):  # called inside a computation
             token.release(task)
         if task.phase == "F":
+            missed = token.ask(lambda core: core.visit_missed(task))
+            if missed is not None:
+                raise ModelParallelError(
+                    f"deterministic_server: {missed}: the plan follows the model's modules in "
+                    "the order they are registered; register them in the order the forward "
+                    "calls them, or set deterministic_server to false"
+                )
 
             def forward_over(core: Scheduler) -> bool:
                 core.forward_done(task.microbatch)

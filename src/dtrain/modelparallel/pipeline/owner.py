@@ -291,7 +291,8 @@ class Owner:
         is an ``I``); the weights' wait as a ``W`` task of their own for idle time, and the
         step does not end on this rank before they have run (:mod:`.executor`). A request
         marked ``last`` is the microbatch's last backward here: the rank's backward action of
-        it is over once it has run (in a plan's order, the next action may begin).
+        it is over once it has run (in a plan's order, the next action may begin while the
+        reply is sent).
         """
         task = self.executor.current()
         assert task is not None
@@ -308,9 +309,9 @@ class Owner:
         if weights is not None:
             weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
             self.executor.owe_weights(weights_task)
-        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
-        if message.body.get("last"):
+        if message.body.get("last"):  # before the reply: the next action computes meanwhile
             self.executor.end_backward(message.step, message.microbatch)
+        self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         if weights is not None:
             run = functools.partial(self._run_weights, weights, mode)
             self.executor.run_weights(weights_task, run, self._weights_failed)

@@ -46,6 +46,7 @@ from dtrain.modelparallel.pipeline.remote import (
 )
 from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, scaled_grads
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
+from dtrain.modelparallel.scheduling.order import PlanRow
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.transport.message import (
@@ -82,7 +83,7 @@ class PipelineRuntime:
         owners: dict[str, int],
         policy: SchedulePolicy,
         options: RuntimeOptions,
-        plan: tuple[tuple[str, int], ...] | None = None,
+        plan: PlanRow | None = None,
     ) -> None:
         """``plan``: this rank's compute actions, in the order every step runs them
         (``deterministic_server``); None: work runs as it becomes ready."""

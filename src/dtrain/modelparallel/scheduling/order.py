@@ -20,7 +20,7 @@ Plain data: the rules are tested as tables, without threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dtrain.modelparallel.scheduling.rules import plan_phase
@@ -28,6 +28,10 @@ from dtrain.modelparallel.scheduling.rules import plan_phase
 Key = tuple[str, int, int]
 """An action: ``("F" | "B" | "W", microbatch, visit)``, ``visit`` the rank's stage of the
 microbatch's way, counted from 0 in forward order."""
+
+
+PlanRow = tuple[tuple[str, int] | Key, ...]
+"""A rank's compute actions in plan order, ``(kind, microbatch)`` or with the visit."""
 
 
 def action_key(phase: str, microbatch: int, visit: int = 0) -> Key:
@@ -43,7 +47,7 @@ class PlanOrder:
     cursor: int = 0
 
     @classmethod
-    def of(cls, actions: Iterable[tuple[str, int] | tuple[str, int, int]]) -> PlanOrder:
+    def of(cls, actions: PlanRow) -> PlanOrder:
         """From a plan's ``(kind, microbatch)`` or ``(kind, microbatch, visit)`` compute
         actions, in order."""
         return cls(tuple(action_key(*action) for action in actions))

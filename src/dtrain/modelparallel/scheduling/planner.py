@@ -60,24 +60,29 @@ def build_schedule(
     return schedule_of(policy, stages, costs)
 
 
-def zero_bubble_policy(policy: SchedulePolicy, stages: int, costs: Costs) -> SchedulePolicy:
-    """``policy`` with the backwards split whose weight halves shorten the step most.
+def zero_bubble_policy(
+    policy: SchedulePolicy, stages: int, costs: Costs, route: tuple[int, ...] | None = None
+) -> SchedulePolicy:
+    """``policy`` with the backwards split whose weight halves shorten the step most (over
+    ``route``'s stages, see :func:`route_orders`).
 
     A stage's weight halves, run when nothing else is ready, fill the drain, where the stage
     would wait while the stages before it do their last backwards; the sooner input halves
     also start those backwards sooner. Each split costs ``costs.split_overhead``. From the
     last stage to the second, each stage's count of split backwards (among the step's last
     microbatches) is the one whose plan ends soonest, the fewest among equals; the first
-    stage sends no gradients and never splits.
+    stage sends no gradients and never splits, nor does the leader's stage of a route.
     """
     best = policy
-    best_time = _run_policy(best, stages, costs)[1]
+    best_time = _run_policy(best, stages, costs, route)[1]
     for stage in range(stages - 1, 0, -1):
+        if route is not None and route[stage] == 0:
+            continue
         for count in range(1, min(policy.microbatches, 2 * stage + 2) + 1):
             split = [*best.split, *[0] * (stages - len(best.split))]
             split[stage] = count
             candidate = replace(best, split=tuple(split))
-            makespan = _run_policy(candidate, stages, costs)[1]
+            makespan = _run_policy(candidate, stages, costs, route)[1]
             if makespan < best_time * (1 - 1e-9):
                 best, best_time = candidate, makespan
     return best

@@ -206,6 +206,11 @@ class Schedule:
         """Rank ``rank``'s ``F``/``B`` actions in order (sends and receives left out)."""
         return tuple(action for action in self.actions[rank] if action.is_compute)
 
+    def plan_row(self, rank: int) -> tuple[tuple[str, int, int], ...]:
+        """Rank ``rank``'s compute actions as plan-order keys ``(kind, microbatch, visit)``
+        (what the runtime follows; a chain visits each rank once)."""
+        return tuple((action.kind, action.microbatch, 0) for action in self.compute_actions(rank))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; actions are written compactly (``"F3"``), one list per rank."""
         return {

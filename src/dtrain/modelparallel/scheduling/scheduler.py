@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dtrain.modelparallel.scheduling.order import Key as ActionKey
-from dtrain.modelparallel.scheduling.order import PlanOrder, action_key
+from dtrain.modelparallel.scheduling.order import PlanOrder, PlanRow, action_key
 from dtrain.modelparallel.scheduling.policy import MAIN_PRIORITY, SchedulePolicy
 from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
 
@@ -54,6 +54,8 @@ class Work:
     visit: int = 0
     """Which of this rank's stages on the microbatch's way the work is (0 unless the
     microbatch comes back to the rank, see :mod:`.order`)."""
+    computed: bool = False
+    """The work has computed here since its visit began (:meth:`Scheduler.computes`)."""
     remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
     """Per owner (pp rank), the outputs this work fetched onto its autograd graph whose
     backward has not run yet: each will send the owner a backward request."""
@@ -97,7 +99,7 @@ class Scheduler:
     def __init__(
         self,
         policy: SchedulePolicy,
-        plan: tuple[tuple[str, int], ...] | None = None,
+        plan: PlanRow | None = None,
         main: Work | None = None,
         rank: int = 0,
     ) -> None:
@@ -216,8 +218,18 @@ class Scheduler:
 
     def steps_aside(self, work: Work) -> bool:
         """Whether the holder ``work``, between computations and about to do other work (send a
-        reply), should let any eligible waiter compute meanwhile."""
-        return self.holder is work and self.sticky and bool(self.eligible())
+        reply), should let any eligible waiter compute meanwhile; with a plan order, also once
+        its action has ended: the next action's work may then become eligible (the holder's
+        own action passes only once it gives the token up)."""
+        if self.holder is not work or not self.sticky:
+            return False
+        return bool(self.eligible()) or self._own_action_ended(work)
+
+    def _own_action_ended(self, work: Work) -> bool:
+        if self.plan is None or work.role == "main":
+            return False
+        key = action_key(work.phase, work.microbatch, work.visit)
+        return key in self.order(work.step).ended
 
     # --- the plan's order (deterministic_server) ------------------------------------------------
 
@@ -269,29 +281,48 @@ class Scheduler:
     def action_ended(self, step: int, phase: str, microbatch: int, visit: int = 0) -> bool:
         return self.plan is not None and self.order(step).has_ended(phase, microbatch, visit)
 
+    def computes(self, work: Work) -> None:
+        """``work`` computes (holding the token): its visit has begun here."""
+        work.computed = True
+
     def waits(self, work: Work) -> bool:
         """``work`` waits for another rank: a leader's forward has then left partition 0, and
-        its visit is over; so is a leader's backward's visit where the plan has an earlier one
-        to come back to (the backward of a head on partition 0 waits for the partitions before
-        it). Whether that ended an action (the token may then go on)."""
+        its visit is over, unless the plan has a later visit and the task has not computed in
+        this one yet (the root's code fetching an output before the head's modules run); so
+        is a leader's backward's visit where the plan has an earlier one to come back to, once
+        the visit sends no more backward requests (the backward of a head on partition 0,
+        whose gradients the partitions before it wait for). Whether that ended an action (the
+        token may then go on)."""
         if work.role != "leader":
             return False
         if work.phase == "F":
+            if not work.computed and self._has(work, "F", work.visit + 1):
+                return False
+            work.computed = False
             return self.end_action(work.step, "F", work.microbatch, work.visit)
-        if is_gradient(work.phase) and self._has(work, "B", work.visit - 1):
+        if (
+            is_gradient(work.phase)
+            and self._has(work, "B", work.visit - 1)
+            and not any(work.remote_nodes.values())
+        ):
             return self.end_action(work.step, "B", work.microbatch, work.visit)
         return False
 
-    def returns(self, work: Work) -> None:
+    def returns(self, work: Work) -> bool:
         """``work`` computes here again after it waited: where its visit is over and the plan
-        has the next one (forward) or the earlier one (backward), it is that visit's work now."""
+        has the next one (forward) or the earlier one (backward), it is that visit's work now.
+        Whether a forward came back: a plan's route comes back to the leader only at its end,
+        so no other rank computes that forward any more."""
         if work.role != "leader" or not self.action_ended(
             work.step, work.phase, work.microbatch, work.visit
         ):
-            return
-        visit = work.visit + (-1 if is_gradient(work.phase) else 1)
-        if self._has(work, work.phase, visit):
-            work.visit = visit
+            return False
+        forward = not is_gradient(work.phase)
+        visit = work.visit + (1 if forward else -1)
+        if not self._has(work, work.phase, visit):
+            return False
+        work.visit = visit
+        return forward
 
     def _has(self, work: Work, phase: str, visit: int) -> bool:
         """Whether the plan order has ``phase`` of ``work``'s microbatch at ``visit``."""
@@ -317,6 +348,17 @@ class Scheduler:
             what = {"F": "forward", "W": "weight half"}.get(work.phase, "backward")
             return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
         return None
+
+    def visit_missed(self, work: Work) -> str | None:
+        """Why a leader's forward ``work`` may not turn to its backward (None: it may): the
+        plan has it come back to partition 0 for a later visit it never made (the model's
+        modules run in another order than they are registered in)."""
+        if work.role != "leader" or not self._has(work, "F", work.visit + 1):
+            return None
+        return (
+            f"microbatch {work.microbatch}'s forward ended at visit {work.visit} of partition "
+            f"0, but the plan has it come back for visit {work.visit + 1}"
+        )
 
     # --- weight halves -------------------------------------------------------------------------
 
