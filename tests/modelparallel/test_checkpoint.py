@@ -191,3 +191,19 @@ def test_loading_never_runs_code_from_a_planted_file_unless_trusted(tmp_path: Pa
         with pytest.raises(Exception, match="Weights only load failed"):
             smp.resume_from_checkpoint(tmp_path / "own")
         assert smp.resume_from_checkpoint(tmp_path / "own", weights_only=False).step == 7
+
+
+def test_saving_a_tag_again_clears_what_an_earlier_save_at_other_degrees_left(
+    tmp_path: Path,
+) -> None:
+    # A save of tag t at tp=2 left model_0_1_0.pt; saved again at tp=1, t resumes at tp=1.
+    with single_process():
+        model = FakeModel(1.0)
+        state.register_model(model)
+        stale = tmp_path / "t_partial" / "model_0_1_0.pt"
+        stale.parent.mkdir()
+        torch.save({"a": torch.zeros(2), PARTIAL: True}, stale)
+        smp.save_checkpoint(tmp_path, "t", model=model)
+        assert _files(tmp_path) == ["newest", "t_partial/model_0_0_0.pt"]
+        smp.resume_from_checkpoint(tmp_path, tag="t")
+        assert model.loads == [("partial", True)]

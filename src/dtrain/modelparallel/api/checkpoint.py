@@ -158,7 +158,9 @@ def save_checkpoint(
     root = Path(path)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        folder.mkdir(parents=True, exist_ok=True)
+        if st.rank == 0:
+            _empty(folder)
+        comm.barrier()
         writes, index = _share(st, "model")
         if writes and model is not None:
             torch.save(model.local_state_dict(), folder / _rank_file("model", st, index))
@@ -191,6 +193,14 @@ def save_checkpoint(
         if partial and num_kept_partial_checkpoints is not None:
             _prune(root, tag, num_kept_partial_checkpoints)
     comm.barrier()
+
+
+def _empty(folder: Path) -> None:
+    """Make ``folder`` an empty folder: a file left by an earlier save of the tag at other
+    degrees would mislead the degree check on resuming, and be loaded by a rank it matches."""
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
 
 
 def _write_newest(root: Path, tag: str) -> None:
