@@ -39,6 +39,7 @@ FAMILY = Family(
     colwise=("attention.query_key_value", "mlp.dense_h_to_4h"),
     rowwise=("attention.dense", "mlp.dense_4h_to_h"),
     sizes=("num_attention_heads", "intermediate_size"),
+    attention_dropout="attention_dropout",
 )
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "relu": "relu"}
