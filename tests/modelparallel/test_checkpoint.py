@@ -15,6 +15,7 @@ import torch
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import state
+from dtrain.modelparallel.api.model import DEGREES_KEY
 from dtrain.modelparallel.errors import ModelParallelError, NotInitializedError
 from tests.modelparallel.harness import run_ranks, single_process
 
@@ -191,3 +192,40 @@ def test_loading_never_runs_code_from_a_planted_file_unless_trusted(tmp_path: Pa
         with pytest.raises(Exception, match="Weights only load failed"):
             smp.resume_from_checkpoint(tmp_path / "own")
         assert smp.resume_from_checkpoint(tmp_path / "own", weights_only=False).step == 7
+
+
+def test_saving_a_tag_again_clears_what_an_earlier_save_at_other_degrees_left(
+    tmp_path: Path,
+) -> None:
+    # A save of tag t at tp=2 left model_0_1_0.pt; saved again at tp=1, t resumes at tp=1.
+    with single_process():
+        model = FakeModel(1.0)
+        state.register_model(model)
+        stale = tmp_path / "t_partial" / "model_0_1_0.pt"
+        stale.parent.mkdir()
+        torch.save({"a": torch.zeros(2), PARTIAL: True}, stale)
+        smp.save_checkpoint(tmp_path, "t", model=model)
+        assert _files(tmp_path) == ["newest", "t_partial/model_0_0_0.pt"]
+        smp.resume_from_checkpoint(tmp_path, tag="t")
+        assert model.loads == [("partial", True)]
+
+
+class SavedAtPp2(FakeModel):
+    """A fake whose partial state names degrees pp 2 x tp 1 (as a pp=2 job's would)."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        degrees = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 1}
+        return {**super().local_state_dict(), DEGREES_KEY: degrees}
+
+
+def test_resuming_reads_the_saved_degrees_from_the_model_file_not_the_file_names(
+    tmp_path: Path,
+) -> None:
+    # The folder holds model_0_0_0.pt only (on a node's own disk, rank 0's), as a pp=1 save.
+    with single_process():
+        model = SavedAtPp2(1.0)
+        state.register_model(model)
+        smp.save_checkpoint(tmp_path, "t", model=model)
+        with pytest.raises(ModelParallelError, match="the partial state was saved at pipeline"):
+            smp.resume_from_checkpoint(tmp_path, tag="t")
+        assert model.loads == []

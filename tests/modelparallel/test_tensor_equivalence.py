@@ -3,7 +3,8 @@ tp=2 x rdp=2 (world 4, two microbatches) and tp=2 x rdp=2 with prescaled_batch t
 smp.nn.DistributedTransformerLMHead and a plain MLP marked with smp.set_tensor_parallelism to
 the one-process losses and parameters; in world 4 the LM is checkpointed (partial and whole)
 after three steps and resumed into a fresh model for the fourth, and its whole checkpoint loads
-into the one-process model."""
+into the one-process model. At tp=2 in fp32, optimizer.clip_master_grads clips as
+torch.nn.utils.clip_grad_norm_ does in one process."""
 
 from __future__ import annotations
 
@@ -212,3 +213,44 @@ def test_tensor_parallel_training_equals_one_process(
         "smp.nn.DistributedLinear: in_features=5 does not split over "
         "tensor_parallel_degree=2; allowed: a multiple of 2"
     )
+
+
+CLIP = 0.05
+"""Below every step's gradient norm of the LM: each step is clipped."""
+
+
+def _clipped_step(model: Any, optimizer: Any, step: int) -> float:
+    ids, mask = _batch(step)
+    rows = GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    optimizer.zero_grad()
+    step_of(_lm_loss)(model, ids[mine], mask[mine])
+    norm = optimizer.clip_master_grads(CLIP)
+    optimizer.step()
+    return norm
+
+
+def _clipped_fp32() -> tuple[list[float], dict[str, torch.Tensor]]:
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    model, optimizer = _wrapped("lm", _lm)
+    norms = [_clipped_step(model, optimizer, step) for step in range(2)]
+    return norms, model.state_dict()
+
+
+def test_fp32_tensor_parallel_clip_master_grads_clips_as_one_process() -> None:
+    # torch.nn.utils.clip_grad_norm_ refuses the mix of tensors and DTensors.
+    with single_process({}):
+        model = _lm()
+        optimizer = _optimizer(model.parameters())
+        norms = []
+        for step in range(2):
+            optimizer.zero_grad()
+            _lm_loss(model, *_batch(step)).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            optimizer.step()
+        params = model.state_dict()
+    assert min(norms) > CLIP
+    for got, trained in run_ranks(2, _clipped_fp32):
+        assert got == pytest.approx(norms, rel=1e-5)
+        for key, value in params.items():
+            torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)

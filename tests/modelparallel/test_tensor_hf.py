@@ -182,6 +182,13 @@ def _on_ranks() -> dict[str, Any]:
     except ModelParallelError as exc:
         out["bad"] = str(exc)
     smp.reset()
+    with smp.tensor_parallelism():
+        dropping = MODELS["bert"].build(attention_probs_dropout_prob=0.1)  # BERT's default
+    try:
+        smp.DistributedModel(dropping)
+    except ModelParallelError as exc:
+        out["dropout"] = str(exc)
+    smp.reset()
     out["hidden"] = _hidden_states()
     smp.shutdown()
     for layout, (config, name) in LAYOUTS.items():
@@ -256,6 +263,51 @@ def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]
         "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
         "tensor_parallel_degree=2; allowed: a multiple of 2"
     )
+
+
+def test_attention_dropout_fails_when_wrapped_naming_the_field(
+    ranks: list[dict[str, Any]],
+) -> None:
+    assert ranks[0]["dropout"] == (
+        "smp.DistributedModel: the model (BertForMaskedLM) cannot be distributed: "
+        "smp.nn.huggingface.bert: config.attention_probs_dropout_prob=0.1 is not supported at "
+        "tensor_parallel_degree 2: the ranks' attention modules would draw the same dropout "
+        "mask for their k-th heads, where one process draws every head's apart; allowed: "
+        "config.attention_probs_dropout_prob=0 (eval mode drops nothing anyway), or "
+        "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw masks of "
+        "their own"
+    )
+
+
+DROPOUTS = [
+    ("bert", "Bert", {}, 2, "attention_probs_dropout_prob=0.1"),
+    ("bert", "Bert", {}, 1, None),
+    ("bert", "Bert", {"attention_probs_dropout_prob": 0.0}, 2, None),
+    ("roberta", "Roberta", {}, 4, "attention_probs_dropout_prob=0.1"),
+    ("llama", "Llama", {}, 2, None),
+    ("llama", "Llama", {"attention_dropout": 0.2}, 2, "attention_dropout=0.2"),
+    ("gptj", "GPTJ", {"attn_pdrop": 0.1}, 2, "attn_pdrop=0.1"),
+    ("gptneo", "GPTNeo", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
+    ("gptneox", "GPTNeoX", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
+    ("gptneox", "GPTNeoX", {"hidden_dropout": 0.1}, 2, None),
+]
+"""Family, config class, fields other than the defaults, tp degree, the refused field (None:
+accepted). BERT's and RoBERTa's default attention dropout is 0.1, the others' 0."""
+
+
+@pytest.mark.parametrize(("family", "kind", "fields", "degree", "refused"), DROPOUTS)
+def test_attention_dropout_above_zero_is_refused_at_tp_above_one(
+    family: str, kind: str, fields: dict[str, Any], degree: int, refused: str | None
+) -> None:
+    import transformers
+
+    config = getattr(transformers, f"{kind}Config")(**fields)
+    of = getattr(smp.nn.huggingface, family).FAMILY
+    if refused is None:
+        inplace.refuse_attention_dropout(config, of, degree)
+    else:
+        with pytest.raises(ModelParallelError, match=rf"config\.{refused} is not supported"):
+            inplace.refuse_attention_dropout(config, of, degree)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

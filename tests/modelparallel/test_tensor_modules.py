@@ -1,6 +1,7 @@
 """smp.nn on two tensor-parallel ranks against the same modules in one process: the same
 initial weights (tensor_parallel_seed), outputs, gradients and whole-tensor state dicts that
-load both ways; sizes that do not split are named before any step."""
+load both ways, with positional or keyword input; sizes that do not split are named before any
+step."""
 
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ def _run_modules() -> dict[str, Any]:
     mine = slice(smp.tp_rank() * rows, (smp.tp_rank() + 1) * rows)
     loss, logits = lm((ids[mine], mask[mine], None, None, ids[mine]))
     out = linear(embedding(ids[mine]))
+    with torch.no_grad():
+        keyword = linear(input=embedding(input=ids[mine]))  # nn.Linear's and nn.Embedding's name
     (loss + out.pow(2).mean()).backward()
     modules = {"lm": lm, "linear": linear, "embedding": embedding}
     return {
         "loss": loss.item(),
         "logits": logits.detach(),
         "out": out.detach(),
+        "keyword": torch.equal(keyword, out),  # here: an unwaited collective pickles unset
         "state": {name: m.state_dict() for name, m in modules.items()},
         "grads": {
             name: {k: whole(p.grad) for k, p in m.named_parameters()} for name, m in modules.items()
@@ -96,6 +100,7 @@ def test_two_ranks_compute_as_one_process_and_name_sizes_that_do_not_split() -> 
     ranks = run_ranks(2, _on_two_ranks, timeout=120)
     with single_process({}):
         one = _run_modules()
+    assert all(rank["keyword"] for rank in [*ranks, one])
     for name in ("logits", "out"):
         together = torch.cat([rank[name] for rank in ranks])
         torch.testing.assert_close(together, one[name], rtol=1e-5, atol=1e-6)

@@ -77,7 +77,8 @@ def _train(checkpointed: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _mismatched() -> list[str]:
-    """Rank 0 brings 4 rows, rank 1 brings 3, to a transformer layer and a DistributedLinear."""
+    """Rank 0 brings 4 rows, rank 1 brings 3, to a transformer layer and a DistributedLinear
+    (positional and keyword input)."""
     layer = smp.nn.DistributedTransformerLayer(
         num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16
     )
@@ -87,6 +88,7 @@ def _mismatched() -> list[str]:
     for call in (
         lambda: layer((torch.zeros(rows, 5, 8), None)),
         lambda: linear(torch.zeros(rows, 8)),
+        lambda: linear(input=torch.zeros(rows, 8)),
     ):
         try:
             call()
@@ -143,7 +145,8 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     group = "smp.nn.{}: the ranks of tensor-parallel group [0, 1] bring inputs of different shapes"
     rule = "with prescaled_batch=False every rank of a tp group must bring as many rows"
     assert ranks[0]["errors"] == ranks[1]["errors"]
-    layer, linear = ranks[0]["errors"]
+    layer, linear, keyword = ranks[0]["errors"]
+    assert keyword == linear
     assert layer.startswith(group.format("DistributedTransformerLayer"))
     assert "rank 0 [4, 5, 8], rank 1 [3, 5, 8]; " + rule in layer
     assert linear.startswith(group.format("DistributedLinear"))

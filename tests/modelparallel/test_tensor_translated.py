@@ -3,7 +3,8 @@
 option (rotary share and base, parallel or sequential residual, one norm or two, tying,
 activation) gives HF's logits and loss, and the state dict translates to HF's and back exactly;
 on two tensor-parallel ranks both train as the plain HF models. Without the intent a model is
-split in place, as before; what the translation cannot honour is refused by name; checkpointing
+split in place, as before; what the translation cannot honour is refused by name, a head
+count the translation functions cannot know too; checkpointing
 marks on a parallel layer's blocks apply."""
 
 from __future__ import annotations
@@ -154,6 +155,32 @@ def test_what_the_translation_cannot_honour_is_refused_by_name() -> None:
         _, gpt_j = _swapped("GPTJ", rotary_dim=4)
         with pytest.raises(ModelParallelError, match=r"does not take \['token_type_ids'\]"):
             gpt_j(input_ids=ids, token_type_ids=ids)
+
+
+def test_neox_translations_refuse_a_head_count_they_cannot_know() -> None:
+    # Splitting query_key_value by another head count succeeds too, into wrong weights.
+    import transformers
+
+    translate = gptneox.translate_hf_state_dict_to_smdistributed_gptneox
+    hf = _plain().state_dict()
+    two_heads = transformers.GPTNeoXConfig(**{**SIZES["GPTNeoX"], "num_attention_heads": 2})
+    with single_process({}):
+        with pytest.raises(ModelParallelError, match="no GPT-NeoX config was translated"):
+            translate(hf)
+        gptneox.init_hook(_plain().config)
+        guessed = translate(hf)
+        for key, value in translate(hf, num_attention_heads=4).items():
+            assert torch.equal(guessed[key], value), key
+        gptneox.init_hook(two_heads)
+        with pytest.raises(
+            ModelParallelError, match=r"several GPT-NeoX configs were translated \(2, 4 heads\)"
+        ):
+            translate(hf)
+        with pytest.raises(ModelParallelError, match="pass num_attention_heads"):
+            gptneox.translate_state_dict_to_hf_gptneox(translate(hf, num_attention_heads=4))
+        smp.reset()
+        with pytest.raises(ModelParallelError, match="no GPT-NeoX config was translated"):
+            translate(hf)
 
 
 TRAINED = (

@@ -36,10 +36,11 @@ import torch
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api import comm
-from dtrain.modelparallel.api.model import check_degrees
+from dtrain.modelparallel.api.model import DEGREES_KEY, check_degrees
 from dtrain.modelparallel.api.precision import FP16_STATES
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
+from dtrain.sealed import broadcast_object
 
 NEWEST = "newest"
 PARTIAL_SUFFIX = "_partial"
@@ -158,7 +159,9 @@ def save_checkpoint(
     root = Path(path)
     if partial:
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
-        folder.mkdir(parents=True, exist_ok=True)
+        if st.rank == 0:
+            _empty(folder)
+        comm.barrier()
         writes, index = _share(st, "model")
         if writes and model is not None:
             torch.save(model.local_state_dict(), folder / _rank_file("model", st, index))
@@ -191,6 +194,14 @@ def save_checkpoint(
         if partial and num_kept_partial_checkpoints is not None:
             _prune(root, tag, num_kept_partial_checkpoints)
     comm.barrier()
+
+
+def _empty(folder: Path) -> None:
+    """Make ``folder`` an empty folder: a file left by an earlier save of the tag (at other
+    degrees) would be loaded by a rank it matches."""
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
 
 
 def _write_newest(root: Path, tag: str) -> None:
@@ -278,16 +289,17 @@ def resume_from_checkpoint(
 
 
 def _check_saved_degrees(folder: Path, st: MPState) -> None:
-    """The degrees a partial checkpoint was saved at, read from its model files' pp and tp
-    ranks, must be this job's (on every rank alike, before anything loads)."""
-    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
-    found = [re.fullmatch(r"model_(\d+)_(\d+)_\d+\.pt", name) for name in names]
-    ranks = [(int(match[1]), int(match[2])) for match in found if match]
-    if ranks:
-        saved = {
-            "pipeline_parallel_degree": max(pp for pp, _ in ranks) + 1,
-            "tensor_parallel_degree": max(tp for _, tp in ranks) + 1,
-        }
+    """The degrees a partial checkpoint was saved at must be this job's, on every rank alike
+    before anything loads: rank 0 reads them from its model file (a partial state names them)
+    and tells the others. Not inferred from the file names: a rank may see only its node's
+    files, or files another save left."""
+    saved = None
+    if st.rank == 0:
+        model_file = folder / _rank_file("model", st, _share(st, "model")[1])
+        if model_file.is_file():
+            saved = torch.load(model_file, "cpu", weights_only=True, mmap=True).get(DEGREES_KEY)
+    saved = broadcast_object(saved, 0, st.object_groups["world"], st.seals)
+    if saved is not None:
         check_degrees(saved, st, f"smp.resume_from_checkpoint({folder})")
 
 

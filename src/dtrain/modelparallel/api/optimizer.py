@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api.model import PARTIAL_KEY, DistributedModel
-from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler
+from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler, clip_gradients
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.sealed import all_gather_objects
 
@@ -246,9 +246,10 @@ class _Adapter:
         return self.optimizer if self.zero is None else self.zero.optim
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients the optimizer steps to a global norm over every partition;
-        returns that norm (-1 after an fp16 overflow: the step will be skipped). Every rank
-        calls it, after the step function."""
+        """Clip the gradients the optimizer steps (an fp32 model's own, a half model's masters')
+        to a global norm over every partition, a tensor-parallel parameter's norm its whole
+        one's; returns that norm (-1 after an fp16 overflow: the step will be skipped). Every
+        rank calls it, after the step function."""
         self.prune()
         if self.model.sharding is not None:
             raise ModelParallelError(
@@ -256,15 +257,13 @@ class _Adapter:
                 "optimizer.step() clips the gradients to sdp_gradient_clipping (smp.init's "
                 "parameter), as in SMP; leave the call out"
             )
-        half = self.model.half_precision
-        if half is None:
-            raise ModelParallelError(
-                "optimizer.clip_master_grads clips the fp32 master gradients of an fp16 or bf16 "
-                "model (smp.init with fp16=True or bf16=True); for an fp32 model clip "
-                "model.local_parameters()' gradients with torch.nn.utils.clip_grad_norm_"
-            )
         st = state.current()
         group = st.pp_process_group if st.pp_size > 1 else None
+        half = self.model.half_precision
+        if half is None:
+            return clip_gradients(
+                self.model.local_parameters(), max_norm, norm_type, group, st.device
+            )
         return half.clip_master_grads(max_norm, norm_type, group)
 
     def local_fp16_state_dict(self, full: bool = False) -> dict[str, Any]:

@@ -103,6 +103,39 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return value if full is None else full()
 
 
+def clip_gradients(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> float:
+    """Clip ``params``' gradients to a global norm ``max_norm`` over every partition (``group``:
+    the pipeline, each rank holding its own parameters); returns the norm before clipping.
+    ``torch.nn.utils.clip_grad_norm_`` refuses a mix of tensors and DTensors: here a DTensor
+    gradient's norm is its whole parameter's (the tp group's shards resolved in one collective
+    per clip), counted once. ``device``: where the total is reduced."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for kind in _by_type(grads):
+        norms = _whole(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in kind]))
+        if norm_type == math.inf:
+            total = torch.maximum(total, norms.max().to(total.device))
+        else:
+            total += norms.pow(norm_type).sum().to(total.device)
+    if group is not None:
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    if norm_type != math.inf:
+        total = total.pow(1.0 / norm_type)
+    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's
+    with torch.no_grad():
+        for grad in grads:
+            grad.mul_(coefficient)
+    return float(total)
+
+
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """``smp.init`` parameters that make the model half, and the dtype each gives."""
 
@@ -365,30 +398,10 @@ class HalfParameters(LossScaling):
     ) -> float:
         """Clip the masters' gradients to a global norm ``max_norm`` over every partition
         (``group``: the pipeline); returns the norm before clipping, -1 after an overflow
-        (apex's convention: the step will be skipped, nothing to clip). A DTensor gradient's
-        norm is its whole parameter's (the tp group's shards resolved in one collective per
-        clip), counted once."""
+        (apex's convention: the step will be skipped, nothing to clip)."""
         if self.overflow:
             return -1.0
-        grads = [m.grad for m in self.masters() if m.grad is not None]
-        norm_type = float(norm_type)
-        total = torch.zeros((), dtype=torch.float32, device=self._device)
-        for kind in _by_type(grads):
-            norms = _whole(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in kind]))
-            if norm_type == math.inf:
-                total = torch.maximum(total, norms.max().to(total.device))
-            else:
-                total += norms.pow(norm_type).sum().to(total.device)
-        if group is not None:
-            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-            dist.all_reduce(total, op=op, group=group)
-        if norm_type != math.inf:
-            total = total.pow(1.0 / norm_type)
-        coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's
-        with torch.no_grad():
-            for grad in grads:
-                grad.mul_(coefficient)
-        return float(total)
+        return clip_gradients(self.masters(), max_norm, norm_type, group, self._device)
 
     # --- state dicts ---------------------------------------------------------------------------
 

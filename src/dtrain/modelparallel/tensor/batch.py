@@ -146,14 +146,23 @@ def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
     return int(rows[0][0].item())
 
 
-def check_batch(module: nn.Module, args: tuple[Any, ...]) -> None:
+def check_batch(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Forward pre-hook of ``DistributedLinear`` and ``DistributedEmbedding``, whose exchange
-    of the ranks' rows needs equal shapes: different ones fail naming them."""
-    agree(f"smp.nn.{type(module).__name__}", args[0])
+    of the ranks' rows needs equal shapes: different ones fail naming them. Their input comes
+    first or as ``input=``, which moves to the front: torch's parallel styles' hooks, after
+    this one, read the first positional argument."""
+    if not args and "input" in kwargs:
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("input"),)
+    if args and isinstance(args[0], torch.Tensor):
+        agree(f"smp.nn.{type(module).__name__}", args[0])
+    return args, kwargs
 
 
 def check_batches(module: nn.Module) -> None:
     """Run :func:`check_batch` before each forward of ``module``, where the module computes (a
     collective of its tp group: never on a rank that calls it on another partition)."""
-    handle = module.register_forward_pre_hook(check_batch, prepend=True)
+    handle = module.register_forward_pre_hook(check_batch, prepend=True, with_kwargs=True)
     hooks.run_where_computed(module, {handle.id})

@@ -35,6 +35,7 @@ FAMILY = Family(
     rowwise=("attention.output.dense", "output.dense"),
     sizes=("num_attention_heads", "intermediate_size"),
     check=refuse_cross_attention,
+    attention_dropout="attention_probs_dropout_prob",
 )
 
 translate_hf_state_dict_to_smdistributed = same_names

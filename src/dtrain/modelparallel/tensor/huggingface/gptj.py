@@ -33,6 +33,7 @@ FAMILY = Family(
     sizes=("n_head", "n_inner"),
     head_counts={"attn": "num_attention_heads"},
     refused_inputs={"token_type_ids": "GPT-J embeds them with its word embedding"},
+    attention_dropout="attn_pdrop",
 )
 
 ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}

@@ -15,6 +15,7 @@ FAMILY = Family(
     sizes=("num_heads", "intermediate_size"),
     head_counts={"attn.attention": "num_heads"},
     refused_inputs={"token_type_ids": "GPT-Neo embeds them with its word embedding"},
+    attention_dropout="attention_dropout",
 )
 
 translate_hf_state_dict_to_smdistributed_gptneo = same_names

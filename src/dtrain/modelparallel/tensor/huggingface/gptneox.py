@@ -14,7 +14,8 @@
   names; splitting ``query_key_value`` by output features gives every rank whole heads.
 
 The two ``translate_*`` functions (SMP's names) turn state dicts either way; they need the head
-count, which the last translated config gives (as SMP's do) or ``num_attention_heads`` names.
+count, which ``num_attention_heads`` names or the one config translated since the last
+``smp.reset`` gives (as SMP's do); without either they fail.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.huggingface import causal
 from dtrain.modelparallel.tensor.huggingface.inplace import Family
@@ -37,14 +39,18 @@ FAMILY = Family(
     colwise=("attention.query_key_value", "mlp.dense_h_to_4h"),
     rowwise=("attention.dense", "mlp.dense_4h_to_h"),
     sizes=("num_attention_heads", "intermediate_size"),
+    attention_dropout="attention_dropout",
 )
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "relu": "relu"}
 """GPT-NeoX's activations and the output layer's names for them (exact ``gelu`` stays exact)."""
 
-_heads: list[int] = []
-"""The head count of the last config :func:`init_hook` translated (SMP's translation functions
-take only the state dict)."""
+_heads: set[int] = set()
+"""The head counts of the configs :func:`init_hook` translated since the last reset (SMP's
+translation functions take only the state dict): one is the translation's, several leave it
+unknown."""
+
+state.on_reset(_heads.clear)
 
 
 def _rope(config: Any) -> tuple[float, float]:
@@ -72,7 +78,7 @@ def init_hook(config: Any) -> Args:
         raise ModelParallelError(f"{WHAT}: attention_bias=False is not supported; allowed: True")
     base, fraction = _rope(config)
     head_size = hidden // heads
-    _heads[:] = [heads]
+    _heads.add(heads)
     return (), {
         "num_layers": config.num_hidden_layers,
         "num_attention_heads": heads,
@@ -124,14 +130,21 @@ _SPLIT = re.compile(r"transformer\.seq_layers\.(\d+)\.attention\.(query|key|valu
 
 
 def _head_count(num_attention_heads: int | None) -> int:
+    """The head count a translation splits ``query_key_value`` by: another one would reshape
+    it just as well, into wrong query, key and value weights, so a guess is refused."""
     if num_attention_heads is not None:
         return num_attention_heads
-    if not _heads:
-        raise ModelParallelError(
-            f"{WHAT}: the head count is unknown (no GPT-NeoX config translated yet); pass "
-            "num_attention_heads"
+    if len(_heads) != 1:
+        known = (
+            f"several GPT-NeoX configs were translated ({', '.join(map(str, sorted(_heads)))} "
+            "heads)"
+            if _heads
+            else "no GPT-NeoX config was translated since smp.init or smp.reset"
         )
-    return _heads[0]
+        raise ModelParallelError(
+            f"{WHAT}: the head count is unknown: {known}; pass num_attention_heads"
+        )
+    return next(iter(_heads))
 
 
 def translate_hf_state_dict_to_smdistributed_gptneox(

@@ -82,6 +82,9 @@ class Family:
     embeddings): computed before the embedding replaces them."""
     check: Callable[[Any], None] | None = None
     """Further refusals of a config (raising :class:`ModelParallelError`)."""
+    attention_dropout: str | None = None
+    """The config field of the dropout on the attention probabilities, refused above 0 at tp > 1
+    (:func:`refuse_attention_dropout`)."""
 
     @property
     def what(self) -> str:
@@ -118,6 +121,7 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     if family.check is not None:
         family.check(config)
     degree = state.current(what).tp_size
+    refuse_attention_dropout(config, family, degree)
     for name in family.sizes:
         size = getattr(config, name, None)
         if size is not None:
@@ -138,6 +142,24 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
     return model
+
+
+def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
+    """HF's attention draws one dropout mask for the rank's heads, and the tp group's ranks draw
+    alike (one generator state, as the region's replicated activations need), so rank r's k-th
+    head would share rank 0's k-th head's mask, where one process draws every head's apart: the
+    model would train unlike one process, silently. Refused before the first step, naming it."""
+    name = family.attention_dropout
+    probability = getattr(config, name, 0.0) if name is not None else 0.0
+    if degree > 1 and probability:
+        raise ModelParallelError(
+            f"{family.what}: config.{name}={probability} is not supported at "
+            f"tensor_parallel_degree {degree}: the ranks' attention modules would draw the "
+            "same dropout mask for their k-th heads, where one process draws every head's "
+            f"apart; allowed: config.{name}=0 (eval mode drops nothing anyway), or "
+            "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw "
+            "masks of their own"
+        )
 
 
 def _matches(path: str, pattern: str) -> bool:
