@@ -93,10 +93,13 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     losses, _ = trained(model, loss_fn)
     plan = model.partition_plan()
+    mine = {id(p) for p in model.local_parameters()}
+    others = [p for p in model.parameters() if id(p) not in mine and isinstance(p, DTensor)]
     return {
         "losses": losses,
         "params": model.state_dict(),
         "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
+        "others": (len(others), sum(p.to_local().numel() for p in others)),
         "owners": [plan.owner(str(i)) for i in range(len(module))],
     }
 
@@ -153,6 +156,8 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(
         if not auto:
             assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
         assert rank["split"] > 0  # every stage holds shards
+        assert rank["others"][1] == 0  # the other stage's shards: empty DTensors, freed
+        assert rank["others"][0] > 0 or auto
         if auto:
             assert "module 'transformer' would compute on partition 0" in rank["refused"]
             assert "tensor_parallel_degree above 1" in rank["refused"]
