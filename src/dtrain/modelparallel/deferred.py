@@ -438,11 +438,14 @@ def materialize(tensors: Iterable[Tensor], device: torch.device) -> None:
 
 def swap_in(tensor: Tensor, value: Tensor) -> None:
     """Give the Python object ``tensor`` the contents of ``value`` (any device), keeping its
-    kind (parameter or not) and ``requires_grad``: ``.data`` cannot cross to or from meta."""
+    kind (parameter or not), ``requires_grad`` and its attributes (marks such as tensor
+    parallelism's, set while it had no memory): ``.data`` cannot cross to or from meta, and a
+    swap swaps the attributes too."""
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
     else:
         value.requires_grad_(tensor.requires_grad)
+    vars(value).update(vars(tensor))
     torch.utils.swap_tensors(tensor, value)
 
 
@@ -451,15 +454,10 @@ def empty_in_place(tensor: Tensor, device: torch.device) -> None:
     keeping the Python object, its dtype and its kind: another rank's share, as every rank's
     model holds it.
 
-    A DTensor (a tensor made of other tensors) is swapped with an empty one of its layout,
-    keeping its attributes (tensor parallelism's marks): ``.data`` would change its wrapper
-    only, and the local shard inside would stay held."""
+    A DTensor (a tensor made of other tensors) is swapped with an empty one of its layout:
+    ``.data`` would change its wrapper only, and the local shard inside would stay held."""
     if is_traceable_wrapper_subclass(tensor):
-        empty = _empty_distributed(tensor, device)
-        if isinstance(tensor, nn.Parameter):
-            empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
-        vars(empty).update(vars(tensor))
-        torch.utils.swap_tensors(tensor, empty)
+        swap_in(tensor, _empty_distributed(tensor, device))
         return
     empty = torch.empty(0, dtype=tensor.dtype, device=device)
     if tensor.is_meta:  # .data cannot leave meta
