@@ -139,13 +139,21 @@ def _train(name: str) -> dict[str, Any]:
         for layer in module.model.layers:
             smp.set_activation_checkpointing(layer)
     model = smp.DistributedModel(module)
+    unmade = sorted(n for n, p in module.named_parameters() if p.is_meta)
     losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
     rows = sorted(n for n, p in module.named_parameters() if not shards.is_scaled_batch(p))
     trained = {key: value.clone() for key, value in model.state_dict().items()}
     model.load_state_dict(spec.build().state_dict())  # the plain model's, back in
     reloaded = model.state_dict()
-    return {"losses": losses, "state": trained, "split": split, "reloaded": reloaded, "rows": rows}
+    return {
+        "losses": losses,
+        "state": trained,
+        "split": split,
+        "reloaded": reloaded,
+        "rows": rows,
+        "unmade": unmade,
+    }
 
 
 def _rows() -> slice:
@@ -208,7 +216,7 @@ LAYOUTS = {
 }
 """Models trained again in other layouts: with ``prescaled_batch`` both ranks bring the whole
 batch; with two microbatches each rank runs its rows in two forwards (the plan's order); delayed,
-the model is created without memory and made whole to be split in place when wrapped."""
+the model is created without memory and each layer is made and split in place when wrapped."""
 
 
 @pytest.fixture(scope="module")
@@ -416,3 +424,18 @@ def test_a_marked_model_at_degree_one_trains_as_the_plain_model(name: str) -> No
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     for key, value in params.items():
         torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_delayed_model_split_in_place_is_made_one_layer_at_a_time(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Wrapping makes and splits the transformer layers alone (one at a time): the rest stays
+    without memory until the first step, so no rank holds the whole model."""
+    for rank in ranks:
+        assert rank["delayed"]["unmade"] == [
+            "gpt_neox.embed_in.weight",
+            "gpt_neox.final_layer_norm.bias",
+            "gpt_neox.final_layer_norm.weight",
+            "lm_head.weight",
+        ]
+        assert rank["gptneox"]["unmade"] == []

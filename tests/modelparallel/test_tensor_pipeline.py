@@ -4,7 +4,8 @@ are ranks 0 and 2; manual placement), a plain model marked with smp.set_tensor_p
 under the default placement (tp peers are neighbours; automatic partition: rank 0's tp group
 profiles together). There an LM head split over the partitions fails at its first step naming
 its transformer, which comes back to partition 0, and a model created without memory fails
-naming the automatic partition. A region entered for a caller on another
+naming the automatic partition; another stage's shards hold no elements; a profiling step
+failing on rank 0's tp peer fails every rank, naming it. A region entered for a caller on another
 partition does not gather. Without processes: a split block cut by the partition fails naming
 it, the scaled-batch mark travels with a request's compute mode, the tp styles' hooks are
 neither replayed nor run where their module does not compute, and a swapped module keeps the
@@ -93,10 +94,13 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
     model = smp.DistributedModel(module)
     losses, _ = trained(model, loss_fn)
     plan = model.partition_plan()
+    mine = {id(p) for p in model.local_parameters()}
+    others = [p for p in model.parameters() if id(p) not in mine and isinstance(p, DTensor)]
     return {
         "losses": losses,
         "params": model.state_dict(),
         "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
+        "others": (len(others), sum(p.to_local().numel() for p in others)),
         "owners": [plan.owner(str(i)) for i in range(len(module))],
     }
 
@@ -153,6 +157,8 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(
         if not auto:
             assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
         assert rank["split"] > 0  # every stage holds shards
+        assert rank["others"][1] == 0  # the other stage's shards: empty DTensors, freed
+        assert rank["others"][0] > 0 or auto
         if auto:
             assert "module 'transformer' would compute on partition 0" in rank["refused"]
             assert "tensor_parallel_degree above 1" in rank["refused"]
@@ -243,3 +249,36 @@ def test_a_swapped_module_keeps_the_partition_of_the_one_it_replaced() -> None:
     placement.keep_placements(root, placed)
     assert placement.manual_placements(root) == {"1": 1, "1.0": 1}
     placement.clear()
+
+
+class _FailsOnTpRank1(nn.Module):
+    """Raises in its first forward (the profiling step) on tp rank 1 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1 and smp.tp_rank() == 1:
+            raise ValueError("broken on tp rank 1")
+        return x
+
+
+def _profiling_fails_on_a_tp_peer() -> tuple[str, str]:
+    smp.init(
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True, "microbatches": 2}
+    )
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 4), _FailsOnTpRank1(), nn.Linear(4, 1)))
+    with pytest.raises(Exception) as failed:
+        step_of(lambda m, x, y: F.mse_loss(m(x), y))(model, torch.ones(4, 4), torch.ones(4, 1))
+    return type(failed.value).__name__, str(failed.value)
+
+
+def test_a_profiling_step_failing_on_a_tp_peer_fails_every_rank_naming_it() -> None:
+    """Rank 0's tp peer profiles with it: its failure reaches rank 0's broadcast, not a hang."""
+    ranks = run_ranks(4, _profiling_fails_on_a_tp_peer, timeout=40)
+    assert ranks[1] == ("ValueError", "broken on tp rank 1")
+    for kind, message in [ranks[0], *ranks[2:]]:
+        assert kind == "StepFailedError"
+        assert "ValueError: broken on tp rank 1 (raised on rank 1;" in message

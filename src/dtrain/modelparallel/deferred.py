@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from dtrain.modelparallel.errors import ModelParallelError
@@ -438,23 +438,46 @@ def materialize(tensors: Iterable[Tensor], device: torch.device) -> None:
 
 def swap_in(tensor: Tensor, value: Tensor) -> None:
     """Give the Python object ``tensor`` the contents of ``value`` (any device), keeping its
-    kind (parameter or not) and ``requires_grad``: ``.data`` cannot cross to or from meta."""
+    kind (parameter or not), ``requires_grad`` and its attributes (marks such as tensor
+    parallelism's, set while it had no memory): ``.data`` cannot cross to or from meta, and a
+    swap swaps the attributes too."""
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
     else:
         value.requires_grad_(tensor.requires_grad)
+    vars(value).update(vars(tensor))
     torch.utils.swap_tensors(tensor, value)
 
 
 def empty_in_place(tensor: Tensor, device: torch.device) -> None:
     """Make ``tensor`` (eager or created without memory) an empty tensor on ``device``,
     keeping the Python object, its dtype and its kind: another rank's share, as every rank's
-    model holds it."""
+    model holds it.
+
+    A DTensor (a tensor made of other tensors) is swapped with an empty one of its layout:
+    ``.data`` would change its wrapper only, and the local shard inside would stay held."""
+    if is_traceable_wrapper_subclass(tensor):
+        swap_in(tensor, _empty_distributed(tensor, device))
+        return
     empty = torch.empty(0, dtype=tensor.dtype, device=device)
     if tensor.is_meta:  # .data cannot leave meta
         swap_in(tensor, empty)
     else:
         tensor.data = empty
+
+
+def _empty_distributed(tensor: Any, device: torch.device) -> Tensor:
+    """A DTensor with no elements, on ``tensor``'s mesh and placements (its dimensions kept, so
+    every placement still names one). Duck-typed: DTensor takes a second to import."""
+    sizes = (0,) * tensor.dim()
+    return type(tensor).from_local(
+        torch.empty(sizes, dtype=tensor.dtype, device=device),
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=sizes,
+        stride=(1,) * tensor.dim(),
+    )
 
 
 def sync_random_states(

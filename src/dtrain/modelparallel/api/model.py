@@ -342,10 +342,11 @@ class DistributedModel(nn.Module):
         """
         st = self._state
         store, name = default_store(), f"dtrain/mp-plan/{next(_PLANS)}"
+        failed: Exception | None = None
         if st.rank == 0:
             try:
                 with solo.working(store, name, st.options.timeout):
-                    self._traced_step(make_body)
+                    self._profile_with_tp_group(make_body)
                     plan = self._plan_from_profile(fixed)
             except BaseException as exc:
                 self._broadcast_objects([("error", error_body(0, exc))])
@@ -353,14 +354,43 @@ class DistributedModel(nn.Module):
             payload: list[Any] = [("plan", plan.to_dict())]
         else:
             if st.rank in st.topology.group("tp", 0):
-                self._traced_step(make_body)
+                try:
+                    self._profile_with_tp_group(make_body)
+                except Exception as exc:  # rank 0 broadcasts it: the other ranks wait for that
+                    failed = exc
             what = "rank 0 to profile the model and plan its partition"
             solo.wait_for(store, name, st.options.timeout, st.rank, what)
             payload = [None]
         kind, value = self._broadcast_objects(payload)[0]
+        if failed is not None:
+            raise failed
         if kind == "error":
             raise StepFailedError(value.rank, value.exc_type, value.message, value.remote_traceback)
         return PartitionPlan.from_dict(value)
+
+    def _profile_with_tp_group(
+        self, make_body: Callable[[torch.device], Callable[[int], Any]]
+    ) -> None:
+        """The profiling step on rank 0's tp group, which then shares how it went: every member
+        raises the first failing member's error (its own exception there, a
+        :class:`StepFailedError` naming it elsewhere), so that rank 0 broadcasts it and no rank
+        waits for ever for a plan."""
+        st = self._state
+        error: Exception | None = None
+        try:
+            self._traced_step(make_body)
+        except Exception as exc:
+            error = exc
+        if st.tp_size > 1:
+            mine = None if error is None else error_body(st.rank, error)
+            outcomes = all_gather_objects(mine, st.object_groups["tp"], st.seals)
+            first = next((outcome for outcome in outcomes if outcome is not None), None)
+            if first is not None and first.rank != st.rank:
+                raise StepFailedError(
+                    first.rank, first.exc_type, first.message, first.remote_traceback
+                ) from error
+        if error is not None:
+            raise error
 
     def _traced_step(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
         """The profiling step: the first microbatch's step body, the model profiled in it.

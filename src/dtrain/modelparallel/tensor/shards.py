@@ -54,6 +54,12 @@ def parallelize(
         for layer in module.modules():  # the styles' hooks convert where the layer computes
             added = {*layer._forward_pre_hooks, *layer._forward_hooks} - before[id(layer)]
             hooks.run_where_computed(layer, added)
+    mark_block(module)
+
+
+def mark_block(module: nn.Module) -> None:
+    """Mark ``module`` a split block and every parameter of it one that sees the group's
+    combined batch (a block whose layers are split one by one is marked as a whole here)."""
     setattr(module, SPLIT_BLOCK, True)
     for param in module.parameters():  # marked again once split, when made
         setattr(param, SCALED_BATCH, True)

@@ -175,8 +175,7 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     registration = marks.registered().get(kind)
     args = marks.init_args_of(module)
     family = _family(kind) if registration is None and not _translates(kind, mark) else None
-    if family is not None:  # its own modules split in place, made first if without memory
-        _made(module)
+    if family is not None:  # its own layers split in place, each made when split if delayed
         return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
     if built_in is not None:
@@ -247,8 +246,8 @@ def _state_keys(module: nn.Module) -> set[str]:
 
 
 def _made(module: nn.Module) -> None:
-    """A module created without memory made whole (with its eager values) before it is swapped
-    or split: the one module whole at a time."""
+    """A module created without memory made whole (with its eager values) before it is
+    swapped: the one module whole at a time."""
     tensors = [*module.parameters(), *module.buffers()]
     deferred.materialize(tensors, state.current("smp.DistributedModel").device)
 

@@ -114,7 +114,9 @@ a model split in place keeps its own layers, so only their defaults describe it.
 
 
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
-    """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's."""
+    """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's. Each
+    transformer layer is split on its own, so a model created without memory has one layer
+    made at a time (:func:`..shards.split_delayed`), the rest at the first step."""
     what = family.what
     refuse_unsupported(what, options, IN_PLACE_DEFAULTS)
     config = model.config
@@ -133,10 +135,10 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
         for path, module in base.named_modules():
             if _matches(path, f"{family.layers}.{name}"):
                 setattr(module, attribute, getattr(module, attribute) // degree)
-    plan: dict[str, ParallelStyle] = {}
-    for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
-        plan.update({f"{family.layers}.{name}": style() for name in names})
-    shards.parallelize(base, plan, what)
+    for path, layer in base.named_modules():  # one by one: made one at a time if delayed
+        if _matches(path, family.layers):
+            shards.parallelize(layer, _layer_plan(family), what)
+    shards.mark_block(base)
     for param in embedding.parameters():  # runs on the rank's own rows, before the region
         setattr(param, shards.SCALED_BATCH, False)
     whole_state_dicts(base)
@@ -160,6 +162,14 @@ def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
             "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw "
             "masks of their own"
         )
+
+
+def _layer_plan(family: Family) -> dict[str, ParallelStyle]:
+    """How one of ``family``'s transformer layers is split (a fresh style per linear layer)."""
+    plan: dict[str, ParallelStyle] = {}
+    for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
+        plan.update({name: style() for name in names})
+    return plan
 
 
 def _matches(path: str, pattern: str) -> bool:
