@@ -44,7 +44,9 @@ LONGEST_FIRST = (
     "modelparallel/test_half_precision.py", "test_join.py", "launch/test_entry.py",
     "test_compat.py", "modelparallel/test_hf_models.py",
     "modelparallel/test_activation_checkpointing.py", "modelparallel/test_stall.py",
-    "modelparallel/test_equivalence.py",
+    "modelparallel/test_equivalence.py", "modelparallel/test_tensor_mixed.py",
+    "modelparallel/test_tensor_hf.py", "modelparallel/test_tensor_pipeline.py",
+    "modelparallel/test_tensor_translated.py",
 )  # fmt: skip
 """The files that take longest (20 to 140 s each on this 2-core machine), longest first; they
 start first and the rest follow in collection order. ``make test`` hands whole files to two
