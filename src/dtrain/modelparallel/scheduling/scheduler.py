@@ -396,13 +396,8 @@ class Scheduler:
         of it, and its weight half unless one is still owed (it was owed before the backward
         replied, so the end that reply leads to is not taken for the end of the weights).
         Whether there is a plan order (the token may then go on)."""
-        if self.plan is None:
-            return False
-        for phase in ("F", "B"):
-            self.end_action(step, phase, microbatch)
-        if not self.owes(step, microbatch):
-            self.end_action(step, "W", microbatch)
-        return True
+        self.end_action(step, "F", microbatch)
+        return self.end_backward(step, microbatch)
 
     # --- the leader's step ---------------------------------------------------------------------
 
