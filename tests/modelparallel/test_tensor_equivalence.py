@@ -91,9 +91,14 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def trained(model: Any, loss_fn: Callable[..., torch.Tensor]) -> tuple[list[float], Any]:
+def trained(
+    model: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    after_step: Callable[[], None] = lambda: None,
+) -> tuple[list[float], Any]:
     """``model`` (wrapped) trained for STEPS steps on this rank's rows of each global batch
-    (sharded by ``dp_rank``); the losses and the optimizer."""
+    (sharded by ``dp_rank``), calling ``after_step`` after each (to read its timeline); the
+    losses and the optimizer."""
     optimizer = smp.DistributedOptimizer(_optimizer(model.parameters()))
     train_step = step_of(loss_fn)
     rows = GLOBAL_BATCH // smp.dp_size()
@@ -104,6 +109,7 @@ def trained(model: Any, loss_fn: Callable[..., torch.Tensor]) -> tuple[list[floa
         optimizer.zero_grad()
         losses.append(float(train_step(model, ids[mine], mask[mine]).reduce_mean()))
         optimizer.step()
+        after_step()
     return losses, optimizer
 
 

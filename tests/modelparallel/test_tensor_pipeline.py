@@ -24,11 +24,13 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.api import placement
-from dtrain.modelparallel.errors import ModelParallelError, StepFailedError
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.models import ResidualTransformerLM
+from tests.modelparallel.test_deterministic import _collapsed
 from tests.modelparallel.test_tensor_equivalence import (
     LM,
     STEPS,
@@ -76,24 +78,55 @@ def _layers_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tor
     return 0.1 * F.mse_loss(model(ids), mask)  # small steps: the losses fall, as in training
 
 
+def _tied() -> nn.Module:
+    """A plain LM whose head is tied to its embedding, its blocks marked for tp (the head and
+    the embedding stay plain: a weight tied across a swap is refused)."""
+    model = ResidualTransformerLM(seed=0, vocab=LM["vocab_size"], dim=16, layers=2)
+    smp.set_tensor_parallelism(model.blocks)
+    return model
+
+
+def _tied_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids)["loss"]
+
+
+def _marked_mlp() -> nn.Module:
+    module = _mlp()
+    smp.set_tensor_parallelism(module)
+    return module
+
+
 CASES = {
-    "mlp": (_mlp, _mlp_loss, (3, 4)),
-    "layers": (_layers, _layers_loss, (2, 3)),
+    "mlp": (_marked_mlp, _mlp_loss, ("3", "4")),
+    "layers": (_layers, _layers_loss, ("2", "3")),
+    "lm": (_lm, _lm_loss, ("transformer.seq_layers.1",)),
+    "tied": (_tied, _tied_loss, ("blocks.1", "ln_f")),
+    "back": (_layers, _layers_loss, ("1",)),
 }
-"""Each model, its loss and the children a manual placement puts on partition 1."""
+"""Each model, its loss and the modules a manual placement puts on partition 1. The last three
+come back to partition 0 (route 0 -> 1 -> 0): the LM head's region scatters the batch there
+after its last layer, the tied head computes there last, and the second layer's region gathers
+there the output of the first, computed on partition 1."""
+
+ROUTED = ("lm", "tied", "back")
 
 
 def _train(case: str, auto: bool) -> dict[str, Any]:
     build, loss_fn, second = CASES[case]
     module = build()
-    if case == "mlp":
-        smp.set_tensor_parallelism(module)
     if not auto:  # the MLP's Linear is swapped when wrapped: it keeps its partition
-        for index in second:
-            smp.set_partition(module[index], 1)
+        for name in second:
+            smp.set_partition(module.get_submodule(name), 1)
     model = smp.DistributedModel(module)
-    losses, _ = trained(model, loss_fn)
+    orders: list[list[str]] = []
+
+    def record_order() -> None:
+        events = sorted(model.timeline(), key=lambda e: e.start)
+        orders.append(_collapsed([(e.kind, e.microbatch, e.visit) for e in events]))
+
+    losses, _ = trained(model, loss_fn, record_order)
     plan = model.partition_plan()
+    schedule = model.pipeline_schedule()
     mine = {id(p) for p in model.local_parameters()}
     others = [p for p in model.parameters() if id(p) not in mine and isinstance(p, DTensor)]
     return {
@@ -101,11 +134,21 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
         "params": model.state_dict(),
         "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
         "others": (len(others), sum(p.to_local().numel() for p in others)),
-        "owners": [plan.owner(str(i)) for i in range(len(module))],
+        "owners": {name: plan.owner(name) for name, _ in module.named_children()},
+        "second": [name for name, _ in module.named_modules() if name and plan.owner(name)],
+        "orders": orders,
+        "plan": _collapsed(list(schedule.plan_row(smp.pp_rank()))),
+        "printed": str(schedule),
     }
 
 
-def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
+WORLDS = {"cluster": ("mlp", "lm"), "spread": ("layers", "tied", "back")}
+"""The cases each placement's world trains: the automatic plan under ``cluster``, the manual one
+under ``spread``."""
+
+
+def _on_ranks(placement: str) -> dict[str, Any]:
+    auto = placement == "cluster"
     smp.init(
         {
             "pipeline_parallel_degree": 2,
@@ -117,56 +160,65 @@ def _on_ranks(case: str, placement: str, auto: bool) -> dict[str, Any]:
             "default_partition": 0,
         }
     )
-    out = {"groups": (smp.get_tp_group(), smp.get_pp_group()), **_train(case, auto)}
-    if auto:  # an LM head split over partitions comes back to partition 0: refused
+    out: dict[str, Any] = {"groups": (smp.get_tp_group(), smp.get_pp_group())}
+    for case in WORLDS[placement]:
+        out[case] = _train(case, auto)
         smp.reset()
-        model = smp.DistributedModel(_lm())
-        ids, mask = _batch(0)
-        rows = slice(smp.dp_rank() * 4, (smp.dp_rank() + 1) * 4)
-        with pytest.raises((ModelParallelError, StepFailedError)) as refused:
-            step_of(_lm_loss)(model, ids[rows], mask[rows])
-        out["refused"] = str(refused.value)
-        smp.reset()
+    if auto:  # a model created without memory is not partitioned automatically at pp x tp
         with smp.delay_param_initialization():
             layers = _layers()
         model = smp.DistributedModel(layers)
+        ids, mask = _batch(0)
+        rows = slice(smp.dp_rank() * 4, (smp.dp_rank() + 1) * 4)
         with pytest.raises(ModelParallelError) as refused:
             step_of(_layers_loss)(model, ids[rows], mask[rows])
         out["delayed"] = str(refused.value)
     return out
 
 
-@pytest.mark.parametrize(
-    ("case", "placement", "auto"), [("mlp", "cluster", True), ("layers", "spread", False)]
-)
-def test_pipeline_by_tensor_parallel_training_equals_one_process(
-    case: str, placement: str, auto: bool
-) -> None:
-    ranks = run_ranks(4, _on_ranks, case, placement, auto, timeout=180)
-    build, loss_fn, second = CASES[case]
-    losses, params, _ = one_process(build, loss_fn)
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_pipeline_by_tensor_parallel_training_equals_one_process(placement: str) -> None:
+    """Each case trains to the one-process losses and parameters; every rank computes its plan
+    row in every step, a tied head's second visit to partition 0 included, so the ranks of a
+    tp group meet in their collectives in one order."""
+    ranks = run_ranks(4, _on_ranks, placement, timeout=180)
+    auto = placement == "cluster"
     peers = {"cluster": ([0, 1], [0, 2]), "spread": ([0, 2], [0, 1])}[placement]
     assert ranks[0]["groups"] == peers
-    for group in ([0, 1], [2, 3]) if placement == "cluster" else ([0, 2], [1, 3]):
-        # a tp group is one stage of two pipelines: their loss is the mean of its rows'
-        mean = [sum(ranks[r]["losses"][step] for r in group) / 2 for step in range(STEPS)]
-        assert mean == pytest.approx(losses, rel=1e-5)
-    for rank in ranks:
-        assert rank["owners"] == ranks[0]["owners"]
-        assert rank["owners"][0] == 0 and rank["owners"][-1] == 1
-        if not auto:
-            assert [i for i, owner in enumerate(rank["owners"]) if owner] == list(second)
-        assert rank["split"] > 0  # every stage holds shards
-        assert rank["others"][1] == 0  # the other stage's shards: empty DTensors, freed
-        assert rank["others"][0] > 0 or auto
-        if auto:
-            assert "module 'transformer' would compute on partition 0" in rank["refused"]
-            assert "tensor_parallel_degree above 1" in rank["refused"]
+    tp_groups = ([0, 1], [2, 3]) if auto else ([0, 2], [1, 3])
+    for case in WORLDS[placement]:
+        build, loss_fn, second = CASES[case]
+        losses, params, _ = one_process(build, loss_fn)
+        for group in tp_groups:
+            # a tp group is one stage of two pipelines: their loss is the mean of its rows'
+            mean = [sum(ranks[r][case]["losses"][step] for r in group) / 2 for step in range(STEPS)]
+            assert mean == pytest.approx(losses, rel=1e-5)
+            assert ranks[group[0]][case]["plan"] == ranks[group[1]][case]["plan"]
+        for rank in ranks:
+            got = rank[case]
+            assert got["owners"] == ranks[0][case]["owners"]
+            # Every step of a route: the second visits are where tp peers could diverge. A
+            # chain's first step sends one request per module (the grouping of calls is learnt
+            # in it), so a backward shows as several B and I actions there.
+            routed = case in ROUTED
+            assert all(order == got["plan"] for order in got["orders"][0 if routed else 1 :])
+            if not auto:
+                assert set(second) <= set(got["second"])
+            assert got["split"] > 0  # every stage holds shards
+            assert got["others"][1] == 0  # the other stage's shards: empty DTensors, freed
+            assert got["others"][0] > 0 or auto
+            assert got["params"].keys() == params.keys()
+            for key, value in params.items():
+                torch.testing.assert_close(got["params"][key], value, rtol=1e-4, atol=1e-6)
+        if routed:  # back to partition 0: a plan per visit
+            assert "route 0 -> 1 -> 0" in ranks[0][case]["printed"]
+            assert {"F0.1", "B0.1"} <= set(ranks[0][case]["plan"])
+        else:
+            assert list(ranks[0][case]["owners"].values())[-1] == 1
+    if auto:
+        for rank in ranks:
             assert "model created without memory" in rank["delayed"]
             assert "allowed: auto_partition: false" in rank["delayed"]
-        assert rank["params"].keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(rank["params"][key], value, rtol=1e-4, atol=1e-6)
 
 
 class _Split(nn.Module):

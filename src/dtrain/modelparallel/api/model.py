@@ -536,7 +536,6 @@ class DistributedModel(nn.Module):
             modules,
             st.options.split_backward,
             self._plan_ordered(),
-            routes=st.tp_size == 1,  # tp's batch scatter takes no value from another partition
         )
 
     def pipeline_schedule(self) -> Schedule | RouteSchedule:

@@ -95,7 +95,6 @@ def pipeline_plan(
     modules: list[tuple[int, float]],
     split_backward: bool,
     ordered: bool,
-    routes: bool = True,
 ) -> Schedule | RouteSchedule:
     """The plan of a step: each partition's actions for ``policy``, with the backwards that
     shorten it most split if ``split_backward``, from each partition's ``stage_times``
@@ -104,12 +103,11 @@ def pipeline_plan(
     Where the runtime follows the plan (``ordered``: ``deterministic_server``, tensor
     parallelism) and the modules' order takes a microbatch back to partition 0 (a head tied to
     the embedding), the plan is per visit (:func:`~.planner.route_orders`); a route no plan
-    serves fails naming it. Otherwise (or without ``routes``) it is a chain plan, the
-    runtime's order when work runs as it becomes ready only where the forward is a chain; a
-    forward that comes back then fails at run time naming the module.
+    serves fails naming it. Otherwise it is a chain plan, the runtime's order when work runs as
+    it becomes ready only where the forward is a chain.
     """
     route, route_times = route_of(modules)  # registration order: most models' forward order
-    if not (ordered and routes) or is_chain(route):
+    if not ordered or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)
         if split_backward:
             policy = zero_bubble_policy(policy, len(stage_times), costs)
@@ -120,8 +118,8 @@ def pipeline_plan(
         raise ModelParallelError(
             "deterministic_server (or tensor parallelism) runs each rank's plan, made for "
             "the model's modules in the order they are registered, on the partitions "
-            f"{' -> '.join(map(str, route))}: {error}; place the modules so, or set "
-            "deterministic_server to false"
+            f"{' -> '.join(map(str, route))}: {error}; place the modules so, or (without "
+            "tensor parallelism) set deterministic_server to false"
         ) from None
     costs = Costs.of_stages(route_times, SPLIT_OVERHEAD)
     if split_backward:

@@ -22,7 +22,11 @@ generator, so the recomputation draws the same masks.
 With pipelines the region may call a module another partition owns: the request carries the
 region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
 batch they are and gives its outputs back whole; it agrees on its own group seed (that
-partition's tp group runs the same requests in the same order).
+partition's tp group runs the same requests in the same order). Their outputs come back as the
+deferred values of remote calls (:class:`~..pipeline.remote.RemoteValue`; a module's inputs are
+fetched before it runs), which the region fetches before it cuts each rank's rows there: its
+last crossing runs on its own partition after the later ones (a route back to partition 0, whose
+plan gives the crossing a visit of its own there).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.pipeline.activations import restore_on_recompute
+from dtrain.modelparallel.pipeline.remote import materialize
 
 T = TypeVar("T", torch.Tensor, None)
 
@@ -64,10 +69,11 @@ class ScaledBatch:
         return shard.redistribute(self.mesh, [Replicate()]).to_local()
 
     def scatter(self, combined: T) -> T:
-        """The group's combined batch → this rank's rows of it."""
+        """The group's combined batch (perhaps another partition's output, not yet fetched) →
+        this rank's rows of it."""
         if self.mesh is None or combined is None:
             return combined
-        whole = DTensor.from_local(combined, self.mesh, [Replicate()], run_check=False)
+        whole = DTensor.from_local(materialize(combined), self.mesh, [Replicate()], run_check=False)
         return whole.redistribute(self.mesh, [Shard(0)]).to_local()
 
 
