@@ -419,6 +419,56 @@ def test_a_microbatch_that_comes_back_to_the_leader_follows_a_turn_per_visit() -
     assert core.in_turn(work) and not core.waits(work)  # no earlier visit: waits in its turn
 
 
+# The leader's forward calls partition 1's layers one by one from a module of its own, each
+# call waiting for its reply (its outputs' structure not known yet: the first step): between
+# them it only resumes the module's code, which would have gone on without waiting had the
+# calls been deferred. Event, the core's answer, then the turn and the work's visit.
+REPLIES = [
+    ("computes", None, "F0", 0),  # the embedding and the first layers
+    ("waits for a reply", False, "F0", 0),  # the layer on partition 1: not over yet
+    ("waits for a reply", False, "F0", 0),  # the next layer there, called after the first
+    ("comes back", True, "F0 (visit 1)", 0),  # computes here again: visit 0 was over
+    ("returns", True, "F0 (visit 1)", 1),  # the head: the next visit, partition 1 done
+    ("comes back", False, "F0 (visit 1)", 1),  # once only
+]
+
+
+def test_a_forward_waiting_for_replies_ends_its_visit_when_it_computes_here_again() -> None:
+    core = _core(plan=TIED_HEAD_PLAN)
+    work = Work("leader", 0, "F")
+    for event, answer, turn, visit in REPLIES:
+        if event == "computes":
+            core.computes(work)
+        elif event == "waits for a reply":
+            assert core.waits(work, reply=True) is answer, event
+        elif event == "comes back":
+            assert core.comes_back(work) is answer, event
+        else:
+            assert core.returns(work) is answer, event
+            assert core.off_plan(work) is None
+        assert core.order(0).describe() == turn and work.visit == visit, event
+
+
+def test_a_wait_for_a_value_after_replies_ends_the_visit_once() -> None:
+    """The root's code fetching an output after the calls: the visit ends there, as without
+    the replies, and computing afterwards does not end the next visit too."""
+    core = _core(plan=TIED_HEAD_PLAN)
+    work = Work("leader", 0, "F")
+    core.computes(work)
+    assert not core.waits(work, reply=True)
+    assert core.waits(work) and core.order(0).describe() == "F0 (visit 1)"
+    assert not core.comes_back(work) and core.returns(work) and work.visit == 1
+
+
+def test_in_a_chain_plan_a_forward_waiting_for_a_reply_ends_its_action() -> None:
+    """No later visit: nothing is kept open (as before replies were told apart)."""
+    core = _core(plan=(("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)))
+    work = Work("leader", 0, "F")
+    core.computes(work)
+    assert core.waits(work, reply=True) and core.order(0).describe() == "F1"
+    assert not core.comes_back(work)
+
+
 def test_a_forward_with_no_visit_left_still_fails_naming_where() -> None:
     core = _core(plan=(("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)))
     work = Work("leader", 0, "F")

@@ -90,6 +90,12 @@ def _tied_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch
     return model(ids, labels=ids)["loss"]
 
 
+def _lm4() -> nn.Module:
+    """The LM head with four layers: a manual placement puts two consecutive ones on partition
+    1, which the transformer's code calls one by one, waiting for each reply in the first step."""
+    return smp.nn.DistributedTransformerLMHead(**{**LM, "num_layers": 4})
+
+
 def _marked_mlp() -> nn.Module:
     module = _mlp()
     smp.set_tensor_parallelism(module)
@@ -102,13 +108,14 @@ CASES = {
     "lm": (_lm, _lm_loss, ("transformer.seq_layers.1",)),
     "tied": (_tied, _tied_loss, ("blocks.1", "ln_f")),
     "back": (_layers, _layers_loss, ("1",)),
+    "lm4": (_lm4, _lm_loss, ("transformer.seq_layers.2", "transformer.seq_layers.3")),
 }
-"""Each model, its loss and the modules a manual placement puts on partition 1. The last three
+"""Each model, its loss and the modules a manual placement puts on partition 1. The last four
 come back to partition 0 (route 0 -> 1 -> 0): the LM head's region scatters the batch there
 after its last layer, the tied head computes there last, and the second layer's region gathers
 there the output of the first, computed on partition 1."""
 
-ROUTED = ("lm", "tied", "back")
+ROUTED = ("lm", "tied", "back", "lm4")
 
 
 def _train(case: str, auto: bool) -> dict[str, Any]:
@@ -142,7 +149,7 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
     }
 
 
-WORLDS = {"cluster": ("mlp", "lm"), "spread": ("layers", "tied", "back")}
+WORLDS = {"cluster": ("mlp", "lm"), "spread": ("layers", "tied", "back", "lm4")}
 """The cases each placement's world trains: the automatic plan under ``cluster``, the manual one
 under ``spread``."""
 

@@ -253,12 +253,13 @@ class RemoteCaller:
                 self.transport.forget(message.call_id)
             raise
 
-    def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
-        """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline)."""
+    def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
+        """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline;
+        ``reply``: a call's own, see :meth:`.Scheduler.waits`)."""
         request = pending.request
         what = f"{request.label()} from rank {pending.peer}"
         with (
-            self.executor.waiting(),
+            self.executor.waiting(reply),
             self.waits.waiting(pending.peer, request.describe()),
             self.executor.recorder.span("WAIT", request.microbatch, what, pending.peer),
         ):

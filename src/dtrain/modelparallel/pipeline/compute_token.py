@@ -316,6 +316,9 @@ class ComputeToken:
     def take(self, task: Task, name: str) -> None:
         """Hold the token to compute ``name``: kept from the task's last computation unless a
         more urgent task waits, else queued for; what the task queued is sent first."""
+        if task.away:  # its waits for calls' replies ended its visit after all
+            with self.waiting(coming_back=True):
+                pass
         self._check_plan_shape(task, name)
         if task.outbox:
             self.flush(task)
@@ -381,12 +384,16 @@ class ComputeToken:
                     self.release(task)
 
     @contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self, reply: bool = False, coming_back: bool = False) -> Iterator[None]:
         """Give the token away while the current task waits for another rank (or for another
-        task's result); a sticky holder does not take it back afterwards."""
+        task's result; for a remote call's ``reply``, see :meth:`.Scheduler.waits`); a sticky
+        holder does not take it back afterwards. ``coming_back``: no wait, but the visit its
+        waits for replies left ends here (:meth:`.Scheduler.comes_back`)."""
         task = self.current()
         if task is not None and self.core.plan is not None:
-            self.decide(lambda core: core.waits(task))
+            self.decide(
+                lambda core: core.comes_back(task) if coming_back else core.waits(task, reply)
+            )
         if task is None or not task.holding:
             yield
             return

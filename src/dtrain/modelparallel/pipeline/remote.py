@@ -58,8 +58,9 @@ LeafId = tuple[int, int]
 class Caller(Protocol):
     """What a remote call's caller-side state needs from the rank that made the call."""
 
-    def wait(self, pending: Pending) -> tuple[Message, list[torch.Tensor]]:
-        """The reply, giving the compute token away meanwhile."""
+    def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
+        """The reply, giving the compute token away meanwhile (``reply``: a call's own, not a
+        value fetched)."""
         ...
 
     def confirm(self, record: CallRecord) -> None:
@@ -110,7 +111,7 @@ class CallRecord:
         """Wait until the call is known to have succeeded (its error raises); its structure."""
         if not self._settled:
             if self.predicted is None:
-                message, tensors = self.runtime.wait(self.pending)
+                message, tensors = self.runtime.wait(self.pending, reply=True)
                 self.structure, self.outputs, self.meta = message.body, tensors, message.meta
                 self.extra = message.extra
                 self._settled = True

@@ -56,6 +56,9 @@ class Work:
     microbatch comes back to the rank, see :mod:`.order`)."""
     computed: bool = False
     """The work has computed here since its visit began (:meth:`Scheduler.computes`)."""
+    away: bool = False
+    """A leader's forward waited for a call's reply, not for a value, since it last computed:
+    its visit ends when it computes here again (:meth:`Scheduler.waits`)."""
     remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
     """Per owner (pp rank), the outputs this work fetched onto its autograd graph whose
     backward has not run yet: each will send the owner a backward request."""
@@ -285,17 +288,27 @@ class Scheduler:
         """``work`` computes (holding the token): its visit has begun here."""
         work.computed = True
 
-    def waits(self, work: Work) -> bool:
+    def waits(self, work: Work, reply: bool = False) -> bool:
         """``work`` waits for another rank: a leader's forward has then left partition 0, and
         its visit is over, unless the plan has a later visit and the task has not computed in
         this one yet (the root's code fetching an output before the head's modules run); so
         is a leader's backward's visit where the plan has an earlier one to come back to, once
         the visit sends no more backward requests (the backward of a head on partition 0,
         whose gradients the partitions before it wait for). Whether that ended an action (the
-        token may then go on)."""
+        token may then go on).
+
+        A forward waiting for the ``reply`` of a call (whose outputs' structure it does not
+        know yet, or whose hooks it replays) has not left for good where the plan has a later
+        visit: once the call is known it would have gone on without waiting, perhaps calling
+        that partition again (a module's layers there, one by one). Its visit ends when it next
+        computes here (:meth:`comes_back`) or waits for a value."""
         if work.role != "leader":
             return False
         if work.phase == "F":
+            if reply and self._has(work, "F", work.visit + 1):
+                work.away = work.away or work.computed
+                return False
+            work.away = False
             if not work.computed and self._has(work, "F", work.visit + 1):
                 return False
             work.computed = False
@@ -307,6 +320,15 @@ class Scheduler:
         ):
             return self.end_action(work.step, "B", work.microbatch, work.visit)
         return False
+
+    def comes_back(self, work: Work) -> bool:
+        """``work`` is about to compute here: if it waited for replies since it computed last
+        (:meth:`waits`), its visit is over now, as it would have been at the wait. Whether
+        that ended an action."""
+        if not work.away:
+            return False
+        work.away = False
+        return self.waits(work)
 
     def returns(self, work: Work) -> bool:
         """``work`` computes here again after it waited: where its visit is over and the plan
