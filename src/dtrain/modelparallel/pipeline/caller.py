@@ -183,7 +183,7 @@ class RemoteCaller:
         task.calls.append(record)
         if predicted is not None:
             return deferred_outputs(record, predicted)
-        outputs = record.reply()
+        outputs = record.reply(learning=self._defer and not observed)
         if observed:
             self._replay_hooks(record)
         if predictable(outputs):
@@ -255,7 +255,8 @@ class RemoteCaller:
 
     def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline;
-        ``reply``: a call's own, see :meth:`.Scheduler.waits`)."""
+        ``reply``: a call's, awaited only to learn its outputs' structure, see
+        :meth:`.Scheduler.waits`)."""
         request = pending.request
         what = f"{request.label()} from rank {pending.peer}"
         with (

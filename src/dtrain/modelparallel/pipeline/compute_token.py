@@ -386,7 +386,8 @@ class ComputeToken:
     @contextmanager
     def waiting(self, reply: bool = False, coming_back: bool = False) -> Iterator[None]:
         """Give the token away while the current task waits for another rank (or for another
-        task's result; for a remote call's ``reply``, see :meth:`.Scheduler.waits`); a sticky
+        task's result; for a remote call's ``reply``, awaited only to learn its outputs'
+        structure, see :meth:`.Scheduler.waits`); a sticky
         holder does not take it back afterwards. ``coming_back``: no wait, but the visit its
         waits for replies left ends here (:meth:`.Scheduler.comes_back`)."""
         task = self.current()

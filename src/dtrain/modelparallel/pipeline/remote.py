@@ -59,8 +59,8 @@ class Caller(Protocol):
     """What a remote call's caller-side state needs from the rank that made the call."""
 
     def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
-        """The reply, giving the compute token away meanwhile (``reply``: a call's own, not a
-        value fetched)."""
+        """The reply, giving the compute token away meanwhile (``reply``: a call's, awaited
+        only to learn its outputs' structure)."""
         ...
 
     def confirm(self, record: CallRecord) -> None:
@@ -107,11 +107,12 @@ class CallRecord:
     """The reply's extras (an eager call's hook records, see :mod:`.hooks`)."""
     _settled: bool = False
 
-    def reply(self) -> Any:
-        """Wait until the call is known to have succeeded (its error raises); its structure."""
+    def reply(self, learning: bool = False) -> Any:
+        """Wait until the call is known to have succeeded (its error raises); its structure
+        (``learning``: awaited only for that, see :meth:`.Scheduler.waits`)."""
         if not self._settled:
             if self.predicted is None:
-                message, tensors = self.runtime.wait(self.pending, reply=True)
+                message, tensors = self.runtime.wait(self.pending, reply=learning)
                 self.structure, self.outputs, self.meta = message.body, tensors, message.meta
                 self.extra = message.extra
                 self._settled = True

@@ -57,8 +57,8 @@ class Work:
     computed: bool = False
     """The work has computed here since its visit began (:meth:`Scheduler.computes`)."""
     away: bool = False
-    """A leader's forward waited for a call's reply, not for a value, since it last computed:
-    its visit ends when it computes here again (:meth:`Scheduler.waits`)."""
+    """A leader's forward waited for a call's reply only to learn its structure since it last
+    computed: its visit ends when it computes here again (:meth:`Scheduler.waits`)."""
     remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
     """Per owner (pp rank), the outputs this work fetched onto its autograd graph whose
     backward has not run yet: each will send the owner a backward request."""
@@ -297,11 +297,13 @@ class Scheduler:
         whose gradients the partitions before it wait for). Whether that ended an action (the
         token may then go on).
 
-        A forward waiting for the ``reply`` of a call (whose outputs' structure it does not
-        know yet, or whose hooks it replays) has not left for good where the plan has a later
-        visit: once the call is known it would have gone on without waiting, perhaps calling
-        that partition again (a module's layers there, one by one). Its visit ends when it next
-        computes here (:meth:`comes_back`) or waits for a value."""
+        A forward waiting for the ``reply`` of a call only to learn its outputs' structure (a
+        module's first call: later ones are deferred) has not left for good where the plan has
+        a later visit: it would have gone on without waiting, perhaps calling that partition
+        again (a module's layers there, one by one). Its visit ends when it next computes here
+        (:meth:`comes_back`) or waits for a value. (The first call of a module is microbatch
+        0's, whose forward comes first in every rank's plan row, so the turn it keeps holds up
+        nobody; replies awaited in every microbatch, for hooks replayed, end the visit.)"""
         if work.role != "leader":
             return False
         if work.phase == "F":
