@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import deferred
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.plan.profile import on_meta
 from tests.modelparallel import hf_cases
 from tests.modelparallel.equivalence import CASES, case_pipeline, init_smp, reference
 from tests.modelparallel.harness import run_ranks, single_process
@@ -129,6 +130,23 @@ def test_a_parameter_replaced_after_the_block_is_refused() -> None:
     lazy.group1.conv1.weight = nn.Parameter(torch.empty(4, 1, 3, 3, device="meta"))
     with pytest.raises(ModelParallelError, match=r"shape \[4, 1, 3, 3\].*after the block"):
         deferred.materialize(_tensors(lazy), torch.device("cpu"))
+
+
+def test_profiling_a_partly_made_model_on_meta_gives_its_real_parameters_back() -> None:
+    """A model made in part (at tp > 1: the split modules, made when wrapped) runs on the meta
+    device to be profiled; its real parameters are the same objects, with their values and
+    marks, afterwards (a parameter swapped back with the meta twin stayed on meta)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with smp.delay_param_initialization():
+        model[1] = nn.Linear(2, 2)
+    real = model[0].weight
+    real.mark = "kept"  # type: ignore[attr-defined]
+    values = real.detach().clone()
+    with on_meta(model):
+        assert real.is_meta and model[0].weight is real
+    assert not real.is_meta and isinstance(real, nn.Parameter) and real.requires_grad
+    assert torch.equal(real, values) and real.mark == "kept"  # type: ignore[attr-defined]
+    assert model[1].weight.is_meta  # still to be made
 
 
 def test_model_creation_delays_as_the_job_says_in_its_dtype() -> None:

@@ -436,17 +436,19 @@ def materialize(tensors: Iterable[Tensor], device: torch.device) -> None:
             swap_in(tensor, value.to(device))
 
 
-def swap_in(tensor: Tensor, value: Tensor) -> None:
+def swap_in(tensor: Tensor, value: Tensor) -> Tensor:
     """Give the Python object ``tensor`` the contents of ``value`` (any device), keeping its
     kind (parameter or not), ``requires_grad`` and its attributes (marks such as tensor
     parallelism's, set while it had no memory): ``.data`` cannot cross to or from meta, and a
-    swap swaps the attributes too."""
+    swap swaps the attributes too. Returns the object that holds ``tensor``'s old contents (a
+    parameter's ``value`` is wrapped anew): swapping the two back restores it."""
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
     else:
         value.requires_grad_(tensor.requires_grad)
     vars(value).update(vars(tensor))
     torch.utils.swap_tensors(tensor, value)
+    return value
 
 
 def empty_in_place(tensor: Tensor, device: torch.device) -> None:

@@ -311,14 +311,6 @@ class DistributedModel(nn.Module):
         self._broadcast_initial_state()
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
-            if st.tp_size > 1 and self._delayed():
-                raise ModelParallelError(
-                    "smp.DistributedModel: a model created without memory, with "
-                    f"pipeline_parallel_degree {st.pp_size} x tensor_parallel_degree "
-                    f"{st.tp_size}, is not partitioned automatically by dtrain (the profile "
-                    "without memory does not handle its split modules); allowed: "
-                    "auto_partition: false with smp.partition / smp.set_partition"
-                )
             plan = self._auto_plan(make_body, fixed)
         else:
             plan = manual_plan(

@@ -430,9 +430,7 @@ def on_meta(module: nn.Module) -> Iterator[None]:
     twins = []
     try:
         for tensor in {id(t): t for t in _module_tensors(module) if not t.is_meta}.values():
-            twin = tensor.detach().to(META)
-            swap_in(tensor, twin)
-            twins.append((tensor, twin))
+            twins.append((tensor, swap_in(tensor, tensor.detach().to(META))))
         yield
     finally:
         for tensor, twin in twins:
