@@ -341,10 +341,13 @@ def pipelined_attentions(layout: Layout) -> list[Tensor] | None:
     return result
 
 
-def train_wrapped(model: smp.DistributedModel, batches: str, steps: int) -> list[float]:
-    """SGD steps of a wrapped HF model on this rank's share of ``CASES[batches]``' global
-    batches, as SMP shards data: by ``dp_rank``, or with ``prescaled_batch`` by ``rdp_rank``
-    (the tp group shares its rows); this rank's losses."""
+def train_wrapped(
+    model: smp.DistributedModel, batches: str | Callable[[int], Batch], steps: int
+) -> list[float]:
+    """SGD steps of a wrapped HF model on this rank's share of the global batches of
+    ``CASES[batches]`` (or of ``batches(step)``), as SMP shards data: by ``dp_rank``, or with
+    ``prescaled_batch`` by ``rdp_rank`` (the tp group shares its rows); this rank's losses."""
+    batch_of = CASES[batches].batch if isinstance(batches, str) else batches
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
@@ -359,7 +362,7 @@ def train_wrapped(model: smp.DistributedModel, batches: str, steps: int) -> list
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
-        output = train_step(model, {k: v[rows] for k, v in CASES[batches].batch(step).items()})
+        output = train_step(model, {k: v[rows] for k, v in batch_of(step).items()})
         losses.append(float(output.reduce_mean()))
         optimizer.step()
     return losses

@@ -3,7 +3,8 @@
 
 A model of a supported family (:data:`FAMILIES`) marked for tensor parallelism keeps its modules,
 names and forward. When ``smp.DistributedModel`` wraps it, its base model (HF's
-``model.base_model``: ``LlamaModel``, ``BertModel``, ...) is changed in place:
+``model.base_model``: ``LlamaModel``, ``BertModel``, ...; T5's encoder and decoder, each) is
+changed in place:
 
 * the linear layers of the family's plan are split: query / key / value and the feed-forward's
   first layers by output features (heads), the attention's output and the feed-forward's last
@@ -48,13 +49,15 @@ FAMILIES = {
     "transformers.models.bert.modeling_bert": "bert",
     "transformers.models.roberta.modeling_roberta": "roberta",
     "transformers.models.gpt_neo.modeling_gpt_neo": "gptneo",
+    "transformers.models.t5.modeling_t5": "t5",
+    "transformers.models.vit.modeling_vit": "vit",
 }
 """HF modelling modules → their family's file in :mod:`..huggingface`; every ``PreTrainedModel``
 of such a module (``LlamaForCausalLM``, ``BertForMaskedLM``, ``RobertaModel``, ...) is split."""
 
 BATCH_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 """Base-model inputs holding the batch's rows, gathered over the tp group (``position_ids`` of
-one row, shared by the batch, stays as it is)."""
+one row, shared by the batch, stays as it is); the first leads (:attr:`Family.inputs`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,16 @@ class Family:
     attention_dropout: str | None = None
     """The config field of the dropout on the attention probabilities, refused above 0 at tp > 1
     (:func:`refuse_attention_dropout`)."""
+    bases: tuple[str, ...] = ()
+    """Submodules of HF's ``base_model`` split as base models, each its own scaled-batch region
+    (T5's ``encoder`` and ``decoder``); none of them there (or none named): ``base_model``."""
+    inputs: tuple[str, ...] = BATCH_INPUTS
+    """Base-model inputs holding the batch's rows, gathered over the tp group; the first is
+    required (or ``input_ids``) and its rows are the rank's."""
+    word_embedding: bool = True
+    """The base model embeds ``input_ids`` with its input embedding, run on the rank's own rows
+    before the region (a head may be tied to it); False: it embeds its inputs inside the
+    region (ViT's patches)."""
 
     @property
     def what(self) -> str:
@@ -128,22 +141,30 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
         size = getattr(config, name, None)
         if size is not None:
             split(what, name, size)
-    base = model.base_model
-    embedding = base.get_input_embeddings()
-    _refuse_ties(model, base, embedding, what)
+    root = model.base_model
+    bases = [getattr(root, name) for name in family.bases if hasattr(root, name)]
+    for base in bases or [root]:
+        _split_base(model, base, family, degree)
+    return model
+
+
+def _split_base(model: nn.Module, base: nn.Module, family: Family, degree: int) -> None:
+    """Split ``base``'s layers in place and make its forward a scaled-batch region."""
+    embedding = base.get_input_embeddings() if family.word_embedding else None
+    _refuse_ties(model, base, embedding, family.what)
     for name, attribute in family.head_counts.items():
         for path, module in base.named_modules():
             if _matches(path, f"{family.layers}.{name}"):
                 setattr(module, attribute, getattr(module, attribute) // degree)
     for path, layer in base.named_modules():  # one by one: made one at a time if delayed
         if _matches(path, family.layers):
-            shards.parallelize(layer, _layer_plan(family), what)
+            shards.parallelize(layer, _layer_plan(family, layer), family.what)
     shards.mark_block(base)
-    for param in embedding.parameters():  # runs on the rank's own rows, before the region
-        setattr(param, shards.SCALED_BATCH, False)
+    if embedding is not None:
+        for param in embedding.parameters():  # runs on the rank's own rows, before the region
+            setattr(param, shards.SCALED_BATCH, False)
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
-    return model
 
 
 def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
@@ -164,11 +185,15 @@ def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
         )
 
 
-def _layer_plan(family: Family) -> dict[str, ParallelStyle]:
-    """How one of ``family``'s transformer layers is split (a fresh style per linear layer)."""
+def _layer_plan(family: Family, layer: nn.Module) -> dict[str, ParallelStyle]:
+    """How ``layer``, one of ``family``'s transformer layers, is split: a fresh style for each of
+    its modules that the family's names match (patterns: T5's encoder and decoder blocks differ,
+    and so do its feed-forwards, gated or not)."""
     plan: dict[str, ParallelStyle] = {}
     for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
-        plan.update({name: style() for name in names})
+        for path, _ in layer.named_modules():
+            if any(_matches(path, name) for name in names):
+                plan[path] = style()
     return plan
 
 
@@ -179,10 +204,10 @@ def _matches(path: str, pattern: str) -> bool:
     return len(parts) == len(wanted) and all(map(fnmatch, parts, wanted))
 
 
-def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: str) -> None:
+def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module | None, what: str) -> None:
     """A parameter of the region that the model also uses outside it would add gradients of
     the group's batch to those of the rank's: refused, naming both."""
-    kept = {id(p) for p in embedding.parameters()}
+    kept = set() if embedding is None else {id(p) for p in embedding.parameters()}
     region = {
         id(p): name
         for name, p in base.named_parameters(remove_duplicate=False)
@@ -199,7 +224,7 @@ def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: 
             )
 
 
-def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[..., Any]:
+def _region(base: nn.Module, embedding: nn.Module | None, family: Family) -> Callable[..., Any]:
     """``base``'s forward as the tp group's scaled-batch region."""
     original = base.forward
     names = list(inspect.signature(original).parameters)
@@ -210,21 +235,22 @@ def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[.
         inputs = {**dict(zip(names, args, strict=False)), **kwargs}
         _refuse_inputs(inputs, base.config, family)
         ids = inputs.pop("input_ids", None)
-        if ids is not None and inputs.get("inputs_embeds") is None:
+        if embedding is not None and ids is not None and inputs.get("inputs_embeds") is None:
             if family.positions is not None and inputs.get("position_ids") is None:
                 inputs["position_ids"] = family.positions(base, ids)
             inputs["inputs_embeds"] = embedding(ids)
         elif ids is not None:
             inputs["input_ids"] = ids  # both given: the base model says so
-        embeddings = inputs["inputs_embeds"]
-        rows = embeddings.shape[0]
-        with scaled_batch(what, embeddings) as batch:
-            for name in BATCH_INPUTS:
+        leading = family.inputs[0]
+        rows = inputs[leading].shape[0]
+        with scaled_batch(what, inputs[leading]) as batch:
+            for name in family.inputs:
                 value = inputs.get(name)
                 if isinstance(value, torch.Tensor) and value.shape[0] == rows:
                     inputs[name] = batch.gather(value)
-            combined = inputs["inputs_embeds"].shape[0]
-            inputs["use_cache"] = False
+            combined = inputs[leading].shape[0]
+            if "use_cache" in names:
+                inputs["use_cache"] = False
             return _own_rows(original(**inputs), batch, combined)
 
     return forward
@@ -246,17 +272,20 @@ def _refuse_inputs(inputs: dict[str, Any], config: Any, family: Family) -> None:
             f"{what}: output_attentions is not supported with tensor parallelism (each rank "
             "holds its own heads' attention maps)"
         )
-    if inputs.get("input_ids") is None and inputs.get("inputs_embeds") is None:
-        raise ModelParallelError(f"{what}: input_ids or inputs_embeds are required")
+    ids = ("input_ids",) if family.word_embedding else ()
+    required = (*ids, family.inputs[0])
+    if all(inputs.get(name) is None for name in required):
+        raise ModelParallelError(f"{what}: {' or '.join(required)} are required")
+    allowed = (*ids, *family.inputs)
     unknown = sorted(
         name
         for name, value in inputs.items()
-        if isinstance(value, torch.Tensor) and name not in (*BATCH_INPUTS, "input_ids")
+        if isinstance(value, torch.Tensor) and name not in allowed
     )
     if unknown:
         raise ModelParallelError(
             f"{what}: inputs {unknown} are not supported with tensor parallelism; allowed "
-            f"tensors: input_ids, {', '.join(BATCH_INPUTS)}"
+            f"tensors: {', '.join(allowed)}"
         )
 
 
