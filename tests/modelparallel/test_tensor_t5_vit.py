@@ -8,6 +8,7 @@ Tiny configs (2 layers, width 32, 4 heads); one spawn trains every model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -76,7 +77,8 @@ def _vit_batch(step: int) -> hf_cases.Batch:
 @dataclass(frozen=True)
 class Model:
     kind: str
-    """``transformers``' class."""
+    """``transformers``' prefix: ``<kind>Config`` and ``<kind><head>``."""
+    head: str
     config: dict[str, Any]
     batches: Any
     inside: bool = True
@@ -85,26 +87,27 @@ class Model:
     def build(self, **changes: Any) -> nn.Module:
         import transformers
 
-        config_class = transformers.T5Config if "T5" in self.kind else transformers.ViTConfig
-        config = config_class(**{**self.config, **changes})
-        kind = getattr(transformers, self.kind)
+        config = getattr(transformers, f"{self.kind}Config")(**{**self.config, **changes})
+        kind = getattr(transformers, f"{self.kind}{self.head}")
         return seeded(0, lambda: kind._from_config(config, attn_implementation="eager")).train()
 
 
 MODELS = {
-    "t5": Model("T5ForConditionalGeneration", T5, _t5_batch),
+    "t5": Model("T5", "ForConditionalGeneration", T5, _t5_batch),
     "t5_gated": Model(
-        "T5ForConditionalGeneration",
+        "T5",
+        "ForConditionalGeneration",
         {**T5, "feed_forward_proj": "gated-gelu"},
         _t5_batch,
         inside=False,
     ),
+    "vit": Model("ViT", "ForImageClassification", VIT, _vit_batch),
 }
 
-SPLIT = {"t5": 34, "t5_gated": 38}
+SPLIT = {"t5": 34, "t5_gated": 38, "vit": 24}
 """Parameters held as DTensors. T5's encoder block: q, k, v, o, wi, wo (gated: wi_0, wi_1);
 the decoder's: the same and the cross attention's q, k, v, o; each first block the relative
-position bias."""
+position bias. ViT's layer: the weights and biases of q, k, v, o, fc1, fc2."""
 
 
 def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -193,6 +196,8 @@ def test_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]) -
         ("t5", {}, 2, "dropout_rate=0.1"),  # T5's default: its attention drops with it too
         ("t5", {}, 1, None),
         ("t5", {"dropout_rate": 0.0}, 2, None),
+        ("vit", {}, 2, None),  # ViT's default is 0
+        ("vit", {"attention_probs_dropout_prob": 0.1}, 2, "attention_probs_dropout_prob=0.1"),
     ],
 )
 def test_attention_dropout_above_zero_is_refused_at_tp_above_one(
@@ -200,7 +205,7 @@ def test_attention_dropout_above_zero_is_refused_at_tp_above_one(
 ) -> None:
     import transformers
 
-    config = transformers.T5Config(**fields)
+    config = getattr(transformers, f"{MODELS[family].kind}Config")(**fields)
     of = getattr(smp.nn.huggingface, family).FAMILY
     if refused is None:
         inplace.refuse_attention_dropout(config, of, degree)
@@ -209,6 +214,37 @@ def test_attention_dropout_above_zero_is_refused_at_tp_above_one(
             inplace.refuse_attention_dropout(config, of, degree)
 
 
-def test_smp_block_hooks_are_refused_naming_the_way_that_works() -> None:
-    with pytest.raises(ModelParallelError, match="create the whole T5 model inside"):
-        smp.nn.huggingface.t5.get_hf_t5_transformer_layer_hooks()
+@pytest.mark.parametrize(
+    ("family", "hooks"),
+    [("t5", "get_hf_t5_transformer_layer_hooks"), ("vit", "get_hf_vit_encoder_hooks")],
+)
+def test_smp_hooks_are_refused_naming_the_way_that_works(family: str, hooks: str) -> None:
+    with pytest.raises(ModelParallelError, match=f"create the whole {MODELS[family].kind} model"):
+        getattr(getattr(smp.nn.huggingface, family), hooks)()
+
+
+IDS = torch.zeros(2, 4, dtype=torch.long)
+PIXELS = torch.zeros(2, 3, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("family", "inputs", "error"),
+    [
+        ("t5", {"input_ids": IDS, "encoder_hidden_states": torch.zeros(2, 4, 32)}, None),
+        ("t5", {"inputs_embeds": torch.zeros(2, 4, 32), "encoder_attention_mask": IDS}, None),
+        ("t5", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
+        ("vit", {"pixel_values": PIXELS, "bool_masked_pos": IDS}, None),
+        ("vit", {"attention_mask": IDS}, "pixel_values are required"),
+        ("vit", {"pixel_values": PIXELS, "input_ids": IDS}, r"inputs \['input_ids'\]"),
+    ],
+)
+def test_inputs_a_split_model_cannot_honour_are_refused(
+    family: str, inputs: dict[str, Any], error: str | None
+) -> None:
+    spec = getattr(smp.nn.huggingface, family).FAMILY
+    config = SimpleNamespace(output_attentions=False)
+    if error is None:
+        inplace._refuse_inputs(inputs, config, spec)
+        return
+    with pytest.raises(ModelParallelError, match=error):
+        inplace._refuse_inputs(inputs, config, spec)
