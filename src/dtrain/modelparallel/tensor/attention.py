@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
+from dtrain.modelparallel.tensor.flash import attend
 from dtrain.modelparallel.tensor.module import (
     UNSUPPORTED_EXTRAS,
     DistributedModule,
@@ -28,7 +28,8 @@ MASKED = -1e4
 
 class DistributedAttentionLayer(DistributedModule):
     """SMP's attention block: ``query``/``key``/``value`` projections split by heads (torch's
-    ``ColwiseParallel``), attention over each rank's heads (``scaled_dot_product_attention``),
+    ``ColwiseParallel``), attention over each rank's heads (:func:`.flash.attend`, as SMP's
+    distributed transformer computes with its ``FlashAttentionLayer``),
     the ``dense`` projection split by its input (``RowwiseParallel``: one all-reduce), dropout,
     the residual and a layer norm before (``pre_layernorm``) and/or after (``post_layernorm``).
 
@@ -138,40 +139,15 @@ class DistributedAttentionLayer(DistributedModule):
         query, key, value = heads(self.query), heads(self.key), heads(self.value)
         if self.rotary is not None:
             query, key = self.rotary(query), self.rotary(key)
-        if self.training and self.attention_dropout_prob > 0:
-            context = self._dropped_out(query, key, value, bias)
-        else:
-            context = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=bias, scale=self.scale
-            )
+        dropout = self.attention_dropout_prob if self.training else 0.0
+        first_head = state.current(self.what).tp_rank * query.shape[1]  # the rank's heads
+        context = attend(query, key, value, bias, self.scale, dropout, first_head=first_head)
         context = context.transpose(1, 2).reshape(batch, length, -1)
         out = self.dropout2(self.dense(context))
         if not self.residual:
             return out
         out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)
-
-    def _dropped_out(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention with dropout on its probabilities, each head's mask drawn by a generator of
-        its own, seeded from the region's generator and the head's number in the whole layer:
-        a rank draws the masks one process draws for the same heads (SDPA's dropout draws one
-        mask for this rank's heads, alike on every rank of the group)."""
-        scores = query @ key.transpose(-2, -1) * self.scale
-        probs = (scores if bias is None else scores + bias).softmax(dim=-1)
-        base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
-        local = probs.shape[1]
-        first = state.current(self.what).tp_rank * local
-        keep = torch.empty_like(probs)
-        for head in range(local):
-            generator = torch.Generator(device=probs.device).manual_seed(base + first + head)
-            keep[:, head].bernoulli_(1 - self.attention_dropout_prob, generator=generator)
-        return (probs * keep / (1 - self.attention_dropout_prob)) @ value
 
 
 class Rotary:
