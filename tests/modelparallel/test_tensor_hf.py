@@ -2,7 +2,7 @@
 tensor-parallel ranks like the plain HF model in one process: losses, and the whole parameters
 of ``state_dict()``, which loads into the plain model unchanged, as the plain model's loads
 into the split one. Tiny configs (2 layers, hidden 32, 4 heads), hf_cases' batches (padded
-causal LM, masked LM); one spawn trains every model.
+causal LM, masked LM, T5's sequence to sequence, ViT's images); one spawn trains every model.
 """
 
 from __future__ import annotations
@@ -34,6 +34,26 @@ GPT = {"n_positions": hf_cases.SEQ, "n_embd": 32, "n_layer": 2, "n_head": 4}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 LLAMA = {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2}
 ENCODER = {**LAYERS, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+T5 = {
+    "vocab_size": hf_cases.VOCAB,
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "dropout_rate": 0.0,
+    "decoder_start_token_id": 0,
+}
+VIT = {
+    **SIZES,
+    "num_hidden_layers": 2,
+    "image_size": hf_cases.IMAGE[1],
+    "patch_size": 4,
+    "num_channels": hf_cases.IMAGE[0],
+    "num_labels": hf_cases.CLASSES,
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +63,7 @@ class Model:
     head: str
     config: dict[str, Any]
     batches: str
-    """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
+    """hf_cases' batches: ``gpt2`` (padded causal LM), ``bert`` (masked LM), ``t5``, ``vit``."""
     inside: bool = True
     """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
     checkpointed: str | None = None
@@ -111,6 +131,11 @@ MODELS = {
         "gpt2",
         inside=False,
     ),
+    "t5": Model("T5", "ConditionalGeneration", T5, "t5"),
+    "t5_gated": Model(
+        "T5", "ConditionalGeneration", {**T5, "feed_forward_proj": "gated-gelu"}, "t5", inside=False
+    ),
+    "vit": Model("ViT", "ImageClassification", VIT, "vit"),
 }
 
 
@@ -120,7 +145,7 @@ def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = model(**hf_cases.CASES[MODELS[name].batches].batch(step)).loss
+        loss = model(**hf_cases.BATCHES[MODELS[name].batches](step)).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -183,20 +208,14 @@ def _on_ranks() -> dict[str, Any]:
     for name in MODELS:
         out[name] = _train(name)
         smp.reset()
-    with smp.tensor_parallelism():
-        bad = MODELS["llama"].build(num_key_value_heads=1)
-    try:
-        smp.DistributedModel(bad)
-    except ModelParallelError as exc:
-        out["bad"] = str(exc)
-    smp.reset()
-    with smp.tensor_parallelism():
-        dropping = MODELS["bert"].build(attention_probs_dropout_prob=0.1)  # BERT's default
-    try:
-        smp.DistributedModel(dropping)
-    except ModelParallelError as exc:
-        out["dropout"] = str(exc)
-    smp.reset()
+    for key, (name, changes) in REFUSED.items():
+        with smp.tensor_parallelism():
+            refused = MODELS[name].build(**changes)
+        try:
+            smp.DistributedModel(refused)
+        except ModelParallelError as exc:
+            out[key] = str(exc)
+        smp.reset()
     out["hidden"] = _hidden_states()
     smp.shutdown()
     for layout, (config, name) in LAYOUTS.items():
@@ -207,6 +226,12 @@ def _on_ranks() -> dict[str, Any]:
     return out
 
 
+REFUSED = {
+    "bad": ("llama", {"num_key_value_heads": 1}),
+    "bad_t5": ("t5", {"num_heads": 3}),
+    "dropout": ("bert", {"attention_probs_dropout_prob": 0.1}),  # BERT's default
+}
+"""Models wrapped in vain: the error's key, the model, its config's changes."""
 HIDDEN = "llama"
 """Asked for every layer's hidden states (HF 5 collects them with hooks)."""
 LAYOUTS = {
@@ -233,8 +258,13 @@ SPLIT = {
     "bert": 24,
     "roberta": 24,
     "gptneo": 18,
+    "t5": 34,
+    "t5_gated": 38,
+    "vit": 24,
 }
-"""Parameters held as DTensors: each split layer's weight, and its bias where it has one."""
+"""Parameters held as DTensors: each split layer's weight, and its bias where it has one. T5's
+encoder block: q, k, v, o, wi, wo (gated: wi_0, wi_1); the decoder's also the cross attention's
+q, k, v, o; each first block its relative position bias (split by heads)."""
 
 
 def _trains_as_one_process(ranks: list[dict[str, Any]], key: str, name: str) -> None:
@@ -265,12 +295,27 @@ def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
             assert torch.equal(rank[name]["reloaded"][key], value), key
 
 
-def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]) -> None:
-    assert ranks[0]["bad"] == (
-        "smp.DistributedModel: the model (LlamaForCausalLM) cannot be distributed: "
-        "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
-        "tensor_parallel_degree=2; allowed: a multiple of 2"
-    )
+@pytest.mark.parametrize(
+    ("key", "error"),
+    [
+        (
+            "bad",
+            "smp.DistributedModel: the model (LlamaForCausalLM) cannot be distributed: "
+            "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
+            "tensor_parallel_degree=2; allowed: a multiple of 2",
+        ),
+        (
+            "bad_t5",
+            "smp.DistributedModel: the model (T5ForConditionalGeneration) cannot be distributed: "
+            "smp.nn.huggingface.t5: num_heads=3 does not split over tensor_parallel_degree=2; "
+            "allowed: a multiple of 2",
+        ),
+    ],
+)
+def test_heads_that_do_not_split_fail_naming_them(
+    ranks: list[dict[str, Any]], key: str, error: str
+) -> None:
+    assert ranks[0][key] == error
 
 
 def test_attention_dropout_fails_when_wrapped_naming_the_field(
@@ -298,9 +343,13 @@ DROPOUTS = [
     ("gptneo", "GPTNeo", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
     ("gptneox", "GPTNeoX", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
     ("gptneox", "GPTNeoX", {"hidden_dropout": 0.1}, 2, None),
+    ("t5", "T5", {}, 2, "dropout_rate=0.1"),  # T5's one dropout drops attention too
+    ("t5", "T5", {"dropout_rate": 0.0}, 2, None),
+    ("vit", "ViT", {}, 2, None),
+    ("vit", "ViT", {"attention_probs_dropout_prob": 0.1}, 2, "attention_probs_dropout_prob=0.1"),
 ]
 """Family, config class, fields other than the defaults, tp degree, the refused field (None:
-accepted). BERT's and RoBERTa's default attention dropout is 0.1, the others' 0."""
+accepted). BERT's, RoBERTa's and T5's default attention dropout is 0.1, the others' 0."""
 
 
 @pytest.mark.parametrize(("family", "kind", "fields", "degree", "refused"), DROPOUTS)
@@ -377,6 +426,12 @@ IDS = torch.zeros(2, 4, dtype=torch.long)
         ("bert", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
         ("bert", {"input_ids": IDS, "token_type_ids": IDS}, None),
         ("gptj", {"input_ids": IDS, "token_type_ids": IDS}, "token_type_ids is not supported"),
+        ("t5", {"input_ids": IDS, "encoder_hidden_states": torch.zeros(2, 4, 8)}, None),
+        ("t5", {"inputs_embeds": torch.zeros(2, 4, 8), "encoder_attention_mask": IDS}, None),
+        ("t5", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
+        ("vit", {"pixel_values": torch.zeros(2, 3, 8, 8), "bool_masked_pos": IDS}, None),
+        ("vit", {"attention_mask": IDS}, "pixel_values are required"),
+        ("vit", {"pixel_values": IDS, "input_ids": IDS}, r"inputs \['input_ids'\]"),
     ],
 )
 def test_inputs_a_split_model_cannot_honour_are_refused(
@@ -389,6 +444,17 @@ def test_inputs_a_split_model_cannot_honour_are_refused(
         return
     with pytest.raises(ModelParallelError, match=error):
         inplace._refuse_inputs(inputs, config, spec)
+
+
+@pytest.mark.parametrize(
+    ("family", "hooks", "model"),
+    [("t5", "get_hf_t5_transformer_layer_hooks", "T5"), ("vit", "get_hf_vit_encoder_hooks", "ViT")],
+)
+def test_smps_hooks_are_refused_naming_the_way_that_works(
+    family: str, hooks: str, model: str
+) -> None:
+    with pytest.raises(ModelParallelError, match=f"create the whole {model} model inside"):
+        getattr(getattr(smp.nn.huggingface, family), hooks)()
 
 
 def test_attention_maps_asked_by_the_config_are_refused() -> None:
@@ -407,6 +473,8 @@ ROWS = {
         "cls.predictions.transform.dense.bias",
         "cls.predictions.transform.dense.weight",
     ],
+    "t5": ["shared.weight"],  # the encoder's and decoder's embeddings and the LM head
+    "vit": ["classifier.bias", "classifier.weight"],
 }
 """Parameters that see the rank's own rows: the word embedding and what is outside the base
 model (every other one sees the tp group's batch)."""
