@@ -5,7 +5,8 @@ Every layer's ``q_proj``, ``k_proj``, ``v_proj`` and ``mlp.fc1`` split by output
 (patch and position embeddings, the class token, the layers, the final norm, a pooler) is the
 scaled-batch region, the images gathered over the tp group; the classifier and the loss run on
 the rank's rows. SMP's translation functions return their input (the model keeps HF's names),
-and SMP's encoder hooks are refused.
+and SMP's encoder hooks are refused. Created without memory it is refused (its ``trunc_normal_``
+initialisation cannot be deferred, :mod:`dtrain.modelparallel.deferred`).
 """
 
 from typing import NoReturn
