@@ -32,8 +32,10 @@ from fnmatch import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.overrides import TorchFunctionMode
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
@@ -83,8 +85,11 @@ class Family:
     check: Callable[[Any], None] | None = None
     """Further refusals of a config (raising :class:`ModelParallelError`)."""
     attention_dropout: str | None = None
-    """The config field of the dropout on the attention probabilities, refused above 0 at tp > 1
-    (:func:`refuse_attention_dropout`)."""
+    """The config field of the dropout on the attention probabilities."""
+    dropout_in: str | None = None
+    """The module of a layer whose forward's one dropout call is that on the attention
+    probabilities (the attention module, or the dropout module itself): above 0 at tp > 1 its
+    masks are drawn for every head (:class:`HeadDropout`)."""
 
     @property
     def what(self) -> str:
@@ -122,8 +127,9 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     config = model.config
     if family.check is not None:
         family.check(config)
-    degree = state.current(what).tp_size
-    refuse_attention_dropout(config, family, degree)
+    st = state.current(what)
+    degree = st.tp_size
+    dropping = degree > 1 and attention_dropout(config, family, degree) > 0
     for name in family.sizes:
         size = getattr(config, name, None)
         if size is not None:
@@ -138,6 +144,8 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     for path, layer in base.named_modules():  # one by one: made one at a time if delayed
         if _matches(path, family.layers):
             shards.parallelize(layer, _layer_plan(family), what)
+        elif dropping and _matches(path, f"{family.layers}.{family.dropout_in}"):
+            layer.forward = _per_head(layer.forward, st.tp_rank, degree, what)
     shards.mark_block(base)
     for param in embedding.parameters():  # runs on the rank's own rows, before the region
         setattr(param, shards.SCALED_BATCH, False)
@@ -146,22 +154,75 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     return model
 
 
-def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
-    """HF's attention draws one dropout mask for the rank's heads, and the tp group's ranks draw
-    alike (one generator state, as the region's replicated activations need), so rank r's k-th
-    head would share rank 0's k-th head's mask, where one process draws every head's apart: the
-    model would train unlike one process, silently. Refused before the first step, naming it."""
+def attention_dropout(config: Any, family: Family, degree: int) -> float:
+    """The probability of the family's dropout on the attention probabilities. Above 0 at
+    tp > 1 HF's eager attention is needed: it draws the mask with ``torch``'s dropout, which
+    :class:`HeadDropout` draws for every head; SDPA, FlashAttention and flex attention draw
+    theirs inside the kernel, for the rank's heads only, and on GPUs by the kernel's own
+    scheme, so no rank can draw the mask one process would. Refused before the first step,
+    naming the field and the implementation."""
     name = family.attention_dropout
-    probability = getattr(config, name, 0.0) if name is not None else 0.0
-    if degree > 1 and probability:
+    probability = float(getattr(config, name, 0.0) or 0.0) if name is not None else 0.0
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if degree > 1 and probability and implementation != "eager":
         raise ModelParallelError(
-            f"{family.what}: config.{name}={probability} is not supported at "
-            f"tensor_parallel_degree {degree}: the ranks' attention modules would draw the "
-            "same dropout mask for their k-th heads, where one process draws every head's "
-            f"apart; allowed: config.{name}=0 (eval mode drops nothing anyway), or "
-            "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw "
-            "masks of their own"
+            f"{family.what}: config.{name}={probability} with "
+            f"attn_implementation={implementation!r} is not supported at "
+            f"tensor_parallel_degree {degree}: {implementation} draws the dropout mask of the "
+            "rank's heads inside its kernel, unlike the one a single process draws for all "
+            f"heads; allowed: attn_implementation='eager' (from_pretrained / from_config "
+            f"argument), or config.{name}=0"
         )
+    return probability
+
+
+class HeadDropout(TorchFunctionMode):
+    """The attention probabilities' dropout of a split HF model, drawn as one process draws
+    it: HF's attention calls ``torch.nn.functional.dropout`` on ``[rows, heads, query, key]``
+    probabilities of the rank's heads, and would draw one mask for them, the same on every
+    rank of the group (their generator is the region's, alike on all). Here the rank draws the
+    mask of every head of the layer instead (the shape one process draws, from the same
+    generator, so the same values) and keeps its own heads' slice. The region's rows are the
+    group's combined batch, one process's batch. The cost is the draw of the other ranks'
+    heads, and their mask held until it is sliced."""
+
+    def __init__(self, rank: int, degree: int, what: str) -> None:
+        super().__init__()
+        self.rank, self.degree, self.what = rank, degree, what
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.dropout or not kwargs["training"] or not kwargs["p"]:
+            return func(*args, **kwargs)
+        probs = args[0]
+        if probs.dim() != 4:
+            raise ModelParallelError(
+                f"{self.what}: the attention dropout met a tensor of shape {list(probs.shape)}, "
+                "where [rows, heads, query, key] probabilities were expected (a transformers "
+                "version this split does not know)"
+            )
+        heads = probs.shape[1]
+        whole = [probs.shape[0], heads * self.degree, *probs.shape[2:]]
+        noise = F.dropout(probs.new_ones(whole), p=kwargs["p"])  # 0 or 1/(1-p), as torch's
+        mine = noise.narrow(1, self.rank * heads, heads).contiguous()  # frees the others'
+        return probs.mul_(mine) if kwargs["inplace"] else probs * mine
+
+
+def _per_head(forward: Callable[..., Any], rank: int, degree: int, what: str) -> Callable[..., Any]:
+    """``forward`` (of :attr:`Family.dropout_in`) with its dropout drawn by :class:`HeadDropout`."""
+
+    @functools.wraps(forward)
+    def dropping(*args: Any, **kwargs: Any) -> Any:
+        with HeadDropout(rank, degree, what):
+            return forward(*args, **kwargs)
+
+    return dropping
 
 
 def _layer_plan(family: Family) -> dict[str, ParallelStyle]:
