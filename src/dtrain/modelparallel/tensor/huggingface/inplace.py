@@ -41,7 +41,12 @@ from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
-from dtrain.modelparallel.tensor.module import refuse_unsupported, split, whole_state_dicts
+from dtrain.modelparallel.tensor.module import (
+    UNSUPPORTED_EXTRAS,
+    refuse_unsupported,
+    split,
+    whole_state_dicts,
+)
 
 FAMILIES = {
     "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
@@ -109,13 +114,10 @@ def family_of(kind: type[nn.Module]) -> str | None:
     return name if name is not None and hasattr(kind, "base_model_prefix") else None
 
 
-IN_PLACE_DEFAULTS = {
-    "use_alibi": False,
-    "fp32_residual_addition": False,
-    "distribute_embedding": False,
-}
-"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model:
-a model split in place keeps its own layers, so only their defaults describe it."""
+IN_PLACE_DEFAULTS = {**UNSUPPORTED_EXTRAS, "distribute_embedding": False}
+"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model
+(the layers' and the LM head's ``distribute_embedding``): a model split in place keeps its own
+layers, so only their defaults describe it."""
 
 
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
