@@ -73,6 +73,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
         ("both", F16, F32, F32, F16),
         ("both", F32, None, None, None),  # nothing to change in fp32: SDPA
     ],
+    ids=["none-bf16", "fp32-bf16", "scaling-bf16", "both-fp16", "both-fp32"],
 )
 def test_scores_and_softmax_run_in_fp32_when_asked_in_half_precision(
     world: None,
