@@ -251,12 +251,8 @@ class _Adapter:
         one's; returns that norm (-1 after an fp16 overflow: the step will be skipped). Every
         rank calls it, after the step function."""
         self.prune()
-        if self.model.sharding is not None:
-            raise ModelParallelError(
-                "optimizer.clip_master_grads: with sharded_data_parallel_degree above 1, "
-                "optimizer.step() clips the gradients to sdp_gradient_clipping (smp.init's "
-                "parameter), as in SMP; leave the call out"
-            )
+        if self.model.sharding is not None:  # the masters are the fp32 shards
+            return self.model.sharding.clip_master_grads(max_norm, norm_type)
         st = state.current()
         group = st.pp_process_group if st.pp_size > 1 else None
         half = self.model.half_precision
