@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.hf_cases import HF_ENV
 from tests.modelparallel.hf_cases import build as build_hf
@@ -83,8 +82,9 @@ class Recipe:
     """A dynamic loss scale from ``static_loss_scale``: halved by each overflow (it would grow
     only after 1000 clean steps)."""
     poisoned_at: int | None = None
-    """Step after whose backward rank 0 alone writes an inf into a gradient of its shard
-    (sharded only): every rank must skip that optimizer step."""
+    """Step after whose backward ``poisoned_rank`` alone writes an inf into a gradient of its
+    shard (sharded only): every rank must skip that optimizer step."""
+    poisoned_rank: int = 0
     pp: int = 2
     """``pipeline_parallel_degree`` (1 with sharding)."""
     shard_optimizer_state: bool = False
@@ -93,6 +93,9 @@ class Recipe:
     sdp: int = 1
     """``sharded_data_parallel_degree``; above 1 there is no pipeline: the ``dp`` ranks shard
     the model in groups of ``sdp``, and ``optimizer.step()`` clips to ``clip``."""
+    clip_master_grads: bool = False
+    """Sharded: clip to ``clip`` by ``optimizer.clip_master_grads`` (``sdp_gradient_clipping``
+    0), not in ``optimizer.step()``."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -173,7 +176,8 @@ def _init(recipe: Recipe) -> None:
     if recipe.sdp > 1:
         config["sharded_data_parallel_degree"] = recipe.sdp
         config["sdp_param_persistence_threshold"] = 1000  # several units in the "lm" case
-        config["sdp_gradient_clipping"] = recipe.clip or 0.0
+        by_step = recipe.clip is not None and not recipe.clip_master_grads
+        config["sdp_gradient_clipping"] = recipe.clip if by_step else 0.0
     if recipe.dtype != "fp32":
         config[recipe.dtype] = True
     smp.init(config)
@@ -206,19 +210,22 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         optimizer.zero_grad()
         batch = _rows(case.batch(index), smp.dp_rank(), smp.dp_size())
         loss = float(train_step(model, batch, index).reduce_mean())
-        if index == recipe.poisoned_at and smp.rank() == 0:
+        if index == recipe.poisoned_at and smp.rank() == recipe.poisoned_rank:
             grad = next(p.grad for p in model.parameters() if p.grad is not None)
             grad.to_local()[0] = math.inf
-        if recipe.clip is not None and recipe.sdp == 1:
+        if recipe.clip is not None and (recipe.sdp == 1 or recipe.clip_master_grads):
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
         scales.append(model.loss_scaling.loss_scale if model.loss_scaling else 1.0)
+        overflows.append(optimizer.overflow)
         return loss
 
     norms: list[float] = []
     scales: list[float] = []
+    overflows: list[bool] = []
     step.norms = norms  # type: ignore[attr-defined]
     step.scales = scales  # type: ignore[attr-defined]
+    step.overflows = overflows  # type: ignore[attr-defined]
     return model, optimizer, step
 
 
@@ -358,6 +365,8 @@ def _train_sharded(recipe: Recipe) -> dict[str, Any]:
     result = {
         "losses": losses,
         "scales": step.scales,
+        "norms": step.norms,
+        "overflows": step.overflows,
         "model": model.state_dict(),
         "stepped": {
             f"{type(p).__name__} {p.dtype}" for g in optimizer.param_groups for p in g["params"]
@@ -374,9 +383,15 @@ def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
     expected = reference(recipe)
     dtype = DTYPES[recipe.dtype]
     ulp = torch.finfo(dtype).eps
+    skipped = [step in (recipe.huge_loss_at, recipe.poisoned_at) for step in range(recipe.steps)]
+    norms = []  # clip_master_grads's: the norm over every shard, -1 when the step is skipped
+    if recipe.clip_master_grads:
+        norms = [-1.0 if skip else n for skip, n in zip(skipped, expected["norms"], strict=True)]
     for rank, got in enumerate(results):
         assert got["losses"] == pytest.approx([s[rank] for s in expected["losses"]], rel=2 * ulp)
         assert got["scales"] == expected["scales"]
+        assert got["overflows"] == (skipped if recipe.dtype == "fp16" else [False] * len(skipped))
+        assert got["norms"] == pytest.approx(norms, rel=1e-3)  # as _check: fp16 sums' order
         # The optimizer steps fp32 shards (the masters); forward computes in half and the
         # model's outputs leave in fp32; "fp16_states" holds fp16's loss scaler only: there
         # are no other masters.
@@ -420,6 +435,18 @@ def test_fp16_sharded_trains_like_one_process_and_skips_overflows_on_every_rank(
     _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
 
 
+def test_fp16_hybrid_sharding_skips_an_overflow_in_another_group_and_clips_by_call() -> None:
+    # Shard groups [0, 1] and [2, 3]: an inf in rank 3's shard at step 1 skips that step on
+    # every rank of both groups and halves the scale everywhere alike. clip_master_grads
+    # unscales before it clips: the clip lies between step 0's norm (0.72, left as it is) and
+    # step 2's (0.76, clipped); a norm of scaled gradients would be 512 times larger.
+    recipe = Recipe(
+        "lm", "fp16", dp=4, sdp=2, clip=0.74, static_loss_scale=1024.0, dynamic=True,
+        poisoned_at=1, poisoned_rank=3, clip_master_grads=True,
+    )  # fmt: skip
+    _check_sharded(run_ranks(4, _train_sharded, recipe, timeout=120.0), recipe)
+
+
 class _Shifted(nn.Module):
     """A linear layer plus a floating buffer, called with a floating input; records the
     dtypes its forward sees (input, weight, buffer)."""
@@ -450,14 +477,19 @@ def _sharded_bit16() -> dict[str, Any]:
         return out
 
     out = train_step(model, torch.ones(2, 4))
-    with pytest.raises(ModelParallelError) as raised:
-        optimizer.clip_master_grads(1.0)
+
+    def whole_norm() -> float:
+        grads = [p.grad.full_tensor().flatten() for p in model.parameters()]
+        return float(torch.linalg.vector_norm(torch.cat(grads)))
+
+    before = whole_norm()
+    norm = optimizer.clip_master_grads(1e-3)
     result = {
         "seen": module.seen,
         "out": {k: v.outputs[0].dtype for k, v in out.items()},
         "state": {k: v.dtype for k, v in model.state_dict().items()},
         "params": {type(p).__name__ for p in model.parameters()},
-        "clip": str(raised.value),
+        "norms": (before, norm, whole_norm()),
     }
     smp.shutdown()
     return result
@@ -465,8 +497,8 @@ def _sharded_bit16() -> dict[str, Any]:
 
 def test_bf16_sharded_keeps_bit16_semantics() -> None:
     # Floating buffers bf16, floating inputs enter in bf16, outputs leave in fp32; the
-    # parameters are fp32 shards, even those created in bf16; sdp clips in optimizer.step(),
-    # not clip_master_grads.
+    # parameters are fp32 shards, even those created in bf16; clip_master_grads returns the
+    # norm of the whole gradients (each shard counted once) and clips them to its maximum.
     for got in run_ranks(2, _sharded_bit16):
         assert got["seen"] == [(torch.bfloat16,) * 3]
         assert got["out"] == {"out": torch.float32, "loss": torch.float32}
@@ -476,7 +508,9 @@ def test_bf16_sharded_keeps_bit16_semantics() -> None:
             "shift": torch.bfloat16,
         }
         assert got["params"] == {"DTensor"}
-        assert "sdp_gradient_clipping" in got["clip"]
+        before, norm, after = got["norms"]
+        assert norm == pytest.approx(before, rel=1e-6) and before > 1e-2
+        assert after == pytest.approx(1e-3, rel=1e-4)
 
 
 def _dynamic() -> list[tuple[bool, float]]:
