@@ -540,7 +540,10 @@ def test_dynamic_loss_scale_skips_overflowing_steps_on_every_rank() -> None:
     )
 
 
-def _resume(directory: str, sdp: int) -> dict[str, Any]:
+def _resume(directory: str, sdp: int, partial: bool) -> dict[str, Any]:
+    """Train 4 steps, saving after 2; then another model resumes from the save and trains the
+    last 2 again. A full checkpoint holds the model only (as in SMP): the optimizer's full
+    state, with the loss scaler, is saved and loaded apart, as a script does."""
     recipe = Recipe("lm", "fp16", steps=4, dp=sdp, sdp=sdp)
     args = {"init_scale": 2.0**12, "scale_window": 1}
 
@@ -553,7 +556,12 @@ def _resume(directory: str, sdp: int) -> dict[str, Any]:
     model, optimizer, step = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
     for index in range(2):
         step(index)
-    smp.save_checkpoint(directory, "mid", model=model, optimizer=optimizer)
+    optimizer_file = os.path.join(directory, "optimizer.pt")
+    if partial:
+        smp.save_checkpoint(directory, "mid", model=model, optimizer=optimizer)
+    else:  # the optimizer's state first: the checkpoint's barriers then cover both
+        smp.save(optimizer.state_dict(), optimizer_file, partial=False)
+        smp.save_checkpoint(directory, "mid", partial=False, model=model)
     straight = [step(index) for index in (2, 3)]
     want = masters(model, optimizer), model.loss_scaling.scaler.scale
     smp.shutdown()
@@ -563,26 +571,31 @@ def _resume(directory: str, sdp: int) -> dict[str, Any]:
     with torch.no_grad():  # another model: everything must come from the checkpoint
         for param in model.parameters():
             param.add_(0.5)
-    smp.resume_from_checkpoint(directory, "mid")
+    smp.resume_from_checkpoint(directory, "mid", partial=partial)
+    if not partial:
+        optimizer.load_state_dict(smp.load(optimizer_file, partial=False))
     resumed = [step(index) for index in (2, 3)]
     got = masters(model, optimizer), model.loss_scaling.scaler.scale
-    files = sorted(os.listdir(os.path.join(directory, "mid_partial")))
+    files = sorted(os.listdir(os.path.join(directory, "mid_partial" if partial else "")))
     smp.shutdown()
     dist.destroy_process_group()
     return {"straight": straight, "resumed": resumed, "want": want, "got": got, "files": files}
 
 
-@pytest.mark.parametrize("sdp", [1, 2], ids=["pipeline", "sharded"])
-def test_checkpoint_resume_continues_exactly(sdp: int) -> None:
+@pytest.mark.parametrize(
+    ("sdp", "partial"), [(1, True), (2, True), (2, False)], ids=["pipeline", "sharded", "full"]
+)
+def test_checkpoint_resume_continues_exactly(sdp: int, partial: bool) -> None:
     # The scale grows after every step: only a resumed loss scaler gives the same steps.
     with tempfile.TemporaryDirectory() as directory:
-        results = run_ranks(2, _resume, directory, sdp)
+        results = run_ranks(2, _resume, directory, sdp, partial)
     for result in results:
         assert result["resumed"] == result["straight"]
         assert result["got"][1] == result["want"][1] == 2.0**16
         for name, value in result["want"][0].items():
             assert torch.equal(result["got"][0][name], value), name
-        assert "fp16_states_0_0_0.pt" in result["files"]
+        saved = "fp16_states_0_0_0.pt" if partial else "optimizer.pt"
+        assert saved in result["files"]
 
 
 def _bad_arguments() -> list[str]:
