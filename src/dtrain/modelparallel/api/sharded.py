@@ -30,9 +30,12 @@ masters, so the optimizer, clipping and state dicts see fp32 shards and no secon
 kept; each unit gathers them in half to compute and reduce-scatters its gradients in fp32.
 Floating buffers, which FSDP2 leaves alone, become half as the unit is made. fp16 scales the
 loss (``model.backward``) by the optimizer's loss scaler, so the sharded fp32 gradients hold
-scaled values, summed over microbatches and steps under one scale; ``optimizer.step()``
-unscales them and checks them for inf/NaN (:meth:`ShardedModel.step`), and an overflow on any
-rank skips the step on every rank and backs the scale off (:class:`.precision.LossScaling`).
+scaled values, summed over microbatches and steps under one scale; ``optimizer.step()`` (or
+``optimizer.clip_master_grads`` before it) unscales them and checks them for inf/NaN
+(:meth:`ShardedModel.step`), and an overflow on any rank skips the step on every rank and
+backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
+(``GradScaler``'s kernel): SMP's dynamic scale has Megatron's hysteresis and minimum, which
+``torch.amp.GradScaler`` lacks.
 """
 
 from __future__ import annotations
