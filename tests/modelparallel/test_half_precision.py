@@ -513,6 +513,43 @@ def test_bf16_sharded_keeps_bit16_semantics() -> None:
         assert after == pytest.approx(1e-3, rel=1e-4)
 
 
+def _unscaled_once() -> list[dict[str, Tensor]]:
+    """One fp16 sharded step at a static scale of 1024, twice in one world: after a step body
+    whose gradients clip_master_grads unscaled and zero_grad threw away, and without."""
+    dist.init_process_group("gloo")
+    results = []
+    for discard_first in (True, False):
+        smp.init({"ddp": True, "fp16": True, "sharded_data_parallel_degree": 2})
+        torch.manual_seed(0)
+        model = smp.DistributedModel(_Shifted())
+        optimizer = smp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), static_loss_scale=1024.0
+        )
+
+        @smp.step
+        def train_step(model: smp.DistributedModel, x: Tensor) -> None:
+            model.backward(model(x)["loss"])
+
+        x = torch.linspace(-1, 1, 8).reshape(2, 4)
+        if discard_first:
+            train_step(model, x)
+            optimizer.clip_master_grads(1e9)
+            optimizer.zero_grad()
+        train_step(model, x)
+        optimizer.step()
+        results.append(model.state_dict())
+        smp.shutdown()
+    dist.destroy_process_group()
+    return results
+
+
+def test_fp16_sharded_gradients_dropped_after_unscaling_leave_the_next_scaled() -> None:
+    # The next step body's gradients are scaled again: optimizer.step() must unscale them.
+    for discarded, straight in run_ranks(2, _unscaled_once):
+        for name, value in straight.items():
+            assert torch.equal(discarded[name], value), name
+
+
 def _dynamic() -> list[tuple[bool, float]]:
     recipe = Recipe("lm", "fp16", steps=5, huge_loss_at=2)
     _init(recipe)

@@ -97,6 +97,8 @@ def DistributedOptimizer(
         adapter.zero_distributed_grads(set_to_none)
         if half is not None:
             half.zero_grad()
+        if model.sharding is not None:
+            model.sharding.zero_grad()
 
     optimizer.overflow = False  # type: ignore[attr-defined]
     """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some

@@ -259,6 +259,10 @@ class ShardedModel:
                 return -1.0
         return self.clip_gradients(max_norm, norm_type)
 
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again."""
+        self._unscaled = False
+
     def _unscale(self) -> None:
         """Divide the sharded gradients by the loss scale, once per optimizer step, and set
         the overflow flag: whether any rank's hold an inf or a NaN. Each rank checks its shards
