@@ -2,7 +2,7 @@
 ``qkv`` as the textbook formula does (scale, causal mask, SMP's ALiBi bias; values and
 gradients), draws each head's dropout mask so that heads split over ranks draw what one process
 draws, and refuses what it cannot honour. ``DistributedAttentionLayer`` computes with the same
-function (``flash.attend``); its tp=2 equivalence is ``test_tensor_modules``' and
+per-head dropout (``flash.drop_heads``); its tp=2 equivalence is ``test_tensor_modules``' and
 ``test_tensor_regions``'. No processes."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import dtrain.modelparallel as smp
 from dtrain.compat import SHIM_ROOT
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.flash import attend
+from dtrain.modelparallel.tensor.flash import drop_heads
 
 BATCH, SEQ, HEADS, SIZE = 2, 5, 4, 8
 
@@ -99,8 +99,9 @@ def test_dropout_draws_each_heads_mask_so_split_heads_draw_what_one_process_draw
     halves = []
     for first in (0, 2):
         torch.manual_seed(5)
-        part = [t[:, first : first + 2] for t in (query, key, value)]
-        halves.append(attend(*part, None, SIZE**-0.5, 0.5, first_head=first))
+        q, k, v = (t[:, first : first + 2] for t in (query, key, value))
+        probs = (q @ k.transpose(-2, -1) * SIZE**-0.5).softmax(dim=-1)
+        halves.append(drop_heads(probs, 0.5, first_head=first) @ v)
     torch.testing.assert_close(torch.cat(halves, dim=1), whole)
     assert not torch.allclose(whole, _reference(_qkv(), SIZE**-0.5, False))
     alike = _qkv()[:, :, :, :1].expand(-1, -1, -1, HEADS, -1)  # every head the same inputs

@@ -1,6 +1,7 @@
 """``smp.nn.FlashAttentionLayer``: SMP's attention over packed query, key and value, on
 ``torch.nn.functional.scaled_dot_product_attention`` (which picks a flash kernel where it has
-one), and :func:`attend`, the attention every ``smp.nn`` attention computes with."""
+one), and :func:`drop_heads`, the per-head attention dropout every ``smp.nn`` attention
+draws."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ class FlashAttentionLayer(nn.Module):
     ``scale_attention_scores``, the default, which then needs ``attention_head_size``) times
     ``1/(layer_idx + 1)`` (with ``scale_attn_by_layer_idx``, which needs ``layer_idx``).
     ``attention_dropout_prob`` drops attention probabilities in training, each head with a mask
-    of its own (:func:`attend`). ``triton_flash_attention`` chooses SMP's Triton kernel, which
-    has no dropout: accepted (SDPA computes) with ``attention_dropout_prob=0`` only; with it,
-    ``use_alibi`` lets ``forward`` add ``attn_mask`` (SMP's ALiBi mask) to the scores.
+    of its own (:func:`drop_heads`), the heads it is given numbered from 0 (on a tp rank's share
+    of a layer's heads inside a region the ranks would repeat each other's masks;
+    ``DistributedAttentionLayer`` numbers its share from its first head).
+    ``triton_flash_attention`` chooses SMP's Triton kernel, which has no dropout: accepted (SDPA
+    computes) with ``attention_dropout_prob=0`` only; with it, ``use_alibi`` lets ``forward``
+    add ``attn_mask`` (SMP's ALiBi mask) to the scores.
     """
 
     def __init__(
@@ -95,15 +99,9 @@ def attend(
     scale: float,
     dropout: float,
     causal: bool = False,
-    first_head: int = 0,
 ) -> torch.Tensor:
-    """Softmax attention of ``[batch, heads, seq, head_size]`` tensors with an additive ``bias``.
-
-    Without dropout, SDPA. With it, unfused, and each head's mask drawn by a generator of its
-    own, seeded with one draw from the current generator plus the head's number in its layer
-    (``first_head`` numbers the first of ``query``'s): a tensor-parallel rank holding some of a
-    layer's heads draws the masks one process draws for them (SDPA draws one mask for all the
-    heads it is given, alike on every rank of a region's group)."""
+    """Softmax attention of ``[batch, heads, seq, head_size]`` tensors with an additive
+    ``bias``: SDPA without dropout; with it unfused, its masks drawn by :func:`drop_heads`."""
     if causal:
         length = query.shape[-2]
         allowed = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
@@ -116,9 +114,18 @@ def attend(
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
     scores = query @ key.transpose(-2, -1) * scale
     probs = (scores if bias is None else scores + bias).softmax(dim=-1)
+    return drop_heads(probs, dropout) @ value
+
+
+def drop_heads(probs: torch.Tensor, dropout: float, first_head: int = 0) -> torch.Tensor:
+    """Dropout on ``[batch, heads, query, key]`` attention probabilities, each head's mask drawn
+    by a generator of its own, seeded with one draw from the current generator plus the head's
+    number in its layer (``first_head`` numbers the first of ``probs``'): a tensor-parallel rank
+    holding some of a layer's heads draws the masks one process draws for them (SDPA draws one
+    mask for all the heads it is given, alike on every rank of a region's group)."""
     base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
     keep = torch.empty_like(probs)
     for head in range(probs.shape[1]):
         generator = torch.Generator(device=probs.device).manual_seed(base + first_head + head)
         keep[:, head].bernoulli_(1 - dropout, generator=generator)
-    return (probs * keep / (1 - dropout)) @ value
+    return probs * keep / (1 - dropout)

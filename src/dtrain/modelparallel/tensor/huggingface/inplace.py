@@ -33,14 +33,21 @@ from fnmatch import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.overrides import TorchFunctionMode
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
-from dtrain.modelparallel.tensor.module import refuse_unsupported, split, whole_state_dicts
+from dtrain.modelparallel.tensor.module import (
+    UNSUPPORTED_EXTRAS,
+    refuse_unsupported,
+    split,
+    whole_state_dicts,
+)
 
 FAMILIES = {
     "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
@@ -86,8 +93,15 @@ class Family:
     check: Callable[[Any], None] | None = None
     """Further refusals of a config (raising :class:`ModelParallelError`)."""
     attention_dropout: str | None = None
-    """The config field of the dropout on the attention probabilities, refused above 0 at tp > 1
-    (:func:`refuse_attention_dropout`)."""
+    """The config field of the dropout on the attention probabilities."""
+    dropout_in: str | None = None
+    """The module of a layer whose forward's one dropout call is that on the attention
+    probabilities (the attention module, or the dropout module itself): above 0 at tp > 1 its
+    masks are drawn for every head (:class:`HeadDropout`)."""
+    split_dropout: tuple[str, str] | None = None
+    """A module of a layer whose forward's one dropout acts on features split over the tp group
+    (T5's feed-forward, between ``wi`` and ``wo``), and the config field of its probability:
+    above 0 at tp > 1 its mask is drawn for all the features and sliced, as heads' are."""
     bases: tuple[str, ...] = ()
     """Submodules of HF's ``base_model`` split as base models, each its own scaled-batch region
     (T5's ``encoder`` and ``decoder``); none of them there (or none named): ``base_model``."""
@@ -117,13 +131,10 @@ def family_of(kind: type[nn.Module]) -> str | None:
     return name if name is not None and hasattr(kind, "base_model_prefix") else None
 
 
-IN_PLACE_DEFAULTS = {
-    "use_alibi": False,
-    "fp32_residual_addition": False,
-    "distribute_embedding": False,
-}
-"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model:
-a model split in place keeps its own layers, so only their defaults describe it."""
+IN_PLACE_DEFAULTS = {**UNSUPPORTED_EXTRAS, "distribute_embedding": False}
+"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model
+(the layers' and the LM head's ``distribute_embedding``): a model split in place keeps its own
+layers, so only their defaults describe it."""
 
 
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
@@ -135,8 +146,12 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     config = model.config
     if family.check is not None:
         family.check(config)
-    degree = state.current(what).tp_size
-    refuse_attention_dropout(config, family, degree)
+    st = state.current(what)
+    degree = st.tp_size
+    dropping = degree > 1 and attention_dropout(config, family, degree) > 0
+    split_dropout = family.split_dropout
+    if split_dropout is not None and not (degree > 1 and getattr(config, split_dropout[1])):
+        split_dropout = None
     for name in family.sizes:
         size = getattr(config, name, None)
         if size is not None:
@@ -144,12 +159,21 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     root = model.base_model
     bases = [getattr(root, name) for name in family.bases if hasattr(root, name)]
     for base in bases or [root]:
-        _split_base(model, base, family, degree)
+        _split_base(model, base, family, st.tp_rank, degree, dropping, split_dropout)
     return model
 
 
-def _split_base(model: nn.Module, base: nn.Module, family: Family, degree: int) -> None:
-    """Split ``base``'s layers in place and make its forward a scaled-batch region."""
+def _split_base(
+    model: nn.Module,
+    base: nn.Module,
+    family: Family,
+    rank: int,
+    degree: int,
+    dropping: bool,
+    split_dropout: tuple[str, str] | None,
+) -> None:
+    """Split ``base``'s layers in place (``dropping``: its attention dropout drawn per head;
+    ``split_dropout``: the family's, drawn whole) and make its forward a scaled-batch region."""
     embedding = base.get_input_embeddings() if family.word_embedding else None
     _refuse_ties(model, base, embedding, family.what)
     for name, attribute in family.head_counts.items():
@@ -159,6 +183,10 @@ def _split_base(model: nn.Module, base: nn.Module, family: Family, degree: int) 
     for path, layer in base.named_modules():  # one by one: made one at a time if delayed
         if _matches(path, family.layers):
             shards.parallelize(layer, _layer_plan(family, layer), family.what)
+        elif dropping and _matches(path, f"{family.layers}.{family.dropout_in}"):
+            layer.forward = _per_head(layer.forward, rank, degree, family.what)
+        elif split_dropout and _matches(path, f"{family.layers}.{split_dropout[0]}"):
+            layer.forward = _per_head(layer.forward, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
         for param in embedding.parameters():  # runs on the rank's own rows, before the region
@@ -167,22 +195,79 @@ def _split_base(model: nn.Module, base: nn.Module, family: Family, degree: int) 
     base.forward = _region(base, embedding, family)
 
 
-def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
-    """HF's attention draws one dropout mask for the rank's heads, and the tp group's ranks draw
-    alike (one generator state, as the region's replicated activations need), so rank r's k-th
-    head would share rank 0's k-th head's mask, where one process draws every head's apart: the
-    model would train unlike one process, silently. Refused before the first step, naming it."""
+def attention_dropout(config: Any, family: Family, degree: int) -> float:
+    """The probability of the family's dropout on the attention probabilities. Above 0 at
+    tp > 1 HF's eager attention is needed: it draws the mask with ``torch``'s dropout, which
+    :class:`HeadDropout` draws for every head; SDPA, FlashAttention and flex attention draw
+    theirs inside the kernel, for the rank's heads only, and on GPUs by the kernel's own
+    scheme, so no rank can draw the mask one process would. Refused before the first step,
+    naming the field and the implementation."""
     name = family.attention_dropout
-    probability = getattr(config, name, 0.0) if name is not None else 0.0
-    if degree > 1 and probability:
+    probability = float(getattr(config, name, 0.0) or 0.0) if name is not None else 0.0
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if degree > 1 and probability and implementation != "eager":
         raise ModelParallelError(
-            f"{family.what}: config.{name}={probability} is not supported at "
-            f"tensor_parallel_degree {degree}: the ranks' attention modules would draw the "
-            "same dropout mask for their k-th heads, where one process draws every head's "
-            f"apart; allowed: config.{name}=0 (eval mode drops nothing anyway), or "
-            "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw "
-            "masks of their own"
+            f"{family.what}: config.{name}={probability} with "
+            f"attn_implementation={implementation!r} is not supported at "
+            f"tensor_parallel_degree {degree}: {implementation} draws the dropout mask of the "
+            "rank's heads inside its kernel, unlike the one a single process draws for all "
+            f"heads; allowed: attn_implementation='eager' (from_pretrained / from_config "
+            f"argument), or config.{name}=0"
         )
+    return probability
+
+
+class HeadDropout(TorchFunctionMode):
+    """The attention probabilities' dropout of a split HF model, drawn as one process draws
+    it: HF's attention calls ``torch.nn.functional.dropout`` on ``[rows, heads, query, key]``
+    probabilities of the rank's heads, and would draw one mask for them, the same on every
+    rank of the group (their generator is the region's, alike on all). Here the rank draws the
+    mask of every head of the layer instead (the shape one process draws, from the same
+    generator, so the same values) and keeps its own heads' slice. The region's rows are the
+    group's combined batch, one process's batch. The cost is the draw of the other ranks'
+    heads, and their mask held until it is sliced. With ``dim=-1`` the same for a dropout on
+    features split over the group (:attr:`Family.split_dropout`)."""
+
+    def __init__(self, rank: int, degree: int, what: str, dim: int = 1) -> None:
+        super().__init__()
+        self.rank, self.degree, self.what, self.dim = rank, degree, what, dim
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.dropout or not kwargs["training"] or not kwargs["p"]:
+            return func(*args, **kwargs)
+        probs = args[0]
+        if self.dim == 1 and probs.dim() != 4:
+            raise ModelParallelError(
+                f"{self.what}: the attention dropout met a tensor of shape {list(probs.shape)}, "
+                "where [rows, heads, query, key] probabilities were expected (a transformers "
+                "version this split does not know)"
+            )
+        heads = probs.shape[self.dim]
+        whole = list(probs.shape)
+        whole[self.dim] = heads * self.degree
+        noise = F.dropout(probs.new_ones(whole), p=kwargs["p"])  # 0 or 1/(1-p), as torch's
+        mine = noise.narrow(self.dim, self.rank * heads, heads).contiguous()  # frees the others'
+        return probs.mul_(mine) if kwargs["inplace"] else probs * mine
+
+
+def _per_head(
+    forward: Callable[..., Any], rank: int, degree: int, what: str, dim: int = 1
+) -> Callable[..., Any]:
+    """``forward`` (of :attr:`Family.dropout_in`) with its dropout drawn by :class:`HeadDropout`."""
+
+    @functools.wraps(forward)
+    def dropping(*args: Any, **kwargs: Any) -> Any:
+        with HeadDropout(rank, degree, what, dim):
+            return forward(*args, **kwargs)
+
+    return dropping
 
 
 def _layer_plan(family: Family, layer: nn.Module) -> dict[str, ParallelStyle]:

@@ -10,10 +10,13 @@ heads' biases; the feed-forward's ``wi`` (gated: ``wi_0`` and ``wi_1``) by outpu
 ``wo`` by input features. The attention modules' head count (``n_heads``, which sizes the
 zero bias of the cross-attention) becomes the rank's.
 
-T5 drops attention probabilities with ``dropout_rate``, its one dropout field, so at tp > 1 it
-must be 0 (:func:`.inplace.refuse_attention_dropout`). SMP 1.12.1 never distributed T5 (its T5
-block hooks were disabled for the relative position bias); dtrain keeps HF's modules and names,
-so the translation functions return their input and SMP's block hooks are refused.
+T5 drops attention probabilities with ``dropout_rate``, its one dropout field, in HF's attention
+function: drawn per head (:class:`.inplace.HeadDropout`) with eager attention, refused with the
+kernels at tp > 1 (:func:`.inplace.attention_dropout`), and the feed-forward's dropout between
+``wi`` and ``wo``, on split features, is drawn for all of them and sliced likewise. SMP 1.12.1
+never distributed T5 (its T5 block hooks were disabled for the relative position bias); dtrain
+keeps HF's modules and names, so the translation functions return their input and SMP's block
+hooks are refused.
 """
 
 from typing import NoReturn
@@ -37,6 +40,8 @@ FAMILY = Family(
     sizes=("num_heads", "d_ff"),
     head_counts=dict.fromkeys(ATTENTION, "n_heads"),
     attention_dropout="dropout_rate",
+    dropout_in="layer.*.*Attention",
+    split_dropout=("layer.*.DenseReluDense", "dropout_rate"),
     bases=("encoder", "decoder"),
     inputs=(*BATCH_INPUTS, "encoder_hidden_states", "encoder_attention_mask"),
 )

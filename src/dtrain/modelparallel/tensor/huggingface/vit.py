@@ -22,6 +22,7 @@ FAMILY = Family(
     sizes=("num_attention_heads", "intermediate_size"),
     head_counts={"attention": "num_attention_heads"},
     attention_dropout="attention_probs_dropout_prob",
+    dropout_in="attention",
     inputs=("pixel_values", "bool_masked_pos", "attention_mask"),
     word_embedding=False,
 )
