@@ -459,6 +459,19 @@ def test_head_dropout_draws_the_slice_of_one_processs_mask(
         assert (got is mine) == inplace_
 
 
+def test_feature_dropout_draws_the_slice_of_one_processs_mask() -> None:
+    """T5's feed-forward dropout on split features (``dim=-1``): rank r of 2 keeps features
+    4r to 4r+3 of the mask one process draws for all 8, whatever the tensor's rank."""
+    features = torch.rand(3, 5, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(7)
+    whole = F.dropout(features, p=0.5)
+    for rank in range(2):
+        torch.manual_seed(7)
+        with inplace.HeadDropout(rank, 2, "x", dim=-1):
+            got = nn.Dropout(0.5)(features[..., 4 * rank : 4 * rank + 4])
+        assert torch.equal(got, whole[..., 4 * rank : 4 * rank + 4])
+
+
 def test_head_dropout_refuses_what_is_not_attention_probabilities() -> None:
     with (
         inplace.HeadDropout(0, 2, "smp.nn.huggingface.x"),
