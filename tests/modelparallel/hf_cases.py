@@ -157,6 +157,44 @@ CASES: dict[str, Case] = {
 }
 
 
+TARGET = 6
+"""Labelled tokens of every row of :func:`_t5_batch` (the decoder's length)."""
+
+
+def _t5_batch(step: int) -> Batch:
+    """The padded rows of :func:`_gpt2_batch` for an encoder, ``TARGET`` labelled tokens a row
+    for the decoder."""
+    batch = _gpt2_batch(step)
+    labels = torch.randint(1, VOCAB, (GLOBAL_BATCH, TARGET), generator=_generator(100 + step))
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+    }
+
+
+IMAGE = (3, 8, 8)
+CLASSES = 5
+
+
+def _vit_batch(step: int) -> Batch:
+    g = _generator(200 + step)
+    pixels = torch.randn(GLOBAL_BATCH, *IMAGE, generator=g)
+    return {
+        "pixel_values": pixels,
+        "labels": torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g),
+    }
+
+
+BATCHES: dict[str, Callable[[int], Batch]] = {
+    **{name: case.batch for name, case in CASES.items()},
+    "t5": _t5_batch,
+    "vit": _vit_batch,
+}
+"""Global batches by name: the cases', and those of models only the tensor-parallel tests train
+(an encoder-decoder's, images)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     case: str
@@ -342,7 +380,7 @@ def pipelined_attentions(layout: Layout) -> list[Tensor] | None:
 
 
 def train_wrapped(model: smp.DistributedModel, batches: str, steps: int) -> list[float]:
-    """SGD steps of a wrapped HF model on this rank's share of ``CASES[batches]``' global
+    """SGD steps of a wrapped HF model on this rank's share of ``BATCHES[batches]``' global
     batches, as SMP shards data: by ``dp_rank``, or with ``prescaled_batch`` by ``rdp_rank``
     (the tp group shares its rows); this rank's losses."""
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
@@ -359,7 +397,7 @@ def train_wrapped(model: smp.DistributedModel, batches: str, steps: int) -> list
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
-        output = train_step(model, {k: v[rows] for k, v in CASES[batches].batch(step).items()})
+        output = train_step(model, {k: v[rows] for k, v in BATCHES[batches](step).items()})
         losses.append(float(output.reduce_mean()))
         optimizer.step()
     return losses

@@ -125,6 +125,22 @@ def test_init_that_reads_a_value_fails_naming_the_module() -> None:
         _delayed(_Peeking)
 
 
+class _Truncated(nn.Module):
+    """ViT's class token: torch's ``trunc_normal_`` returns at once on a meta tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.empty(4))
+        nn.init.trunc_normal_(self.token, std=0.02)
+
+
+def test_trunc_normal_init_fails_naming_the_module_and_torch_is_as_it_was_after() -> None:
+    sampler = torch.nn.init._no_grad_trunc_normal_
+    with pytest.raises(ModelParallelError, match=r"_Truncated \(.*\) initialises a tensor with"):
+        _delayed(_Truncated)
+    assert torch.nn.init._no_grad_trunc_normal_ is sampler
+
+
 def test_a_parameter_replaced_after_the_block_is_refused() -> None:
     lazy = _delayed(GroupedNet)
     lazy.group1.conv1.weight = nn.Parameter(torch.empty(4, 1, 3, 3, device="meta"))

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.hf_cases import HF_ENV
 from tests.modelparallel.hf_cases import build as build_hf
@@ -83,8 +82,9 @@ class Recipe:
     """A dynamic loss scale from ``static_loss_scale``: halved by each overflow (it would grow
     only after 1000 clean steps)."""
     poisoned_at: int | None = None
-    """Step after whose backward rank 0 alone writes an inf into a gradient of its shard
-    (sharded only): every rank must skip that optimizer step."""
+    """Step after whose backward ``poisoned_rank`` alone writes an inf into a gradient of its
+    shard (sharded only): every rank must skip that optimizer step."""
+    poisoned_rank: int = 0
     pp: int = 2
     """``pipeline_parallel_degree`` (1 with sharding)."""
     shard_optimizer_state: bool = False
@@ -93,6 +93,9 @@ class Recipe:
     sdp: int = 1
     """``sharded_data_parallel_degree``; above 1 there is no pipeline: the ``dp`` ranks shard
     the model in groups of ``sdp``, and ``optimizer.step()`` clips to ``clip``."""
+    clip_master_grads: bool = False
+    """Sharded: clip to ``clip`` by ``optimizer.clip_master_grads`` (``sdp_gradient_clipping``
+    0), not in ``optimizer.step()``."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -173,7 +176,8 @@ def _init(recipe: Recipe) -> None:
     if recipe.sdp > 1:
         config["sharded_data_parallel_degree"] = recipe.sdp
         config["sdp_param_persistence_threshold"] = 1000  # several units in the "lm" case
-        config["sdp_gradient_clipping"] = recipe.clip or 0.0
+        by_step = recipe.clip is not None and not recipe.clip_master_grads
+        config["sdp_gradient_clipping"] = recipe.clip if by_step else 0.0
     if recipe.dtype != "fp32":
         config[recipe.dtype] = True
     smp.init(config)
@@ -206,19 +210,22 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         optimizer.zero_grad()
         batch = _rows(case.batch(index), smp.dp_rank(), smp.dp_size())
         loss = float(train_step(model, batch, index).reduce_mean())
-        if index == recipe.poisoned_at and smp.rank() == 0:
+        if index == recipe.poisoned_at and smp.rank() == recipe.poisoned_rank:
             grad = next(p.grad for p in model.parameters() if p.grad is not None)
             grad.to_local()[0] = math.inf
-        if recipe.clip is not None and recipe.sdp == 1:
+        if recipe.clip is not None and (recipe.sdp == 1 or recipe.clip_master_grads):
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
         scales.append(model.loss_scaling.loss_scale if model.loss_scaling else 1.0)
+        overflows.append(optimizer.overflow)
         return loss
 
     norms: list[float] = []
     scales: list[float] = []
+    overflows: list[bool] = []
     step.norms = norms  # type: ignore[attr-defined]
     step.scales = scales  # type: ignore[attr-defined]
+    step.overflows = overflows  # type: ignore[attr-defined]
     return model, optimizer, step
 
 
@@ -358,6 +365,8 @@ def _train_sharded(recipe: Recipe) -> dict[str, Any]:
     result = {
         "losses": losses,
         "scales": step.scales,
+        "norms": step.norms,
+        "overflows": step.overflows,
         "model": model.state_dict(),
         "stepped": {
             f"{type(p).__name__} {p.dtype}" for g in optimizer.param_groups for p in g["params"]
@@ -374,9 +383,15 @@ def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
     expected = reference(recipe)
     dtype = DTYPES[recipe.dtype]
     ulp = torch.finfo(dtype).eps
+    skipped = [step in (recipe.huge_loss_at, recipe.poisoned_at) for step in range(recipe.steps)]
+    norms = []  # clip_master_grads's: the norm over every shard, -1 when the step is skipped
+    if recipe.clip_master_grads:
+        norms = [-1.0 if skip else n for skip, n in zip(skipped, expected["norms"], strict=True)]
     for rank, got in enumerate(results):
         assert got["losses"] == pytest.approx([s[rank] for s in expected["losses"]], rel=2 * ulp)
         assert got["scales"] == expected["scales"]
+        assert got["overflows"] == (skipped if recipe.dtype == "fp16" else [False] * len(skipped))
+        assert got["norms"] == pytest.approx(norms, rel=1e-3)  # as _check: fp16 sums' order
         # The optimizer steps fp32 shards (the masters); forward computes in half and the
         # model's outputs leave in fp32; "fp16_states" holds fp16's loss scaler only: there
         # are no other masters.
@@ -420,6 +435,18 @@ def test_fp16_sharded_trains_like_one_process_and_skips_overflows_on_every_rank(
     _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
 
 
+def test_fp16_hybrid_sharding_skips_an_overflow_in_another_group_and_clips_by_call() -> None:
+    # Shard groups [0, 1] and [2, 3]: an inf in rank 3's shard at step 1 skips that step on
+    # every rank of both groups and halves the scale everywhere alike. clip_master_grads
+    # unscales before it clips: the clip lies between step 0's norm (0.72, left as it is) and
+    # step 2's (0.76, clipped); a norm of scaled gradients would be 512 times larger.
+    recipe = Recipe(
+        "lm", "fp16", dp=4, sdp=2, clip=0.74, static_loss_scale=1024.0, dynamic=True,
+        poisoned_at=1, poisoned_rank=3, clip_master_grads=True,
+    )  # fmt: skip
+    _check_sharded(run_ranks(4, _train_sharded, recipe, timeout=120.0), recipe)
+
+
 class _Shifted(nn.Module):
     """A linear layer plus a floating buffer, called with a floating input; records the
     dtypes its forward sees (input, weight, buffer)."""
@@ -450,14 +477,19 @@ def _sharded_bit16() -> dict[str, Any]:
         return out
 
     out = train_step(model, torch.ones(2, 4))
-    with pytest.raises(ModelParallelError) as raised:
-        optimizer.clip_master_grads(1.0)
+
+    def whole_norm() -> float:
+        grads = [p.grad.full_tensor().flatten() for p in model.parameters()]
+        return float(torch.linalg.vector_norm(torch.cat(grads)))
+
+    before = whole_norm()
+    norm = optimizer.clip_master_grads(1e-3)
     result = {
         "seen": module.seen,
         "out": {k: v.outputs[0].dtype for k, v in out.items()},
         "state": {k: v.dtype for k, v in model.state_dict().items()},
         "params": {type(p).__name__ for p in model.parameters()},
-        "clip": str(raised.value),
+        "norms": (before, norm, whole_norm()),
     }
     smp.shutdown()
     return result
@@ -465,8 +497,8 @@ def _sharded_bit16() -> dict[str, Any]:
 
 def test_bf16_sharded_keeps_bit16_semantics() -> None:
     # Floating buffers bf16, floating inputs enter in bf16, outputs leave in fp32; the
-    # parameters are fp32 shards, even those created in bf16; sdp clips in optimizer.step(),
-    # not clip_master_grads.
+    # parameters are fp32 shards, even those created in bf16; clip_master_grads returns the
+    # norm of the whole gradients (each shard counted once) and clips them to its maximum.
     for got in run_ranks(2, _sharded_bit16):
         assert got["seen"] == [(torch.bfloat16,) * 3]
         assert got["out"] == {"out": torch.float32, "loss": torch.float32}
@@ -476,7 +508,46 @@ def test_bf16_sharded_keeps_bit16_semantics() -> None:
             "shift": torch.bfloat16,
         }
         assert got["params"] == {"DTensor"}
-        assert "sdp_gradient_clipping" in got["clip"]
+        before, norm, after = got["norms"]
+        assert norm == pytest.approx(before, rel=1e-6) and before > 1e-2
+        assert after == pytest.approx(1e-3, rel=1e-4)
+
+
+def _unscaled_once() -> list[dict[str, Tensor]]:
+    """One fp16 sharded step at a static scale of 1024, twice in one world: after a step body
+    whose gradients clip_master_grads unscaled and zero_grad threw away, and without."""
+    dist.init_process_group("gloo")
+    results = []
+    for discard_first in (True, False):
+        smp.init({"ddp": True, "fp16": True, "sharded_data_parallel_degree": 2})
+        torch.manual_seed(0)
+        model = smp.DistributedModel(_Shifted())
+        optimizer = smp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), static_loss_scale=1024.0
+        )
+
+        @smp.step
+        def train_step(model: smp.DistributedModel, x: Tensor) -> None:
+            model.backward(model(x)["loss"])
+
+        x = torch.linspace(-1, 1, 8).reshape(2, 4)
+        if discard_first:
+            train_step(model, x)
+            optimizer.clip_master_grads(1e9)
+            optimizer.zero_grad()
+        train_step(model, x)
+        optimizer.step()
+        results.append(model.state_dict())
+        smp.shutdown()
+    dist.destroy_process_group()
+    return results
+
+
+def test_fp16_sharded_gradients_dropped_after_unscaling_leave_the_next_scaled() -> None:
+    # The next step body's gradients are scaled again: optimizer.step() must unscale them.
+    for discarded, straight in run_ranks(2, _unscaled_once):
+        for name, value in straight.items():
+            assert torch.equal(discarded[name], value), name
 
 
 def _dynamic() -> list[tuple[bool, float]]:
@@ -506,7 +577,10 @@ def test_dynamic_loss_scale_skips_overflowing_steps_on_every_rank() -> None:
     )
 
 
-def _resume(directory: str, sdp: int) -> dict[str, Any]:
+def _resume(directory: str, sdp: int, partial: bool) -> dict[str, Any]:
+    """Train 4 steps, saving after 2; then another model resumes from the save and trains the
+    last 2 again. A full checkpoint holds the model only (as in SMP): the optimizer's full
+    state, with the loss scaler, is saved and loaded apart, as a script does."""
     recipe = Recipe("lm", "fp16", steps=4, dp=sdp, sdp=sdp)
     args = {"init_scale": 2.0**12, "scale_window": 1}
 
@@ -519,7 +593,12 @@ def _resume(directory: str, sdp: int) -> dict[str, Any]:
     model, optimizer, step = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
     for index in range(2):
         step(index)
-    smp.save_checkpoint(directory, "mid", model=model, optimizer=optimizer)
+    optimizer_file = os.path.join(directory, "optimizer.pt")
+    if partial:
+        smp.save_checkpoint(directory, "mid", model=model, optimizer=optimizer)
+    else:  # the optimizer's state first: the checkpoint's barriers then cover both
+        smp.save(optimizer.state_dict(), optimizer_file, partial=False)
+        smp.save_checkpoint(directory, "mid", partial=False, model=model)
     straight = [step(index) for index in (2, 3)]
     want = masters(model, optimizer), model.loss_scaling.scaler.scale
     smp.shutdown()
@@ -529,26 +608,31 @@ def _resume(directory: str, sdp: int) -> dict[str, Any]:
     with torch.no_grad():  # another model: everything must come from the checkpoint
         for param in model.parameters():
             param.add_(0.5)
-    smp.resume_from_checkpoint(directory, "mid")
+    smp.resume_from_checkpoint(directory, "mid", partial=partial)
+    if not partial:
+        optimizer.load_state_dict(smp.load(optimizer_file, partial=False))
     resumed = [step(index) for index in (2, 3)]
     got = masters(model, optimizer), model.loss_scaling.scaler.scale
-    files = sorted(os.listdir(os.path.join(directory, "mid_partial")))
+    files = sorted(os.listdir(os.path.join(directory, "mid_partial" if partial else "")))
     smp.shutdown()
     dist.destroy_process_group()
     return {"straight": straight, "resumed": resumed, "want": want, "got": got, "files": files}
 
 
-@pytest.mark.parametrize("sdp", [1, 2], ids=["pipeline", "sharded"])
-def test_checkpoint_resume_continues_exactly(sdp: int) -> None:
+@pytest.mark.parametrize(
+    ("sdp", "partial"), [(1, True), (2, True), (2, False)], ids=["pipeline", "sharded", "full"]
+)
+def test_checkpoint_resume_continues_exactly(sdp: int, partial: bool) -> None:
     # The scale grows after every step: only a resumed loss scaler gives the same steps.
     with tempfile.TemporaryDirectory() as directory:
-        results = run_ranks(2, _resume, directory, sdp)
+        results = run_ranks(2, _resume, directory, sdp, partial)
     for result in results:
         assert result["resumed"] == result["straight"]
         assert result["got"][1] == result["want"][1] == 2.0**16
         for name, value in result["want"][0].items():
             assert torch.equal(result["got"][0][name], value), name
-        assert "fp16_states_0_0_0.pt" in result["files"]
+        saved = "fp16_states_0_0_0.pt" if partial else "optimizer.pt"
+        assert saved in result["files"]
 
 
 def _bad_arguments() -> list[str]:

@@ -301,6 +301,15 @@ def test_combinations_smp_refuses(params: dict[str, Any], world: int, message: s
         validate_mp_parameters({"ddp": True, **params}, world_size=world)
 
 
+def test_fp16_and_bf16_are_accepted_with_sharding_but_not_together() -> None:
+    for half in ("fp16", "bf16"):
+        values = {"ddp": True, "sharded_data_parallel_degree": 2, half: True}
+        assert validate_mp_parameters(values, world_size=2)[half] is True
+    both = {"ddp": True, "sharded_data_parallel_degree": 2, "fp16": True, "bf16": True}
+    with pytest.raises(ConfigError, match=r"bf16: got True; allowed: only together with fp16"):
+        validate_mp_parameters(both, world_size=2)
+
+
 def train_pipelines(shard_optimizer_state: bool, steps: int) -> Trained:
     """pp=2 x dp=2 with bf16 parameters (fp32 masters), ``shard_optimizer_state`` or not."""
     dist.init_process_group("gloo")

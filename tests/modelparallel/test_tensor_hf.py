@@ -2,7 +2,7 @@
 tensor-parallel ranks like the plain HF model in one process: losses, and the whole parameters
 of ``state_dict()``, which loads into the plain model unchanged, as the plain model's loads
 into the split one. Tiny configs (2 layers, hidden 32, 4 heads), hf_cases' batches (padded
-causal LM, masked LM); one spawn trains every model.
+causal LM, masked LM, T5's sequence to sequence, ViT's images); one spawn trains every model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +35,26 @@ GPT = {"n_positions": hf_cases.SEQ, "n_embd": 32, "n_layer": 2, "n_head": 4}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 LLAMA = {**LAYERS, "max_position_embeddings": hf_cases.SEQ, "num_key_value_heads": 2}
 ENCODER = {**LAYERS, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+T5 = {
+    "vocab_size": hf_cases.VOCAB,
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "dropout_rate": 0.0,
+    "decoder_start_token_id": 0,
+}
+VIT = {
+    **SIZES,
+    "num_hidden_layers": 2,
+    "image_size": hf_cases.IMAGE[1],
+    "patch_size": 4,
+    "num_channels": hf_cases.IMAGE[0],
+    "num_labels": hf_cases.CLASSES,
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,7 @@ class Model:
     head: str
     config: dict[str, Any]
     batches: str
-    """hf_cases' batches: ``gpt2`` (padded causal LM) or ``bert`` (masked LM)."""
+    """hf_cases' batches: ``gpt2`` (padded causal LM), ``bert`` (masked LM), ``t5``, ``vit``."""
     inside: bool = True
     """Made inside ``smp.tensor_parallelism()``, else marked by ``smp.set_tensor_parallelism``."""
     checkpointed: str | None = None
@@ -111,6 +132,11 @@ MODELS = {
         "gpt2",
         inside=False,
     ),
+    "t5": Model("T5", "ConditionalGeneration", T5, "t5"),
+    "t5_gated": Model(
+        "T5", "ConditionalGeneration", {**T5, "feed_forward_proj": "gated-gelu"}, "t5", inside=False
+    ),
+    "vit": Model("ViT", "ImageClassification", VIT, "vit"),
 }
 
 
@@ -120,20 +146,21 @@ def _plain(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = model(**hf_cases.CASES[MODELS[name].batches].batch(step)).loss
+        loss = model(**hf_cases.BATCHES[MODELS[name].batches](step)).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, model.state_dict()
 
 
-def _train(name: str) -> dict[str, Any]:
+def _train(name: str, **changes: Any) -> dict[str, Any]:
+    """Model ``name`` (its config with ``changes``) trained on this rank's rows."""
     spec = MODELS[name]
     if spec.inside:  # without memory when the layout delays initialization
         with smp.model_creation(tensor_parallelism=True):
-            module = spec.build()
+            module = spec.build(**changes)
     else:
-        module = spec.build()
+        module = spec.build(**changes)
         smp.set_tensor_parallelism(module)
     if spec.checkpointed == "smp":
         for layer in module.model.layers:
@@ -183,29 +210,54 @@ def _on_ranks() -> dict[str, Any]:
     for name in MODELS:
         out[name] = _train(name)
         smp.reset()
+    for key, (name, changes) in UNSPLIT.items():
+        with smp.tensor_parallelism():
+            bad = MODELS[name].build(**changes)
+        try:
+            smp.DistributedModel(bad)
+        except ModelParallelError as exc:
+            out[key] = str(exc)
+        smp.reset()
     with smp.tensor_parallelism():
-        bad = MODELS["llama"].build(num_key_value_heads=1)
+        kernel = MODELS["bert"].build(attention_probs_dropout_prob=0.1)  # BERT's default
+    kernel.set_attn_implementation("sdpa")
     try:
-        smp.DistributedModel(bad)
-    except ModelParallelError as exc:
-        out["bad"] = str(exc)
-    smp.reset()
-    with smp.tensor_parallelism():
-        dropping = MODELS["bert"].build(attention_probs_dropout_prob=0.1)  # BERT's default
-    try:
-        smp.DistributedModel(dropping)
+        smp.DistributedModel(kernel)
     except ModelParallelError as exc:
         out["dropout"] = str(exc)
     smp.reset()
+    for name, changes in DROPPING.items():
+        torch.manual_seed(SEED + smp.rank())  # the group draws from its first rank's generator
+        out[f"dropping {name}"] = _train(name, **changes)
+        smp.reset()
     out["hidden"] = _hidden_states()
     smp.shutdown()
     for layout, (config, name) in LAYOUTS.items():
         smp.init({"tensor_parallel_degree": 2, "ddp": True, **config})
         out[layout] = _train(name)
+        if layout == "prescaled":
+            smp.reset()
+            torch.manual_seed(SEED + smp.rank())
+            out["prescaled dropping"] = _train(name, **DROPPING[name])
         smp.shutdown()
     dist.destroy_process_group()
     return out
 
+
+UNSPLIT = {"bad": ("llama", {"num_key_value_heads": 1}), "bad_t5": ("t5", {"num_heads": 3})}
+"""Models whose heads do not split over 2 ranks: the error's key, the model, its config's
+changes."""
+SEED = 5
+DROPPING = {
+    "gptneox": {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+    "bert": {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+    "gptj": {"attn_pdrop": 0.1},
+    "t5": {"dropout_rate": 0.1},
+    "vit": {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+}
+"""Models trained again with dropout on the attention probabilities (GPT-NeoX, BERT, T5 and
+ViT: on their hidden states too); GPT-J draws it in a dropout module of its attention (as
+GPT-Neo does), the others in HF's eager attention function (as Llama and RoBERTa do)."""
 
 HIDDEN = "llama"
 """Asked for every layer's hidden states (HF 5 collects them with hooks)."""
@@ -233,8 +285,13 @@ SPLIT = {
     "bert": 24,
     "roberta": 24,
     "gptneo": 18,
+    "t5": 34,
+    "t5_gated": 38,
+    "vit": 24,
 }
-"""Parameters held as DTensors: each split layer's weight, and its bias where it has one."""
+"""Parameters held as DTensors: each split layer's weight, and its bias where it has one. T5's
+encoder block: q, k, v, o, wi, wo (gated: wi_0, wi_1); the decoder's also the cross attention's
+q, k, v, o; each first block its relative position bias (split by heads)."""
 
 
 def _trains_as_one_process(ranks: list[dict[str, Any]], key: str, name: str) -> None:
@@ -265,57 +322,165 @@ def test_hf_model_trains_on_two_tensor_parallel_ranks_as_one_process(
             assert torch.equal(rank[name]["reloaded"][key], value), key
 
 
-def test_kv_heads_that_do_not_split_fail_naming_them(ranks: list[dict[str, Any]]) -> None:
-    assert ranks[0]["bad"] == (
-        "smp.DistributedModel: the model (LlamaForCausalLM) cannot be distributed: "
-        "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
-        "tensor_parallel_degree=2; allowed: a multiple of 2"
-    )
+@pytest.mark.parametrize(
+    ("key", "error"),
+    [
+        (
+            "bad",
+            "smp.DistributedModel: the model (LlamaForCausalLM) cannot be distributed: "
+            "smp.nn.huggingface.llama: num_key_value_heads=1 does not split over "
+            "tensor_parallel_degree=2; allowed: a multiple of 2",
+        ),
+        (
+            "bad_t5",
+            "smp.DistributedModel: the model (T5ForConditionalGeneration) cannot be distributed: "
+            "smp.nn.huggingface.t5: num_heads=3 does not split over tensor_parallel_degree=2; "
+            "allowed: a multiple of 2",
+        ),
+    ],
+)
+def test_heads_that_do_not_split_fail_naming_them(
+    ranks: list[dict[str, Any]], key: str, error: str
+) -> None:
+    assert ranks[0][key] == error
 
 
-def test_attention_dropout_fails_when_wrapped_naming_the_field(
+def test_attention_dropout_in_a_kernel_fails_when_wrapped_naming_the_field(
     ranks: list[dict[str, Any]],
 ) -> None:
     assert ranks[0]["dropout"] == (
         "smp.DistributedModel: the model (BertForMaskedLM) cannot be distributed: "
-        "smp.nn.huggingface.bert: config.attention_probs_dropout_prob=0.1 is not supported at "
-        "tensor_parallel_degree 2: the ranks' attention modules would draw the same dropout "
-        "mask for their k-th heads, where one process draws every head's apart; allowed: "
-        "config.attention_probs_dropout_prob=0 (eval mode drops nothing anyway), or "
-        "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw masks of "
-        "their own"
+        "smp.nn.huggingface.bert: config.attention_probs_dropout_prob=0.1 with "
+        "attn_implementation='sdpa' is not supported at tensor_parallel_degree 2: sdpa draws "
+        "the dropout mask of the rank's heads inside its kernel, unlike the one a single "
+        "process draws for all heads; allowed: attn_implementation='eager' (from_pretrained / "
+        "from_config argument), or config.attention_probs_dropout_prob=0"
     )
 
 
+def _one_process(name: str, **changes: Any) -> dict[str, Any]:
+    """Model ``name`` marked and trained in one process from the generator at :data:`SEED`."""
+    with single_process({"ddp": True}):
+        torch.manual_seed(SEED)
+        return _train(name, **changes)
+
+
+def _trains_as_the_marked_model(got: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    mean = [sum(rank["losses"][step] for rank in got) / len(got) for step in range(STEPS)]
+    assert mean == pytest.approx(expected["losses"], rel=1e-5)
+    for rank in got:
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(rank["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", list(DROPPING))
+def test_attention_dropout_trains_on_two_tensor_parallel_ranks_as_one_process(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    """Each rank draws the mask of every head and keeps its own heads': the masks, and so the
+    losses and parameters, of one process drawing from the group's first rank's generator (the
+    losses without dropout differ)."""
+    got = [rank[f"dropping {name}"] for rank in ranks]
+    assert got[0]["losses"] != pytest.approx(ranks[0][name]["losses"], rel=1e-5)
+    _trains_as_the_marked_model(got, _one_process(name, **DROPPING[name]))
+
+
+def test_attention_dropout_with_a_prescaled_batch_trains_as_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    name = LAYOUTS["prescaled"][1]
+    expected = _one_process(name, **DROPPING[name])
+    _trains_as_the_marked_model([rank["prescaled dropping"] for rank in ranks], expected)
+
+
 DROPOUTS = [
-    ("bert", "Bert", {}, 2, "attention_probs_dropout_prob=0.1"),
-    ("bert", "Bert", {}, 1, None),
-    ("bert", "Bert", {"attention_probs_dropout_prob": 0.0}, 2, None),
-    ("roberta", "Roberta", {}, 4, "attention_probs_dropout_prob=0.1"),
-    ("llama", "Llama", {}, 2, None),
-    ("llama", "Llama", {"attention_dropout": 0.2}, 2, "attention_dropout=0.2"),
-    ("gptj", "GPTJ", {"attn_pdrop": 0.1}, 2, "attn_pdrop=0.1"),
-    ("gptneo", "GPTNeo", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
-    ("gptneox", "GPTNeoX", {"attention_dropout": 0.1}, 2, "attention_dropout=0.1"),
-    ("gptneox", "GPTNeoX", {"hidden_dropout": 0.1}, 2, None),
+    ("bert", "Bert", {}, "eager", 2, None),
+    ("bert", "Bert", {}, "sdpa", 2, "attention_probs_dropout_prob=0.1 with attn_impl"),
+    ("bert", "Bert", {}, "sdpa", 1, None),
+    ("bert", "Bert", {"attention_probs_dropout_prob": 0.0}, "sdpa", 2, None),
+    ("roberta", "Roberta", {}, "flex_attention", 4, "attention_probs_dropout_prob=0.1 with"),
+    ("llama", "Llama", {}, "sdpa", 2, None),
+    ("llama", "Llama", {"attention_dropout": 0.2}, "sdpa", 2, "attention_dropout=0.2 with"),
+    ("gptj", "GPTJ", {"attn_pdrop": 0.1}, "flash_attention_2", 2, "attn_pdrop=0.1 with"),
+    ("gptneo", "GPTNeo", {"attention_dropout": 0.1}, "eager", 2, None),
+    ("gptneox", "GPTNeoX", {"attention_dropout": 0.1}, "sdpa", 2, "attention_dropout=0.1 with"),
+    ("gptneox", "GPTNeoX", {"hidden_dropout": 0.1}, "sdpa", 2, None),
+    ("t5", "T5", {}, "sdpa", 2, "dropout_rate=0.1 with"),  # T5's one dropout: attention's too
+    ("t5", "T5", {}, "eager", 2, None),
+    ("vit", "ViT", {}, "sdpa", 2, None),
+    ("vit", "ViT", {"attention_probs_dropout_prob": 0.1}, "sdpa", 2, "attention_probs_dropout"),
 ]
-"""Family, config class, fields other than the defaults, tp degree, the refused field (None:
-accepted). BERT's and RoBERTa's default attention dropout is 0.1, the others' 0."""
+"""Family, config class, fields other than the defaults, attention implementation, tp degree,
+the refused field (None: accepted). BERT's, RoBERTa's and T5's default attention dropout is
+0.1, the others' 0."""
 
 
-@pytest.mark.parametrize(("family", "kind", "fields", "degree", "refused"), DROPOUTS)
-def test_attention_dropout_above_zero_is_refused_at_tp_above_one(
-    family: str, kind: str, fields: dict[str, Any], degree: int, refused: str | None
+@pytest.mark.parametrize(
+    ("family", "kind", "fields", "implementation", "degree", "refused"), DROPOUTS
+)
+def test_attention_dropout_above_zero_needs_eager_attention_at_tp_above_one(
+    family: str,
+    kind: str,
+    fields: dict[str, Any],
+    implementation: str,
+    degree: int,
+    refused: str | None,
 ) -> None:
     import transformers
 
     config = getattr(transformers, f"{kind}Config")(**fields)
+    config._attn_implementation = implementation
     of = getattr(smp.nn.huggingface, family).FAMILY
     if refused is None:
-        inplace.refuse_attention_dropout(config, of, degree)
+        inplace.attention_dropout(config, of, degree)
     else:
-        with pytest.raises(ModelParallelError, match=rf"config\.{refused} is not supported"):
-            inplace.refuse_attention_dropout(config, of, degree)
+        with pytest.raises(ModelParallelError, match=rf"config\.{refused}"):
+            inplace.attention_dropout(config, of, degree)
+
+
+@pytest.mark.parametrize("inplace_", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dropout_draws_the_slice_of_one_processs_mask(
+    dtype: torch.dtype, inplace_: bool
+) -> None:
+    """Rank r of 2 keeps heads 2r and 2r+1 of the mask one process draws for all 4, bit for
+    bit; outside training or at p=0 the probabilities pass unchanged."""
+    probs = torch.rand(3, 4, 5, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    torch.manual_seed(7)
+    whole = F.dropout(probs, p=0.1)
+    for rank in range(2):
+        torch.manual_seed(7)
+        mine = probs[:, 2 * rank : 2 * rank + 2].clone()
+        with inplace.HeadDropout(rank, 2, "x"):
+            got = F.dropout(mine, p=0.1, training=True, inplace=inplace_)
+            assert torch.equal(F.dropout(mine, p=0.1, training=False), mine)
+            assert torch.equal(nn.Dropout(0.0)(mine), mine)
+        assert torch.equal(got, whole[:, 2 * rank : 2 * rank + 2])
+        assert (got is mine) == inplace_
+
+
+def test_feature_dropout_draws_the_slice_of_one_processs_mask() -> None:
+    """T5's feed-forward dropout on split features (``dim=-1``): rank r of 2 keeps features
+    4r to 4r+3 of the mask one process draws for all 8, whatever the tensor's rank."""
+    features = torch.rand(3, 5, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(7)
+    whole = F.dropout(features, p=0.5)
+    for rank in range(2):
+        torch.manual_seed(7)
+        with inplace.HeadDropout(rank, 2, "x", dim=-1):
+            got = nn.Dropout(0.5)(features[..., 4 * rank : 4 * rank + 4])
+        assert torch.equal(got, whole[..., 4 * rank : 4 * rank + 4])
+
+
+def test_head_dropout_refuses_what_is_not_attention_probabilities() -> None:
+    with (
+        inplace.HeadDropout(0, 2, "smp.nn.huggingface.x"),
+        pytest.raises(
+            ModelParallelError,
+            match=r"smp.nn.huggingface.x: .* shape \[3, 4\], where \[rows, heads",
+        ),
+    ):
+        nn.Dropout(0.1)(torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -377,6 +542,12 @@ IDS = torch.zeros(2, 4, dtype=torch.long)
         ("bert", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
         ("bert", {"input_ids": IDS, "token_type_ids": IDS}, None),
         ("gptj", {"input_ids": IDS, "token_type_ids": IDS}, "token_type_ids is not supported"),
+        ("t5", {"input_ids": IDS, "encoder_hidden_states": torch.zeros(2, 4, 8)}, None),
+        ("t5", {"inputs_embeds": torch.zeros(2, 4, 8), "encoder_attention_mask": IDS}, None),
+        ("t5", {"attention_mask": IDS}, "input_ids or inputs_embeds are required"),
+        ("vit", {"pixel_values": torch.zeros(2, 3, 8, 8), "bool_masked_pos": IDS}, None),
+        ("vit", {"attention_mask": IDS}, "pixel_values are required"),
+        ("vit", {"pixel_values": IDS, "input_ids": IDS}, r"inputs \['input_ids'\]"),
     ],
 )
 def test_inputs_a_split_model_cannot_honour_are_refused(
@@ -389,6 +560,17 @@ def test_inputs_a_split_model_cannot_honour_are_refused(
         return
     with pytest.raises(ModelParallelError, match=error):
         inplace._refuse_inputs(inputs, config, spec)
+
+
+@pytest.mark.parametrize(
+    ("family", "hooks", "model"),
+    [("t5", "get_hf_t5_transformer_layer_hooks", "T5"), ("vit", "get_hf_vit_encoder_hooks", "ViT")],
+)
+def test_smps_hooks_are_refused_naming_the_way_that_works(
+    family: str, hooks: str, model: str
+) -> None:
+    with pytest.raises(ModelParallelError, match=f"create the whole {model} model inside"):
+        getattr(getattr(smp.nn.huggingface, family), hooks)()
 
 
 def test_attention_maps_asked_by_the_config_are_refused() -> None:
@@ -407,6 +589,8 @@ ROWS = {
         "cls.predictions.transform.dense.bias",
         "cls.predictions.transform.dense.weight",
     ],
+    "t5": ["shared.weight"],  # the encoder's and decoder's embeddings and the LM head
+    "vit": ["classifier.bias", "classifier.weight"],
 }
 """Parameters that see the rank's own rows: the word embedding and what is outside the base
 model (every other one sees the tp group's batch)."""

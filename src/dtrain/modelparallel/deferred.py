@@ -20,8 +20,10 @@ states, so ranks seeded apart still build rank 0's model, as eager ranks take ra
 
 What cannot be deferred fails inside the block, naming the module: code that reads a tensor's
 value during creation (``.item()``, ``if tensor.any()``), which a tensor without memory does not
-have. Parameters changed after the block (outside the recording) are refused at
-:func:`materialize`, naming the parameter.
+have, and ``torch.nn.init.trunc_normal_`` (ViT's class token and positions), whose rejection
+sampling reads values and which therefore returns at once on a tensor without memory, leaving
+it unrecorded and the random stream behind eager creation's. Parameters changed after the block
+(outside the recording) are refused at :func:`materialize`, naming the parameter.
 """
 
 from __future__ import annotations
@@ -375,10 +377,20 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         return
     device = torch.get_default_device()
     recording = Recording(device, torch.get_default_dtype())
+    skipping = torch.nn.init._no_grad_trunc_normal_
+    torch.nn.init._no_grad_trunc_normal_ = _refuse_trunc_normal(skipping)
     try:
         with _Recorder(recording):
             yield
     except BaseException as exc:
+        if isinstance(exc, _TruncatedNormal):
+            raise ModelParallelError(
+                f"smp.delay_param_initialization: {_creating_module(exc.__traceback__)} "
+                "initialises a tensor with torch.nn.init.trunc_normal_, which skips tensors "
+                "without memory (its sampling reads values), so it would be made unlike eager "
+                "creation. Create this model outside the block (without "
+                "delayed_parameter_initialization)"
+            ) from exc
         if _reads_a_value(exc):
             raise ModelParallelError(
                 "smp.delay_param_initialization: "
@@ -388,7 +400,24 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
             ) from exc
         raise
     finally:
+        torch.nn.init._no_grad_trunc_normal_ = skipping
         recording.done()
+
+
+class _TruncatedNormal(RuntimeError):
+    """``trunc_normal_`` was called on a tensor without memory."""
+
+
+def _refuse_trunc_normal(skipping: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """torch's truncated-normal sampler, failing on a tensor without memory (where it would
+    return at once) instead of leaving it unrecorded."""
+
+    def sample(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if tensor.is_meta:
+            raise _TruncatedNormal("torch.nn.init.trunc_normal_ on a tensor without memory")
+        return skipping(tensor, *args, **kwargs)
+
+    return sample
 
 
 def _reads_a_value(exc: BaseException) -> bool:

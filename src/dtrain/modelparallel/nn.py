@@ -7,6 +7,7 @@ tensor-parallel group (``tensor_parallel_degree``) as DTensors; at degree 1 it i
 from dtrain.modelparallel.tensor import huggingface
 from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
+from dtrain.modelparallel.tensor.flash import FlashAttentionLayer
 from dtrain.modelparallel.tensor.layernorm import FusedLayerNorm
 from dtrain.modelparallel.tensor.linear import DistributedLinear
 from dtrain.modelparallel.tensor.output import DistributedTransformerOutputLayer
@@ -24,6 +25,7 @@ __all__ = [
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
+    "FlashAttentionLayer",
     "FusedLayerNorm",
     "huggingface",
 ]

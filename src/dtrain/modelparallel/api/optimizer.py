@@ -97,6 +97,8 @@ def DistributedOptimizer(
         adapter.zero_distributed_grads(set_to_none)
         if half is not None:
             half.zero_grad()
+        if model.sharding is not None:
+            model.sharding.zero_grad()
 
     optimizer.overflow = False  # type: ignore[attr-defined]
     """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some
@@ -251,12 +253,8 @@ class _Adapter:
         one's; returns that norm (-1 after an fp16 overflow: the step will be skipped). Every
         rank calls it, after the step function."""
         self.prune()
-        if self.model.sharding is not None:
-            raise ModelParallelError(
-                "optimizer.clip_master_grads: with sharded_data_parallel_degree above 1, "
-                "optimizer.step() clips the gradients to sdp_gradient_clipping (smp.init's "
-                "parameter), as in SMP; leave the call out"
-            )
+        if self.model.sharding is not None:  # the masters are the fp32 shards
+            return self.model.sharding.clip_master_grads(max_norm, norm_type)
         st = state.current()
         group = st.pp_process_group if st.pp_size > 1 else None
         half = self.model.half_precision

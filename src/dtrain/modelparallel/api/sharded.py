@@ -30,9 +30,12 @@ masters, so the optimizer, clipping and state dicts see fp32 shards and no secon
 kept; each unit gathers them in half to compute and reduce-scatters its gradients in fp32.
 Floating buffers, which FSDP2 leaves alone, become half as the unit is made. fp16 scales the
 loss (``model.backward``) by the optimizer's loss scaler, so the sharded fp32 gradients hold
-scaled values, summed over microbatches and steps under one scale; ``optimizer.step()``
-unscales them and checks them for inf/NaN (:meth:`ShardedModel.step`), and an overflow on any
-rank skips the step on every rank and backs the scale off (:class:`.precision.LossScaling`).
+scaled values, summed over microbatches and steps under one scale; ``optimizer.step()`` (or
+``optimizer.clip_master_grads`` before it) unscales them and checks them for inf/NaN
+(:meth:`ShardedModel.step`), and an overflow on any rank skips the step on every rank and
+backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
+(``GradScaler``'s kernel): SMP's dynamic scale has Megatron's hysteresis and minimum, which
+``torch.amp.GradScaler`` lacks.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtrain.modelparallel import deferred
-from dtrain.modelparallel.api.precision import LossScaling, half_dtype
+from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.pipeline.executor import MicrobatchResult
 from dtrain.modelparallel.state import MPState
@@ -144,8 +147,9 @@ class ShardedModel:
         self._mesh = mesh
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
         self._world = st.world_process_group
-        self._shard_group = mesh.get_group(mesh.ndim - 1)  # the shard dimension is the last
         self._stepping = False
+        self._unscaled = False
+        """Whether this optimizer step's gradients are unscaled already (fp16)."""
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
         self.dtype = half_dtype(st.config)
@@ -226,48 +230,63 @@ class ShardedModel:
 
     def step(self, step: Callable[[], Any]) -> Any:
         """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
-        are unscaled and checked first, and an overflow on any rank skips the step (returning
-        ``None``) on every rank; then they are clipped to ``sdp_gradient_clipping``."""
+        are unscaled and checked first (unless ``clip_master_grads`` did it), and an overflow
+        on any rank skips the step (returning ``None``) on every rank; then they are clipped
+        to ``sdp_gradient_clipping``."""
 
         def clipped() -> Any:
-            self.clip_gradients()
+            if self.max_grad_norm > 0:
+                self.clip_gradients(self.max_grad_norm)
             return step()
 
         if self.scaling is None:
             return clipped()
-        self.scaling.overflow = self._unscale(1.0 / self.scaling.loss_scale)
-        return self.scaling.step(clipped)
+        try:
+            self._unscale()
+            return self.scaling.step(clipped)
+        finally:
+            self._unscaled = False
 
-    def _unscale(self, inverse: float) -> bool:
-        """Multiply the sharded gradients by ``inverse``; whether any rank's hold an inf or a
-        NaN. Each rank checks its shards with torch's ``GradScaler`` kernel, then the flag is
-        agreed over the world: shards differ, and every rank calls this once whatever it
-        holds."""
+    def clip_master_grads(self, max_norm: float, norm_type: float) -> float:
+        """``optimizer.clip_master_grads``: the gradients unscaled first (fp16), then clipped to
+        a global norm ``max_norm`` over every shard; returns the norm before clipping, -1 after
+        an fp16 overflow on any rank (apex's: the step will be skipped). Every rank calls it,
+        between the step function and ``optimizer.step()``, which clips to
+        ``sdp_gradient_clipping`` as well."""
+        if self.scaling is not None:
+            self._unscale()
+            if self.scaling.overflow:
+                return -1.0
+        return self.clip_gradients(max_norm, norm_type)
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again."""
+        self._unscaled = False
+
+    def _unscale(self) -> None:
+        """Divide the sharded gradients by the loss scale, once per optimizer step, and set
+        the overflow flag: whether any rank's hold an inf or a NaN. Each rank checks its shards
+        with torch's ``GradScaler`` kernel, then the flag is agreed over the world: shards
+        differ, and every rank calls this once whatever it holds."""
+        assert self.scaling is not None
+        if self._unscaled:
+            return
         grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
-            scale = torch.full((), inverse, dtype=torch.float32, device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale)
+            inverse = torch.full_like(found, 1.0 / self.scaling.loss_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._world)
-        return bool(found.item() > 0)
+        self.scaling.overflow = bool(found.item() > 0)
+        self._unscaled = True
 
-    def clip_gradients(self) -> torch.Tensor | None:
-        """Scale the gradients so that their global L2 norm (over every shard) is at most
-        ``sdp_gradient_clipping``, as ``torch.nn.utils.clip_grad_norm_`` does in one process;
-        returns the norm before clipping (None when clipping is off or nothing has a
-        gradient)."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self.max_grad_norm <= 0 or not grads:
-            return None
-        squares = torch.stack([torch.linalg.vector_norm(_local(g)) for g in grads]).square()
-        total = squares.sum()
-        dist.all_reduce(total, group=self._shard_group)  # shards differ; replicas agree
-        norm = total.sqrt()
-        coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).item()
-        with torch.no_grad():
-            for grad in grads:
-                grad.mul_(coefficient)
-        return norm
+    def clip_gradients(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the gradients so that their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does in one process; returns the norm before
+        clipping. Each DTensor shard's norm is resolved over its mesh (summed over the shard
+        group, once: replicas agree)."""
+        params = self.module.parameters()
+        return clip_gradients(params, max_norm, norm_type, None, self.device)
 
     # --- state dicts -------------------------------------------------------------------------
 

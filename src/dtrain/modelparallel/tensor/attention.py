@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from dtrain.modelparallel import state
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
+from dtrain.modelparallel.tensor.flash import drop_heads
 from dtrain.modelparallel.tensor.module import (
     UNSUPPORTED_EXTRAS,
     DistributedModule,
@@ -43,6 +44,14 @@ class DistributedAttentionLayer(DistributedModule):
     their halves against each other with ``gpt_neox_type_rotary`` (GPT-NeoX's), neighbouring
     pairs otherwise (GPT-J's). ``use_qkv_bias`` and ``use_attn_dense_bias`` (SMP's names): the
     projections' biases. Cross attention is not implemented.
+
+    In half precision (bf16 or fp16 activations) SMP's switches for its stability take effect:
+    ``attention_in_fp32`` multiplies queries and keys in fp32; ``query_key_layer_scaling``
+    divides the scores by the layer's number (``layer_idx + 1``; 1 without ``layer_idx``) as
+    they are computed, keeping them in the half type's range, and multiplies them back in fp32
+    (Megatron's trick: the probabilities are those without it). With either, the mask and the
+    softmax run in fp32 and the probabilities return to the half type for the product with
+    the values (attention then computed unfused). In fp32 neither changes anything.
     """
 
     def __init__(
@@ -67,6 +76,8 @@ class DistributedAttentionLayer(DistributedModule):
         gpt_neox_type_rotary: bool = False,
         use_qkv_bias: bool = True,
         use_attn_dense_bias: bool = True,
+        attention_in_fp32: bool = False,
+        query_key_layer_scaling: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -80,6 +91,9 @@ class DistributedAttentionLayer(DistributedModule):
         self.attention_head_size = attention_head_size
         self.causal_mask_size = causal_mask_size
         self.attention_dropout_prob = attention_dropout_prob
+        self.attention_in_fp32 = attention_in_fp32
+        self.query_key_layer_scaling = query_key_layer_scaling
+        self.layer_number = (0 if layer_idx is None else layer_idx) + 1
         self.scale = attention_head_size**-0.5 if scale_attention_scores else 1.0
         if scale_attn_by_layer_idx:
             if layer_idx is None:
@@ -138,8 +152,13 @@ class DistributedAttentionLayer(DistributedModule):
         query, key, value = heads(self.query), heads(self.key), heads(self.value)
         if self.rotary is not None:
             query, key = self.rotary(query), self.rotary(key)
-        if self.training and self.attention_dropout_prob > 0:
-            context = self._dropped_out(query, key, value, bias)
+        dropping = self.training and self.attention_dropout_prob > 0
+        wide = hidden.dtype in (torch.float16, torch.bfloat16) and (
+            self.attention_in_fp32 or self.query_key_layer_scaling
+        )
+        if dropping or wide:
+            probs = self.probabilities(query, key, bias, wide)
+            context = (self._dropped_out(probs) if dropping else probs) @ value
         else:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=bias, scale=self.scale
@@ -151,27 +170,33 @@ class DistributedAttentionLayer(DistributedModule):
         out = out + inputs
         return out if self.layernorm is None else self.layernorm(out)
 
-    def _dropped_out(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        bias: torch.Tensor | None,
+    def probabilities(
+        self, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, wide: bool
     ) -> torch.Tensor:
-        """Attention with dropout on its probabilities, each head's mask drawn by a generator of
-        its own, seeded from the region's generator and the head's number in the whole layer:
-        a rank draws the masks one process draws for the same heads (SDPA's dropout draws one
+        """The attention probabilities of ``[N, heads, S, head]`` queries and keys; ``wide``:
+        as ``attention_in_fp32`` and ``query_key_layer_scaling`` ask, in fp32 (the class says
+        how), returned in the queries' dtype."""
+        if not wide:
+            scores = query @ key.transpose(-2, -1) * self.scale
+            return (scores if bias is None else scores + bias).softmax(dim=-1)
+        dtype = query.dtype
+        if self.attention_in_fp32:
+            query, key = query.float(), key.float()
+        coefficient = self.layer_number if self.query_key_layer_scaling else 1
+        # Scaled before the product, so the product stays in range on every backend.
+        scores = (query * (self.scale / coefficient)) @ key.transpose(-2, -1)
+        scores = scores.float() * coefficient
+        if bias is not None:
+            scores = scores + bias.float()
+        return scores.softmax(dim=-1).to(dtype)
+
+    def _dropped_out(self, probs: torch.Tensor) -> torch.Tensor:
+        """Dropout on the attention probabilities, each head's mask drawn by a generator of its
+        own, seeded from the region's generator and the head's number in the whole layer: a
+        rank draws the masks one process draws for the same heads (SDPA's dropout draws one
         mask for this rank's heads, alike on every rank of the group)."""
-        scores = query @ key.transpose(-2, -1) * self.scale
-        probs = (scores if bias is None else scores + bias).softmax(dim=-1)
-        base = int(torch.randint(2**62, (1,), dtype=torch.int64).item())
-        local = probs.shape[1]
-        first = state.current(self.what).tp_rank * local
-        keep = torch.empty_like(probs)
-        for head in range(local):
-            generator = torch.Generator(device=probs.device).manual_seed(base + first + head)
-            keep[:, head].bernoulli_(1 - self.attention_dropout_prob, generator=generator)
-        return (probs * keep / (1 - self.attention_dropout_prob)) @ value
+        first = state.current(self.what).tp_rank * probs.shape[1]
+        return drop_heads(probs, self.attention_dropout_prob, first_head=first)
 
 
 class Rotary:

@@ -36,6 +36,7 @@ FAMILY = Family(
     sizes=("num_attention_heads", "intermediate_size"),
     check=refuse_cross_attention,
     attention_dropout="attention_probs_dropout_prob",
+    dropout_in="attention.self",
 )
 
 translate_hf_state_dict_to_smdistributed = same_names

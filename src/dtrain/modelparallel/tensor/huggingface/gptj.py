@@ -34,6 +34,7 @@ FAMILY = Family(
     head_counts={"attn": "num_attention_heads"},
     refused_inputs={"token_type_ids": "GPT-J embeds them with its word embedding"},
     attention_dropout="attn_pdrop",
+    dropout_in="attn.attn_dropout",
 )
 
 ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}

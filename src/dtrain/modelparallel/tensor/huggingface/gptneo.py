@@ -16,6 +16,7 @@ FAMILY = Family(
     head_counts={"attn.attention": "num_heads"},
     refused_inputs={"token_type_ids": "GPT-Neo embeds them with its word embedding"},
     attention_dropout="attention_dropout",
+    dropout_in="attn.attention.attn_dropout",
 )
 
 translate_hf_state_dict_to_smdistributed_gptneo = same_names

@@ -40,6 +40,7 @@ FAMILY = Family(
     rowwise=("attention.dense", "mlp.dense_4h_to_h"),
     sizes=("num_attention_heads", "intermediate_size"),
     attention_dropout="attention_dropout",
+    dropout_in="attention",
 )
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "relu": "relu"}

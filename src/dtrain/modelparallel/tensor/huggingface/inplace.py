@@ -3,7 +3,8 @@
 
 A model of a supported family (:data:`FAMILIES`) marked for tensor parallelism keeps its modules,
 names and forward. When ``smp.DistributedModel`` wraps it, its base model (HF's
-``model.base_model``: ``LlamaModel``, ``BertModel``, ...) is changed in place:
+``model.base_model``: ``LlamaModel``, ``BertModel``, ...; T5's encoder and decoder, each) is
+changed in place:
 
 * the linear layers of the family's plan are split: query / key / value and the feed-forward's
   first layers by output features (heads), the attention's output and the feed-forward's last
@@ -32,14 +33,21 @@ from fnmatch import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.overrides import TorchFunctionMode
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
-from dtrain.modelparallel.tensor.module import refuse_unsupported, split, whole_state_dicts
+from dtrain.modelparallel.tensor.module import (
+    UNSUPPORTED_EXTRAS,
+    refuse_unsupported,
+    split,
+    whole_state_dicts,
+)
 
 FAMILIES = {
     "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
@@ -48,13 +56,15 @@ FAMILIES = {
     "transformers.models.bert.modeling_bert": "bert",
     "transformers.models.roberta.modeling_roberta": "roberta",
     "transformers.models.gpt_neo.modeling_gpt_neo": "gptneo",
+    "transformers.models.t5.modeling_t5": "t5",
+    "transformers.models.vit.modeling_vit": "vit",
 }
 """HF modelling modules → their family's file in :mod:`..huggingface`; every ``PreTrainedModel``
 of such a module (``LlamaForCausalLM``, ``BertForMaskedLM``, ``RobertaModel``, ...) is split."""
 
 BATCH_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 """Base-model inputs holding the batch's rows, gathered over the tp group (``position_ids`` of
-one row, shared by the batch, stays as it is)."""
+one row, shared by the batch, stays as it is); the first leads (:attr:`Family.inputs`)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,25 @@ class Family:
     check: Callable[[Any], None] | None = None
     """Further refusals of a config (raising :class:`ModelParallelError`)."""
     attention_dropout: str | None = None
-    """The config field of the dropout on the attention probabilities, refused above 0 at tp > 1
-    (:func:`refuse_attention_dropout`)."""
+    """The config field of the dropout on the attention probabilities."""
+    dropout_in: str | None = None
+    """The module of a layer whose forward's one dropout call is that on the attention
+    probabilities (the attention module, or the dropout module itself): above 0 at tp > 1 its
+    masks are drawn for every head (:class:`HeadDropout`)."""
+    split_dropout: tuple[str, str] | None = None
+    """A module of a layer whose forward's one dropout acts on features split over the tp group
+    (T5's feed-forward, between ``wi`` and ``wo``), and the config field of its probability:
+    above 0 at tp > 1 its mask is drawn for all the features and sliced, as heads' are."""
+    bases: tuple[str, ...] = ()
+    """Submodules of HF's ``base_model`` split as base models, each its own scaled-batch region
+    (T5's ``encoder`` and ``decoder``); none of them there (or none named): ``base_model``."""
+    inputs: tuple[str, ...] = BATCH_INPUTS
+    """Base-model inputs holding the batch's rows, gathered over the tp group; the first is
+    required (or ``input_ids``) and its rows are the rank's."""
+    word_embedding: bool = True
+    """The base model embeds ``input_ids`` with its input embedding, run on the rank's own rows
+    before the region (a head may be tied to it); False: it embeds its inputs inside the
+    region (ViT's patches)."""
 
     @property
     def what(self) -> str:
@@ -104,13 +131,10 @@ def family_of(kind: type[nn.Module]) -> str | None:
     return name if name is not None and hasattr(kind, "base_model_prefix") else None
 
 
-IN_PLACE_DEFAULTS = {
-    "use_alibi": False,
-    "fp32_residual_addition": False,
-    "distribute_embedding": False,
-}
-"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model:
-a model split in place keeps its own layers, so only their defaults describe it."""
+IN_PLACE_DEFAULTS = {**UNSUPPORTED_EXTRAS, "distribute_embedding": False}
+"""SMP's transformer options that AWS's scripts pass to ``smp.model_creation`` for any model
+(the layers' and the LM head's ``distribute_embedding``): a model split in place keeps its own
+layers, so only their defaults describe it."""
 
 
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
@@ -122,53 +146,139 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     config = model.config
     if family.check is not None:
         family.check(config)
-    degree = state.current(what).tp_size
-    refuse_attention_dropout(config, family, degree)
+    st = state.current(what)
+    degree = st.tp_size
+    dropping = degree > 1 and attention_dropout(config, family, degree) > 0
+    split_dropout = family.split_dropout
+    if split_dropout is not None and not (degree > 1 and getattr(config, split_dropout[1])):
+        split_dropout = None
     for name in family.sizes:
         size = getattr(config, name, None)
         if size is not None:
             split(what, name, size)
-    base = model.base_model
-    embedding = base.get_input_embeddings()
-    _refuse_ties(model, base, embedding, what)
+    root = model.base_model
+    bases = [getattr(root, name) for name in family.bases if hasattr(root, name)]
+    for base in bases or [root]:
+        _split_base(model, base, family, st.tp_rank, degree, dropping, split_dropout)
+    return model
+
+
+def _split_base(
+    model: nn.Module,
+    base: nn.Module,
+    family: Family,
+    rank: int,
+    degree: int,
+    dropping: bool,
+    split_dropout: tuple[str, str] | None,
+) -> None:
+    """Split ``base``'s layers in place (``dropping``: its attention dropout drawn per head;
+    ``split_dropout``: the family's, drawn whole) and make its forward a scaled-batch region."""
+    embedding = base.get_input_embeddings() if family.word_embedding else None
+    _refuse_ties(model, base, embedding, family.what)
     for name, attribute in family.head_counts.items():
         for path, module in base.named_modules():
             if _matches(path, f"{family.layers}.{name}"):
                 setattr(module, attribute, getattr(module, attribute) // degree)
     for path, layer in base.named_modules():  # one by one: made one at a time if delayed
         if _matches(path, family.layers):
-            shards.parallelize(layer, _layer_plan(family), what)
+            shards.parallelize(layer, _layer_plan(family, layer), family.what)
+        elif dropping and _matches(path, f"{family.layers}.{family.dropout_in}"):
+            layer.forward = _per_head(layer.forward, rank, degree, family.what)
+        elif split_dropout and _matches(path, f"{family.layers}.{split_dropout[0]}"):
+            layer.forward = _per_head(layer.forward, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
-    for param in embedding.parameters():  # runs on the rank's own rows, before the region
-        setattr(param, shards.SCALED_BATCH, False)
+    if embedding is not None:
+        for param in embedding.parameters():  # runs on the rank's own rows, before the region
+            setattr(param, shards.SCALED_BATCH, False)
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
-    return model
 
 
-def refuse_attention_dropout(config: Any, family: Family, degree: int) -> None:
-    """HF's attention draws one dropout mask for the rank's heads, and the tp group's ranks draw
-    alike (one generator state, as the region's replicated activations need), so rank r's k-th
-    head would share rank 0's k-th head's mask, where one process draws every head's apart: the
-    model would train unlike one process, silently. Refused before the first step, naming it."""
+def attention_dropout(config: Any, family: Family, degree: int) -> float:
+    """The probability of the family's dropout on the attention probabilities. Above 0 at
+    tp > 1 HF's eager attention is needed: it draws the mask with ``torch``'s dropout, which
+    :class:`HeadDropout` draws for every head; SDPA, FlashAttention and flex attention draw
+    theirs inside the kernel, for the rank's heads only, and on GPUs by the kernel's own
+    scheme, so no rank can draw the mask one process would. Refused before the first step,
+    naming the field and the implementation."""
     name = family.attention_dropout
-    probability = getattr(config, name, 0.0) if name is not None else 0.0
-    if degree > 1 and probability:
+    probability = float(getattr(config, name, 0.0) or 0.0) if name is not None else 0.0
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if degree > 1 and probability and implementation != "eager":
         raise ModelParallelError(
-            f"{family.what}: config.{name}={probability} is not supported at "
-            f"tensor_parallel_degree {degree}: the ranks' attention modules would draw the "
-            "same dropout mask for their k-th heads, where one process draws every head's "
-            f"apart; allowed: config.{name}=0 (eval mode drops nothing anyway), or "
-            "smp.nn.DistributedTransformerLMHead or a translated model, whose heads draw "
-            "masks of their own"
+            f"{family.what}: config.{name}={probability} with "
+            f"attn_implementation={implementation!r} is not supported at "
+            f"tensor_parallel_degree {degree}: {implementation} draws the dropout mask of the "
+            "rank's heads inside its kernel, unlike the one a single process draws for all "
+            f"heads; allowed: attn_implementation='eager' (from_pretrained / from_config "
+            f"argument), or config.{name}=0"
         )
+    return probability
 
 
-def _layer_plan(family: Family) -> dict[str, ParallelStyle]:
-    """How one of ``family``'s transformer layers is split (a fresh style per linear layer)."""
+class HeadDropout(TorchFunctionMode):
+    """The attention probabilities' dropout of a split HF model, drawn as one process draws
+    it: HF's attention calls ``torch.nn.functional.dropout`` on ``[rows, heads, query, key]``
+    probabilities of the rank's heads, and would draw one mask for them, the same on every
+    rank of the group (their generator is the region's, alike on all). Here the rank draws the
+    mask of every head of the layer instead (the shape one process draws, from the same
+    generator, so the same values) and keeps its own heads' slice. The region's rows are the
+    group's combined batch, one process's batch. The cost is the draw of the other ranks'
+    heads, and their mask held until it is sliced. With ``dim=-1`` the same for a dropout on
+    features split over the group (:attr:`Family.split_dropout`)."""
+
+    def __init__(self, rank: int, degree: int, what: str, dim: int = 1) -> None:
+        super().__init__()
+        self.rank, self.degree, self.what, self.dim = rank, degree, what, dim
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.dropout or not kwargs["training"] or not kwargs["p"]:
+            return func(*args, **kwargs)
+        probs = args[0]
+        if self.dim == 1 and probs.dim() != 4:
+            raise ModelParallelError(
+                f"{self.what}: the attention dropout met a tensor of shape {list(probs.shape)}, "
+                "where [rows, heads, query, key] probabilities were expected (a transformers "
+                "version this split does not know)"
+            )
+        heads = probs.shape[self.dim]
+        whole = list(probs.shape)
+        whole[self.dim] = heads * self.degree
+        noise = F.dropout(probs.new_ones(whole), p=kwargs["p"])  # 0 or 1/(1-p), as torch's
+        mine = noise.narrow(self.dim, self.rank * heads, heads).contiguous()  # frees the others'
+        return probs.mul_(mine) if kwargs["inplace"] else probs * mine
+
+
+def _per_head(
+    forward: Callable[..., Any], rank: int, degree: int, what: str, dim: int = 1
+) -> Callable[..., Any]:
+    """``forward`` (of :attr:`Family.dropout_in`) with its dropout drawn by :class:`HeadDropout`."""
+
+    @functools.wraps(forward)
+    def dropping(*args: Any, **kwargs: Any) -> Any:
+        with HeadDropout(rank, degree, what, dim):
+            return forward(*args, **kwargs)
+
+    return dropping
+
+
+def _layer_plan(family: Family, layer: nn.Module) -> dict[str, ParallelStyle]:
+    """How ``layer``, one of ``family``'s transformer layers, is split: a fresh style for each of
+    its modules that the family's names match (patterns: T5's encoder and decoder blocks differ,
+    and so do its feed-forwards, gated or not)."""
     plan: dict[str, ParallelStyle] = {}
     for names, style in ((family.colwise, ColwiseParallel), (family.rowwise, RowwiseParallel)):
-        plan.update({name: style() for name in names})
+        for path, _ in layer.named_modules():
+            if any(_matches(path, name) for name in names):
+                plan[path] = style()
     return plan
 
 
@@ -179,10 +289,10 @@ def _matches(path: str, pattern: str) -> bool:
     return len(parts) == len(wanted) and all(map(fnmatch, parts, wanted))
 
 
-def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: str) -> None:
+def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module | None, what: str) -> None:
     """A parameter of the region that the model also uses outside it would add gradients of
     the group's batch to those of the rank's: refused, naming both."""
-    kept = {id(p) for p in embedding.parameters()}
+    kept = set() if embedding is None else {id(p) for p in embedding.parameters()}
     region = {
         id(p): name
         for name, p in base.named_parameters(remove_duplicate=False)
@@ -199,7 +309,7 @@ def _refuse_ties(model: nn.Module, base: nn.Module, embedding: nn.Module, what: 
             )
 
 
-def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[..., Any]:
+def _region(base: nn.Module, embedding: nn.Module | None, family: Family) -> Callable[..., Any]:
     """``base``'s forward as the tp group's scaled-batch region."""
     original = base.forward
     names = list(inspect.signature(original).parameters)
@@ -210,21 +320,22 @@ def _region(base: nn.Module, embedding: nn.Module, family: Family) -> Callable[.
         inputs = {**dict(zip(names, args, strict=False)), **kwargs}
         _refuse_inputs(inputs, base.config, family)
         ids = inputs.pop("input_ids", None)
-        if ids is not None and inputs.get("inputs_embeds") is None:
+        if embedding is not None and ids is not None and inputs.get("inputs_embeds") is None:
             if family.positions is not None and inputs.get("position_ids") is None:
                 inputs["position_ids"] = family.positions(base, ids)
             inputs["inputs_embeds"] = embedding(ids)
         elif ids is not None:
             inputs["input_ids"] = ids  # both given: the base model says so
-        embeddings = inputs["inputs_embeds"]
-        rows = embeddings.shape[0]
-        with scaled_batch(what, embeddings) as batch:
-            for name in BATCH_INPUTS:
+        leading = family.inputs[0]
+        rows = inputs[leading].shape[0]
+        with scaled_batch(what, inputs[leading]) as batch:
+            for name in family.inputs:
                 value = inputs.get(name)
                 if isinstance(value, torch.Tensor) and value.shape[0] == rows:
                     inputs[name] = batch.gather(value)
-            combined = inputs["inputs_embeds"].shape[0]
-            inputs["use_cache"] = False
+            combined = inputs[leading].shape[0]
+            if "use_cache" in names:
+                inputs["use_cache"] = False
             return _own_rows(original(**inputs), batch, combined)
 
     return forward
@@ -246,17 +357,20 @@ def _refuse_inputs(inputs: dict[str, Any], config: Any, family: Family) -> None:
             f"{what}: output_attentions is not supported with tensor parallelism (each rank "
             "holds its own heads' attention maps)"
         )
-    if inputs.get("input_ids") is None and inputs.get("inputs_embeds") is None:
-        raise ModelParallelError(f"{what}: input_ids or inputs_embeds are required")
+    ids = ("input_ids",) if family.word_embedding else ()
+    required = (*ids, family.inputs[0])
+    if all(inputs.get(name) is None for name in required):
+        raise ModelParallelError(f"{what}: {' or '.join(required)} are required")
+    allowed = (*ids, *family.inputs)
     unknown = sorted(
         name
         for name, value in inputs.items()
-        if isinstance(value, torch.Tensor) and name not in (*BATCH_INPUTS, "input_ids")
+        if isinstance(value, torch.Tensor) and name not in allowed
     )
     if unknown:
         raise ModelParallelError(
             f"{what}: inputs {unknown} are not supported with tensor parallelism; allowed "
-            f"tensors: input_ids, {', '.join(BATCH_INPUTS)}"
+            f"tensors: {', '.join(allowed)}"
         )
 
 

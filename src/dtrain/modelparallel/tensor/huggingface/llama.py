@@ -22,4 +22,5 @@ FAMILY = Family(
     rowwise=("self_attn.o_proj", "mlp.down_proj"),
     sizes=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
     attention_dropout="attention_dropout",
+    dropout_in="self_attn",
 )
