@@ -23,6 +23,10 @@ the data-parallel group and averaged (or summed) over microbatches, as pipelines
 failure on one rank leaves the others waiting in a collective until the process group's
 timeout (``DTRAIN_MP_TIMEOUT``).
 
+**Activation checkpointing.** ``smp.set_activation_checkpointing``'s marks, made before or
+after wrapping, are applied at the first step (:meth:`ShardedModel._checkpoint_marked`): a
+marked module's forward runs under torch's non-reentrant checkpoint inside its FSDP2 hooks.
+
 **fp16 and bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers,
 inputs entering in half, outputs leaving in fp32, fp32 masters stepped by the optimizer) is
 FSDP2's mixed precision (:func:`mixed_precision`): the sharded parameters stay fp32 and are the
@@ -57,7 +61,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dtrain.modelparallel import deferred
 from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.pipeline.executor import MicrobatchResult
+from dtrain.modelparallel.pipeline.remote import install_stub
 from dtrain.modelparallel.state import MPState
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -212,6 +218,8 @@ class ShardedModel:
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
     ) -> list[MicrobatchResult]:
         """The step body for each microbatch in turn, on this rank's device."""
+        if not self.stepped:
+            self._checkpoint_marked()
         body = make_body(self.device)
         self.stepped = self._stepping = True
         try:
@@ -223,6 +231,19 @@ class ShardedModel:
             raise
         finally:
             self._stepping = False
+
+    def _checkpoint_marked(self) -> None:
+        """Checkpoint the modules ``smp.set_activation_checkpointing`` marked (before or after
+        wrapping), as the pipeline does on its one partition: a marked module's forward becomes
+        its checkpointed forward. That is inside the module's FSDP2 hooks, so a marked unit's
+        parameters are gathered around its forward and, in backward, before its recomputation
+        (FSDP2's pre-backward hook runs before the gradient reaches the region); a marked
+        module holding units recomputes them through their hooks, which gather them again."""
+        modules = dict(self.module.named_modules())
+        plan = activations.plan_checkpointing(self.module, dict.fromkeys(modules, 0))
+        for name, module in modules.items():
+            if plan.changes(name):
+                install_stub(module, plan.forward_of(name, module))
 
     def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         self.require_step("model.backward")

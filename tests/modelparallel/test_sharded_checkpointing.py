@@ -1,0 +1,216 @@
+"""Activation checkpointing with sharded data parallelism trains like one process without it.
+
+``smp.set_activation_checkpointing`` (before and after ``smp.DistributedModel``, modules and
+``nn.Sequential`` strategies), SMP's ``checkpoint`` and torch's non-reentrant checkpoint in
+the model's code, at ``sharded_data_parallel_degree`` 2 on the blocks of
+``test_activation_checkpointing``: the same losses and parameters as one process without
+checkpointing, and each checkpointed block's forward runs twice per microbatch on every rank
+(its recomputation in backward), so a mark the sharded model skipped fails the test. The
+FSDP2 units are the blocks (a marked block is checkpointed inside its unit, a marked
+Sequential or root holds units) or, at a lower threshold, the blocks' linear layers (a marked
+block holds units). All setups share one world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel.errors import ModelParallelError
+from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.test_activation_checkpointing import (
+    BATCH,
+    BLOCKS,
+    LR,
+    STEPS,
+    Setup,
+    Trained,
+    _batch,
+    _mark,
+    _marked,
+    _Net,
+    reference,
+)
+from tests.modelparallel.test_equivalence import assert_equivalent
+
+BLOCK_UNITS = 200
+"""``sdp_param_persistence_threshold`` making each block (280 parameters) a unit."""
+LINEAR_UNITS = 100
+"""Making each of a block's linear layers (136 and 144 parameters) a unit instead."""
+
+
+@dataclass(frozen=True)
+class Case:
+    setup: Setup
+    recomputed: tuple[str, ...]
+    """The blocks whose forward runs again in backward."""
+    threshold: int = BLOCK_UNITS
+
+
+CASES: dict[str, Case] = {
+    "blocks": Case(Setup(_marked("first", "second")), ("first", "second")),
+    "blocks holding units": Case(
+        Setup(_marked("first", "second"), marks_after_wrapping=True),
+        ("first", "second"),
+        LINEAR_UNITS,
+    ),
+    "sequential contiguous": Case(
+        Setup(_marked("seq", strategy="contiguous"), marks_after_wrapping=True),
+        ("seq.0", "seq.1", "seq.2", "seq.3"),
+    ),
+    "sequential group_3": Case(
+        Setup(_marked("seq", strategy="group_3")), ("seq.0", "seq.1", "seq.2", "seq.3")
+    ),
+    "whole model": Case(Setup(_marked(""), marks_after_wrapping=True), BLOCKS),
+    "delayed model": Case(Setup(_marked("first"), delayed=True), ("first",)),
+    "smp checkpoint": Case(Setup(code="smp"), ("first", "second")),
+    "torch non-reentrant": Case(Setup(code="torch_non_reentrant"), ("second",)),
+    "nothing": Case(Setup(), ()),
+}
+
+DROPOUT: dict[str, Case] = {
+    # Dropout in ``second``: the ranks' rows draw apart from one process's, so each run is
+    # compared with the same layout unmarked.
+    "dropout unmarked": Case(Setup(dropout_in="second"), ()),
+    "dropout preserved": Case(Setup(_marked("second"), dropout_in="second"), ("second",)),
+    "dropout not preserved": Case(
+        Setup(_marked("second", preserve_rng_state=False), dropout_in="second"), ("second",)
+    ),
+}
+
+
+def _train(case: Case) -> Trained:
+    """``STEPS`` SGD steps at sdp=2 on this rank's rows, the marks as the case says; the global
+    losses, full parameters and forwards of each block on this rank."""
+    setup = case.setup
+    smp.init(
+        {
+            "ddp": True,
+            "microbatches": setup.microbatches,
+            "sharded_data_parallel_degree": 2,
+            "sdp_param_persistence_threshold": case.threshold,
+            "sdp_gradient_clipping": 0.0,
+        }
+    )
+    with smp.delay_param_initialization(enabled=setup.delayed):
+        module = _Net(setup)
+    if not setup.marks_after_wrapping:
+        _mark(module, setup)
+    model = smp.DistributedModel(module)
+    if setup.marks_after_wrapping:
+        _mark(module, setup)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    rows = slice(smp.dp_rank() * BATCH // 2, (smp.dp_rank() + 1) * BATCH // 2)
+    losses = []
+    for step in range(STEPS):
+        torch.manual_seed(step)  # every rank draws alike: dropout runs compare across layouts
+        optimizer.zero_grad()
+        x, y = (t[rows] for t in _batch(step))
+        loss = train_step(model, x, y).reduce_mean().detach()
+        optimizer.step()
+        dist.all_reduce(loss, group=smp.get_dp_process_group())
+        losses.append(loss.item() / smp.dp_size())
+    calls = {name: module.get_submodule(name).calls for name in BLOCKS}
+    trained = Trained(losses, model.state_dict(), calls)
+    smp.shutdown()
+    return trained
+
+
+MISUSES = {
+    "stranger before": "Linear that is not part of the model given to smp.DistributedModel",
+    "after the first step": "called after the model's first step",
+}
+
+
+def _misuse(case: str) -> str:
+    """What a mark the sharded model cannot honour raises."""
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    module = _Net(Setup())
+    stranger = torch.nn.Linear(2, 2)  # held: a mark is dropped with its module
+    if case == "stranger before":
+        smp.set_activation_checkpointing(stranger)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, x: Tensor) -> Tensor:
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        train_step(model, torch.ones(2, 4))
+        smp.set_activation_checkpointing(module.first)
+    except ModelParallelError as exc:
+        return str(exc)
+    finally:
+        smp.shutdown()
+    return "nothing raised"
+
+
+def _train_cases(cases: list[Case]) -> tuple[list[Trained], list[str]]:
+    """On every rank: each case trained in turn, then each misuse tried."""
+    dist.init_process_group("gloo")
+    results = [_train(case) for case in cases]
+    messages = [_misuse(case) for case in MISUSES]
+    dist.destroy_process_group()
+    return results, messages
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[tuple[list[Trained], list[str]]]:
+    return run_ranks(2, _train_cases, [*CASES.values(), *DROPOUT.values()], timeout=240)
+
+
+@pytest.fixture(scope="module")
+def trained(ranks: list[tuple[list[Trained], list[str]]]) -> dict[str, list[Trained]]:
+    """Each case's result on each rank, by name."""
+    return {name: [rank[0][i] for rank in ranks] for i, name in enumerate([*CASES, *DROPOUT])}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_checkpointing_with_sharding_trains_like_one_process_and_recomputes(
+    trained: dict[str, list[Trained]], name: str
+) -> None:
+    case = CASES[name]
+    forwards = STEPS * case.setup.microbatches
+    expected = {block: forwards * (2 if block in case.recomputed else 1) for block in BLOCKS}
+    for rank, got in enumerate(trained[name]):
+        assert_equivalent(got, reference(case.setup), f"{name}, rank {rank}")
+        assert got.calls == expected, f"{name}, rank {rank}"
+
+
+def test_dropout_in_a_checkpointed_module_draws_its_mask_again_when_preserved(
+    trained: dict[str, list[Trained]],
+) -> None:
+    """With ``preserve_rng_state`` the recomputation draws the forward's mask again: training
+    is that of the unmarked model; without it the mask differs, and so does training."""
+    unmarked = trained["dropout unmarked"]
+    for rank, (preserved, lost) in enumerate(
+        zip(trained["dropout preserved"], trained["dropout not preserved"], strict=True)
+    ):
+        assert_equivalent(preserved, unmarked[rank], f"rank {rank}")
+        assert preserved.calls["second"] == lost.calls["second"] == 2 * STEPS * 2
+        weight = "second.fc1.weight"
+        assert not torch.allclose(lost.params[weight], unmarked[rank].params[weight], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(MISUSES))
+def test_marks_the_sharded_model_cannot_honour_fail(
+    ranks: list[tuple[list[Trained], list[str]]], case: str
+) -> None:
+    for _, messages in ranks:
+        message = messages[list(MISUSES).index(case)]
+        assert MISUSES[case] in message, message
