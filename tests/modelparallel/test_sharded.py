@@ -77,6 +77,8 @@ class Trained:
     optimizer_elements: int = 0
     """Elements of optimizer state this rank holds."""
     momentum: dict[str, Tensor] | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None
+    """The shape of each parameter in ``optimizer.fp16_groups``, by name."""
 
 
 def reference(case: str, steps: int, clip: float) -> Trained:
@@ -178,9 +180,15 @@ def train_runs(runs: list[Run], steps: int) -> list[Trained]:
         else:
             module = build(run.case)
         trainer = Trainer(run.case, module)
-        losses = [trainer.step(index) for index in range(steps)]
+        losses, norms = [], []
+        for index in range(steps):
+            losses.append(trainer.step(index))
+            norms.append(trainer.optimizer._global_grad_norm)  # type: ignore[attr-defined]
         params = trainer.model.state_dict()
-        results.append(Trained(losses, params, [], trainer.optimizer_elements()))
+        names = {id(p): n for n, p in trainer.model.module.named_parameters()}
+        groups = trainer.optimizer.fp16_groups  # type: ignore[attr-defined]
+        shapes = {names[id(p)]: tuple(p.shape) for group in groups for p in group}
+        results.append(Trained(losses, params, norms, trainer.optimizer_elements(), None, shapes))
         smp.shutdown()
     dist.destroy_process_group()
     return results
@@ -195,9 +203,13 @@ def test_sharded_and_hybrid_train_like_one_process(case: str, microbatches: int)
     expected = reference(case, STEPS, CLIP)
     assert min(expected.norms) > CLIP, f"clipping never acted ({expected.norms})"
     full = sum(p.numel() for p in build(case).parameters())  # one momentum each
+    # AWS's scripts save these shapes (from optimizer.fp16_groups) to rebuild the whole model.
+    shapes = {name: tuple(p.shape) for name, p in build(case).named_parameters()}
     for index, run in enumerate(runs):
         for rank, trained in enumerate(results):
             assert_equivalent(trained[index], expected, f"{run}, rank {rank}")
+            assert trained[index].norms == pytest.approx(expected.norms, rel=1e-5), run
+            assert trained[index].shapes == shapes, run
         # Each rank holds the momentum of its shard only: a quarter, or a half (2 replicas).
         held = [trained[index].optimizer_elements for trained in results]
         assert sum(held) == full * 4 // run.degree, (run, held, full)
@@ -229,7 +241,9 @@ def test_units_are_blocks_or_large_submodules_never_a_tied_embedding() -> None:
 def test_sdp_gradient_clipping_zero_turns_clipping_off() -> None:
     run = Run("lm", 2, clip=0.0)
     got = run_ranks(2, train_runs, [run], 2, timeout=120)[0][0]
-    assert_equivalent(got, reference("lm", 2, float("inf")), str(run))
+    expected = reference("lm", 2, float("inf"))
+    assert_equivalent(got, expected, str(run))
+    assert got.norms == pytest.approx(expected.norms, rel=1e-5)  # measured all the same
 
 
 def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float], list[float]]:

@@ -44,6 +44,7 @@ backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,12 @@ class ShardedModel:
         self._stepping = False
         self._unscaled = False
         """Whether this optimizer step's gradients are unscaled already (fp16)."""
+        self._measured: float | None = None
+        """This optimizer step's gradient norm, if ``clip_master_grads`` measured it."""
+        self.grad_norm = 0.0
+        """The global norm over every shard of the unscaled gradients the last optimizer step
+        took, before clipping (DeepSpeed's ``_global_grad_norm``, which SMP's sharded
+        optimizer exposes); a skipped step leaves it."""
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
         self.dtype = half_dtype(st.config)
@@ -253,20 +260,21 @@ class ShardedModel:
         """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
         are unscaled and checked first (unless ``clip_master_grads`` did it), and an overflow
         on any rank skips the step (returning ``None``) on every rank; then they are clipped
-        to ``sdp_gradient_clipping``."""
+        to ``sdp_gradient_clipping``, their norm before any clipping kept (:attr:`grad_norm`)."""
 
         def clipped() -> Any:
-            if self.max_grad_norm > 0:
-                self.clip_gradients(self.max_grad_norm)
+            norm = self.clip_gradients(self.max_grad_norm or math.inf)  # inf: measures only
+            self.grad_norm = norm if self._measured is None else self._measured
             return step()
 
-        if self.scaling is None:
-            return clipped()
         try:
+            if self.scaling is None:
+                return clipped()
             self._unscale()
             return self.scaling.step(clipped)
         finally:
             self._unscaled = False
+            self._measured = None
 
     def clip_master_grads(self, max_norm: float, norm_type: float) -> float:
         """``optimizer.clip_master_grads``: the gradients unscaled first (fp16), then clipped to
@@ -278,11 +286,16 @@ class ShardedModel:
             self._unscale()
             if self.scaling.overflow:
                 return -1.0
-        return self.clip_gradients(max_norm, norm_type)
+        norm = self.clip_gradients(max_norm, norm_type)
+        if self._measured is None and norm_type == 2:
+            self._measured = norm
+        return norm
 
     def zero_grad(self) -> None:
-        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again."""
+        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again (and
+        not measured yet)."""
         self._unscaled = False
+        self._measured = None
 
     def _unscale(self) -> None:
         """Divide the sharded gradients by the loss scale, once per optimizer step, and set
