@@ -1,8 +1,8 @@
 """Activation checkpointing with sharded data parallelism trains like one process without it.
 
 ``smp.set_activation_checkpointing`` (before and after ``smp.DistributedModel``, modules and
-``nn.Sequential`` strategies), SMP's ``checkpoint`` and torch's non-reentrant checkpoint in
-the model's code, at ``sharded_data_parallel_degree`` 2 on the blocks of
+``nn.Sequential`` strategies), SMP's ``checkpoint`` and torch's checkpoint (reentrant or
+not) in the model's code, at ``sharded_data_parallel_degree`` 2 on the blocks of
 ``test_activation_checkpointing``: the same losses and parameters as one process without
 checkpointing, and each checkpointed block's forward runs twice per microbatch on every rank
 (its recomputation in backward), so a mark the sharded model skipped fails the test. The
@@ -71,6 +71,7 @@ CASES: dict[str, Case] = {
     "delayed model": Case(Setup(_marked("first"), delayed=True), ("first",)),
     "smp checkpoint": Case(Setup(code="smp"), ("first", "second")),
     "torch non-reentrant": Case(Setup(code="torch_non_reentrant"), ("second",)),
+    "torch reentrant": Case(Setup(code="torch_reentrant"), ("second",)),
     "nothing": Case(Setup(), ()),
 }
 
