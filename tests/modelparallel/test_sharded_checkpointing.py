@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
@@ -27,14 +25,14 @@ from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.test_activation_checkpointing import (
     BATCH,
     BLOCKS,
-    LR,
     STEPS,
     Setup,
     Trained,
-    _batch,
     _mark,
     _marked,
     _Net,
+    _sum_step,
+    _train_steps,
     reference,
 )
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -106,24 +104,8 @@ def _train(case: Case) -> Trained:
     model = smp.DistributedModel(module)
     if setup.marks_after_wrapping:
         _mark(module, setup)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor, y: Tensor) -> Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
     rows = slice(smp.dp_rank() * BATCH // 2, (smp.dp_rank() + 1) * BATCH // 2)
-    losses = []
-    for step in range(STEPS):
-        torch.manual_seed(step)  # every rank draws alike: dropout runs compare across layouts
-        optimizer.zero_grad()
-        x, y = (t[rows] for t in _batch(step))
-        loss = train_step(model, x, y).reduce_mean().detach()
-        optimizer.step()
-        dist.all_reduce(loss, group=smp.get_dp_process_group())
-        losses.append(loss.item() / smp.dp_size())
+    losses = _train_steps(model, "cpu", rows)
     calls = {name: module.get_submodule(name).calls for name in BLOCKS}
     trained = Trained(losses, model.state_dict(), calls)
     smp.shutdown()
@@ -144,13 +126,7 @@ def _misuse(case: str) -> str:
     if case == "stranger before":
         smp.set_activation_checkpointing(stranger)
     model = smp.DistributedModel(module)
-
-    @smp.step
-    def train_step(model: smp.DistributedModel, x: Tensor) -> Tensor:
-        loss = model(x).sum()
-        model.backward(loss)
-        return loss
-
+    train_step = _sum_step()
     try:
         train_step(model, torch.ones(2, 4))
         smp.set_activation_checkpointing(module.first)
