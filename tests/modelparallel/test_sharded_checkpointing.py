@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
@@ -84,9 +85,11 @@ DROPOUT: dict[str, Case] = {
 }
 
 
-def _train(case: Case) -> Trained:
+def _train(case: Case) -> tuple[Trained, int]:
     """``STEPS`` SGD steps at sdp=2 on this rank's rows, the marks as the case says; the global
-    losses, full parameters and forwards of each block on this rank."""
+    losses, full parameters and forwards of each block on this rank, and the elements autograd
+    saved for backward outside checkpointed regions (inside one, the checkpoint's own hooks
+    take them and keep nothing)."""
     setup = case.setup
     smp.init(
         {
@@ -105,11 +108,19 @@ def _train(case: Case) -> Trained:
     if setup.marks_after_wrapping:
         _mark(module, setup)
     rows = slice(smp.dp_rank() * BATCH // 2, (smp.dp_rank() + 1) * BATCH // 2)
-    losses = _train_steps(model, "cpu", rows)
+    saved = 0
+
+    def pack(tensor: Tensor) -> Tensor:
+        nonlocal saved
+        saved += tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        losses = _train_steps(model, "cpu", rows)
     calls = {name: module.get_submodule(name).calls for name in BLOCKS}
     trained = Trained(losses, model.state_dict(), calls)
     smp.shutdown()
-    return trained
+    return trained, saved
 
 
 MISUSES = {
@@ -137,7 +148,7 @@ def _misuse(case: str) -> str:
     return "nothing raised"
 
 
-def _train_cases(cases: list[Case]) -> tuple[list[Trained], list[str]]:
+def _train_cases(cases: list[Case]) -> tuple[list[tuple[Trained, int]], list[str]]:
     """On every rank: each case trained in turn, then each misuse tried."""
     dist.init_process_group("gloo")
     results = [_train(case) for case in cases]
@@ -146,15 +157,31 @@ def _train_cases(cases: list[Case]) -> tuple[list[Trained], list[str]]:
     return results, messages
 
 
+Ranks = list[tuple[list[tuple[Trained, int]], list[str]]]
+
+
 @pytest.fixture(scope="module")
-def ranks() -> list[tuple[list[Trained], list[str]]]:
+def ranks() -> Ranks:
     return run_ranks(2, _train_cases, [*CASES.values(), *DROPOUT.values()], timeout=240)
 
 
 @pytest.fixture(scope="module")
-def trained(ranks: list[tuple[list[Trained], list[str]]]) -> dict[str, list[Trained]]:
+def trained(ranks: Ranks) -> dict[str, list[Trained]]:
     """Each case's result on each rank, by name."""
-    return {name: [rank[0][i] for rank in ranks] for i, name in enumerate([*CASES, *DROPOUT])}
+    return {name: [rank[0][i][0] for rank in ranks] for i, name in enumerate([*CASES, *DROPOUT])}
+
+
+def test_checkpointed_regions_keep_fewer_activations(ranks: Ranks) -> None:
+    """What the marks are for: every case that recomputes saves less for backward than the
+    unmarked model (the same on both ranks), the whole model marked least of all. Not torch's
+    reentrant checkpoint: its recomputation in backward saves through the same hooks again
+    (for that region's backward only)."""
+    counts = {name: {rank[0][i][1] for rank in ranks} for i, name in enumerate(CASES)}
+    assert all(len(values) == 1 for values in counts.values()), counts
+    saved = {name: values.pop() for name, values in counts.items()}
+    for name, case in CASES.items():
+        if case.recomputed and name != "torch reentrant":
+            assert saved["whole model"] <= saved[name] < saved["nothing"], (name, saved)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -185,9 +212,7 @@ def test_dropout_in_a_checkpointed_module_draws_its_mask_again_when_preserved(
 
 
 @pytest.mark.parametrize("case", sorted(MISUSES))
-def test_marks_the_sharded_model_cannot_honour_fail(
-    ranks: list[tuple[list[Trained], list[str]]], case: str
-) -> None:
+def test_marks_the_sharded_model_cannot_honour_fail(ranks: Ranks, case: str) -> None:
     for _, messages in ranks:
         message = messages[list(MISUSES).index(case)]
         assert MISUSES[case] in message, message
