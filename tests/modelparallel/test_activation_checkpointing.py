@@ -141,8 +141,11 @@ def _mark(module: nn.Module, setup: Setup) -> None:
         set_activation_checkpointing(module.get_submodule(name), **dict(kwargs))
 
 
-def _train_steps(model: smp.DistributedModel, device: str) -> list[float]:
-    """``STEPS`` SGD steps of ``model`` on the batches, moved to ``device``; the losses."""
+def _train_steps(
+    model: smp.DistributedModel, device: str, rows: slice = slice(None)
+) -> list[float]:
+    """``STEPS`` SGD steps of ``model`` on ``rows`` of the batches (each data-parallel rank
+    its own), moved to ``device``; the losses of the whole batches."""
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
@@ -154,9 +157,12 @@ def _train_steps(model: smp.DistributedModel, device: str) -> list[float]:
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        x, y = (t.to(device) for t in _batch(step))
-        losses.append(float(train_step(model, x, y).reduce_mean()))
+        x, y = (t[rows].to(device) for t in _batch(step))
+        loss = train_step(model, x, y).reduce_mean().detach()
         optimizer.step()
+        if smp.dp_size() > 1:
+            dist.all_reduce(loss, group=smp.get_dp_process_group())
+        losses.append(loss.item() / smp.dp_size())
     return losses
 
 

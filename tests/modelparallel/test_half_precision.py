@@ -216,14 +216,18 @@ def _pipeline(recipe: Recipe, **optimizer_args: Any) -> tuple[Any, Any, Callable
         if recipe.clip is not None and (recipe.sdp == 1 or recipe.clip_master_grads):
             norms.append(optimizer.clip_master_grads(recipe.clip))
         optimizer.step()
+        if recipe.sdp > 1:  # SMP's sharded optimizer's: the norm before clipping
+            step_norms.append(optimizer._global_grad_norm)
         scales.append(model.loss_scaling.loss_scale if model.loss_scaling else 1.0)
         overflows.append(optimizer.overflow)
         return loss
 
     norms: list[float] = []
+    step_norms: list[float] = []
     scales: list[float] = []
     overflows: list[bool] = []
     step.norms = norms  # type: ignore[attr-defined]
+    step.step_norms = step_norms  # type: ignore[attr-defined]
     step.scales = scales  # type: ignore[attr-defined]
     step.overflows = overflows  # type: ignore[attr-defined]
     return model, optimizer, step
@@ -366,6 +370,7 @@ def _train_sharded(recipe: Recipe) -> dict[str, Any]:
         "losses": losses,
         "scales": step.scales,
         "norms": step.norms,
+        "step_norms": step.step_norms,
         "overflows": step.overflows,
         "model": model.state_dict(),
         "stepped": {
@@ -387,11 +392,17 @@ def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
     norms = []  # clip_master_grads's: the norm over every shard, -1 when the step is skipped
     if recipe.clip_master_grads:
         norms = [-1.0 if skip else n for skip, n in zip(skipped, expected["norms"], strict=True)]
+    step_norms, last = [], 0.0  # optimizer._global_grad_norm: unscaled, before any clipping
+    for skip, norm in zip(skipped, expected["norms"], strict=False):  # measured with a clip
+        last = last if skip else norm  # a skipped step leaves it
+        step_norms.append(last)
     for rank, got in enumerate(results):
         assert got["losses"] == pytest.approx([s[rank] for s in expected["losses"]], rel=2 * ulp)
         assert got["scales"] == expected["scales"]
         assert got["overflows"] == (skipped if recipe.dtype == "fp16" else [False] * len(skipped))
         assert got["norms"] == pytest.approx(norms, rel=1e-3)  # as _check: fp16 sums' order
+        if recipe.clip is not None:  # the reference measures it then
+            assert got["step_norms"] == pytest.approx(step_norms, rel=1e-3)
         # The optimizer steps fp32 shards (the masters); forward computes in half and the
         # model's outputs leave in fp32; "fp16_states" holds fp16's loss scaler only: there
         # are no other masters.

@@ -77,6 +77,8 @@ class Trained:
     optimizer_elements: int = 0
     """Elements of optimizer state this rank holds."""
     momentum: dict[str, Tensor] | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None
+    """The shape of each parameter in ``optimizer.fp16_groups``, by name."""
 
 
 def reference(case: str, steps: int, clip: float) -> Trained:
@@ -178,9 +180,15 @@ def train_runs(runs: list[Run], steps: int) -> list[Trained]:
         else:
             module = build(run.case)
         trainer = Trainer(run.case, module)
-        losses = [trainer.step(index) for index in range(steps)]
+        losses, norms = [], []
+        for index in range(steps):
+            losses.append(trainer.step(index))
+            norms.append(trainer.optimizer._global_grad_norm)  # type: ignore[attr-defined]
         params = trainer.model.state_dict()
-        results.append(Trained(losses, params, [], trainer.optimizer_elements()))
+        names = {id(p): n for n, p in trainer.model.module.named_parameters()}
+        groups = trainer.optimizer.fp16_groups  # type: ignore[attr-defined]
+        shapes = {names[id(p)]: tuple(p.shape) for group in groups for p in group}
+        results.append(Trained(losses, params, norms, trainer.optimizer_elements(), None, shapes))
         smp.shutdown()
     dist.destroy_process_group()
     return results
@@ -195,9 +203,13 @@ def test_sharded_and_hybrid_train_like_one_process(case: str, microbatches: int)
     expected = reference(case, STEPS, CLIP)
     assert min(expected.norms) > CLIP, f"clipping never acted ({expected.norms})"
     full = sum(p.numel() for p in build(case).parameters())  # one momentum each
+    # AWS's scripts save these shapes (from optimizer.fp16_groups) to rebuild the whole model.
+    shapes = {name: tuple(p.shape) for name, p in build(case).named_parameters()}
     for index, run in enumerate(runs):
         for rank, trained in enumerate(results):
             assert_equivalent(trained[index], expected, f"{run}, rank {rank}")
+            assert trained[index].norms == pytest.approx(expected.norms, rel=1e-5), run
+            assert trained[index].shapes == shapes, run
         # Each rank holds the momentum of its shard only: a quarter, or a half (2 replicas).
         held = [trained[index].optimizer_elements for trained in results]
         assert sum(held) == full * 4 // run.degree, (run, held, full)
@@ -229,13 +241,17 @@ def test_units_are_blocks_or_large_submodules_never_a_tied_embedding() -> None:
 def test_sdp_gradient_clipping_zero_turns_clipping_off() -> None:
     run = Run("lm", 2, clip=0.0)
     got = run_ranks(2, train_runs, [run], 2, timeout=120)[0][0]
-    assert_equivalent(got, reference("lm", 2, float("inf")), str(run))
+    expected = reference("lm", 2, float("inf"))
+    assert_equivalent(got, expected, str(run))
+    assert got.norms == pytest.approx(expected.norms, rel=1e-5)  # measured all the same
 
 
-def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float], list[float]]:
+def save_and_resume(
+    folder: str, partial: bool, bf16: bool
+) -> tuple[list[float], list[float], dict[str, Tensor]]:
     """Train 4 steps, saving after 2; then a new model resumes from the save and trains the
     last 2 again. The losses of steps 3 and 4 both times (the first time also evaluated
-    without gradients before step 3)."""
+    without gradients before step 3), and the full state saved."""
     dist.init_process_group("gloo")
     run = Run("lm", 2, microbatches=2, bf16=bf16)
     init(run)
@@ -246,6 +262,7 @@ def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float]
         first.step(index)
     model, optimizer = first.model, first.optimizer
     smp.save_checkpoint(folder, "two", partial=partial, model=model, optimizer=optimizer)
+    saved = model.state_dict()
     optimizer_file = Path(folder, f"optimizer_{smp.rank()}.pt")
     torch.save(first.optimizer.state_dict(), optimizer_file)  # full: gathered on every rank
     straight = [first.evaluate(2), first.step(2), first.step(3)]
@@ -258,14 +275,15 @@ def save_and_resume(folder: str, partial: bool, bf16: bool) -> tuple[list[float]
     resumed = [second.step(index) for index in (2, 3)]
     smp.shutdown()
     dist.destroy_process_group()
-    return straight, resumed
+    return straight, resumed, saved
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("partial", [True, False], ids=["partial", "full"])
 def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: bool) -> None:
     args = (str(tmp_path), partial, bf16)
-    for straight, resumed in run_ranks(2, save_and_resume, *args, timeout=120):
+    ranks = run_ranks(2, save_and_resume, *args, timeout=120)
+    for straight, resumed, _ in ranks:
         assert straight[0] == pytest.approx(straight[1], rel=1e-6)  # evaluated, then trained
         assert resumed == pytest.approx(straight[1:], rel=1e-6)
     if partial:  # each shard of the group in its own file; in bf16 no fp16_states files
@@ -274,6 +292,14 @@ def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: boo
             "model_0_0_0.pt", "model_0_0_1.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt"
         ]  # fmt: skip
         saved = torch.load(tmp_path / "two_partial" / "model_0_0_0.pt", weights_only=True)
+        # A parameter's shards, in the order of the files, make it whole (FSDP2's dim-0
+        # split, as the docs say for rebuilding a model from a partial checkpoint by hand);
+        # a buffer is whole in each file.
+        parts = [saved, torch.load(tmp_path / "two_partial" / "model_0_0_1.pt", weights_only=True)]
+        params = dict(build("lm").named_parameters(remove_duplicate=False))  # tied: both names
+        for name, value in ranks[0][2].items():
+            whole = torch.cat([p[name] for p in parts]) if name in params else parts[1][name]
+            assert torch.equal(whole, value), name
     else:
         saved = torch.load(tmp_path / "two", weights_only=True)
     # The parameters are saved as the fp32 values the optimizer steps (the masters).

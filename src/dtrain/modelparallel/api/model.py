@@ -254,6 +254,14 @@ class DistributedModel(nn.Module):
     def partitioned(self) -> bool:
         return self._runtime is not None or self.sharding is not None
 
+    @property
+    def forwards_set_up(self) -> bool:
+        """Whether the first step has set up the modules' forwards (activation checkpointing's
+        marks are applied then): the pipeline runtime's, or the sharded model's."""
+        if self.sharding is not None:
+            return self.sharding.stepped
+        return self._runtime is not None
+
     def run_step(
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
     ) -> list[MicrobatchResult]:

@@ -85,6 +85,7 @@ def DistributedOptimizer(
         run = original_step if adapter.zero is None else adapter.zero_step
         if model.sharding is not None:  # sdp_gradient_clipping and fp16, as SMP's sharded step
             result = model.sharding.step(lambda: run(*args, **kwargs))
+            self._global_grad_norm = model.sharding.grad_norm
         elif half is None:
             return run(*args, **kwargs)
         else:
@@ -103,6 +104,11 @@ def DistributedOptimizer(
     optimizer.overflow = False  # type: ignore[attr-defined]
     """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some
     rank (AWS's scripts then leave the learning rate where it was)."""
+    if model.sharding is not None:
+        # What AWS's sharded scripts read of SMP's sharded (DeepSpeed) optimizer: the model's
+        # parameters by param group (their shapes are the whole ones), the last step's norm.
+        optimizer.fp16_groups = [list(g["params"]) for g in optimizer.param_groups]  # type: ignore[attr-defined]
+        optimizer._global_grad_norm = 0.0  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]

@@ -130,9 +130,10 @@ def clip_gradients(
     if norm_type != math.inf:
         total = total.pow(1.0 / norm_type)
     coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's
-    with torch.no_grad():
-        for grad in grads:
-            grad.mul_(coefficient)
+    if coefficient < 1.0:  # max_norm inf measures the norm only
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient)
     return float(total)
 
 

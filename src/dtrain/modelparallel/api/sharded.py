@@ -23,6 +23,10 @@ the data-parallel group and averaged (or summed) over microbatches, as pipelines
 failure on one rank leaves the others waiting in a collective until the process group's
 timeout (``DTRAIN_MP_TIMEOUT``).
 
+**Activation checkpointing.** ``smp.set_activation_checkpointing``'s marks, made before or
+after wrapping, are applied at the first step (:meth:`ShardedModel._checkpoint_marked`): a
+marked module's forward runs under torch's non-reentrant checkpoint inside its FSDP2 hooks.
+
 **fp16 and bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers,
 inputs entering in half, outputs leaving in fp32, fp32 masters stepped by the optimizer) is
 FSDP2's mixed precision (:func:`mixed_precision`): the sharded parameters stay fp32 and are the
@@ -40,6 +44,7 @@ backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +62,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dtrain.modelparallel import deferred
 from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
+from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.pipeline.executor import MicrobatchResult
+from dtrain.modelparallel.pipeline.remote import install_stub
 from dtrain.modelparallel.state import MPState
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -150,6 +157,12 @@ class ShardedModel:
         self._stepping = False
         self._unscaled = False
         """Whether this optimizer step's gradients are unscaled already (fp16)."""
+        self._measured: float | None = None
+        """This optimizer step's gradient norm, if ``clip_master_grads`` measured it."""
+        self.grad_norm = 0.0
+        """The global norm over every shard of the unscaled gradients the last optimizer step
+        took, before clipping (DeepSpeed's ``_global_grad_norm``, which SMP's sharded
+        optimizer exposes); a skipped step leaves it."""
         self.stepped = False
         """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
         self.dtype = half_dtype(st.config)
@@ -212,6 +225,8 @@ class ShardedModel:
         self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
     ) -> list[MicrobatchResult]:
         """The step body for each microbatch in turn, on this rank's device."""
+        if not self.stepped:
+            self._checkpoint_marked()
         body = make_body(self.device)
         self.stepped = self._stepping = True
         try:
@@ -224,6 +239,19 @@ class ShardedModel:
         finally:
             self._stepping = False
 
+    def _checkpoint_marked(self) -> None:
+        """Checkpoint the modules ``smp.set_activation_checkpointing`` marked (before or after
+        wrapping), as the pipeline does on its one partition: a marked module's forward becomes
+        its checkpointed forward. That is inside the module's FSDP2 hooks, so a marked unit's
+        parameters are gathered around its forward and, in backward, before its recomputation
+        (FSDP2's pre-backward hook runs before the gradient reaches the region); a marked
+        module holding units recomputes them through their hooks, which gather them again."""
+        modules = dict(self.module.named_modules())
+        plan = activations.plan_checkpointing(self.module, dict.fromkeys(modules, 0))
+        for name, module in modules.items():
+            if plan.changes(name):
+                install_stub(module, plan.forward_of(name, module))
+
     def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         self.require_step("model.backward")
         torch.autograd.backward(outputs, grads)
@@ -232,20 +260,21 @@ class ShardedModel:
         """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
         are unscaled and checked first (unless ``clip_master_grads`` did it), and an overflow
         on any rank skips the step (returning ``None``) on every rank; then they are clipped
-        to ``sdp_gradient_clipping``."""
+        to ``sdp_gradient_clipping``, their norm before any clipping kept (:attr:`grad_norm`)."""
 
         def clipped() -> Any:
-            if self.max_grad_norm > 0:
-                self.clip_gradients(self.max_grad_norm)
+            norm = self.clip_gradients(self.max_grad_norm or math.inf)  # inf: measures only
+            self.grad_norm = norm if self._measured is None else self._measured
             return step()
 
-        if self.scaling is None:
-            return clipped()
         try:
+            if self.scaling is None:
+                return clipped()
             self._unscale()
             return self.scaling.step(clipped)
         finally:
             self._unscaled = False
+            self._measured = None
 
     def clip_master_grads(self, max_norm: float, norm_type: float) -> float:
         """``optimizer.clip_master_grads``: the gradients unscaled first (fp16), then clipped to
@@ -257,11 +286,16 @@ class ShardedModel:
             self._unscale()
             if self.scaling.overflow:
                 return -1.0
-        return self.clip_gradients(max_norm, norm_type)
+        norm = self.clip_gradients(max_norm, norm_type)
+        if self._measured is None and norm_type == 2:
+            self._measured = norm
+        return norm
 
     def zero_grad(self) -> None:
-        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again."""
+        """``optimizer.zero_grad`` dropped the gradients: the next ones are scaled again (and
+        not measured yet)."""
         self._unscaled = False
+        self._measured = None
 
     def _unscale(self) -> None:
         """Divide the sharded gradients by the loss scale, once per optimizer step, and set

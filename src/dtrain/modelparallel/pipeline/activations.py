@@ -19,6 +19,9 @@ another partition computed and nobody fetched is no tensor to that function, whi
 its gradient, so such a call fails (:mod:`.caller`). Non-reentrant: the call is checkpointed by
 its owner (:func:`inside_non_reentrant_checkpoint`), as if marked.
 
+A sharded model (``sharded_data_parallel_degree`` > 1, no pipeline) plans its marks as one
+partition and wraps the forwards at its first step too (:mod:`..api.sharded`).
+
 Offloading (``offload_activations``, GPUs only): a checkpointed module's inputs, the only
 activations it keeps, are copied to pinned host memory in its forward; its recomputation copies
 them back to the device first. On a CPU there is nothing to offload.
@@ -83,12 +86,12 @@ def group_size(strategy: object) -> int | None:
 
 
 def _model_modules() -> set[int] | None:
-    """ids of the registered model's modules (None without one); its partitioning fails the
-    call, since the runtime wrapped the forwards at the first step."""
+    """ids of the registered model's modules (None without one); a model whose first step has
+    wrapped the forwards (the pipeline runtime, or the sharded model) fails the call."""
     model = state.current_model() if state.is_initialized() else None
     if model is None:
         return None
-    if model.partitioned:
+    if model.forwards_set_up:
         raise ModelParallelError(
             "smp.set_activation_checkpointing was called after the model's first step; the "
             "modules' forwards were set up then: mark the modules before the first step"
