@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,3 +230,33 @@ def test_resuming_reads_the_saved_degrees_from_the_model_file_not_the_file_names
         with pytest.raises(ModelParallelError, match="the partial state was saved at pipeline"):
             smp.resume_from_checkpoint(tmp_path, tag="t")
         assert model.loads == []
+
+
+def test_user_content_with_numpy_values_loads_as_weights_only(tmp_path: Path) -> None:
+    """AWS's GPT-2 script saves numpy scalars and its GPT2Config in user_content; an object
+    array and other classes stay refused."""
+    from transformers import GPT2Config
+
+    content = {
+        "num_params": np.int64(167680),
+        "loss": np.float32(6.4),
+        "seen": np.arange(3.0),
+        "model_config": GPT2Config(n_layer=3),
+    }
+    with single_process():
+        model = FakeModel(0.0)
+        state.register_model(model)
+        smp.save_checkpoint(tmp_path / "ckpt", "t", model=model, user_content=content)
+        loaded = smp.resume_from_checkpoint(tmp_path / "ckpt")
+        assert loaded["num_params"] == 167680 and loaded["num_params"].dtype == np.int64
+        assert loaded["loss"] == np.float32(6.4)
+        np.testing.assert_array_equal(loaded["seen"], content["seen"])
+        assert loaded["model_config"].n_layer == 3
+
+        objects = {"rows": np.array([{"a": 1}], dtype=object)}
+        smp.save_checkpoint(tmp_path / "objects", "t", model=model, user_content=objects)
+        with pytest.raises(Exception, match="Weights only load failed"):
+            smp.resume_from_checkpoint(tmp_path / "objects")
+        smp.save(Path("x"), tmp_path / "path.pt", partial=False)
+        with pytest.raises(Exception, match="Weights only load failed"):
+            smp.load(tmp_path / "path.pt", partial=False)

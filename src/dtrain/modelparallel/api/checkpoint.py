@@ -18,20 +18,26 @@ The model and optimizer only need ``local_state_dict()``, ``state_dict()`` (full
 calls it) and ``load_state_dict(...)``.
 
 Loading never unpickles code: files are read with ``torch.load(weights_only=True)``, which admits
-tensors, containers and plain values, all that dtrain's own checkpoint files hold. A planted file
-cannot run anything. ``user_content`` and ``smp.load`` files holding objects of the script's own
-classes need ``weights_only=False``, the caller's explicit trust in the file.
+tensors, containers and plain values, all that dtrain's own checkpoint files hold, and, in
+``user_content`` and ``smp.load`` files, numpy's scalars and arrays of plain dtypes and Hugging
+Face configs, rebuilt from data alone (AWS's GPT-2 script saves a numpy parameter count and its
+``GPT2Config``). A planted file cannot run anything. ``user_content`` and
+``smp.load`` files holding objects of the script's own classes need ``weights_only=False``, the
+caller's explicit trust in the file.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dtrain.modelparallel import state
@@ -90,14 +96,15 @@ def load(
     """``torch.load`` for model-parallel scripts (``smp.load``): ``partial`` reads this rank's part.
 
     ``weights_only=True`` (the default; SMP's was False) refuses to unpickle anything but
-    tensors, containers and plain values; pass False only for a file you trust.
+    tensors, containers, plain values, numpy's plain scalars and arrays and Hugging Face configs;
+    pass False only for a file you trust.
     """
     st = state.current("smp.load")
     path = os.fspath(f)
     if partial:
         _check_parts(path, st)
         path = _part_path(path, st)
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    return _read_script_values(Path(path), weights_only, map_location)
 
 
 def _valid_tag(tag: object, where: str = "checkpoint tag") -> str:
@@ -285,7 +292,7 @@ def resume_from_checkpoint(
     else:
         model.load_state_dict(_read(root / tag), strict=strict)
         user_file = root / f"user_content_{tag}"
-    return _read(user_file, weights_only) if user_file.is_file() else None
+    return _read_script_values(user_file, weights_only) if user_file.is_file() else None
 
 
 def _check_saved_degrees(folder: Path, st: MPState) -> None:
@@ -303,5 +310,45 @@ def _check_saved_degrees(folder: Path, st: MPState) -> None:
         check_degrees(saved, st, f"smp.resume_from_checkpoint({folder})")
 
 
-def _read(file: Path, weights_only: bool = True) -> Any:
-    return torch.load(file, map_location="cpu", weights_only=weights_only)
+def _read(file: Path) -> Any:
+    """dtrain's own files: tensors, containers and plain values only."""
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _read_script_values(file: Path, weights_only: bool = True, map_location: Any = "cpu") -> Any:
+    """A file of the script's values (``user_content``, ``smp.save``): as weights only, plus
+    the data-only types scripts put there (:func:`_data_classes`); anything else needs the
+    caller's ``weights_only=False``."""
+    if not weights_only:
+        return torch.load(file, map_location=map_location, weights_only=False)
+    with torch.serialization.safe_globals(_data_classes(file)):
+        return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def _data_classes(file: Path) -> list[Any]:
+    """Classes whose objects are rebuilt from data alone, never by running their code: numpy's
+    scalars and arrays of plain dtypes (object and structured dtypes stay refused) and the
+    Hugging Face configs ``file`` names (AWS's GPT-2 script saves a numpy parameter count and
+    its ``GPT2Config``)."""
+    plain = [
+        getattr(np.dtypes, name)
+        for name in dir(np.dtypes)
+        if name.endswith("DType") and name not in ("ObjectDType", "VoidDType")
+    ]
+    multiarray = np._core.multiarray
+    classes = [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
+    named = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    return classes + [c for c in map(_hf_config, named) if c is not None]
+
+
+def _hf_config(name: str) -> type | None:
+    """The installed ``transformers`` config class ``name`` names, else None (nothing else is
+    imported)."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name.startswith("transformers.models.") or "transformers" not in sys.modules:
+        return None
+    from transformers import PretrainedConfig
+
+    found = getattr(importlib.import_module(module_name), attribute, None)
+    ok = isinstance(found, type) and issubclass(found, PretrainedConfig)
+    return found if ok else None
