@@ -174,8 +174,7 @@ def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
         return seed
     shape = list(leading.shape[:MAX_DIMS])
     mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape))])
-    rows = [torch.empty_like(mine) for _ in range(st.tp_size)]
-    dist.all_gather(rows, mine, group=st.object_groups["tp"])
+    rows = _all_gather(mine[None], st.object_groups["tp"])
     shapes = [row[2 : 2 + min(int(row[1]), MAX_DIMS)].tolist() for row in rows]
     if any(shape != shapes[0] for shape in shapes):
         given = ", ".join(f"rank {r} {s}" for r, s in zip(st.tp_group, shapes, strict=True))
