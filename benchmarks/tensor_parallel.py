@@ -14,7 +14,11 @@ column-parallel, the attention's output and the feed-forward's second layer row-
 
 A step is forward, backward and an AdamW step. The two take turns in one 2-process world in ABBA
 order (``--repeats`` pairs of ``--steps`` timed steps after ``--warmup``), each turn's median
-step, then the median of the pairs' dtrain/torch ratios. Memory: the parameter and AdamW-state
+step, then the median of the pairs' dtrain/torch ratios. Beside the step's wall time (the
+slower rank's), each turn's median CPU time per step (a rank's process, all its threads, gloo's
+included; the mean of the two ranks) and the pairs' ratios of it: on a machine shared with
+other work, time a rank waits for the CPU counts in the wall time but not in the CPU time,
+while a rank's time waiting for the other is in neither. Memory: the parameter and AdamW-state
 bytes a rank holds at tp=2 over one process holding the whole layer (its local shards; the
 norms are replicated).
 
@@ -115,17 +119,24 @@ def turn(args: argparse.Namespace, side: str, rank: int) -> dict[str, Any]:
         out.float().pow(2).mean().backward()
         optimizer.step()
 
-    times = []
+    times, cpu_times = [], []
     for index in range(args.warmup + args.steps):
         dist.barrier()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         step()
+        cpu = torch.tensor([time.process_time() - began_cpu])
         elapsed = torch.tensor([time.perf_counter() - began])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu)
         if index >= args.warmup:
             times.append(float(elapsed))
-    median_ms = 1e3 * statistics.median(times)
-    return {"side": side, "median_ms": median_ms, "state_bytes": state_bytes(model, optimizer)}
+            cpu_times.append(float(cpu) / dist.get_world_size())
+    return {
+        "side": side,
+        "median_ms": 1e3 * statistics.median(times),
+        "cpu_ms": 1e3 * statistics.median(cpu_times),
+        "state_bytes": state_bytes(model, optimizer),
+    }
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
@@ -158,26 +169,34 @@ def main() -> None:
     args = parser.parse_args()
     rows = spawn(worker, 2, args)
     turns = [row for row in rows if "median_ms" in row]
-    pairs = [
-        next(r for r in turns[i : i + 2] if r["side"] == "dtrain")["median_ms"]
-        / next(r for r in turns[i : i + 2] if r["side"] == "torch")["median_ms"]
-        for i in range(0, len(turns), 2)
-    ]
+
+    def ratios(key: str) -> list[float]:
+        return [
+            next(r for r in turns[i : i + 2] if r["side"] == "dtrain")[key]
+            / next(r for r in turns[i : i + 2] if r["side"] == "torch")[key]
+            for i in range(0, len(turns), 2)
+        ]
+
+    pairs, cpu_pairs = ratios("median_ms"), ratios("cpu_ms")
     state = {row["side"]: row["state_bytes"] for row in rows}
     report = {
         "torch": torch.__version__,
         "turns": turns,
         "pair_ratios": pairs,
         "dtrain_over_torch": statistics.median(pairs),
+        "cpu_pair_ratios": cpu_pairs,
+        "cpu_dtrain_over_torch": statistics.median(cpu_pairs),
         "state_bytes": state,
         "tp2_state_over_one_process": state["dtrain"] / state["one process"],
         "torch_tp2_state_over_one_process": state["torch"] / state["one process"],
     }
     print(f"tp=2 transformer layer, width {args.hidden}, {args.batch} rows of {args.seq} per rank")
     for row in turns:
-        print(f"  {row['side']:7} {row['median_ms']:8.1f} ms")
-    shown = [round(p, 3) for p in pairs]
-    print(f"  dtrain / torch: pairs {shown}, median {report['dtrain_over_torch']:.3f}")
+        print(f"  {row['side']:7} {row['median_ms']:8.1f} ms, CPU {row['cpu_ms']:8.1f} ms per rank")
+    for name, values, key in (("step", pairs, ""), ("CPU", cpu_pairs, "cpu_")):
+        shown = [round(p, 3) for p in values]
+        median = report[f"{key}dtrain_over_torch"]
+        print(f"  dtrain / torch, {name}: pairs {shown}, median {median:.3f}")
     dtrain_state, torch_state = (
         report["tp2_state_over_one_process"],
         report["torch_tp2_state_over_one_process"],

@@ -1,7 +1,7 @@
 """smp.nn on two tensor-parallel ranks against the same modules in one process: the same
 initial weights (tensor_parallel_seed), outputs, gradients and whole-tensor state dicts that
-load both ways, with positional or keyword input; sizes that do not split are named before any
-step."""
+load both ways, with positional or keyword input; the collectives of a transformer layer's
+step; sizes that do not split are named before any step."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
@@ -68,6 +69,24 @@ def _run_modules() -> dict[str, Any]:
     }
 
 
+def _layer_collectives() -> tuple[dict[str, int], dict[str, int]]:
+    """The collectives of a transformer layer's forward and of its backward, by name."""
+    layer = smp.nn.DistributedTransformerLayer(
+        **{k: LM[k] for k in ("num_attention_heads", "attention_head_size", "hidden_size")},
+        intermediate_size=32,
+        causal_mask_size=8,
+        pre_layernorm=True,
+        post_layernorm=False,
+    )
+    hidden, mask = torch.randn(2, 8, 16), torch.zeros(2, 1, 1, 8)
+    with CommDebugMode() as forward:
+        out, _ = layer((hidden, mask))
+    with CommDebugMode() as backward:
+        out.pow(2).mean().backward()
+    counts = [{str(op): n for op, n in c.get_comm_counts().items()} for c in (forward, backward)]
+    return counts[0], counts[1]
+
+
 def _on_two_ranks() -> dict[str, Any]:
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
     result = _run_modules()
@@ -93,6 +112,7 @@ def _on_two_ranks() -> dict[str, Any]:
         warnings.simplefilter("always")
         swap.distribute(nn.Sequential(nn.Linear(2, 2)))  # nothing marked
     result["unsplit"] = [str(w.message) for w in caught]
+    result["collectives"] = _layer_collectives()
     return result
 
 
@@ -101,6 +121,13 @@ def test_two_ranks_compute_as_one_process_and_name_sizes_that_do_not_split() -> 
     with single_process({}):
         one = _run_modules()
     assert all(rank["keyword"] for rank in [*ranks, one])
+    forward, backward = ranks[0]["collectives"]
+    # Forward: the region's seed and shapes, its gathers of the rows and of the mask, the
+    # attention's and the feed-forward's row-split sums. Backward: the gather of the rows'
+    # gradients, one sum of query's, key's and value's input gradients (not one each), one of
+    # dense1's.
+    assert forward == {"c10d._allgather_base_": 3, "c10d_functional.all_reduce": 2}
+    assert backward == {"c10d._allgather_base_": 1, "c10d_functional.all_reduce": 2}
     for name in ("logits", "out"):
         together = torch.cat([rank[name] for rank in ranks])
         torch.testing.assert_close(together, one[name], rtol=1e-5, atol=1e-6)

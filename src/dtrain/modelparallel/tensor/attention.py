@@ -136,9 +136,10 @@ class DistributedAttentionLayer(DistributedModule):
         if self.pre_layernorm is not None:
             hidden = self.pre_layernorm(hidden)
         batch, length = hidden.shape[:2]
+        projected = shards.shared_input(hidden, self.query)
 
         def heads(layer: nn.Linear) -> torch.Tensor:
-            out = layer(hidden)  # this rank's heads, side by side
+            out = layer(projected)  # this rank's heads, side by side
             return out.view(batch, length, -1, self.attention_head_size).transpose(1, 2)
 
         bias = mask

@@ -7,9 +7,11 @@ group along the batch dimension, every rank computes its shard of the layers on 
 batch, and the outputs are cut back to each rank's own rows. With ``prescaled_batch`` the
 group's ranks bring the same batch (data sharded by ``rdp_rank``) and nothing is gathered.
 
-Both crossings are DTensor redistributions (``Shard(0)`` to ``Replicate()`` and back), so
-autograd gives their backward: the gather's gradient is the rank's rows of the replicated
-gradient, the scatter's an all-gather of every rank's output gradient. A parameter inside
+The crossings are one collective each way: the gather is an all-gather whose backward takes
+the rank's rows of the replicated gradient (no communication), the scatter takes the rank's rows
+and its backward all-gathers every rank's output gradient (what DTensor's ``Shard(0)`` ↔
+``Replicate()`` redistributions do, written with the collectives themselves: a redistribution
+wraps and unwraps DTensors around the same collective). A parameter inside
 therefore accumulates the gradient of the whole group's batch (:mod:`.shards` averages it
 accordingly). Activations in the region are the same on every rank of the group, so dropout
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
@@ -40,8 +42,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
@@ -54,27 +54,69 @@ T = TypeVar("T", torch.Tensor, None)
 _inside = threading.local()
 
 
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ranks' ``local`` tensors, concatenated along the first dimension in group order."""
+    combined = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+    dist.all_gather_single(combined, local.contiguous(), group=group)
+    return combined
+
+
+def _own_rows(combined: torch.Tensor, group: dist.ProcessGroup) -> slice:
+    rows = combined.shape[0] // dist.get_world_size(group)
+    first = dist.get_rank(group) * rows
+    return slice(first, first + rows)
+
+
+class _Gather(torch.autograd.Function):
+    """This rank's rows → the group's. The gradient of the combined batch is the same on every
+    rank of the group (the region computes on replicas), so the backward is this rank's rows of
+    it, with no communication."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        combined = _all_gather(local, group)
+        ctx.rows = _own_rows(combined, group)
+        return combined
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[ctx.rows], None
+
+
+class _Scatter(torch.autograd.Function):
+    """The group's combined batch → this rank's rows (a copy: a view made inside a custom
+    function may not be changed in place, as a module's output may be). Each rank's loss reaches
+    its own rows only, so the backward all-gathers the rows' gradients into the combined one."""
+
+    @staticmethod
+    def forward(ctx: Any, combined: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return combined[_own_rows(combined, group)].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group), None
+
+
 class ScaledBatch:
     """How the outermost distributed module of a forward crosses into the group's batch; every
     method is the identity when nothing is gathered (nested modules, tp 1, prescaled)."""
 
-    def __init__(self, mesh: DeviceMesh | None) -> None:
-        self.mesh = mesh
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
 
     def gather(self, local: T) -> T:
         """This rank's batch → the tp group's batches, concatenated in tp-rank order."""
-        if self.mesh is None or local is None:
+        if self.group is None or local is None:
             return local
-        shard = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
-        return shard.redistribute(self.mesh, [Replicate()]).to_local()
+        return _Gather.apply(local, self.group)
 
     def scatter(self, combined: T) -> T:
         """The group's combined batch (perhaps another partition's output, not yet fetched) →
         this rank's rows of it."""
-        if self.mesh is None or combined is None:
+        if self.group is None or combined is None:
             return combined
-        whole = DTensor.from_local(materialize(combined), self.mesh, [Replicate()], run_check=False)
-        return whole.redistribute(self.mesh, [Shard(0)]).to_local()
+        return _Scatter.apply(materialize(combined), self.group)
 
 
 @contextmanager
@@ -99,7 +141,7 @@ def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
     try:
         with torch.random.fork_rng(devices=devices), modes.tensor_region():
             torch.manual_seed(seed)
-            yield ScaledBatch(None if gathered else st.tensor_mesh)
+            yield ScaledBatch(None if gathered else st.tp_process_group)
     finally:
         _inside.depth = 0
 
@@ -138,8 +180,7 @@ def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
         return seed
     shape = list(leading.shape[:MAX_DIMS])
     mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape))])
-    rows = [torch.empty_like(mine) for _ in range(st.tp_size)]
-    dist.all_gather(rows, mine, group=st.object_groups["tp"])
+    rows = _all_gather(mine[None], st.object_groups["tp"])
     shapes = [row[2 : 2 + min(int(row[1]), MAX_DIMS)].tolist() for row in rows]
     if any(shape != shapes[0] for shape in shapes):
         given = ", ".join(f"rank {r} {s}" for r, s in zip(st.tp_group, shapes, strict=True))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import deferred, state
@@ -121,6 +121,18 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``, a plain tensor sharing its memory."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shared_input(tensor: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``tensor`` as the replicated DTensor input of column-split ``layer`` (``tensor`` itself
+    when ``layer`` is not split). Layers given one such input (query, key, value) add their
+    input gradients up locally, and its conversion all-reduces their sum once in backward;
+    torch's ``ColwiseParallel``, given a plain tensor, converts it for each layer, which
+    all-reduces each layer's input gradient."""
+    weight = layer.weight
+    if not isinstance(weight, DTensor):
+        return tensor
+    return DTensor.from_local(tensor, weight.device_mesh, [Replicate()], run_check=False)
 
 
 def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
