@@ -14,7 +14,11 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   ``smp.delay_param_initialization`` get), created without memory, and created without memory
   with every block's activations checkpointed (``smp.set_activation_checkpointing``): a
   pipeline holds the activations of the microbatches in flight while it holds gradients too,
-  where one process's peak, after its backward, holds none.
+  where one process's peak, after its backward, holds none. With ``--breakdown``, also what each
+  rank holds after its last step (the base its optimizer step's peak adds AdamW's temporaries
+  to): resident memory, its parameters, gradients and optimizer state, the other tensors Python
+  reaches (the transport's buffers), MKL's buffers, and glibc's heap in use and free (one
+  process and pipelines).
 * ``speed``: an 8-block LM of width 512, pp=2, 8 microbatches, ``optimize: speed``: step time
   with the model created without memory over eagerly created, in one world taking turns in
   ABBA order (``--repeats`` pairs, each turn its own ``smp.init``; the median step of each
@@ -33,6 +37,8 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -63,6 +69,43 @@ def lm_batches(shape: dict[str, int], count: int, batch: int) -> list[tuple[Any,
         tokens = torch.randint(0, shape["vocab"], (batch, shape["seq"] + 1), generator=generator)
         data.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return data
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks"),
+            *("uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def held(state: list[torch.Tensor]) -> dict[str, float]:
+    """What this rank holds now, in MiB, by owner (see the module's docstring)."""
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
+    others = {}
+    for found in gc.get_objects():
+        if issubclass(type(found), torch.Tensor) and found.device.type == "cpu":
+            storage = found.untyped_storage()
+            if storage.data_ptr() not in storages:
+                others[storage.data_ptr()] = storage.nbytes()
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    figures = {
+        "resident": resident,
+        "state": sum(storages.values()),
+        "other_tensors": sum(others.values()),
+        "mkl_buffers": heap.blas_buffer_bytes() or 0,
+        "heap_in_use": info.uordblks,
+        "heap_free": info.fordblks,
+    }
+    return {name: value / 2**20 for name, value in figures.items()}
 
 
 def build(shape: dict[str, int], delayed: bool) -> TransformerLM:
@@ -131,12 +174,18 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
         times.append(float(elapsed))
     if not params:  # sharded: this rank's shards
         params = [getattr(p, "_local_tensor", p) for p in dist_model.local_parameters()]
+    breakdown = {}
+    if args.breakdown and not args.sharded:  # a sharded rank's state is in DTensors
+        state = [t for p in params for t in (p, p.grad) if t is not None]
+        moments = [v for s in optimizer.state.values() for v in s.values()]
+        breakdown = held(state + [v for v in moments if isinstance(v, torch.Tensor)])
     return {
         "rank": rank,
         "step_seconds": times,
         "step_cpu_seconds": cpu_times,  # this rank's, all its threads
         "parameter_bytes": tensor_bytes(params),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "held_after_mib": breakdown,
     }
 
 
@@ -220,6 +269,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 "peak_rss_mib": [r["peak_rss_mib"] for r in ranks],
                 "largest_over_single": max(r["peak_rss_mib"] for r in ranks) / single,
                 "parameter_mib": [r["parameter_bytes"] / 2**20 for r in ranks],
+                "held_after_mib": [r["held_after_mib"] for r in ranks],
             }
             for label, ranks in rows.items()
         },
@@ -232,6 +282,10 @@ def memory_table(r: dict[str, Any]) -> str:
         peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
         ratio = row["largest_over_single"]
         lines.append(f"  {label:18} largest/one process {ratio:.2f}  [{peaks}]")
+        for rank, figures in enumerate(row["held_after_mib"]):
+            if figures:
+                held_now = ", ".join(f"{name} {value:.1f}" for name, value in figures.items())
+                lines.append(f"    rank {rank} after its last step, MiB: {held_now}")
     return "\n".join(lines)
 
 
@@ -376,6 +430,9 @@ def main() -> None:
         type=lambda text: text.split(","),
         default=[layout[0] for layout in MEMORY_LAYOUTS],
         help="memory: comma-separated labels of the layouts to run besides one process",
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="memory: what each rank holds after its steps"
     )
     parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
     parser.add_argument("--json", type=Path)

@@ -30,6 +30,7 @@ from dtrain.modelparallel.errors import (
     RemoteError,
     StepFailedError,
 )
+from dtrain.modelparallel.heap import release_blas_buffers
 from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.modelparallel.pipeline.activations import plan_checkpointing
 from dtrain.modelparallel.pipeline.caller import RemoteCaller
@@ -272,6 +273,7 @@ class PipelineRuntime:
             return self._follow_step()
         finally:
             self._in_step = False
+            release_blas_buffers()  # every task thread's: not held through the optimizer step
 
     def _lead_step(self, count: int, body: Callable[[int], Any]) -> list[MicrobatchResult]:
         """The leader's step: its microbatches, then their outcomes to every rank."""
