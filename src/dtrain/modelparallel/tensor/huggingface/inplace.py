@@ -26,6 +26,7 @@ translation functions of these families (kept for scripts that call them) return
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     root = model.base_model
     bases = [getattr(root, name) for name in family.bases if hasattr(root, name)]
     for base in bases or [root]:
+        check_names(base, family, dropping, split_dropout)
+    for base in bases or [root]:
         _split_base(model, base, family, st.tp_rank, degree, dropping, split_dropout)
     return model
 
@@ -193,6 +196,47 @@ def _split_base(
             setattr(param, shards.SCALED_BATCH, False)
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
+
+
+def check_names(
+    base: nn.Module, family: Family, dropping: bool, split_dropout: tuple[str, str] | None
+) -> None:
+    """Refuse ``base`` unless ``family``'s names find its layers, a column- and a row-wise
+    linear in each and, where its dropout is drawn per head (``dropping``, ``split_dropout``),
+    a module to draw it in for each layer: HF renames modules between versions, and a name
+    that no longer matches would leave layers unsplit, or heads dropped unlike one process."""
+    layers = [layer for path, layer in base.named_modules() if _matches(path, family.layers)]
+    if not layers:
+        _renamed(family, f"no module of {type(base).__name__} matches {family.layers!r}")
+    for layer in layers:
+        plan = _layer_plan(family, layer)
+        for style in (ColwiseParallel, RowwiseParallel):
+            if not any(type(entry) is style for entry in plan.values()):
+                names = family.colwise if style is ColwiseParallel else family.rowwise
+                _renamed(family, f"no module of {type(layer).__name__} matches any of {names}")
+    drawn = [f"{family.layers}.{family.dropout_in}"] if dropping else []
+    if split_dropout is not None:
+        drawn.append(f"{family.layers}.{split_dropout[0]}")
+    for pattern in drawn:
+        found = sum(_matches(path, pattern) for path, _ in base.named_modules())
+        if found < len(layers):
+            _renamed(
+                family,
+                f"{found} modules of {type(base).__name__} match {pattern!r}, where its dropout "
+                f"is drawn per head, for {len(layers)} layers",
+            )
+
+
+def _renamed(family: Family, why: str) -> None:
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    raise ModelParallelError(
+        f"{family.what}: {why}: this transformers version ({version}) names its modules "
+        "otherwise than the split knows; use another transformers version, or leave the model "
+        "undistributed"
+    )
 
 
 def attention_dropout(config: Any, family: Family, degree: int) -> float:
