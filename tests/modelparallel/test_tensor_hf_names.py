@@ -5,6 +5,8 @@ would otherwise leave layers unsplit or heads dropped unlike one process, silent
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dtrain.modelparallel as smp
@@ -72,3 +74,41 @@ def test_names_a_transformers_version_changed_are_refused_naming_family_and_vers
     message = rf"smp.nn.huggingface.{name}: {error}.*this transformers version \(\d"
     with pytest.raises(ModelParallelError, match=message):
         _check(model)
+
+
+def test_head_dropout_refuses_attention_that_drops_inside_its_kernel() -> None:
+    q = torch.ones(1, 2, 3, 4)
+    with inplace.HeadDropout(0, 2, "smp.nn.huggingface.x"):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+        with pytest.raises(ModelParallelError, match=r"x: scaled_dot_product_attention with dr"):
+            F.scaled_dot_product_attention(q, q, q, None, 0.1)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_attention_switched_after_wrapping_fails_where_it_drew_no_dropout(training: bool) -> None:
+    # HF's set_attn_implementation after the split: SDPA drops inside its kernel (here with
+    # dropout_p=0.1 in training), so the rank's heads would be dropped unlike one process.
+    model = MODELS["llama"].build(attention_dropout=0.1).train(training)
+    for layer in model.model.layers:
+        inplace._per_head(layer.self_attn, 0, 2, "smp.nn.huggingface.llama")
+    ids = torch.arange(8).reshape(2, 4)
+    model(input_ids=ids)  # eager: drawn per head (in training)
+    model.set_attn_implementation("sdpa")
+    if training:
+        with pytest.raises(ModelParallelError, match=r"llama: scaled_dot_product_attention"):
+            model(input_ids=ids)
+    else:
+        model(input_ids=ids)
+
+
+def test_a_module_whose_training_forward_draws_no_dropout_fails_naming_it() -> None:
+    class Attention(nn.Module):  # another implementation, or a version's other code
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(x, x, x)
+
+    module = Attention()
+    inplace._per_head(module, 1, 2, "smp.nn.huggingface.x")
+    x = torch.ones(1, 2, 3, 4)
+    with pytest.raises(ModelParallelError, match=r"x: Attention's forward drew no dropout"):
+        module(x)
+    module.eval()(x)

@@ -187,9 +187,9 @@ def _split_base(
         if _matches(path, family.layers):
             shards.parallelize(layer, _layer_plan(family, layer), family.what)
         elif dropping and _matches(path, f"{family.layers}.{family.dropout_in}"):
-            layer.forward = _per_head(layer.forward, rank, degree, family.what)
+            _per_head(layer, rank, degree, family.what)
         elif split_dropout and _matches(path, f"{family.layers}.{split_dropout[0]}"):
-            layer.forward = _per_head(layer.forward, rank, degree, family.what, dim=-1)
+            _per_head(layer, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
         for param in embedding.parameters():  # runs on the rank's own rows, before the region
@@ -275,6 +275,8 @@ class HeadDropout(TorchFunctionMode):
     def __init__(self, rank: int, degree: int, what: str, dim: int = 1) -> None:
         super().__init__()
         self.rank, self.degree, self.what, self.dim = rank, degree, what, dim
+        self.drawn = False
+        """Whether a training dropout was drawn here (:func:`_per_head` requires one)."""
 
     def __torch_function__(
         self,
@@ -284,7 +286,19 @@ class HeadDropout(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is not F.dropout or not kwargs["training"] or not kwargs["p"]:
+        if func is F.scaled_dot_product_attention:
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if dropout:
+                raise ModelParallelError(
+                    f"{self.what}: scaled_dot_product_attention with dropout_p={dropout} at "
+                    f"tensor_parallel_degree {self.degree}: it draws the mask of the rank's "
+                    "heads inside its kernel, unlike one process; the attention implementation "
+                    "must stay 'eager' after the model is wrapped (set_attn_implementation)"
+                )
+        if func is not F.dropout or not kwargs["training"]:
+            return func(*args, **kwargs)
+        self.drawn = True
+        if not kwargs["p"]:
             return func(*args, **kwargs)
         probs = args[0]
         if self.dim == 1 and probs.dim() != 4:
@@ -301,17 +315,29 @@ class HeadDropout(TorchFunctionMode):
         return probs.mul_(mine) if kwargs["inplace"] else probs * mine
 
 
-def _per_head(
-    forward: Callable[..., Any], rank: int, degree: int, what: str, dim: int = 1
-) -> Callable[..., Any]:
-    """``forward`` (of :attr:`Family.dropout_in`) with its dropout drawn by :class:`HeadDropout`."""
+def _per_head(module: nn.Module, rank: int, degree: int, what: str, dim: int = 1) -> None:
+    """Make ``module``'s forward (of :attr:`Family.dropout_in`) draw its dropout by
+    :class:`HeadDropout`. A training forward that draws none dropped elsewhere (an attention
+    implementation switched after wrapping, a transformers version calling other code): it fails,
+    naming the module, rather than train unlike one process."""
+    forward = module.forward
 
     @functools.wraps(forward)
     def dropping(*args: Any, **kwargs: Any) -> Any:
-        with HeadDropout(rank, degree, what, dim):
-            return forward(*args, **kwargs)
+        drawing = HeadDropout(rank, degree, what, dim)
+        with drawing:
+            out = forward(*args, **kwargs)
+        if module.training and not drawing.drawn:
+            raise ModelParallelError(
+                f"{what}: {type(module).__name__}'s forward drew no dropout in training, where "
+                f"its dropout is drawn per head at tensor_parallel_degree {degree}: it ran "
+                "another attention implementation (keep 'eager' after wrapping: "
+                "set_attn_implementation) or code of a transformers version the split does "
+                "not know"
+            )
+        return out
 
-    return dropping
+    module.forward = dropping
 
 
 def _layer_plan(family: Family, layer: nn.Module) -> dict[str, ParallelStyle]:
