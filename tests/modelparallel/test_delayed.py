@@ -125,20 +125,38 @@ def test_init_that_reads_a_value_fails_naming_the_module() -> None:
         _delayed(_Peeking)
 
 
-class _Truncated(nn.Module):
-    """ViT's class token: torch's ``trunc_normal_`` returns at once on a meta tensor."""
+@pytest.mark.parametrize(
+    "name, shape, via",
+    [
+        ("trunc_normal_", (4,), "torch"),  # ViT's class token and positions
+        ("orthogonal_", (4, 4), "torch"),
+        ("orthogonal_", (4, 4), "deprecated"),
+        ("orthogonal_", (4, 4), "transformers"),
+        ("dirac_", (4, 4, 3), "torch"),
+        ("sparse_", (4, 4), "torch"),
+    ],
+)
+def test_inits_that_skip_meta_tensors_fail_naming_the_module_and_torch_is_as_it_was_after(
+    name: str, shape: tuple[int, ...], via: str
+) -> None:
+    # torch.nn.init returns at once on a meta tensor for these: the tensor would go unrecorded.
+    if via == "transformers":  # the table of torch's originals HF's _init_weights calls
+        table = pytest.importorskip("transformers.initialization").TORCH_INIT_FUNCTIONS
+    else:
+        table = vars(nn.init)
+    key = name.rstrip("_") if via == "deprecated" else name
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = nn.Parameter(torch.empty(4))
-        nn.init.trunc_normal_(self.token, std=0.02)
+    class Skipped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(shape))
+            table[key](self.weight)  # looked up when called, as nn.init.orthogonal_(w) is
 
-
-def test_trunc_normal_init_fails_naming_the_module_and_torch_is_as_it_was_after() -> None:
-    sampler = torch.nn.init._no_grad_trunc_normal_
-    with pytest.raises(ModelParallelError, match=r"_Truncated \(.*\) initialises a tensor with"):
-        _delayed(_Truncated)
-    assert torch.nn.init._no_grad_trunc_normal_ is sampler
+    before = dict(table), dict(vars(nn.init))
+    message = rf"Skipped \(.*\) initialises a tensor with torch.nn.init.{name},"
+    with pytest.raises(ModelParallelError, match=message):
+        _delayed(Skipped)
+    assert (dict(table), dict(vars(nn.init))) == before
 
 
 def test_a_parameter_replaced_after_the_block_is_refused() -> None:

@@ -524,12 +524,12 @@ def test_bf16_sharded_keeps_bit16_semantics() -> None:
         assert after == pytest.approx(1e-3, rel=1e-4)
 
 
-def _unscaled_once() -> list[dict[str, Tensor]]:
-    """One fp16 sharded step at a static scale of 1024, twice in one world: after a step body
-    whose gradients clip_master_grads unscaled and zero_grad threw away, and without."""
+def _unscaled_once() -> dict[str, dict[str, Tensor]]:
+    """fp16 sharded steps at a static scale of 1024 in one world, by the calls each makes:
+    ``b`` a step body, ``c`` clip_master_grads (unscales), ``z`` zero_grad, ``s`` step."""
     dist.init_process_group("gloo")
-    results = []
-    for discard_first in (True, False):
+    results = {}
+    for calls in ("bczbs", "bs", "bcbs", "bbs"):
         smp.init({"ddp": True, "fp16": True, "sharded_data_parallel_degree": 2})
         torch.manual_seed(0)
         model = smp.DistributedModel(_Shifted())
@@ -542,23 +542,27 @@ def _unscaled_once() -> list[dict[str, Tensor]]:
             model.backward(model(x)["loss"])
 
         x = torch.linspace(-1, 1, 8).reshape(2, 4)
-        if discard_first:
-            train_step(model, x)
-            optimizer.clip_master_grads(1e9)
-            optimizer.zero_grad()
-        train_step(model, x)
-        optimizer.step()
-        results.append(model.state_dict())
+        for call in calls:
+            if call == "b":
+                train_step(model, x)
+            elif call == "c":
+                optimizer.clip_master_grads(1e9)
+            else:
+                (optimizer.zero_grad if call == "z" else optimizer.step)()
+        results[calls] = model.state_dict()
         smp.shutdown()
     dist.destroy_process_group()
     return results
 
 
-def test_fp16_sharded_gradients_dropped_after_unscaling_leave_the_next_scaled() -> None:
-    # The next step body's gradients are scaled again: optimizer.step() must unscale them.
-    for discarded, straight in run_ranks(2, _unscaled_once):
-        for name, value in straight.items():
-            assert torch.equal(discarded[name], value), name
+def test_fp16_sharded_gradients_unscaled_by_clipping_then_stepped() -> None:
+    # Gradients dropped after clip_master_grads unscaled them leave the next body's scaled, for
+    # optimizer.step() to unscale; a body after unscaling adds scaled gradients to them, so
+    # they are scaled back first (weights 29.35 apart from two plain bodies without).
+    for results in run_ranks(2, _unscaled_once):
+        for calls, straight in (("bczbs", "bs"), ("bcbs", "bbs")):
+            for name, value in results[straight].items():
+                assert torch.equal(results[calls][name], value), (calls, name)
 
 
 def _dynamic() -> list[tuple[bool, float]]:

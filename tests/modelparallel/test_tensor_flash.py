@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ import torch
 
 import dtrain.modelparallel as smp
 from dtrain.compat import SHIM_ROOT
+from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import modes
 from dtrain.modelparallel.tensor.flash import drop_heads
 
 BATCH, SEQ, HEADS, SIZE = 2, 5, 4, 8
@@ -89,9 +92,10 @@ def test_evaluation_drops_nothing() -> None:
     torch.testing.assert_close(layer.eval()(_qkv()), _reference(_qkv(), SIZE**-0.5, False))
 
 
-def test_dropout_draws_each_heads_mask_so_split_heads_draw_what_one_process_draws() -> None:
+def test_drop_heads_numbered_from_a_ranks_first_draws_what_the_layer_draws_for_all() -> None:
     """Two ranks holding heads 0-1 and 2-3 of a layer, from one generator state (a region's),
-    compute what one process computes for all four; the heads' masks differ."""
+    numbering them as ``DistributedAttentionLayer`` does, compute what the layer computes in one
+    process for all four; the heads' masks differ."""
     layer = smp.nn.FlashAttentionLayer(attention_dropout_prob=0.5, attention_head_size=SIZE)
     query, key, value = _qkv().transpose(1, 3).unbind(2)
     torch.manual_seed(5)
@@ -107,6 +111,30 @@ def test_dropout_draws_each_heads_mask_so_split_heads_draw_what_one_process_draw
     alike = _qkv()[:, :, :, :1].expand(-1, -1, -1, HEADS, -1)  # every head the same inputs
     out = layer(alike)
     assert not torch.allclose(out[:, 0], out[:, 2])  # rank 1's first head: not rank 0's mask
+
+
+@pytest.mark.parametrize(
+    ("degree", "training", "region", "refused"),
+    [
+        (2, True, True, True),
+        (1, True, True, False),
+        (2, False, True, False),
+        (2, True, False, False),
+    ],
+)
+def test_dropout_on_a_tp_ranks_share_of_heads_is_refused(
+    monkeypatch: pytest.MonkeyPatch, degree: int, training: bool, region: bool, refused: bool
+) -> None:
+    """Given qkv, the layer cannot know which heads the rank holds: inside a tensor-parallel
+    region at tp > 1 it would draw the masks of heads 0, 1, ... on every rank."""
+    monkeypatch.setattr(state, "current", lambda what="": SimpleNamespace(tp_size=degree))
+    layer = smp.nn.FlashAttentionLayer(attention_dropout_prob=0.5, attention_head_size=SIZE)
+    with modes.tensor_region(region):
+        if refused:
+            with pytest.raises(ModelParallelError, match=r"FlashAttentionLayer: .*=0.5 in tr"):
+                layer.train(training)(_qkv())
+        else:
+            layer.train(training)(_qkv())
 
 
 @pytest.mark.parametrize(

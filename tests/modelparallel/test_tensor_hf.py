@@ -254,10 +254,13 @@ DROPPING = {
     "gptj": {"attn_pdrop": 0.1},
     "t5": {"dropout_rate": 0.1},
     "vit": {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+    "gptneo": {"attention_dropout": 0.1},
+    "t5_gated": {"dropout_rate": 0.1},
 }
 """Models trained again with dropout on the attention probabilities (GPT-NeoX, BERT, T5 and
-ViT: on their hidden states too); GPT-J draws it in a dropout module of its attention (as
-GPT-Neo does), the others in HF's eager attention function (as Llama and RoBERTa do)."""
+ViT: on their hidden states too; T5's on its feed-forward's split features too, gated or not);
+GPT-J and GPT-Neo draw it in a dropout module of their attention, the others in HF's eager
+attention function (Llama and RoBERTa as GPT-NeoX and BERT: left out for the suite's time)."""
 
 HIDDEN = "llama"
 """Asked for every layer's hidden states (HF 5 collects them with hooks)."""

@@ -20,15 +20,18 @@ states, so ranks seeded apart still build rank 0's model, as eager ranks take ra
 
 What cannot be deferred fails inside the block, naming the module: code that reads a tensor's
 value during creation (``.item()``, ``if tensor.any()``), which a tensor without memory does not
-have, and ``torch.nn.init.trunc_normal_`` (ViT's class token and positions), whose rejection
-sampling reads values and which therefore returns at once on a tensor without memory, leaving
-it unrecorded and the random stream behind eager creation's. Parameters changed after the block
+have, and the initialisers of ``torch.nn.init`` that return at once on a tensor without memory
+(:data:`SKIP_META`: ``trunc_normal_``, ViT's class token and positions, whose rejection sampling
+reads values; ``orthogonal_``; ``dirac_``; ``sparse_``), leaving it unrecorded and the random
+stream behind eager creation's (refused where looked up when called: a reference to one of the
+last three bound before the block is not seen). Parameters changed after the block
 (outside the recording) are refused at :func:`materialize`, naming the parameter.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +52,10 @@ _RECORDINGS: dict[int, Recording] = {}
 never reused while it is listed here)."""
 
 _COUNTER = itertools.count()
+
+SKIP_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+"""torch.nn.init's initialisers that return at once on a meta tensor (torch 2.13): refused
+inside :func:`delay_param_initialization`."""
 
 
 def storage_key(tensor: Tensor) -> int:
@@ -377,19 +384,17 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         return
     device = torch.get_default_device()
     recording = Recording(device, torch.get_default_dtype())
-    skipping = torch.nn.init._no_grad_trunc_normal_
-    torch.nn.init._no_grad_trunc_normal_ = _refuse_trunc_normal(skipping)
+    restore = _refuse_skipping_inits()
     try:
         with _Recorder(recording):
             yield
     except BaseException as exc:
-        if isinstance(exc, _TruncatedNormal):
+        if isinstance(exc, _SkipsMeta):
             raise ModelParallelError(
                 f"smp.delay_param_initialization: {_creating_module(exc.__traceback__)} "
-                "initialises a tensor with torch.nn.init.trunc_normal_, which skips tensors "
-                "without memory (its sampling reads values), so it would be made unlike eager "
-                "creation. Create this model outside the block (without "
-                "delayed_parameter_initialization)"
+                f"initialises a tensor with torch.nn.init.{exc.args[0]}, which returns at once "
+                "on a tensor without memory, so it would be made unlike eager creation. Create "
+                "this model outside the block (without delayed_parameter_initialization)"
             ) from exc
         if _reads_a_value(exc):
             raise ModelParallelError(
@@ -400,24 +405,44 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
             ) from exc
         raise
     finally:
-        torch.nn.init._no_grad_trunc_normal_ = skipping
+        for table, key, original in restore:
+            table[key] = original
         recording.done()
 
 
-class _TruncatedNormal(RuntimeError):
-    """``trunc_normal_`` was called on a tensor without memory."""
+class _SkipsMeta(RuntimeError):
+    """An initialiser of :data:`SKIP_META` (``args[0]``) was called on a tensor without
+    memory."""
 
 
-def _refuse_trunc_normal(skipping: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """torch's truncated-normal sampler, failing on a tensor without memory (where it would
-    return at once) instead of leaving it unrecorded."""
+def _refuse_skipping_inits() -> list[tuple[dict[str, Any], str, Callable[..., Tensor]]]:
+    """Make :data:`SKIP_META` fail on a tensor without memory wherever it is looked up: torch's
+    names (``trunc_normal_`` through its sampler, which every alias calls), the deprecated
+    aliases (which hold the original), and Hugging Face's table of torch's originals
+    (``transformers.initialization.TORCH_INIT_FUNCTIONS``, if imported). Returns what to put
+    back."""
+    init = vars(torch.nn.init)
+    tables = [(init, "_no_grad_trunc_normal_", "trunc_normal_")]
+    for name in SKIP_META[1:]:
+        tables += [(init, name, name), (init, name.rstrip("_"), name)]
+    hf = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(hf, dict):
+        tables += [(hf, name, name) for name in SKIP_META[1:] if hf.get(name) is init[name]]
+    restore = []
+    for table, key, name in tables:
+        original = table[key]
+        table[key] = _refusing(original, name)
+        restore.append((table, key, original))
+    return restore
 
-    def sample(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+
+def _refusing(original: Callable[..., Tensor], name: str) -> Callable[..., Tensor]:
+    def init(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if tensor.is_meta:
-            raise _TruncatedNormal("torch.nn.init.trunc_normal_ on a tensor without memory")
-        return skipping(tensor, *args, **kwargs)
+            raise _SkipsMeta(name)
+        return original(tensor, *args, **kwargs)
 
-    return sample
+    return init
 
 
 def _reads_a_value(exc: BaseException) -> bool:

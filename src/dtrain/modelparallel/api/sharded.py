@@ -35,7 +35,8 @@ kept; each unit gathers them in half to compute and reduce-scatters its gradient
 Floating buffers, which FSDP2 leaves alone, become half as the unit is made. fp16 scales the
 loss (``model.backward``) by the optimizer's loss scaler, so the sharded fp32 gradients hold
 scaled values, summed over microbatches and steps under one scale; ``optimizer.step()`` (or
-``optimizer.clip_master_grads`` before it) unscales them and checks them for inf/NaN
+``optimizer.clip_master_grads`` before it; a step body after that scales them back first)
+unscales them and checks them for inf/NaN
 (:meth:`ShardedModel.step`), and an overflow on any rank skips the step on every rank and
 backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 (``GradScaler``'s kernel): SMP's dynamic scale has Megatron's hysteresis and minimum, which
@@ -228,6 +229,7 @@ class ShardedModel:
         if not self.stepped:
             self._checkpoint_marked()
         body = make_body(self.device)
+        self._rescale()
         self.stepped = self._stepping = True
         try:
             return [(True, body(mb)) for mb in range(count)]
@@ -296,6 +298,18 @@ class ShardedModel:
         not measured yet)."""
         self._unscaled = False
         self._measured = None
+
+    def _rescale(self) -> None:
+        """Scale gradients that ``clip_master_grads`` unscaled back up before another step body
+        adds scaled ones to them, so that ``optimizer.step()`` unscales the sum once (exact when
+        the scale is a power of two, as dynamic ones are; an inf stays inf)."""
+        if not self._unscaled:
+            return
+        assert self.scaling is not None
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self.scaling.loss_scale)
+        self._unscaled = False
 
     def _unscale(self) -> None:
         """Divide the sharded gradients by the loss scale, once per optimizer step, and set

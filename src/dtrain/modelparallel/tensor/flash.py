@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.pipeline import modes
 
 
 class FlashAttentionLayer(nn.Module):
@@ -19,9 +21,10 @@ class FlashAttentionLayer(nn.Module):
     ``scale_attention_scores``, the default, which then needs ``attention_head_size``) times
     ``1/(layer_idx + 1)`` (with ``scale_attn_by_layer_idx``, which needs ``layer_idx``).
     ``attention_dropout_prob`` drops attention probabilities in training, each head with a mask
-    of its own (:func:`drop_heads`), the heads it is given numbered from 0 (on a tp rank's share
-    of a layer's heads inside a region the ranks would repeat each other's masks;
-    ``DistributedAttentionLayer`` numbers its share from its first head).
+    of its own (:func:`drop_heads`), the heads it is given numbered from 0. Given ``qkv``, it
+    cannot know which of a layer's heads a tp rank holds, so inside a tensor-parallel region at
+    tp > 1 its dropout is refused (the ranks would repeat each other's masks, unlike one
+    process; ``DistributedAttentionLayer`` numbers its share from its first head).
     ``triton_flash_attention`` chooses SMP's Triton kernel, which has no dropout: accepted (SDPA
     computes) with ``attention_dropout_prob=0`` only; with it, ``use_alibi`` lets ``forward``
     add ``attn_mask`` (SMP's ALiBi mask) to the scores.
@@ -88,6 +91,16 @@ class FlashAttentionLayer(nn.Module):
             )
         query, key, value = qkv.transpose(1, 3).unbind(2)  # each [batch, heads, seq, head_size]
         dropout = self.attention_dropout_prob if self.training else 0.0
+        if dropout and modes.in_tensor_region():
+            degree = state.current("smp.nn.FlashAttentionLayer").tp_size
+            if degree > 1:
+                raise ModelParallelError(
+                    f"smp.nn.FlashAttentionLayer: attention_dropout_prob={dropout} in training "
+                    f"inside a tensor-parallel region at tensor_parallel_degree {degree}: given "
+                    "qkv, it cannot know which of the layer's heads the rank holds, so its masks "
+                    "would differ from one process's; allowed: attention_dropout_prob=0 there, "
+                    "or smp.nn.DistributedAttentionLayer (which numbers the rank's heads)"
+                )
         return attend(query, key, value, attn_mask, self.scale, dropout, causal=causal)
 
 

@@ -26,6 +26,7 @@ translation functions of these families (kept for scripts that call them) return
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     root = model.base_model
     bases = [getattr(root, name) for name in family.bases if hasattr(root, name)]
     for base in bases or [root]:
+        check_names(base, family, dropping, split_dropout)
+    for base in bases or [root]:
         _split_base(model, base, family, st.tp_rank, degree, dropping, split_dropout)
     return model
 
@@ -184,15 +187,56 @@ def _split_base(
         if _matches(path, family.layers):
             shards.parallelize(layer, _layer_plan(family, layer), family.what)
         elif dropping and _matches(path, f"{family.layers}.{family.dropout_in}"):
-            layer.forward = _per_head(layer.forward, rank, degree, family.what)
+            _per_head(layer, rank, degree, family.what)
         elif split_dropout and _matches(path, f"{family.layers}.{split_dropout[0]}"):
-            layer.forward = _per_head(layer.forward, rank, degree, family.what, dim=-1)
+            _per_head(layer, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
         for param in embedding.parameters():  # runs on the rank's own rows, before the region
             setattr(param, shards.SCALED_BATCH, False)
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
+
+
+def check_names(
+    base: nn.Module, family: Family, dropping: bool, split_dropout: tuple[str, str] | None
+) -> None:
+    """Refuse ``base`` unless ``family``'s names find its layers, a column- and a row-wise
+    linear in each and, where its dropout is drawn per head (``dropping``, ``split_dropout``),
+    a module to draw it in for each layer: HF renames modules between versions, and a name
+    that no longer matches would leave layers unsplit, or heads dropped unlike one process."""
+    layers = [layer for path, layer in base.named_modules() if _matches(path, family.layers)]
+    if not layers:
+        _renamed(family, f"no module of {type(base).__name__} matches {family.layers!r}")
+    for layer in layers:
+        plan = _layer_plan(family, layer)
+        for style in (ColwiseParallel, RowwiseParallel):
+            if not any(type(entry) is style for entry in plan.values()):
+                names = family.colwise if style is ColwiseParallel else family.rowwise
+                _renamed(family, f"no module of {type(layer).__name__} matches any of {names}")
+    drawn = [f"{family.layers}.{family.dropout_in}"] if dropping else []
+    if split_dropout is not None:
+        drawn.append(f"{family.layers}.{split_dropout[0]}")
+    for pattern in drawn:
+        found = sum(_matches(path, pattern) for path, _ in base.named_modules())
+        if found < len(layers):
+            _renamed(
+                family,
+                f"{found} modules of {type(base).__name__} match {pattern!r}, where its dropout "
+                f"is drawn per head, for {len(layers)} layers",
+            )
+
+
+def _renamed(family: Family, why: str) -> None:
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    raise ModelParallelError(
+        f"{family.what}: {why}: this transformers version ({version}) names its modules "
+        "otherwise than the split knows; use another transformers version, or leave the model "
+        "undistributed"
+    )
 
 
 def attention_dropout(config: Any, family: Family, degree: int) -> float:
@@ -231,6 +275,8 @@ class HeadDropout(TorchFunctionMode):
     def __init__(self, rank: int, degree: int, what: str, dim: int = 1) -> None:
         super().__init__()
         self.rank, self.degree, self.what, self.dim = rank, degree, what, dim
+        self.drawn = False
+        """Whether a training dropout was drawn here (:func:`_per_head` requires one)."""
 
     def __torch_function__(
         self,
@@ -240,7 +286,19 @@ class HeadDropout(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is not F.dropout or not kwargs["training"] or not kwargs["p"]:
+        if func is F.scaled_dot_product_attention:
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if dropout:
+                raise ModelParallelError(
+                    f"{self.what}: scaled_dot_product_attention with dropout_p={dropout} at "
+                    f"tensor_parallel_degree {self.degree}: it draws the mask of the rank's "
+                    "heads inside its kernel, unlike one process; the attention implementation "
+                    "must stay 'eager' after the model is wrapped (set_attn_implementation)"
+                )
+        if func is not F.dropout or not kwargs["training"]:
+            return func(*args, **kwargs)
+        self.drawn = True
+        if not kwargs["p"]:
             return func(*args, **kwargs)
         probs = args[0]
         if self.dim == 1 and probs.dim() != 4:
@@ -257,17 +315,29 @@ class HeadDropout(TorchFunctionMode):
         return probs.mul_(mine) if kwargs["inplace"] else probs * mine
 
 
-def _per_head(
-    forward: Callable[..., Any], rank: int, degree: int, what: str, dim: int = 1
-) -> Callable[..., Any]:
-    """``forward`` (of :attr:`Family.dropout_in`) with its dropout drawn by :class:`HeadDropout`."""
+def _per_head(module: nn.Module, rank: int, degree: int, what: str, dim: int = 1) -> None:
+    """Make ``module``'s forward (of :attr:`Family.dropout_in`) draw its dropout by
+    :class:`HeadDropout`. A training forward that draws none dropped elsewhere (an attention
+    implementation switched after wrapping, a transformers version calling other code): it fails,
+    naming the module, rather than train unlike one process."""
+    forward = module.forward
 
     @functools.wraps(forward)
     def dropping(*args: Any, **kwargs: Any) -> Any:
-        with HeadDropout(rank, degree, what, dim):
-            return forward(*args, **kwargs)
+        drawing = HeadDropout(rank, degree, what, dim)
+        with drawing:
+            out = forward(*args, **kwargs)
+        if module.training and not drawing.drawn:
+            raise ModelParallelError(
+                f"{what}: {type(module).__name__}'s forward drew no dropout in training, where "
+                f"its dropout is drawn per head at tensor_parallel_degree {degree}: it ran "
+                "another attention implementation (keep 'eager' after wrapping: "
+                "set_attn_implementation) or code of a transformers version the split does "
+                "not know"
+            )
+        return out
 
-    return dropping
+    module.forward = dropping
 
 
 def _layer_plan(family: Family, layer: nn.Module) -> dict[str, ParallelStyle]:
