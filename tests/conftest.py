@@ -32,7 +32,12 @@ def pytest_configure(config: pytest.Config) -> None:
     The suite runs two workers on two cores beside the ranks they start: a second OpenMP thread
     only waits for a core at the end of each parallel operation. A reference run of one
     process took 6.4 s on two threads beside two busy cores, 0.2 s on one.
+
+    xdist's controller runs no test: it leaves torch alone (importing it there, and its teardown
+    at exit, took 2 to 5 s under load before the workers started and after they ended).
     """
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     import torch
 
     torch.set_num_threads(1)

@@ -119,3 +119,27 @@ def test_a_misspelled_entry_point_gets_a_suggestion(
     assert "(did you mean 'train.py'?)" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "nowhere" / "trian.py")]) == 2
     assert "entry_point" in capsys.readouterr().err
+
+
+def test_dtrain_agent_ends_without_the_interpreters_teardown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's exit status leaves through ``entry.end`` (``os._exit``): tearing down the
+    torch its rendezvous store loaded made every job's end wait 1 to 3 s for ``algo-1``."""
+    import dtrain.launch.agent
+    import dtrain.launch.entry
+
+    class Ended(Exception):
+        pass
+
+    def end(status: int) -> None:
+        raise Ended(status)
+
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 64)
+    secret.chmod(0o600)
+    monkeypatch.setattr(dtrain.launch.agent, "run_agent", lambda *args: 3)
+    monkeypatch.setattr(dtrain.launch.entry, "end", end)
+    with pytest.raises(Ended) as ended:
+        main(["agent", "--join", "127.0.0.1:29400", "--secret-file", str(secret)])
+    assert ended.value.args == (3,)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from dtrain.errors import ConfigError, DtrainError, did_you_mean
 
@@ -543,14 +543,18 @@ def _stop(name: str) -> int:
     return EXIT_OK
 
 
-def _agent(args: argparse.Namespace) -> int:
+def _agent(args: argparse.Namespace) -> NoReturn:
+    """Serve the job, then end without the interpreter's teardown: ``algo-1``'s rendezvous store
+    loaded torch, and tearing torch down took 1 to 3 s here, which the controller (and so
+    ``dtrain run``) waited for at the end of every job."""
     from dtrain.launch.agent import run_agent
+    from dtrain.launch.entry import end
     from dtrain.launch.netif import parse_endpoint
     from dtrain.launch.wire import read_secret
 
     controller = parse_endpoint("--join", args.join)
     secret = read_secret(args.secret_file)
-    return run_agent(controller, secret, args.address, args.host, args.connect_timeout)
+    end(run_agent(controller, secret, args.address, args.host, args.connect_timeout))
 
 
 def _metrics(name: str, plot: str | None, form: str | None) -> int:

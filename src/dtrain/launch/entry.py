@@ -45,6 +45,7 @@ import threading
 import traceback
 import types
 from importlib.machinery import SourceFileLoader
+from typing import NoReturn
 
 from dtrain.jobkey import take_key
 
@@ -128,7 +129,7 @@ def _without_own_frames(tb: types.TracebackType | None) -> types.TracebackType |
     return tb
 
 
-def end(status: int | KeyboardInterrupt) -> None:
+def end(status: int | KeyboardInterrupt) -> NoReturn:
     """Finish as ``Py_FinalizeEx`` begins (threads, then atexit), flush, and leave at once."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
