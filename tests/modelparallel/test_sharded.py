@@ -7,7 +7,8 @@ reference clips with ``torch.nn.utils.clip_grad_norm_``). Losses agree to a rela
 parameters to 1e-5. The layouts of a case run one after another in one world, a layout again
 after ``smp.shutdown`` too (an equal mesh must not pick up the destroyed groups of the first
 from torch's DTensor caches). Checkpoints resume exactly, in fp32 and in bf16 (whose training
-against one process is tested in ``test_half_precision.py``).
+against one process is tested in ``test_half_precision.py``), of our LM and, in fp32, of GPT-2
+made ``smp.nn``.
 """
 
 from __future__ import annotations
