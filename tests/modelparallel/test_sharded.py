@@ -7,7 +7,8 @@ reference clips with ``torch.nn.utils.clip_grad_norm_``). Losses agree to a rela
 parameters to 1e-5. The layouts of a case run one after another in one world, a layout again
 after ``smp.shutdown`` too (an equal mesh must not pick up the destroyed groups of the first
 from torch's DTensor caches). Checkpoints resume exactly, in fp32 and in bf16 (whose training
-against one process is tested in ``test_half_precision.py``).
+against one process is tested in ``test_half_precision.py``), of our LM and, in fp32, of GPT-2
+made ``smp.nn``.
 """
 
 from __future__ import annotations
@@ -42,9 +43,18 @@ CLIP = 0.5
 Batch = dict[str, Tensor]
 
 
+SWAPPED = "gpt2 in smp.tensor_parallelism"
+"""Hugging Face GPT-2 created inside ``smp.tensor_parallelism()`` (in a model-parallel job):
+``smp.nn.DistributedTransformerLMHead``, whose head is tied to the word embedding and whose
+modules' ``state_dict()`` gathers a DTensor whole."""
+
+
 def build(case: str) -> nn.Module:
     if case == "lm":
         return equivalence.CASES["lm"].build()
+    if case == SWAPPED:
+        with smp.tensor_parallelism():
+            return hf_cases.build("gpt2")
     return hf_cases.build(case)
 
 
@@ -52,7 +62,7 @@ def batch(case: str, step: int) -> Batch:
     if case == "lm":
         ids, labels = equivalence.CASES["lm"].batch(step)
         return {"input_ids": ids, "labels": labels}
-    return hf_cases.CASES[case].batch(step)
+    return hf_cases.CASES["gpt2" if case == SWAPPED else case].batch(step)
 
 
 @dataclass(frozen=True)
@@ -246,64 +256,95 @@ def test_sdp_gradient_clipping_zero_turns_clipping_off() -> None:
     assert got.norms == pytest.approx(expected.norms, rel=1e-5)  # measured all the same
 
 
-def save_and_resume(
-    folder: str, partial: bool, bf16: bool
-) -> tuple[list[float], list[float], dict[str, Tensor]]:
-    """Train 4 steps, saving after 2; then a new model resumes from the save and trains the
-    last 2 again. The losses of steps 3 and 4 both times (the first time also evaluated
-    without gradients before step 3), and the full state saved."""
+@dataclass
+class Resumed:
+    straight: list[float]
+    """Losses of steps 3 and 4 trained straight on (step 3 also evaluated without gradients)."""
+    resumed: list[float]
+    """Losses of steps 3 and 4 after resuming from the checkpoint of step 2."""
+    saved: dict[str, Tensor]
+    """The full state at the checkpoint."""
+    finals: tuple[dict[str, Tensor], dict[str, Tensor]]
+    """The full state after step 4, trained straight on and resumed."""
+    params: set[str]
+    """The parameters' names, a tied one under each."""
+
+
+def save_and_resume(folder: str, partial: bool, bf16: bool, cases: list[str]) -> list[Resumed]:
+    """For each case in turn (in its own subfolder of ``folder``): train 4 steps, saving after
+    2 (having evaluated before, which leaves the root unit gathered); then a new model resumes
+    from the save and trains the last 2 again."""
     dist.init_process_group("gloo")
-    run = Run("lm", 2, microbatches=2, bf16=bf16)
-    init(run)
-    first = Trainer(run.case, build(run.case))
-    hooked: list[smp.DistributedModel] = []
-    first.model.register_post_partition_hook(hooked.append)
-    for index in range(2):
-        first.step(index)
-    model, optimizer = first.model, first.optimizer
-    smp.save_checkpoint(folder, "two", partial=partial, model=model, optimizer=optimizer)
-    saved = model.state_dict()
-    optimizer_file = Path(folder, f"optimizer_{smp.rank()}.pt")
-    torch.save(first.optimizer.state_dict(), optimizer_file)  # full: gathered on every rank
-    straight = [first.evaluate(2), first.step(2), first.step(3)]
-    assert hooked == [first.model], "the post-partition hook runs once, before the first step"
-    smp.reset()
-    second = Trainer(run.case, build(run.case))
-    smp.resume_from_checkpoint(folder, partial=partial)
-    if not partial:  # a full checkpoint holds no optimizer state (as in SMP): load it apart
-        second.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
-    resumed = [second.step(index) for index in (2, 3)]
-    smp.shutdown()
+    results = []
+    for case in cases:
+        path = str(Path(folder, case))
+        run = Run(case, 2, microbatches=2 if case == "lm" else 1, bf16=bf16)
+        init(run)
+        first = Trainer(run.case, build(run.case))
+        hooked: list[smp.DistributedModel] = []
+        first.model.register_post_partition_hook(hooked.append)
+        for index in range(2):
+            first.step(index)
+        first.evaluate(1)
+        model, optimizer = first.model, first.optimizer
+        smp.save_checkpoint(path, "two", partial=partial, model=model, optimizer=optimizer)
+        saved = model.state_dict()
+        optimizer_file = Path(path, f"optimizer_{smp.rank()}.pt")
+        torch.save(first.optimizer.state_dict(), optimizer_file)  # full: gathered on every rank
+        straight = [first.evaluate(2), first.step(2), first.step(3)]
+        assert hooked == [first.model], "the post-partition hook runs once, before the first step"
+        params = {name for name, _ in model.module.named_parameters(remove_duplicate=False)}
+        final = model.state_dict()
+        smp.reset()
+        second = Trainer(run.case, build(run.case))
+        smp.resume_from_checkpoint(path, partial=partial)
+        if not partial:  # a full checkpoint holds no optimizer state (as in SMP): load it apart
+            second.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
+        resumed = [second.step(index) for index in (2, 3)]
+        results.append(
+            Resumed(straight, resumed, saved, (final, second.model.state_dict()), params)
+        )
+        smp.shutdown()
     dist.destroy_process_group()
-    return straight, resumed, saved
+    return results
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("partial", [True, False], ids=["partial", "full"])
 def test_checkpoint_resumes_identically(tmp_path: Path, partial: bool, bf16: bool) -> None:
-    args = (str(tmp_path), partial, bf16)
-    ranks = run_ranks(2, save_and_resume, *args, timeout=120)
-    for straight, resumed, _ in ranks:
-        assert straight[0] == pytest.approx(straight[1], rel=1e-6)  # evaluated, then trained
-        assert resumed == pytest.approx(straight[1:], rel=1e-6)
-    if partial:  # each shard of the group in its own file; in bf16 no fp16_states files
-        files = sorted(p.name for p in (tmp_path / "two_partial").iterdir())
-        assert files == [
-            "model_0_0_0.pt", "model_0_0_1.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt"
-        ]  # fmt: skip
-        saved = torch.load(tmp_path / "two_partial" / "model_0_0_0.pt", weights_only=True)
-        # A parameter's shards, in the order of the files, make it whole (FSDP2's dim-0
-        # split, as the docs say for rebuilding a model from a partial checkpoint by hand);
-        # a buffer is whole in each file.
-        parts = [saved, torch.load(tmp_path / "two_partial" / "model_0_0_1.pt", weights_only=True)]
-        params = dict(build("lm").named_parameters(remove_duplicate=False))  # tied: both names
-        for name, value in ranks[0][2].items():
-            whole = torch.cat([p[name] for p in parts]) if name in params else parts[1][name]
-            assert torch.equal(whole, value), name
-    else:
-        saved = torch.load(tmp_path / "two", weights_only=True)
-    # The parameters are saved as the fp32 values the optimizer steps (the masters).
-    assert {v.dtype for v in saved.values() if isinstance(v, torch.Tensor)} == {torch.float32}
+    """Our LM; in fp32 also GPT-2 made ``smp.nn`` (whose partial state once held whole tensors
+    gathered by its modules' ``state_dict()`` hooks, and loaded nothing), in the same world."""
+    cases = ["lm"] if bf16 else ["lm", SWAPPED]
+    ranks = run_ranks(2, save_and_resume, str(tmp_path), partial, bf16, cases, timeout=120)
+    for index, case in enumerate(cases):
+        for rank in ranks:
+            got = rank[index]
+            assert got.straight[0] == pytest.approx(got.straight[1], rel=1e-6), case
+            assert got.resumed == pytest.approx(got.straight[1:], rel=1e-6), case
+            for name, value in got.finals[0].items():
+                assert torch.equal(got.finals[1][name], value), (case, name)
+        folder = tmp_path / case
+        if partial:  # each shard of the group in its own file; in bf16 no fp16_states files
+            files = sorted(p.name for p in (folder / "two_partial").iterdir())
+            assert files == [
+                "model_0_0_0.pt", "model_0_0_1.pt", "optimizer_0_0_0.pt", "optimizer_0_0_1.pt"
+            ]  # fmt: skip
+            # A parameter's shards, in the order of the files, make it whole (FSDP2's dim-0
+            # split, as the docs say for rebuilding a model from a partial checkpoint by hand);
+            # a buffer is whole in each file.
+            parts = [
+                torch.load(folder / "two_partial" / f"model_0_0_{i}.pt", weights_only=True)
+                for i in range(2)
+            ]
+            saved = parts[0]
+            for name, value in ranks[0][index].saved.items():
+                params = ranks[0][index].params
+                whole = torch.cat([p[name] for p in parts]) if name in params else parts[1][name]
+                assert torch.equal(whole, value), (case, name)
+        else:
+            saved = torch.load(folder / "two", weights_only=True)
+        # The parameters are saved as the fp32 values the optimizer steps (the masters).
+        assert {v.dtype for v in saved.values() if isinstance(v, torch.Tensor)} == {torch.float32}
 
 
 @pytest.mark.parametrize(

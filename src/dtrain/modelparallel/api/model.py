@@ -180,7 +180,9 @@ class DistributedModel(nn.Module):
             from dtrain.modelparallel.api.sharded import ShardedModel
 
             self._sync_random_states()
-            self.sharding = ShardedModel(module, self._state)
+            self.sharding = ShardedModel(
+                module, self._state, lambda: self._state_tensors(local_only=False)
+            )
 
     # --- calling the model -------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -147,10 +147,21 @@ class ShardedModel:
     """The sharded side of a ``DistributedModel``: shards the module, runs steps, clips
     gradients and converts state dicts between full, partial and sharded."""
 
-    def __init__(self, module: nn.Module, st: MPState) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        st: MPState,
+        named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor, bool]]],
+    ) -> None:
         mesh = st.sharding_mesh
         assert mesh is not None, "smp.init builds the mesh when the degree is above 1"
         self.module = module
+        self._named_tensors = named_tensors
+        """The module's persistent parameters and buffers, ``(name, tensor, is_parameter)``
+        under every ``state_dict()`` name (``DistributedModel``'s walk of the modules).
+        Partial state dicts go by these, not by ``module.state_dict()``, whose hooks may
+        replace a value: ``smp.nn`` modules' hooks gather a DTensor whole, which is then no shard
+        to save and, loaded into, a copy that the parameter never sees."""
         self.device = st.device
         self._mesh = mesh
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
@@ -343,12 +354,21 @@ class ShardedModel:
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {name: value.detach().cpu() for name, value in full.items()}
 
+    def _registered(self) -> dict[str, torch.Tensor]:
+        """The module's persistent tensors by name, each unit's parameters its shards (as
+        DTensors): a forward without backward leaves the root's gathered, which resharding
+        undoes, as ``state_dict()``'s FSDP2 pre-hooks would."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return {name: tensor for name, tensor, _ in self._named_tensors()}
+
     def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, torch.Tensor]:
         """This rank's shards of the parameters (and every buffer), by their full names."""
         result = {}
-        for name, value in self.module.state_dict().items():
-            local = _local(value)
-            result[name] = local.detach().cpu() if cast_to_cpu else local.detach()
+        for name, value in self._registered().items():
+            local = _local(value).detach()
+            result[name] = local.cpu() if cast_to_cpu else local
         return result
 
     def load(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
@@ -358,7 +378,7 @@ class ShardedModel:
             options = StateDictOptions(full_state_dict=True, strict=strict)
             set_model_state_dict(self.module, values, options=options)
             return
-        mine = self.module.state_dict()
+        mine = self._registered()
         missing = sorted(set(mine) - set(values))
         unexpected = sorted(set(values) - set(mine))
         if strict and (missing or unexpected):
