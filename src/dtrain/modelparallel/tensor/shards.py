@@ -128,9 +128,12 @@ def shared_input(tensor: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     when ``layer`` is not split). Layers given one such input (query, key, value) add their
     input gradients up locally, and its conversion all-reduces their sum once in backward;
     torch's ``ColwiseParallel``, given a plain tensor, converts it for each layer, which
-    all-reduces each layer's input gradient."""
+    all-reduces each layer's input gradient. A weight that is a DTensor on another mesh (FSDP2's
+    shard under sharded data parallelism, gathered only when its own unit runs) is not split
+    over the tp group: ``tensor`` itself."""
     weight = layer.weight
-    if not isinstance(weight, DTensor):
+    tensor_mesh = state.current("smp.nn attention").tensor_mesh
+    if not isinstance(weight, DTensor) or weight.device_mesh is not tensor_mesh:
         return tensor
     return DTensor.from_local(tensor, weight.device_mesh, [Replicate()], run_check=False)
 
