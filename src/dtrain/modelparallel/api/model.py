@@ -422,6 +422,9 @@ class DistributedModel(nn.Module):
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
+        if self._plan_ordered():  # the root's own code runs on partition 0
+            kept = getattr(self.module, "computes_with_own_code", ())
+            fixed = {**dict.fromkeys(kept, 0), **fixed}
         whole = activations.kept_whole(self.module)
         if self.tensor_shards is not None:
             whole |= self.tensor_shards.split_blocks(self.module)
