@@ -533,11 +533,13 @@ class DistributedModel(nn.Module):
             (plan.owner(name), plan.modules[name].compute_time if plan.profiled else 0.0)
             for name, _ in self.module.named_modules()
         ]
+        owners = {name: plan.owner(name) for name, _ in self.module.named_modules()}
+        recomputing = activations.checkpointing_partitions(self.module, owners) - {0}
         return pipeline_plan(
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            st.options.split_backward,
+            st.options.split_backward and not recomputing,  # partition 0 never splits
             self._plan_ordered(),
         )
 
