@@ -151,6 +151,38 @@ def test_a_forward_that_does_not_come_back_as_registered_fails_naming_the_visit(
     assert "forward ended at visit 0 of partition 0, but the plan has it come back" in message
 
 
+def _head_away_from_its_loss() -> None:
+    """An LM head with a head of its own placed on partition 1, where its parent's code (the
+    loss, on partition 0) computes on its logits, after the blocks on partition 1."""
+    dist.init_process_group("gloo")
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+              "default_partition": 0, "deterministic_server": True})  # fmt: skip
+    sizes = {"num_layers": 2, "num_attention_heads": 2, "attention_head_size": 4,
+             "hidden_size": 8, "intermediate_size": 16, "vocab_size": 16,
+             "num_positions": 4}  # fmt: skip
+    module = smp.nn.DistributedTransformerLMHead(**sizes, tie_word_embeddings=False)
+    smp.set_partition(module.transformer.seq_layers[1], 1)
+    smp.set_partition(module.lm_head, 1)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train_step(model: smp.DistributedModel, ids: torch.Tensor) -> None:
+        loss, _ = model((ids, None, None, None, ids))
+        model.backward(loss)
+
+    try:
+        train_step(model, torch.zeros(4, 4, dtype=torch.long))
+    finally:
+        smp.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_head_placed_away_from_the_code_computing_on_it_fails_before_the_first_step() -> None:
+    with pytest.raises(Exception, match="module 'lm_head' is placed on partition 1") as caught:
+        run_ranks(2, _head_away_from_its_loss, timeout=120)
+    assert "place 'lm_head' on partition 0" in str(caught.value)
+
+
 def _task(text: str, step: int = 1) -> Task:
     return Task("serve", int(text[1:]), phase=text[0], step=step)  # type: ignore[arg-type]
 
