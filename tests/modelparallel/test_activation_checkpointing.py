@@ -354,6 +354,16 @@ def test_a_checkpointed_module_cut_across_partitions_is_recomputed_in_parts() ->
     ]
 
 
+def test_the_partitions_that_recompute_are_those_running_a_marked_module() -> None:
+    """Their backwards run whole, so a plan must not split them: a Sequential's children count
+    on their own partitions, unmarked modules on partition 1 do not."""
+    module = _Net(Setup())
+    assert activations.checkpointing_partitions(module, _owners(module, ("seq.3",))) == set()
+    set_activation_checkpointing(module.seq, strategy="each")
+    assert activations.checkpointing_partitions(module, _owners(module, ("seq.3",))) == {0, 1}
+    assert activations.checkpointing_partitions(module, _owners(module, ("head",))) == {0}
+
+
 class _Pair(nn.Module):
     """Takes and returns a pair of tensors."""
 

@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.api.model import check_own_code_placement, with_own_code
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.executor import Executor, Task
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from tests.modelparallel.equivalence import ALL_CASES, case_pipeline, reference, replica_rows
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_equivalence import assert_equivalent
 
 STEPS = 4
@@ -149,6 +151,39 @@ def test_a_forward_that_does_not_come_back_as_registered_fails_naming_the_visit(
         run_ranks(2, _unused_module_last, 2, timeout=120)
     message = str(caught.value)
     assert "forward ended at visit 0 of partition 0, but the plan has it come back" in message
+
+
+def _lm_head(**kwargs: Any) -> torch.nn.Module:
+    sizes = {"num_layers": 2, "num_attention_heads": 2, "attention_head_size": 4,
+             "hidden_size": 8, "intermediate_size": 16, "vocab_size": 16,
+             "num_positions": 4}  # fmt: skip
+    with single_process({}):
+        return smp.nn.DistributedTransformerLMHead(**sizes, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "head", "fails"),
+    [({"tie_word_embeddings": False}, 1, True), ({"tie_word_embeddings": False}, 0, False),
+     ({"add_lm_head": False}, 1, False)],
+)  # fmt: skip
+def test_a_head_placed_away_from_the_code_computing_on_it_fails_naming_it(
+    kwargs: dict[str, Any], head: int, fails: bool
+) -> None:
+    """The LM head's own code (on the root's partition 0) computes the loss on its head's
+    logits: a head on partition 1 would take each microbatch back and forth twice, which no
+    plan row serves (checked where ranks follow plans, before the first step). Without a head
+    there is nothing to check; the automatic partition keeps the head on partition 0."""
+    module = _lm_head(**kwargs)
+    assert with_own_code(module) == (() if "add_lm_head" in kwargs else ("lm_head",))
+
+    def owner(name: str) -> int:
+        return head if name == "lm_head" else 0
+
+    if not fails:
+        check_own_code_placement(module, owner)
+        return
+    with pytest.raises(ModelParallelError, match="module 'lm_head' is placed on partition 1"):
+        check_own_code_placement(module, owner)
 
 
 def _task(text: str, step: int = 1) -> Task:

@@ -4,9 +4,12 @@ default placement (tp peers are neighbours; automatic partition: rank 0's tp gro
 together): a plain model marked with smp.set_tensor_parallelism, and
 smp.nn.DistributedTransformerLMHead created without memory, split over the stages (its region
 scatters the batch on partition 0 after its last layer on partition 1: route 0 -> 1 -> 0; the
-plan splits partition 1's backwards). Under ``spread`` (tp peers are ranks 0 and 2; manual
-placement): a chain of smp.nn transformer layers, an LM whose head is tied to its embedding
-with its blocks marked, and a 4-layer LM head with two consecutive layers on partition 1.
+plan splits partition 1's backwards), and that LM with a head of its own and its layers
+checkpointed (GPT-NeoX's translation in AWS's script: the head stays with the root's code, and
+partition 1's recomputed layers run whole backwards, as planned). Under ``spread`` (tp peers
+are ranks 0 and 2; manual placement): a chain of smp.nn transformer layers, an LM whose head
+is tied to its embedding with its blocks marked, and a 4-layer LM head with two consecutive
+layers on partition 1.
 Another stage's shards hold no elements; a profiling step failing on rank 0's tp peer fails
 every rank, naming it. A region entered for a caller on another partition does not gather.
 Without processes: a split block cut by the partition fails naming it, the scaled-batch mark
@@ -98,6 +101,15 @@ def _lm4() -> nn.Module:
     return smp.nn.DistributedTransformerLMHead(**{**LM, "num_layers": 4})
 
 
+def _untied_checkpointed() -> nn.Module:
+    """The LM head with a head of its own (GPT-NeoX's translation) and its layers checkpointed
+    each on its own (AWS's GPT-NeoX script): partitioned automatically, the head stays with the
+    root's code, which computes the loss from its logits."""
+    module = smp.nn.DistributedTransformerLMHead(**LM, tie_word_embeddings=False)
+    smp.set_activation_checkpointing(module.transformer.seq_layers, strategy="each")
+    return module
+
+
 def _marked_mlp() -> nn.Module:
     module = _mlp()
     smp.set_tensor_parallelism(module)
@@ -110,6 +122,7 @@ CASES = {
     "tied": (_tied, _tied_loss, ("blocks.1", "ln_f")),
     "lm4": (_lm4, _lm_loss, ("transformer.seq_layers.2", "transformer.seq_layers.3")),
     "delayed": (_lm, _lm_loss, ()),
+    "untied": (_untied_checkpointed, _lm_loss, ()),
 }
 """Each model, its loss and the modules a manual placement puts on partition 1. The LMs come
 back to partition 0 (route 0 -> 1 -> 0): the LM head's region scatters the batch there after
@@ -117,7 +130,7 @@ its last layer, and the tied head computes there last. ``delayed`` is the LM hea
 without memory (its split modules are made when wrapped, the rest at the first step), which
 the planner profiles on the meta device."""
 
-ROUTED = ("tied", "lm4", "delayed")
+ROUTED = ("tied", "lm4", "delayed", "untied")
 
 
 def _train(case: str, auto: bool) -> dict[str, Any]:
@@ -152,7 +165,7 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
     }
 
 
-WORLDS = {"cluster": ("mlp", "delayed"), "spread": ("layers", "tied", "lm4")}
+WORLDS = {"cluster": ("mlp", "delayed", "untied"), "spread": ("layers", "tied", "lm4")}
 """The cases each placement's world trains: the automatic plan under ``cluster``, the manual one
 under ``spread``."""
 
@@ -218,6 +231,11 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(placement: str)
             assert list(ranks[0][case]["owners"].values())[-1] == 1
         if case == "delayed":  # planned from operation counts: partition 1's backwards split
             assert any(action.startswith("W") for action in ranks[2][case]["plan"])
+        if case == "untied":  # the head with the root; recomputed layers run whole backwards
+            assert ranks[0][case]["owners"]["lm_head"] == 0
+            assert ranks[2][case]["owners"]["transformer"] == 0
+            assert "transformer.seq_layers.1" in ranks[2][case]["second"]
+            assert not any(action.startswith("W") for action in ranks[2][case]["plan"])
 
 
 class _Split(nn.Module):

@@ -96,6 +96,29 @@ def trace_device_of(trace_device: str, device: torch.device) -> torch.device:
     return device if trace_device == "gpu" else torch.device("cpu")
 
 
+def with_own_code(root: nn.Module) -> tuple[str, ...]:
+    """``root``'s children whose outputs its own code computes on (see
+    ``DistributedTransformerLMHead.computes_with_own_code``; one it lacks, a head left out, is
+    none)."""
+    names = getattr(root, "computes_with_own_code", ())
+    return tuple(name for name, _ in root.named_children() if name in names)
+
+
+def check_own_code_placement(root: nn.Module, owner: Callable[[str], int]) -> None:
+    """Where ranks follow plan rows, a child placed away from the root's code that computes on
+    its outputs would take a microbatch back and forth (0 -> 1 -> 0 -> 1 -> 0), which no plan
+    serves: fail before the first step, naming it."""
+    for name in with_own_code(root):
+        if owner(name) != owner(""):
+            raise ModelParallelError(
+                f"module {name!r} is placed on partition {owner(name)}, but its parent's code, "
+                f"on partition {owner('')}, computes on its outputs: with deterministic_server "
+                "or tensor_parallel_degree above 1 every rank follows a plan, which cannot take "
+                f"a microbatch there and back twice; place {name!r} on partition {owner('')} "
+                "(or leave it to the automatic partition)"
+            )
+
+
 class DistributedModel(nn.Module):
     """Wraps the model to train with pipeline (and data) parallelism; one per process.
 
@@ -424,6 +447,8 @@ class DistributedModel(nn.Module):
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
+        if self._plan_ordered():  # the root's own code runs on partition 0
+            fixed = {**dict.fromkeys(with_own_code(self.module), 0), **fixed}
         whole = activations.kept_whole(self.module)
         if self.tensor_shards is not None:
             whole |= self.tensor_shards.split_blocks(self.module)
@@ -464,8 +489,13 @@ class DistributedModel(nn.Module):
                 if data is not tensor.data:
                     tensor.data.copy_(data)
 
+    def _check_own_code(self, plan: PartitionPlan) -> None:
+        if self._plan_ordered():
+            check_own_code_placement(self.module, plan.owner)
+
     def _apply_plan(self, plan: PartitionPlan) -> None:
         st = self._state
+        self._check_own_code(plan)
         if self.tensor_shards is not None:
             self.tensor_shards.check_partition(self.module, plan.owner)
         modules = dict(self.module.named_modules())
@@ -532,11 +562,13 @@ class DistributedModel(nn.Module):
             (plan.owner(name), plan.modules[name].compute_time if plan.profiled else 0.0)
             for name, _ in self.module.named_modules()
         ]
+        owners = {name: plan.owner(name) for name, _ in self.module.named_modules()}
+        recomputing = activations.checkpointing_partitions(self.module, owners) - {0}
         return pipeline_plan(
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            st.options.split_backward,
+            st.options.split_backward and not recomputing,  # partition 0 never splits
             self._plan_ordered(),
         )
 

@@ -109,6 +109,16 @@ def kept_whole(root: nn.Module) -> set[str]:
     return {names[id(m)] for m in marked}
 
 
+def checkpointing_partitions(root: nn.Module, owners: dict[str, int]) -> set[int]:
+    """The partitions that run a part of ``root``'s marked modules (by ``owners``, module name
+    to partition): their backwards recompute, so they run whole (see
+    :mod:`.split_backward`), and a plan must not split them."""
+    with _lock:
+        marked = list(_marks)
+    inside = {id(each) for m in marked for each in m.modules()}
+    return {owners[name] for name, m in root.named_modules() if id(m) in inside}
+
+
 def set_activation_checkpointing(
     module: nn.Module,
     preserve_rng_state: bool = True,

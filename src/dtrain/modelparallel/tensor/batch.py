@@ -147,11 +147,12 @@ def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
 
 
 @contextmanager
-def _resumed(depth: int) -> Iterator[None]:
+def _resumed(depth: int, region: bool) -> Iterator[None]:
     saved = getattr(_inside, "depth", 0)
     _inside.depth = depth
     try:
-        yield
+        with modes.tensor_region(region):
+            yield
     finally:
         _inside.depth = saved
 
@@ -159,8 +160,9 @@ def _resumed(depth: int) -> Iterator[None]:
 def _capture() -> Callable[[], AbstractContextManager[None]]:
     """Where a checkpointed call runs, for its recomputation: a layer checkpointed inside the
     region is recomputed in backward, after the region's forward has ended; it must again see
-    itself inside (nested), or it would gather the group's rows a second time."""
-    return functools.partial(_resumed, getattr(_inside, "depth", 0))
+    itself inside (nested), or it would gather the group's rows a second time. So must a layer
+    that a region on another partition called (the request's mark, not the backward's)."""
+    return functools.partial(_resumed, getattr(_inside, "depth", 0), modes.in_tensor_region())
 
 
 restore_on_recompute(_capture)

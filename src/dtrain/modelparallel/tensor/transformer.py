@@ -186,6 +186,13 @@ class DistributedTransformerLMHead(DistributedModule):
     ``labels`` ``(loss, logits)``: the mean cross entropy of each position's logits against the
     next position's label."""
 
+    computes_with_own_code = ("lm_head",)
+    """Children whose outputs this module's own code computes on (the loss from the head's
+    logits, after the transformer's region has scattered its batch): where every rank follows
+    its plan row, the automatic partition keeps them on the partition of that code. A head on
+    the last blocks' partition would make a microbatch go 0 -> 1 -> 0 (the region's scatter)
+    -> 1 (the head) -> 0 (the loss), which no plan serves."""
+
     def __init__(
         self,
         *,
