@@ -118,3 +118,37 @@ def test_gpt2_inside_tensor_parallelism_is_swapped_at_degree_one_too() -> None:
     back = translate_state_dict_to_hf_gpt2(result["state"])
     for key, value in params.items():
         torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "pp=2 x tp=2": {"pipeline_parallel_degree": 2, "microbatches": 2},
+    "tp=2 x rdp=2": {},
+}
+
+
+def _in_layouts() -> dict[str, dict[str, Any]]:
+    """The GPT-2 of ``_train`` in each of ``LAYOUTS``, one world of 4 (its own group made once,
+    so ``smp.shutdown`` keeps it for the next layout)."""
+    torch.distributed.init_process_group("gloo")
+    out = {}
+    for name, layout in LAYOUTS.items():
+        smp.init({"tensor_parallel_degree": 2, "ddp": True, **layout})
+        out[name] = _train()
+        smp.shutdown()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model_in_pipelines_and_replicas() -> (
+    None
+):
+    """pp=2 x tp=2 (the tied head brings each microbatch back to partition 0) and tp=2 x rdp=2:
+    the mean of the ranks' losses and the translated-back parameters are the plain model's."""
+    ranks = run_ranks(4, _in_layouts, timeout=240, env=hf_cases.HF_ENV)
+    losses, params = _plain()
+    for name in LAYOUTS:
+        mean = [sum(rank[name]["losses"][s] for rank in ranks) / 4 for s in range(STEPS)]
+        assert mean == pytest.approx(losses, rel=1e-5), name
+        back = translate_state_dict_to_hf_gpt2(ranks[3][name]["state"])
+        for key, value in params.items():
+            torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
