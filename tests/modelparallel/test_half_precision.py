@@ -524,9 +524,10 @@ def test_bf16_sharded_keeps_bit16_semantics() -> None:
         assert after == pytest.approx(1e-3, rel=1e-4)
 
 
-def _unscaled_once() -> dict[str, dict[str, Tensor]]:
+def _unscaled_once() -> dict[str, tuple[dict[str, Tensor], float]]:
     """fp16 sharded steps at a static scale of 1024 in one world, by the calls each makes:
-    ``b`` a step body, ``c`` clip_master_grads (unscales), ``z`` zero_grad, ``s`` step."""
+    ``b`` a step body, ``c`` clip_master_grads (unscales), ``z`` zero_grad, ``s`` step; the
+    state and the norm the step reports (``_global_grad_norm``)."""
     dist.init_process_group("gloo")
     results = {}
     for calls in ("bczbs", "bs", "bcbs", "bbs"):
@@ -549,7 +550,7 @@ def _unscaled_once() -> dict[str, dict[str, Tensor]]:
                 optimizer.clip_master_grads(1e9)
             else:
                 (optimizer.zero_grad if call == "z" else optimizer.step)()
-        results[calls] = model.state_dict()
+        results[calls] = (model.state_dict(), float(optimizer._global_grad_norm))
         smp.shutdown()
     dist.destroy_process_group()
     return results
@@ -558,11 +559,14 @@ def _unscaled_once() -> dict[str, dict[str, Tensor]]:
 def test_fp16_sharded_gradients_unscaled_by_clipping_then_stepped() -> None:
     # Gradients dropped after clip_master_grads unscaled them leave the next body's scaled, for
     # optimizer.step() to unscale; a body after unscaling adds scaled gradients to them, so
-    # they are scaled back first (weights 29.35 apart from two plain bodies without).
+    # they are scaled back first (weights 29.35 apart from two plain bodies without), and the
+    # norm the step reports is that of the gradients it took, not the clip's earlier one.
     for results in run_ranks(2, _unscaled_once):
         for calls, straight in (("bczbs", "bs"), ("bcbs", "bbs")):
-            for name, value in results[straight].items():
-                assert torch.equal(results[calls][name], value), (calls, name)
+            state, norm = results[calls]
+            for name, value in results[straight][0].items():
+                assert torch.equal(state[name], value), (calls, name)
+            assert norm == pytest.approx(results[straight][1], rel=1e-6), calls
 
 
 def _dynamic() -> list[tuple[bool, float]]:

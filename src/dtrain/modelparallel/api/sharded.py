@@ -241,6 +241,7 @@ class ShardedModel:
             self._checkpoint_marked()
         body = make_body(self.device)
         self._rescale()
+        self._measured = None  # a norm clip_master_grads took misses this body's gradients
         self.stepped = self._stepping = True
         try:
             return [(True, body(mb)) for mb in range(count)]
