@@ -7,6 +7,8 @@ what a rank loads shows whose file it read.
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +262,27 @@ def test_user_content_with_numpy_values_loads_as_weights_only(tmp_path: Path) ->
         smp.save(Path("x"), tmp_path / "path.pt", partial=False)
         with pytest.raises(Exception, match="Weights only load failed"):
             smp.load(tmp_path / "path.pt", partial=False)
+        old_format = tmp_path / "old.pt"  # torch's format before zip files: loads as before
+        torch.save({"w": torch.ones(2), "n": 3}, old_format, _use_new_zipfile_serialization=False)
+        assert smp.load(old_format, partial=False)["n"] == 3
+
+
+def test_a_file_naming_a_config_transformers_lacks_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config class under a module this transformers does not have (a newer version's, or
+    planted): torch's refusal, not an import error; a name outside transformers' table of
+    configs is not imported at all."""
+    pytest.importorskip("transformers")
+    for module_name, class_name in (
+        ("transformers.models.newmodel.configuration_newmodel", "GPT2Config"),
+        ("transformers.models.gpt2.configuration_gpt2", "NotAConfig"),
+    ):
+        module = types.ModuleType(module_name)
+        made = type(class_name, (), {"__module__": module_name})
+        setattr(module, class_name, made)
+        with monkeypatch.context() as patch:  # there while saving only
+            patch.setitem(sys.modules, module_name, module)
+            torch.save({"config": made()}, tmp_path / "new.pt")
+        with single_process(), pytest.raises(Exception, match="Weights only load failed"):
+            smp.load(tmp_path / "new.pt", partial=False)

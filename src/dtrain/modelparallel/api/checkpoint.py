@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -326,10 +327,11 @@ def _read_script_values(file: Path, weights_only: bool = True, map_location: Any
 
 
 def _data_classes(file: Path) -> list[Any]:
-    """Classes whose objects are rebuilt from data alone, never by running their code: numpy's
-    scalars and arrays of plain dtypes (object and structured dtypes stay refused) and the
-    Hugging Face configs ``file`` names (AWS's GPT-2 script saves a numpy parameter count and
-    its ``GPT2Config``)."""
+    """Classes whose objects are rebuilt from data alone: numpy's scalars and arrays of plain
+    dtypes (object and structured dtypes stay refused) and the Hugging Face configs ``file``
+    names (AWS's GPT-2 script saves a numpy parameter count and its ``GPT2Config``; at most a
+    config's constructor runs, on values from the file). Files in torch's old format cannot be
+    listed: numpy's only, and torch's loader decides."""
     plain = [
         getattr(np.dtypes, name)
         for name in dir(np.dtypes)
@@ -337,18 +339,26 @@ def _data_classes(file: Path) -> list[Any]:
     ]
     multiarray = np._core.multiarray
     classes = [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
+    if not zipfile.is_zipfile(file):
+        return classes
     named = torch.serialization.get_unsafe_globals_in_checkpoint(file)
     return classes + [c for c in map(_hf_config, named) if c is not None]
 
 
 def _hf_config(name: str) -> type | None:
-    """The installed ``transformers`` config class ``name`` names, else None (nothing else is
-    imported)."""
+    """The config class ``name`` names, if it is one of the installed ``transformers``' own
+    (its table of model types), else None: nothing else is imported."""
     module_name, _, attribute = name.rpartition(".")
     if not module_name.startswith("transformers.models.") or "transformers" not in sys.modules:
         return None
     from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    found = getattr(importlib.import_module(module_name), attribute, None)
+    if attribute not in CONFIG_MAPPING_NAMES.values():
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), attribute, None)
+    except ImportError:  # a newer transformers' model, or an optional dependency missing
+        return None
     ok = isinstance(found, type) and issubclass(found, PretrainedConfig)
     return found if ok else None
