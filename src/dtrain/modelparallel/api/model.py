@@ -568,7 +568,8 @@ class DistributedModel(nn.Module):
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            st.options.split_backward and not recomputing,  # partition 0 never splits
+            # coarse: one recomputing partition (0 never splits) turns splitting off for all
+            st.options.split_backward and not recomputing,
             self._plan_ordered(),
         )
 
