@@ -174,16 +174,20 @@ def test_a_head_placed_away_from_the_code_computing_on_it_fails_naming_it(
     plan row serves (checked where ranks follow plans, before the first step). Without a head
     there is nothing to check; the automatic partition keeps the head on partition 0."""
     module = _lm_head(**kwargs)
-    assert with_own_code(module) == (() if "add_lm_head" in kwargs else ("lm_head",))
+    assert with_own_code(module) == ({} if "add_lm_head" in kwargs else {"lm_head": ""})
+    wrapped = torch.nn.Sequential(module)  # inside a model of the user's: the same rule
+    assert with_own_code(wrapped) == ({} if "add_lm_head" in kwargs else {"0.lm_head": "0"})
 
-    def owner(name: str) -> int:
-        return head if name == "lm_head" else 0
+    for root, name in ((module, "lm_head"), (wrapped, "0.lm_head")):
 
-    if not fails:
-        check_own_code_placement(module, owner)
-        return
-    with pytest.raises(ModelParallelError, match="module 'lm_head' is placed on partition 1"):
-        check_own_code_placement(module, owner)
+        def owner(module_name: str, name: str = name) -> int:
+            return head if module_name == name else 0
+
+        if not fails:
+            check_own_code_placement(root, owner)
+            continue
+        with pytest.raises(ModelParallelError, match=f"module '{name}' is placed on partition 1"):
+            check_own_code_placement(root, owner)
 
 
 def _task(text: str, step: int = 1) -> Task:

@@ -96,26 +96,31 @@ def trace_device_of(trace_device: str, device: torch.device) -> torch.device:
     return device if trace_device == "gpu" else torch.device("cpu")
 
 
-def with_own_code(root: nn.Module) -> tuple[str, ...]:
-    """``root``'s children whose outputs its own code computes on (see
-    ``DistributedTransformerLMHead.computes_with_own_code``; one it lacks, a head left out, is
-    none)."""
-    names = getattr(root, "computes_with_own_code", ())
-    return tuple(name for name, _ in root.named_children() if name in names)
+def with_own_code(root: nn.Module) -> dict[str, str]:
+    """Every module of ``root`` whose parent's own code computes on its outputs (see
+    ``DistributedTransformerLMHead.computes_with_own_code``; one the parent lacks, a head left
+    out, is none), by name, to its parent's name."""
+    found = {}
+    for prefix, module in root.named_modules():
+        names = getattr(module, "computes_with_own_code", ())
+        for name, _ in module.named_children():
+            if name in names:
+                found[f"{prefix}.{name}" if prefix else name] = prefix
+    return found
 
 
 def check_own_code_placement(root: nn.Module, owner: Callable[[str], int]) -> None:
-    """Where ranks follow plan rows, a child placed away from the root's code that computes on
-    its outputs would take a microbatch back and forth (0 -> 1 -> 0 -> 1 -> 0), which no plan
+    """Where ranks follow plan rows, a module placed away from its parent's code that computes
+    on its outputs would take a microbatch back and forth (0 -> 1 -> 0 -> 1 -> 0), which no plan
     serves: fail before the first step, naming it."""
-    for name in with_own_code(root):
-        if owner(name) != owner(""):
+    for name, parent in with_own_code(root).items():
+        if owner(name) != owner(parent):
             raise ModelParallelError(
                 f"module {name!r} is placed on partition {owner(name)}, but its parent's code, "
-                f"on partition {owner('')}, computes on its outputs: with deterministic_server "
-                "or tensor_parallel_degree above 1 every rank follows a plan, which cannot take "
-                f"a microbatch there and back twice; place {name!r} on partition {owner('')} "
-                "(or leave it to the automatic partition)"
+                f"on partition {owner(parent)}, computes on its outputs: with "
+                "deterministic_server or tensor_parallel_degree above 1 every rank follows a "
+                "plan, which cannot take a microbatch there and back twice; place "
+                f"{name!r} on partition {owner(parent)} (or leave it to the automatic partition)"
             )
 
 
@@ -447,8 +452,9 @@ class DistributedModel(nn.Module):
             raise ModelParallelError(
                 "the step function did not call the model, so it cannot be partitioned"
             )
-        if self._plan_ordered():  # the root's own code runs on partition 0
-            fixed = {**dict.fromkeys(with_own_code(self.module), 0), **fixed}
+        if self._plan_ordered():  # with the root's code on partition 0, and its parent
+            pinned = {name for pair in with_own_code(self.module).items() for name in pair}
+            fixed = {**dict.fromkeys(pinned - {""}, 0), **fixed}
         whole = activations.kept_whole(self.module)
         if self.tensor_shards is not None:
             whole |= self.tensor_shards.split_blocks(self.module)
