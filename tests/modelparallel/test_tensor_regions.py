@@ -78,7 +78,7 @@ def _train(checkpointed: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _mismatched() -> list[str]:
     """Rank 0 brings 4 rows, rank 1 brings 3, to a transformer layer and a DistributedLinear
-    (positional and keyword input)."""
+    (positional and keyword input); then rank 0 alone brings a mask to the layer."""
     layer = smp.nn.DistributedTransformerLayer(
         num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16
     )
@@ -89,6 +89,7 @@ def _mismatched() -> list[str]:
         lambda: layer((torch.zeros(rows, 5, 8), None)),
         lambda: linear(torch.zeros(rows, 8)),
         lambda: linear(input=torch.zeros(rows, 8)),
+        lambda: layer((torch.zeros(4, 5, 8), torch.zeros(4, 1, 1, 5) if rows == 4 else None)),
     ):
         try:
             call()
@@ -145,12 +146,16 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     group = "smp.nn.{}: the ranks of tensor-parallel group [0, 1] bring inputs of different shapes"
     rule = "with prescaled_batch=False every rank of a tp group must bring as many rows"
     assert ranks[0]["errors"] == ranks[1]["errors"]
-    layer, linear, keyword = ranks[0]["errors"]
+    layer, linear, keyword, mask = ranks[0]["errors"]
     assert keyword == linear
     assert layer.startswith(group.format("DistributedTransformerLayer"))
     assert "rank 0 [4, 5, 8], rank 1 [3, 5, 8]; " + rule in layer
     assert linear.startswith(group.format("DistributedLinear"))
     assert "rank 0 [4, 8], rank 1 [3, 8]; " + rule in linear
+    assert mask.startswith(
+        "smp.nn.DistributedTransformerLayer: the ranks of tensor-parallel group [0, 1] bring "
+        "different further inputs: rank 0: input 1 4 rows of torch.float32; rank 1: input 1 none"
+    )
     with single_process({}):
         torch.manual_seed(SEED)
         plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))

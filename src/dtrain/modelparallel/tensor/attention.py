@@ -126,7 +126,7 @@ class DistributedAttentionLayer(DistributedModule):
 
     def forward(self, inp: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what, hidden_states) as batch:
+        with scaled_batch(self.what, hidden_states, attention_mask) as batch:
             hidden = self.attend(batch.gather(hidden_states), batch.gather(attention_mask))
             return batch.scatter(hidden)
 

@@ -120,10 +120,12 @@ class ScaledBatch:
 
 
 @contextmanager
-def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
+def scaled_batch(
+    what: str, leading: torch.Tensor, *others: torch.Tensor | None
+) -> Iterator[ScaledBatch]:
     """The region of a distributed module's forward, entered with its leading input (this
-    rank's batch, whose shape every rank of the group must share); ``what`` names the module in
-    errors."""
+    rank's batch, whose shape every rank of the group must share) and the further inputs it
+    gathers (every rank the same ones); ``what`` names the module in errors."""
     st = state.current(what)
     depth = getattr(_inside, "depth", 0)
     if depth:
@@ -133,7 +135,7 @@ def scaled_batch(what: str, leading: torch.Tensor) -> Iterator[ScaledBatch]:
         finally:
             _inside.depth = depth
         return
-    seed = agree(what, leading, int(torch.randint(2**62, (1,), dtype=torch.int64).item()))
+    seed = agree(what, leading, int(torch.randint(2**62, (1,), dtype=torch.int64).item()), others)
     # Gathered already: at tp 1, with prescaled_batch, or by a caller on another partition.
     gathered = st.tp_size == 1 or st.config["prescaled_batch"] or modes.in_tensor_region()
     devices = [st.device] if st.device.type == "cuda" else []
@@ -172,16 +174,40 @@ MAX_DIMS = 4
 features; further ones are compared through the gather itself)."""
 
 
-def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int64)
+
+
+def _signature(value: torch.Tensor | None) -> list[int]:
+    """What decides a further input's gather: whether it is there, its rows, its dtype."""
+    if value is None:
+        return [0, 0, 0]
+    code = _DTYPES.index(value.dtype) + 1 if value.dtype in _DTYPES else len(_DTYPES) + 1
+    return [1, int(value.shape[0]) if value.dim() else -1, code]
+
+
+def _described(signature: list[int]) -> str:
+    present, rows, code = signature
+    if not present:
+        return "none"
+    dtype = _DTYPES[code - 1] if code <= len(_DTYPES) else "another dtype"
+    return f"{rows} rows of {dtype}"
+
+
+def agree(
+    what: str, leading: torch.Tensor, seed: int = 0, others: tuple[torch.Tensor | None, ...] = ()
+) -> int:
     """The tp group's first rank's ``seed`` (the region's, drawn by each rank from its own
-    generator), after checking that every rank of the group brings ``leading`` of one shape:
-    one small all-gather carries both, so batches of different sizes fail here, naming them,
-    instead of aborting the gather."""
+    generator), after checking that every rank of the group brings ``leading`` of one shape and
+    ``others`` (the further inputs the region gathers, such as a mask) alike: there or not, of
+    as many rows and one dtype. One small all-gather carries it all, so batches of different
+    sizes fail here, naming them, instead of aborting a gather, and a mask one rank lacks fails
+    instead of pairing one rank's gather with another's all-reduce."""
     st = state.current(what)
     if st.tp_size == 1:
         return seed
     shape = list(leading.shape[:MAX_DIMS])
-    mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape))])
+    further = [number for value in others for number in _signature(value)]
+    mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape)), *further])
     rows = _all_gather(mine[None], st.object_groups["tp"])
     shapes = [row[2 : 2 + min(int(row[1]), MAX_DIMS)].tolist() for row in rows]
     if any(shape != shapes[0] for shape in shapes):
@@ -191,6 +217,21 @@ def agree(what: str, leading: torch.Tensor, seed: int = 0) -> int:
             f"{what}: the ranks of tensor-parallel group {st.tp_group} bring inputs of different "
             f"shapes: {given}; with prescaled_batch={st.config['prescaled_batch']} every rank of "
             f"a tp group must bring {share} (shard the data evenly, drop the last uneven batch)"
+        )
+    signatures = [row[2 + MAX_DIMS :].tolist() for row in rows]
+    if any(signature != signatures[0] for signature in signatures):
+        given = "; ".join(
+            f"rank {r}: "
+            + ", ".join(
+                f"input {index + 1} {_described(signature[3 * index : 3 * index + 3])}"
+                for index in range(len(others))
+            )
+            for r, signature in zip(st.tp_group, signatures, strict=True)
+        )
+        raise ModelParallelError(
+            f"{what}: the ranks of tensor-parallel group {st.tp_group} bring different further "
+            f"inputs: {given}; every rank of a tp group must bring the same ones (a mask on "
+            "each rank or on none), of as many rows and one dtype"
         )
     return int(rows[0][0].item())
 

@@ -115,7 +115,7 @@ class DistributedTransformerLayer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what, hidden_states) as batch:
+        with scaled_batch(self.what, hidden_states, attention_mask) as batch:
             hidden, mask = batch.gather(hidden_states), batch.gather(attention_mask)
             if not self.parallel:
                 return batch.scatter(self.output(self.attention((hidden, mask)))), attention_mask
@@ -160,7 +160,7 @@ class DistributedTransformer(DistributedModule):
 
     def forward(self, inp: Pair) -> Pair:
         hidden_states, attention_mask = inp
-        with scaled_batch(self.what, hidden_states) as batch:
+        with scaled_batch(self.what, hidden_states, attention_mask) as batch:
             hidden, _ = self.seq_layers((batch.gather(hidden_states), batch.gather(attention_mask)))
             return batch.scatter(hidden), attention_mask
 
@@ -278,7 +278,7 @@ class DistributedTransformerLMHead(DistributedModule):
         if attention_mask is not None:
             flat = attention_mask.view(input_ids.shape[0], -1).to(hidden.dtype)
             mask = (1.0 - flat[:, None, None, :]) * -10000.0
-        with scaled_batch(self.what, hidden) as batch:
+        with scaled_batch(self.what, hidden, mask) as batch:
             # The embeddings' dropout draws its mask on the group's combined batch, under the
             # group's seed: the transformer takes its input as the same on every rank.
             combined = self.dropout(batch.gather(hidden))

@@ -398,10 +398,13 @@ def _region(base: nn.Module, embedding: nn.Module | None, family: Family) -> Cal
             inputs["input_ids"] = ids  # both given: the base model says so
         leading = family.inputs[0]
         rows = inputs[leading].shape[0]
-        with scaled_batch(what, inputs[leading]) as batch:
-            for name in family.inputs:
-                value = inputs.get(name)
-                if isinstance(value, torch.Tensor) and value.shape[0] == rows:
+        gathered = [
+            value if isinstance(value, torch.Tensor) and value.shape[0] == rows else None
+            for value in map(inputs.get, family.inputs)
+        ]
+        with scaled_batch(what, inputs[leading], *gathered[1:]) as batch:
+            for name, value in zip(family.inputs, gathered, strict=True):
+                if value is not None:
                     inputs[name] = batch.gather(value)
             combined = inputs[leading].shape[0]
             if "use_cache" in names:
