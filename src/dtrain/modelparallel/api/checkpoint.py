@@ -20,14 +20,16 @@ calls it) and ``load_state_dict(...)``.
 Loading never unpickles code: files are read with ``torch.load(weights_only=True)``, which admits
 tensors, containers and plain values, all that dtrain's own checkpoint files hold, and, in
 ``user_content`` and ``smp.load`` files, numpy's scalars and arrays of plain dtypes and Hugging
-Face configs, rebuilt from data alone (AWS's GPT-2 script saves a numpy parameter count and its
-``GPT2Config``). A planted file cannot run anything. ``user_content`` and
+Face configs, rebuilt from the file's values (AWS's GPT-2 script saves a numpy parameter count
+and its ``GPT2Config``; at most a config's constructor runs). A planted file cannot run code of
+its own. ``user_content`` and
 ``smp.load`` files holding objects of the script's own classes need ``weights_only=False``, the
 caller's explicit trust in the file.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -332,17 +334,21 @@ def _data_classes(file: Path) -> list[Any]:
     names (AWS's GPT-2 script saves a numpy parameter count and its ``GPT2Config``; at most a
     config's constructor runs, on values from the file). Files in torch's old format cannot be
     listed: numpy's only, and torch's loader decides."""
+    if not zipfile.is_zipfile(file):
+        return _numpy_classes()
+    named = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    return _numpy_classes() + [c for c in map(_hf_config, named) if c is not None]
+
+
+@functools.cache
+def _numpy_classes() -> list[Any]:
     plain = [
         getattr(np.dtypes, name)
         for name in dir(np.dtypes)
         if name.endswith("DType") and name not in ("ObjectDType", "VoidDType")
     ]
     multiarray = np._core.multiarray
-    classes = [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
-    if not zipfile.is_zipfile(file):
-        return classes
-    named = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    return classes + [c for c in map(_hf_config, named) if c is not None]
+    return [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
 
 
 def _hf_config(name: str) -> type | None:
