@@ -212,7 +212,6 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         minimum=1,
         requires=(
             ("pipeline_parallel_degree", 1),
-            ("tensor_parallel_degree", 1),
             ("shard_optimizer_state", False),
         ),
     ),

@@ -101,13 +101,15 @@ class MPState:
     """Whether ``init`` created the default group (then ``shutdown`` destroys it)."""
     created_groups: tuple[dist.ProcessGroup, ...] = field(repr=False)
     sharding_mesh: DeviceMesh | None = field(default=None, repr=False)
-    """With ``sharded_data_parallel_degree`` above 1, FSDP2's mesh over this rank's
-    data-parallel group: its last dimension is a group of that many neighbouring ranks, which
-    shard; a first one (when the degree is below the data-parallel degree) the ranks holding
-    the same shard in the other groups, which replicate (MiCS, FSDP2's HSDP)."""
+    """With ``sharded_data_parallel_degree`` above 1, FSDP2's mesh over this rank's rdp group
+    (its data-parallel group without tensor parallelism): its last dimension is a group of
+    that many neighbouring replicas, which shard; a first one (when the degree is below the rdp
+    degree) the ranks holding the same shard in the other groups, which replicate (MiCS,
+    FSDP2's HSDP). See :func:`sharding_grid`."""
     tensor_mesh: DeviceMesh | None = field(default=None, repr=False)
     """With ``tensor_parallel_degree`` above 1, DTensor's one-dimensional mesh over this rank's
-    tensor-parallel group, on which the ``smp.nn`` modules shard their parameters."""
+    tensor-parallel group, on which the ``smp.nn`` modules shard their parameters; with sharded
+    data parallelism too, sliced from the same mesh as :attr:`sharding_mesh`."""
 
 
 _state: MPState | None = None
@@ -534,18 +536,13 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
     messaging = maker.mine(pipelines, "gloo", fresh=True, idle=True)
-    sharding_mesh = None
+    sharding_mesh = tensor_mesh = None
     if values["sharded_data_parallel_degree"] > 1:
-        sharding_mesh = _sharding_mesh(
-            maker,
-            topology.all_groups("dp"),
-            values["sharded_data_parallel_degree"],
-            backend,
-            device.type,
+        sharding_mesh, tensor_mesh = _sharding_meshes(
+            maker, topology, values["sharded_data_parallel_degree"], backend, device.type
         )
-    tensor_mesh = None
-    if topology.tensor_degree > 1:
-        name = f"tp{next(_MESHES)}"  # new names for every mesh: see _sharding_mesh
+    elif topology.tensor_degree > 1:
+        name = f"tp{next(_MESHES)}"  # new names for every mesh: see _sharding_meshes
         tensor_mesh = DeviceMesh.from_group(groups["tp"], device.type, mesh_dim_names=(name,))
     members = {kind: topology.group(kind, me) for kind in GROUP_KINDS}
     return MPState(
@@ -592,28 +589,49 @@ _MESHES = itertools.count()
 """Numbers the sharding meshes this process makes (see :func:`_sharding_mesh`)."""
 
 
-def _sharding_mesh(
-    maker: _GroupMaker, dp_groups: list[list[int]], degree: int, backend: str, device_type: str
-) -> DeviceMesh:
-    """FSDP2's mesh for ``sharded_data_parallel_degree`` ``degree``: each data-parallel group
-    cut into groups of ``degree`` consecutive ranks (neighbours, so on one host where they
-    fit), which shard; ranks at the same place in those groups replicate.
+def sharding_grid(topology: Topology, degree: int) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The world's ranks as the grid of sharded data parallelism at degree ``degree``
+    (``pipeline_parallel_degree`` 1), and its dimensions' kinds: ``replicate`` (when the degree
+    is below the rdp degree), ``shard`` and ``tp`` (above tensor degree 1).
+
+    ``grid[r, s, t]`` is the rank at tp rank ``t`` and rdp rank ``r * degree + s``: each rdp
+    group (the replicas of one tp slice) is cut into groups of ``degree`` consecutive replicas,
+    which shard; replicas at the same place in those groups replicate (HSDP). Lines along a
+    dimension are groups of the placement's layout (a ``tp`` line is a tp group), whatever the
+    placement strategy."""
+    tp, rdp = topology.tensor_degree, topology.rdp_degree
+    grid = torch.tensor(
+        [
+            [[topology.rank_of(0, t, r * degree + s) for t in range(tp)] for s in range(degree)]
+            for r in range(rdp // degree)
+        ]
+    )
+    kinds = ("replicate", "shard", "tp")
+    kept = [d for d, size in enumerate(grid.shape) if size > 1 or kinds[d] == "shard"]
+    return grid.reshape([grid.shape[d] for d in kept]), tuple(kinds[d] for d in kept)
+
+
+def _sharding_meshes(
+    maker: _GroupMaker, topology: Topology, degree: int, backend: str, device_type: str
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """FSDP2's mesh for ``sharded_data_parallel_degree`` ``degree`` and, above tensor degree
+    1, DTensor's tp mesh: both sliced from one mesh over :func:`sharding_grid`, as FSDP2 needs
+    to shard a parameter that is a DTensor on the tp mesh already (it concatenates the two
+    meshes, which must share their root).
 
     The dimensions' names are new for every mesh: torch's DTensor caches its sharding
     decisions by spec, and specs compare meshes by layout and names, not by process group, so
     an equal mesh made after ``smp.shutdown`` would get tensors on the destroyed groups of
     the first one."""
     n = next(_MESHES)
-    shards = [group[i : i + degree] for group in dp_groups for i in range(0, len(group), degree)]
-    shard_group = maker.mine(shards, backend)
-    if len(dp_groups[0]) == degree:
-        return DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=(f"shard{n}",))
-    replicas = [group[i::degree] for group in dp_groups for i in range(degree)]
-    replicate_group = maker.mine(replicas, backend)
-    mine = next(group for group in dp_groups if maker.rank in group)
-    return DeviceMesh.from_group(
-        [replicate_group, shard_group],
-        device_type,
-        mesh=torch.tensor(mine).view(-1, degree),
-        mesh_dim_names=(f"replicate{n}", f"shard{n}"),
-    )
+    grid, kinds = sharding_grid(topology, degree)
+    groups = [
+        maker.mine(grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist(), backend)
+        for d in range(grid.ndim)
+    ]
+    names = tuple(f"{kind}{n}" for kind in kinds)
+    root = DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
+    sharding = tuple(name for name, kind in zip(names, kinds, strict=True) if kind != "tp")
+    if "tp" not in kinds:
+        return root, None
+    return root[sharding], root[names[-1]]

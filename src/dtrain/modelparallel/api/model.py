@@ -163,7 +163,9 @@ class DistributedModel(nn.Module):
         self.tensor_shards: Any = None
         """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
         parallelism only: DTensor takes a second to import), which knows the parameters split
-        over the tp group (the optimizer asks it too)."""
+        over the tp group (the optimizer asks it too); a sharded model's are FSDP2's shards of
+        them, which :mod:`.sharded` handles."""
+        sharded = self._state.config["sharded_data_parallel_degree"] > 1
         if self._state.tp_size > 1 or marks.any_marked(module):
             from dtrain.modelparallel.tensor import shards, swap
 
@@ -172,7 +174,7 @@ class DistributedModel(nn.Module):
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             placement.keep_placements(module, placed)
             shards.split_delayed(module, self._state.device)
-            if self._state.tp_size > 1:
+            if self._state.tp_size > 1 and not sharded:
                 self.tensor_shards = shards
         state.register_model(self)
         self.module = module
@@ -191,7 +193,6 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
             OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
         )
-        sharded = self._state.config["sharded_data_parallel_degree"] > 1
         dtype = half_dtype(self._state.config)
         self.half_precision = (
             None

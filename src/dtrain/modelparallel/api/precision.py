@@ -59,11 +59,13 @@ def _copied(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _by_type(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by their class (plain tensors, DTensors): torch's fused kernels take
-    one kind at a time, and a DTensor group's results are resolved over its mesh."""
-    groups: dict[type, list[torch.Tensor]] = {}
+    """``tensors`` grouped by their class (plain tensors, DTensors) and a DTensor's mesh:
+    torch's fused kernels take one kind at a time, and a DTensor group's results are resolved
+    over its mesh (a sharded tensor-parallel model holds DTensors on two: FSDP2's shards of
+    plain parameters, and of the tp group's shards)."""
+    groups: dict[tuple[type, Any], list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(type(tensor), []).append(tensor)
+        groups.setdefault((type(tensor), getattr(tensor, "device_mesh", None)), []).append(tensor)
     return list(groups.values())
 
 
@@ -74,7 +76,7 @@ def _keep_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
         vars(target).setdefault(key, value)
 
 
-def _convert(tensor: torch.Tensor, dtype: torch.dtype) -> None:
+def convert(tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Make ``tensor`` ``dtype`` in place: the model, the optimizer and the masters hold the
     object. A tensor made of other tensors (a DTensor: ``.data`` would change its wrapper, not
     the local tensor inside) is swapped with its converted copy, as ``nn.Module.to`` does, and
@@ -314,7 +316,7 @@ class HalfParameters(LossScaling):
         with torch.no_grad():
             for tensor in tensors:
                 if tensor.is_floating_point() and not tensor.is_meta:
-                    _convert(tensor, self.dtype)
+                    convert(tensor, self.dtype)
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for model parameter ``param``."""

@@ -60,13 +60,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.modelparallel import deferred
-from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, half_dtype
+from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, convert, half_dtype
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.pipeline.executor import MicrobatchResult
 from dtrain.modelparallel.pipeline.remote import install_stub
 from dtrain.modelparallel.state import MPState
+from dtrain.modelparallel.tensor import shards
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -182,10 +184,21 @@ class ShardedModel:
         self.scaling = LossScaling(self.dtype) if self.dtype == torch.float16 else None
         """fp16's loss scale and overflow flag (``smp.DistributedOptimizer`` sets the scaler);
         bf16 and fp32 scale nothing."""
+        self._tensor_group = st.tp_process_group if st.tp_size > 1 else None
+        """With tensor parallelism, the tp group, over which :meth:`_average_over_tp_group`
+        completes FSDP2's averaging over the rdp ranks."""
+        self._prescaled = bool(st.config["prescaled_batch"])
+        self._replicas = (st.rdp_process_group, st.rdp_group[0])
+        """The rdp group and its first rank, whose tp shards every replica takes."""
+        scaled = {name for name, p in module.named_parameters() if shards.is_scaled_batch(p)}
         claimed: set[int] = set()
         for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
             self._shard(unit, claimed, mixed_precision(self.dtype, root=False))
         self._shard(module, claimed, mixed_precision(self.dtype, root=True))
+        self._scaled_batch = [(p, name in scaled) for name, p in module.named_parameters()]
+        """Every sharded parameter, and whether it saw the tp group's combined batch (a
+        parameter of a distributed module: :func:`.tensor.shards.is_scaled_batch`; FSDP2's
+        shards lose the mark)."""
 
     def _shard(self, unit: nn.Module, claimed: set[int], policy: MixedPrecisionPolicy) -> None:
         """Make ``unit``'s tensors outside the units sharded before it (``claimed``) and shard
@@ -210,11 +223,18 @@ class ShardedModel:
             for module in modules
             for table in (module._parameters, module._buffers)
             for tensor in table.values()
-            if tensor is not None and not isinstance(tensor, DTensor)
+            if tensor is not None
         ]
         with torch.no_grad():
-            deferred.materialize([tensor for tensor, _ in tensors], self.device)
+            deferred.materialize([t for t, _ in tensors if not isinstance(t, DTensor)], self.device)
             for tensor, is_buffer in tensors:
+                if isinstance(tensor, DTensor):  # the tp group's shards (made when wrapped)
+                    group, first = self._replicas
+                    dist.broadcast(tensor.to_local(), src=first, group=group)
+                    kept = self._kept(tensor, is_buffer)
+                    if kept.dtype != tensor.dtype:
+                        convert(tensor, kept.dtype)
+                    continue
                 data = tensor.data.to(self.device)
                 dist.broadcast(data, src=0, group=self._world)
                 tensor.data = self._kept(data, is_buffer)
@@ -243,8 +263,11 @@ class ShardedModel:
         self._rescale()
         self._measured = None  # a norm clip_master_grads took misses this body's gradients
         self.stepped = self._stepping = True
+        kept = self._set_aside_gradients()
         try:
-            return [(True, body(mb)) for mb in range(count)]
+            results: list[MicrobatchResult] = [(True, body(mb)) for mb in range(count)]
+            self._average_over_tp_group()
+            return results
         except BaseException:
             root = self.module
             assert isinstance(root, FSDPModule)
@@ -252,6 +275,46 @@ class ShardedModel:
             raise
         finally:
             self._stepping = False
+            self._add_back(kept)
+
+    def _set_aside_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """With tensor parallelism, the gradients of earlier steps (not stepped yet), taken off
+        their parameters so that :meth:`_average_over_tp_group` sees this step's alone."""
+        if self._tensor_group is None:
+            return []
+        kept = [(p, p.grad) for p, _ in self._scaled_batch if p.grad is not None]
+        for param, _ in kept:
+            param.grad = None
+        return kept
+
+    @staticmethod
+    def _add_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add the gradients :meth:`_set_aside_gradients` took to this step's."""
+        for param, grad in kept:
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+
+    def _average_over_tp_group(self) -> None:
+        """Complete FSDP2's mean over the rdp ranks to SMP's averages with tensor parallelism
+        (those of :func:`.tensor.shards.gradient_groups`): a plain parameter saw its rank's
+        batch, so its gradient is the mean over the tp group too (whose ranks shard it alike);
+        a distributed module's holds the sum over the tp group's batches, so it is divided by
+        the tp degree (unless ``prescaled_batch``: then the group shares one batch)."""
+        if self._tensor_group is None:
+            return
+        plain = [
+            _local(p.grad) for p, scaled in self._scaled_batch if not scaled and p.grad is not None
+        ]
+        if plain:
+            flat = torch.cat([grad.reshape(-1) for grad in plain])
+            all_reduce(flat, ReduceOp.AVERAGE, group=self._tensor_group)
+            for grad, part in zip(plain, flat.split([g.numel() for g in plain]), strict=True):
+                grad.copy_(part.view_as(grad))
+        scaled = [_local(p.grad) for p, s in self._scaled_batch if s and p.grad is not None]
+        if scaled and not self._prescaled:
+            torch._foreach_div_(scaled, dist.get_world_size(self._tensor_group))
 
     def _checkpoint_marked(self) -> None:
         """Checkpoint the modules ``smp.set_activation_checkpointing`` marked (before or after
