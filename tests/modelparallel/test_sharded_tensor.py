@@ -1,0 +1,171 @@
+"""Tensor parallelism with sharded data parallelism (tp=2 x sdp=2, 4 ranks) trains like one
+process on the same global batch: ``smp.nn.DistributedTransformerLMHead`` (checkpointed after
+three steps, partial and full, and resumed into fresh models), a plain model marked with
+``smp.set_tensor_parallelism`` with ``prescaled_batch``, Hugging Face GPT-2 created without
+memory inside ``smp.model_creation(tensor_parallelism=True)`` with its layers' activations
+checkpointed, and the LM in bf16 and in fp16 clipped by ``optimizer.clip_master_grads``. All in
+one world, one ``smp.init`` after the other. Without processes: the mesh of every placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+import dtrain.modelparallel as smp
+from dtrain.modelparallel import state
+from dtrain.modelparallel.state import sharding_grid
+from dtrain.modelparallel.tensor.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
+from dtrain.topology import Topology
+from tests.modelparallel import hf_cases
+from tests.modelparallel import test_half_precision as half
+from tests.modelparallel import test_tensor_equivalence as tensor
+from tests.modelparallel import test_tensor_gpt2 as gpt2
+from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.test_tensor_mixed import TP_LM
+
+SDPTP = {
+    "tensor_parallel_degree": 2,
+    "sharded_data_parallel_degree": 2,
+    "ddp": True,
+    "sdp_param_persistence_threshold": 100,  # several units
+    "sdp_gradient_clipping": 0.0,  # the references do not clip
+}
+
+HALF = {
+    "bf16": half.Recipe("tp_lm", "bf16", steps=2, microbatches=1, dp=4, pp=1, sdp=2),
+    "fp16": half.Recipe(
+        "tp_lm",
+        "fp16",
+        steps=2,
+        microbatches=1,
+        dp=4,
+        pp=1,
+        sdp=2,
+        clip=0.5,
+        static_loss_scale=1024.0,
+        clip_master_grads=True,
+    ),  # fmt: skip
+}
+"""``test_tensor_mixed``'s LM in half precision, each rank on its own rows (dp 4); fp16 clipped
+by ``clip_master_grads`` below every step's norm."""
+
+
+def _half(recipe: half.Recipe) -> dict[str, Any]:
+    smp.init({**SDPTP, recipe.dtype: True})
+    model, optimizer = tensor._wrapped("lm", tensor._lm)
+    optimizer = smp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=half.LR, momentum=0.9),
+        static_loss_scale=recipe.static_loss_scale,
+    )
+
+    @smp.step
+    def train_step(model: Any, batch: half.Batch) -> Tensor:
+        loss = TP_LM.loss(model, batch)
+        model.backward(loss)
+        return loss
+
+    losses, norms = [], []
+    for step in range(recipe.steps):
+        batch = half._rows(TP_LM.batch(step), smp.dp_rank(), smp.dp_size())
+        optimizer.zero_grad()
+        losses.append(float(train_step(model, batch).reduce_mean()))
+        if recipe.clip is not None:
+            norms.append(optimizer.clip_master_grads(recipe.clip))
+        optimizer.step()
+    result = {"losses": losses, "norms": norms, "model": model.state_dict()}
+    result["dp_rank"] = smp.dp_rank()
+    smp.shutdown()
+    return result
+
+
+def _split(model: smp.DistributedModel) -> int:
+    """Parameters FSDP2 shards over both the shard group and the tp group."""
+    return sum(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in model.parameters())
+
+
+def _world(folder: str) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+    smp.init(SDPTP)
+    st = state.current()
+    assert st.sharding_mesh is not None and st.tensor_mesh is not None
+    out["meshes"] = (st.sharding_mesh.mesh.tolist(), st.tensor_mesh.mesh.tolist())
+    out["lm"] = tensor._train("lm", folder)
+    smp.shutdown()
+    smp.init({**SDPTP, "prescaled_batch": True})
+    out["mlp"] = tensor._train("mlp", None)
+    smp.shutdown()
+    smp.init({**SDPTP, "delayed_parameter_initialization": True})
+    with smp.model_creation(tensor_parallelism=True):
+        module = hf_cases.build("gpt2")
+    assert all(p.is_meta for p in module.parameters())
+    model = smp.DistributedModel(module)
+    for layer in model.module.transformer.seq_layers:
+        smp.set_activation_checkpointing(layer)
+    out["gpt2"] = (hf_cases.train_wrapped(model, "gpt2", gpt2.STEPS), model.state_dict())
+    out["split"] = _split(model)
+    smp.shutdown()
+    for name, recipe in HALF.items():
+        out[name] = _half(recipe)
+    dist.destroy_process_group()
+    return out
+
+
+def _mean(losses: list[list[float]]) -> list[float]:
+    return [sum(rank[step] for rank in losses) / len(losses) for step in range(len(losses[0]))]
+
+
+def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
+    tmp_path: Path,
+) -> None:
+    ranks = run_ranks(4, _world, str(tmp_path), timeout=240, env=hf_cases.HF_ENV)
+    # Shard groups over each tp rank's replicas, tp groups of neighbours (placement cluster).
+    assert [r["meshes"] for r in ranks] == [
+        ([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])
+    ]  # fmt: skip
+    for case in ("lm", "mlp"):
+        losses, params, saved = tensor.one_process(*tensor.CASES[case])
+        assert _mean([r[case][0] for r in ranks]) == pytest.approx(losses, rel=1e-5), case
+        for rank in ranks:
+            trained = rank[case][1]
+            assert trained.keys() == params.keys()
+            for key, value in params.items():
+                torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
+        if case == "lm":  # the full checkpoint, taken after SAVED_AFTER steps
+            whole = torch.load(tmp_path / "whole")
+            with single_process({}):
+                tensor._lm().load_state_dict(whole)  # strict: every key of the plain model
+            for key, value in saved.items():
+                torch.testing.assert_close(whole[key], value, rtol=1e-4, atol=1e-6)
+            files = sorted(p.name for p in (tmp_path / "part_partial").iterdir())
+            assert files == [  # one per shard of each tp rank's slice: model_{pp}_{tp}_{rdp}
+                f"{kind}_0_{tp}_{rdp}.pt" for kind in ("model", "optimizer")
+                for tp in range(2) for rdp in range(2)
+            ]  # fmt: skip
+    losses, params = gpt2._plain()
+    assert {r["split"] for r in ranks} == {12 * 4}  # every tensor of its 4 layers but norms
+    assert _mean([r["gpt2"][0] for r in ranks]) == pytest.approx(losses, rel=1e-5)
+    for rank in ranks:
+        back = translate_state_dict_to_hf_gpt2(rank["gpt2"][1])
+        for key, value in params.items():
+            torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    for name, recipe in HALF.items():
+        with single_process({}):
+            expected = half.reference(recipe, TP_LM)
+        eps = torch.finfo(half.DTYPES[name]).eps
+        for got in (rank[name] for rank in ranks):
+            want = [step[got["dp_rank"]] for step in expected["losses"]]
+            assert got["losses"] == pytest.approx(want, rel=8 * eps), name
+            assert got["norms"] == pytest.approx(expected["norms"], rel=1e-2), name
+            for key, value in expected["masters"].items():
+                master = got["model"][key]
+                assert master.dtype == torch.float32, key
+                torch.testing.assert_close(
+                    master, value, rtol=0, atol=half.TOLERANCE[name], msg=key
+                )
