@@ -28,6 +28,7 @@ from tests.modelparallel import test_tensor_equivalence as tensor
 from tests.modelparallel import test_tensor_gpt2 as gpt2
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_tensor_mixed import TP_LM
+from tests.modelparallel.test_tensor_topology import PLACEMENT_TABLE
 
 SDPTP = {
     "tensor_parallel_degree": 2,
@@ -37,20 +38,13 @@ SDPTP = {
     "sdp_gradient_clipping": 0.0,  # the references do not clip
 }
 
+FP16 = half.Recipe(
+    "tp_lm", "fp16", steps=2, microbatches=1, dp=4, pp=1, sdp=2, clip=0.5,
+    static_loss_scale=1024.0, clip_master_grads=True,
+)  # fmt: skip
 HALF = {
     "bf16": half.Recipe("tp_lm", "bf16", steps=2, microbatches=1, dp=4, pp=1, sdp=2),
-    "fp16": half.Recipe(
-        "tp_lm",
-        "fp16",
-        steps=2,
-        microbatches=1,
-        dp=4,
-        pp=1,
-        sdp=2,
-        clip=0.5,
-        static_loss_scale=1024.0,
-        clip_master_grads=True,
-    ),  # fmt: skip
+    "fp16": FP16,
 }
 """``test_tensor_mixed``'s LM in half precision, each rank on its own rows (dp 4); fp16 clipped
 by ``clip_master_grads`` below every step's norm."""
@@ -169,3 +163,41 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
                 torch.testing.assert_close(
                     master, value, rtol=0, atol=half.TOLERANCE[name], msg=key
                 )
+
+
+# --- the mesh's layout, without processes ---------------------------------------------------
+
+TP_RIGHT = {"DPT", "DTP", "PDT", "cluster"}
+"""Placements whose tp groups are neighbouring ranks (T right of D; P is 1 with sharding)."""
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENT_TABLE))
+def test_sharding_grid_at_tp2_sdp2_follows_the_placement(placement: str) -> None:
+    """World 4: shard groups of each tp rank's 2 replicas, no replicate dimension; world 8
+    (rdp 4): the replicas of a tp rank in 2 shard groups, replicating each other (HSDP)."""
+    right = placement in TP_RIGHT
+    four = Topology(4, 4, tensor_degree=2, placement=placement)
+    grid, kinds = sharding_grid(four, 2)
+    assert kinds == ("shard", "tp")
+    assert grid.tolist() == ([[0, 1], [2, 3]] if right else [[0, 2], [1, 3]])
+    eight = Topology(8, 8, tensor_degree=2, placement=placement)
+    grid, kinds = sharding_grid(eight, 2)
+    assert kinds == ("replicate", "shard", "tp")
+    if right:
+        assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    else:
+        assert grid.tolist() == [[[0, 4], [1, 5]], [[2, 6], [3, 7]]]
+    for topology in (four, eight):
+        ranks = sharding_grid(topology, 2)[0]
+        for row in ranks.reshape(-1, 2).tolist():  # the rows: tp groups
+            assert topology.tp_group(row[0]) == row
+        for tp in range(2):  # the rest: one tp rank's replicas
+            replicas = sorted(ranks[..., tp].reshape(-1).tolist())
+            assert topology.rdp_group(replicas[0]) == replicas
+
+
+def test_sharding_grid_without_tensor_parallelism_is_the_data_parallel_one() -> None:
+    grid, kinds = sharding_grid(Topology(4, 4), 2)
+    assert (grid.tolist(), kinds) == ([[0, 1], [2, 3]], ("replicate", "shard"))
+    grid, kinds = sharding_grid(Topology(4, 4), 4)
+    assert (grid.tolist(), kinds) == ([0, 1, 2, 3], ("shard",))
