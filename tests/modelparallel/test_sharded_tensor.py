@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import sharding_grid
 from dtrain.modelparallel.tensor.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 from dtrain.topology import Topology
@@ -50,9 +51,15 @@ HALF = {
 by ``clip_master_grads`` below every step's norm."""
 
 
+def _lm_distributing_embedding() -> nn.Module:
+    """The LM as AWS's GPT-J script asks for it at sdp and tp above 1: with
+    ``distribute_embedding`` (FSDP2 shards its embeddings, as at ``False``)."""
+    return smp.nn.DistributedTransformerLMHead(**tensor.LM, distribute_embedding=True)
+
+
 def _half(recipe: half.Recipe) -> dict[str, Any]:
     smp.init({**SDPTP, recipe.dtype: True})
-    model, optimizer = tensor._wrapped("lm", tensor._lm)
+    model = smp.DistributedModel(_lm_distributing_embedding())
     optimizer = smp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=half.LR, momentum=0.9),
         static_loss_scale=recipe.static_loss_scale,
@@ -104,6 +111,13 @@ def _world(folder: str) -> dict[str, Any]:
         smp.set_activation_checkpointing(layer)
     out["gpt2"] = (hf_cases.train_wrapped(model, "gpt2", gpt2.STEPS), model.state_dict())
     out["split"] = _split(model)
+    smp.save_checkpoint(folder, "gpt2", partial=False, model=model)
+    smp.reset()
+    with smp.model_creation(tensor_parallelism=True):
+        module = hf_cases.build("gpt2")
+    model = smp.DistributedModel(module)
+    smp.resume_from_checkpoint(folder, tag="gpt2", partial=False)
+    out["gpt2 resumed"] = model.state_dict()
     smp.shutdown()
     for name, recipe in HALF.items():
         out[name] = _half(recipe)
@@ -143,6 +157,10 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
                 for tp in range(2) for rdp in range(2)
             ]  # fmt: skip
     losses, params = gpt2._plain()
+    for rank in ranks:  # its full checkpoint loaded into a fresh model
+        resumed = rank["gpt2 resumed"]
+        assert resumed.keys() == rank["gpt2"][1].keys()
+        assert all(torch.equal(v, rank["gpt2"][1][k]) for k, v in resumed.items())
     assert {r["split"] for r in ranks} == {12 * 4}  # every tensor of its 4 layers but norms
     assert _mean([r["gpt2"][0] for r in ranks]) == pytest.approx(losses, rel=1e-5)
     for rank in ranks:
@@ -201,3 +219,13 @@ def test_sharding_grid_without_tensor_parallelism_is_the_data_parallel_one() -> 
     assert (grid.tolist(), kinds) == ([[0, 1], [2, 3]], ("replicate", "shard"))
     grid, kinds = sharding_grid(Topology(4, 4), 4)
     assert (grid.tolist(), kinds) == ([0, 1, 2, 3], ("shard",))
+
+
+def test_distribute_embedding_needs_sharded_data_parallelism() -> None:
+    with single_process({}), pytest.raises(ModelParallelError) as refused:
+        _lm_distributing_embedding()
+    assert str(refused.value) == (
+        "smp.nn.DistributedTransformerLMHead: distribute_embedding=True is supported by dtrain "
+        "only with sharded_data_parallel_degree above 1 (there FSDP2 shards the embeddings and "
+        "head over the shard group; dtrain never splits them over the tp group); allowed: False"
+    )

@@ -207,8 +207,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         int,
         1,
         "Sharded data parallelism (FSDP2): parameters, gradients and optimizer state sharded "
-        "over groups of this many data-parallel ranks, replicated across groups; must divide "
-        "the data-parallel degree.",
+        "over groups of this many data-parallel ranks (with tensor parallelism: replicas of one "
+        "tp slice), replicated across groups; must divide the rdp degree.",
         minimum=1,
         requires=(
             ("pipeline_parallel_degree", 1),

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.modelparallel import state
+from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from dtrain.modelparallel.tensor.module import DistributedModule, refuse_unsupported, seeded
@@ -177,7 +179,9 @@ class DistributedTransformerLMHead(DistributedModule):
     ``use_positional_embedding=False`` leaves out the position table (for rotary attention,
     ``rotary_dim``), ``use_lm_head_bias`` gives the head a bias. The
     embeddings and head are plain (each rank holds them whole and runs them on its own batch);
-    the transformer is split. Arguments are keywords only (SMP also took them in its order).
+    the transformer is split. SMP's ``distribute_embedding=True`` is accepted with sharded
+    data parallelism only (AWS's GPT-J script sets it at sdp and tp above 1): the embeddings
+    stay plain, and FSDP2 shards them over the shard group as it shards everything. Arguments are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
@@ -212,11 +216,14 @@ class DistributedTransformerLMHead(DistributedModule):
         **transformer: Any,
     ) -> None:
         super().__init__()
-        refuse_unsupported(
-            self.what,
-            {"distribute_embedding": distribute_embedding},
-            {"distribute_embedding": False},
-        )
+        sharded = state.current(self.what).config["sharded_data_parallel_degree"] > 1
+        if distribute_embedding and not sharded:
+            raise ModelParallelError(
+                f"{self.what}: distribute_embedding=True is supported by dtrain only with "
+                "sharded_data_parallel_degree above 1 (there FSDP2 shards the embeddings and "
+                "head over the shard group; dtrain never splits them over the tp group); "
+                "allowed: False"
+            )
         if causal_mask_size is not None and num_positions > causal_mask_size:
             raise ValueError(
                 f"{self.what}: causal_mask_size={causal_mask_size} is below "
