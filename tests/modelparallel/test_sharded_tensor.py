@@ -99,10 +99,9 @@ def _world(folder: str) -> dict[str, Any]:
     out["meshes"] = (st.sharding_mesh.mesh.tolist(), st.tensor_mesh.mesh.tolist())
     out["lm"] = tensor._train("lm", folder)
     smp.shutdown()
-    smp.init({**SDPTP, "prescaled_batch": True})
+    smp.init({**SDPTP, "prescaled_batch": True, "delayed_parameter_initialization": True})
     out["mlp"] = tensor._train("mlp", None)
-    smp.shutdown()
-    smp.init({**SDPTP, "delayed_parameter_initialization": True})
+    smp.reset()
     with smp.model_creation(tensor_parallelism=True):
         module = hf_cases.build("gpt2")
     assert all(p.is_meta for p in module.parameters())
