@@ -1,6 +1,7 @@
 """Tensor parallelism with sharded data parallelism (tp=2 x sdp=2, 4 ranks) trains like one
 process on the same global batch: ``smp.nn.DistributedTransformerLMHead`` (checkpointed after
-three steps, partial and full, and resumed into fresh models), a plain model marked with
+three steps, partial and full, and resumed into fresh models; a full state dict loads into
+shards the shard group splits unevenly), a plain model marked with
 ``smp.set_tensor_parallelism`` with ``prescaled_batch``, Hugging Face GPT-2 created without
 memory inside ``smp.model_creation(tensor_parallelism=True)`` with its layers' activations
 checkpointed, and the LM in bf16 and in fp16 clipped by ``optimizer.clip_master_grads``. All in
@@ -57,6 +58,21 @@ def _lm_distributing_embedding() -> nn.Module:
     return smp.nn.DistributedTransformerLMHead(**tensor.LM, distribute_embedding=True)
 
 
+UNEVEN = {**tensor.LM, "num_attention_heads": 2, "attention_head_size": 3, "hidden_size": 6}
+"""An LM whose query, key and value shards (3 rows each at tp 2) the shard group splits
+unevenly (2 and 1 rows): FSDP2's ``_StridedShard``, which torch's ``distribute_tensor``
+refuses."""
+
+
+def _uneven() -> nn.Module:
+    return smp.nn.DistributedTransformerLMHead(**UNEVEN)
+
+
+def _doubled() -> dict[str, Tensor]:
+    """The whole state of :func:`_uneven`'s LM, doubled: values it does not start with."""
+    return {name: value * 2 for name, value in _uneven().state_dict().items()}
+
+
 def _half(recipe: half.Recipe) -> dict[str, Any]:
     smp.init({**SDPTP, recipe.dtype: True})
     model = smp.DistributedModel(_lm_distributing_embedding())
@@ -98,6 +114,10 @@ def _world(folder: str) -> dict[str, Any]:
     assert st.sharding_mesh is not None and st.tensor_mesh is not None
     out["meshes"] = (st.sharding_mesh.mesh.tolist(), st.tensor_mesh.mesh.tolist())
     out["lm"] = tensor._train("lm", folder)
+    smp.reset()
+    model = smp.DistributedModel(_uneven())
+    model.load_state_dict(_doubled())
+    out["uneven"] = model.state_dict()
     smp.shutdown()
     smp.init({**SDPTP, "prescaled_batch": True, "delayed_parameter_initialization": True})
     out["mlp"] = tensor._train("mlp", None)
@@ -155,6 +175,11 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
                 f"{kind}_0_{tp}_{rdp}.pt" for kind in ("model", "optimizer")
                 for tp in range(2) for rdp in range(2)
             ]  # fmt: skip
+    with single_process({}):
+        doubled = _doubled()
+    for rank in ranks:  # a full state dict loaded into unevenly split shards
+        assert rank["uneven"].keys() == doubled.keys()
+        assert all(torch.equal(v, rank["uneven"][k]) for k, v in doubled.items())
     losses, params = gpt2._plain()
     for rank in ranks:  # its full checkpoint loaded into a fresh model
         resumed = rank["gpt2 resumed"]

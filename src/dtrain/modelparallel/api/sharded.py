@@ -55,10 +55,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.modelparallel import deferred
@@ -438,10 +437,6 @@ class ShardedModel:
     def load(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
         """Load a full state dict (every rank keeps its shards of it) or this rank's partial
         one, saved by :meth:`local_state_dict` with the same degrees."""
-        if not partial:
-            options = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(self.module, values, options=options)
-            return
         mine = self._registered()
         missing = sorted(set(mine) - set(values))
         unexpected = sorted(set(values) - set(mine))
@@ -452,8 +447,10 @@ class ShardedModel:
         with torch.no_grad():
             for name, tensor in mine.items():
                 if name in values:
-                    local = _local(tensor)
-                    local.copy_(_same_shape(name, local, values[name]))
+                    local, value = _local(tensor), values[name]
+                    if not partial:
+                        value = shard_of_whole(f"load_state_dict: {name!r}", tensor, value)
+                    local.copy_(_same_shape(name, local, value))
 
     @staticmethod
     def as_shard(param: DTensor, name: str, value: torch.Tensor, partial: bool) -> DTensor:
@@ -464,15 +461,11 @@ class ShardedModel:
         value = value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
         if partial:
             local = _same_shape(name, param.to_local(), value)
-            return DTensor.from_local(
-                local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-            )
-        if value.shape != param.shape:
-            raise ModelParallelError(
-                f"optimizer load_state_dict: state of {name!r} has shape {tuple(value.shape)}, "
-                f"the parameter {tuple(param.shape)}"
-            )
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        else:
+            local = shard_of_whole(f"optimizer load_state_dict: state of {name!r}", param, value)
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
 
     @staticmethod
     def saved(value: Any, full: bool) -> Any:
@@ -488,6 +481,32 @@ class ShardedModel:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its shard if sharded."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_of_whole(what: str, tensor: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole``, the full value of ``tensor`` (itself when not sharded),
+    cut as FSDP2 cut it: for a DTensor, along its mesh's dimensions from the last (a tp
+    dimension) to the first, each ``torch.chunk``'s piece of this rank's coordinate (none for a
+    rank beyond the pieces). By hand, as ``distribute_tensor`` refuses a tp shard that the
+    shard group splits unevenly (FSDP2's ``_StridedShard``), which FSDP2 itself allows."""
+    if whole.shape != tensor.shape:
+        raise ModelParallelError(
+            f"{what} has shape {tuple(whole.shape)} in the full state dict, the parameter "
+            f"{tuple(tensor.shape)}"
+        )
+    if not isinstance(tensor, DTensor):
+        return whole
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "every rank is on the mesh of its parameters"
+    part = whole
+    for dim in reversed(range(mesh.ndim)):
+        cut = getattr(tensor.placements[dim], "dim", None)  # Shard's and _StridedShard's
+        if cut is not None:
+            pieces = torch.chunk(part, mesh.size(dim), dim=cut)
+            index = coordinate[dim]
+            part = pieces[index] if index < len(pieces) else part.narrow(cut, 0, 0)
+    return part
 
 
 def _same_shape(name: str, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
