@@ -181,7 +181,8 @@ class DistributedTransformerLMHead(DistributedModule):
     embeddings and head are plain (each rank holds them whole and runs them on its own batch);
     the transformer is split. SMP's ``distribute_embedding=True`` is accepted with sharded
     data parallelism only (AWS's GPT-J script sets it at sdp and tp above 1): the embeddings
-    stay plain, and FSDP2 shards them over the shard group as it shards everything. Arguments are keywords only (SMP also took them in its order).
+    stay plain, and FSDP2 shards them over the shard group as it shards everything. Arguments
+    are keywords only (SMP also took them in its order).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
