@@ -2,7 +2,8 @@
 process on the same global batch: ``smp.nn.DistributedTransformerLMHead`` (checkpointed after
 three steps, partial and full, and resumed into fresh models; a full state dict loads into
 shards the shard group splits unevenly), a plain model marked with
-``smp.set_tensor_parallelism`` with ``prescaled_batch``, Hugging Face GPT-2 created without
+``smp.set_tensor_parallelism`` (with ``prescaled_batch``; and without, two step calls
+accumulating gradients before each ``optimizer.step()``), Hugging Face GPT-2 created without
 memory inside ``smp.model_creation(tensor_parallelism=True)`` with its layers' activations
 checkpointed, and the LM in bf16 and in fp16 clipped by ``optimizer.clip_master_grads``. All in
 one world, one ``smp.init`` after the other. Without processes: the mesh of every placement."""
@@ -73,6 +74,33 @@ def _doubled() -> dict[str, Tensor]:
     return {name: value * 2 for name, value in _uneven().state_dict().items()}
 
 
+def _accumulated() -> dict[str, Tensor]:
+    """``test_tensor_equivalence``'s marked MLP, two steps each taking two step calls before
+    ``optimizer.step()`` (gradients accumulate over them), on this rank's rows."""
+    model, optimizer = tensor._wrapped("mlp", tensor._mlp)
+    train_step = tensor.step_of(tensor._mlp_loss)
+    rows = tensor.GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    for step in range(2):
+        optimizer.zero_grad()
+        for batch in (2 * step, 2 * step + 1):
+            ids, mask = tensor._batch(batch)
+            train_step(model, ids[mine], mask[mine])
+        optimizer.step()
+    return model.state_dict()
+
+
+def _accumulated_in_one_process() -> dict[str, Tensor]:
+    model = tensor._mlp()
+    optimizer = tensor._optimizer(model.parameters())
+    for step in range(2):
+        optimizer.zero_grad()
+        for batch in (2 * step, 2 * step + 1):
+            tensor._mlp_loss(model, *tensor._batch(batch)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
 def _half(recipe: half.Recipe) -> dict[str, Any]:
     smp.init({**SDPTP, recipe.dtype: True})
     model = smp.DistributedModel(_lm_distributing_embedding())
@@ -118,6 +146,8 @@ def _world(folder: str) -> dict[str, Any]:
     model = smp.DistributedModel(_uneven())
     model.load_state_dict(_doubled())
     out["uneven"] = model.state_dict()
+    smp.reset()
+    out["accumulated"] = _accumulated()
     smp.shutdown()
     smp.init({**SDPTP, "prescaled_batch": True, "delayed_parameter_initialization": True})
     out["mlp"] = tensor._train("mlp", None)
@@ -180,6 +210,10 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
     for rank in ranks:  # a full state dict loaded into unevenly split shards
         assert rank["uneven"].keys() == doubled.keys()
         assert all(torch.equal(v, rank["uneven"][k]) for k, v in doubled.items())
+    params = _accumulated_in_one_process()
+    for rank in ranks:  # each step call's gradients averaged once, then added
+        for key, value in params.items():
+            torch.testing.assert_close(rank["accumulated"][key], value, rtol=1e-4, atol=1e-6)
     losses, params = gpt2._plain()
     for rank in ranks:  # its full checkpoint loaded into a fresh model
         resumed = rank["gpt2 resumed"]
