@@ -1,12 +1,13 @@
 """Tensor parallelism with sharded data parallelism (tp=2 x sdp=2, 4 ranks) trains like one
-process on the same global batch: ``smp.nn.DistributedTransformerLMHead`` (checkpointed after
-three steps, partial and full, and resumed into fresh models; a full state dict loads into
-shards the shard group splits unevenly), a plain model marked with
+process on the same global batch: ``smp.nn.DistributedTransformerLMHead`` (two microbatches;
+checkpointed after three steps, partial and full, and resumed into fresh models; a full state
+dict loads into shards the shard group splits unevenly), a plain model marked with
 ``smp.set_tensor_parallelism`` (with ``prescaled_batch``; and without, two step calls
-accumulating gradients before each ``optimizer.step()``), Hugging Face GPT-2 created without
-memory inside ``smp.model_creation(tensor_parallelism=True)`` with its layers' activations
-checkpointed, and the LM in bf16 and in fp16 clipped by ``optimizer.clip_master_grads``. All in
-one world, one ``smp.init`` after the other. Without processes: the mesh of every placement."""
+accumulating gradients before each ``optimizer.step()``; created differently on each rank, it
+starts alike on every rank), Hugging Face GPT-2 created without memory inside
+``smp.model_creation(tensor_parallelism=True)`` with its layers' activations checkpointed, and
+the LM in bf16 and in fp16 clipped by ``optimizer.clip_master_grads``. All in one world, one
+``smp.init`` after the other. Without processes: the mesh of every placement."""
 
 from __future__ import annotations
 
@@ -101,6 +102,18 @@ def _accumulated_in_one_process() -> dict[str, Tensor]:
     return model.state_dict()
 
 
+def _replicas() -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A plain model created differently on every rank, marked and wrapped: its state as
+    created, and the wrapped model's, which every rank must hold alike (each tp group's shards
+    of its own, and a replicated bias, taken from the group's first rank; the first replica's
+    on the others)."""
+    torch.manual_seed(smp.rank())
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    created = {name: value.clone() for name, value in module.state_dict().items()}
+    smp.set_tensor_parallelism(module)
+    return created, smp.DistributedModel(module).state_dict()
+
+
 def _half(recipe: half.Recipe) -> dict[str, Any]:
     smp.init({**SDPTP, recipe.dtype: True})
     model = smp.DistributedModel(_lm_distributing_embedding())
@@ -137,7 +150,7 @@ def _split(model: smp.DistributedModel) -> int:
 def _world(folder: str) -> dict[str, Any]:
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
-    smp.init(SDPTP)
+    smp.init({**SDPTP, "microbatches": 2})
     st = state.current()
     assert st.sharding_mesh is not None and st.tensor_mesh is not None
     out["meshes"] = (st.sharding_mesh.mesh.tolist(), st.tensor_mesh.mesh.tolist())
@@ -148,6 +161,8 @@ def _world(folder: str) -> dict[str, Any]:
     out["uneven"] = model.state_dict()
     smp.reset()
     out["accumulated"] = _accumulated()
+    smp.reset()
+    out["replicas"] = _replicas()
     smp.shutdown()
     smp.init({**SDPTP, "prescaled_batch": True, "delayed_parameter_initialization": True})
     out["mlp"] = tensor._train("mlp", None)
@@ -210,6 +225,11 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
     for rank in ranks:  # a full state dict loaded into unevenly split shards
         assert rank["uneven"].keys() == doubled.keys()
         assert all(torch.equal(v, rank["uneven"][k]) for k, v in doubled.items())
+    created = [rank["replicas"][0] for rank in ranks]
+    assert not any(torch.equal(created[0][k], created[r][k]) for k in created[0] for r in (1, 2))
+    for rank in ranks:  # every rank starts alike
+        wrapped = rank["replicas"][1]
+        assert all(torch.equal(v, ranks[0]["replicas"][1][k]) for k, v in wrapped.items())
     params = _accumulated_in_one_process()
     for rank in ranks:  # each step call's gradients averaged once, then added
         for key, value in params.items():

@@ -187,8 +187,6 @@ class ShardedModel:
         """With tensor parallelism, the tp group, over which :meth:`_average_over_tp_group`
         completes FSDP2's averaging over the rdp ranks."""
         self._prescaled = bool(st.config["prescaled_batch"])
-        self._replicas = (st.rdp_process_group, st.rdp_group[0])
-        """The rdp group and its first rank, whose tp shards every replica takes."""
         scaled = {name for name, p in module.named_parameters() if shards.is_scaled_batch(p)}
         claimed: set[int] = set()
         for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
@@ -228,8 +226,7 @@ class ShardedModel:
             deferred.materialize([t for t, _ in tensors if not isinstance(t, DTensor)], self.device)
             for tensor, is_buffer in tensors:
                 if isinstance(tensor, DTensor):  # the tp group's shards (made when wrapped)
-                    group, first = self._replicas
-                    dist.broadcast(tensor.to_local(), src=first, group=group)
+                    shards.broadcast_over_replicas(tensor)
                     kept = self._kept(tensor, is_buffer)
                     if kept.dtype != tensor.dtype:
                         convert(tensor, kept.dtype)

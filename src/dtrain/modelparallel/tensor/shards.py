@@ -167,10 +167,15 @@ def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> N
 
 
 def broadcast_over_replicas(tensor: DTensor) -> None:
-    """Give the rdp group the shard of its first rank (replicas start alike)."""
+    """Give the rdp group the shard of its first rank (replicas start alike); a tensor the tp
+    group replicates (a row-split layer's bias: each rank kept the one it created) first takes
+    the tp group's first rank's value, as its split weights did."""
     st = state.current("the model's first step")
+    local = tensor.to_local()
+    if st.tp_size > 1 and all(p.is_replicate() for p in tensor.placements):
+        dist.broadcast(local, src=st.tp_group[0], group=st.tp_process_group)
     if st.rdp_size > 1:
-        dist.broadcast(tensor.to_local(), src=st.rdp_group[0], group=st.rdp_process_group)
+        dist.broadcast(local, src=st.rdp_group[0], group=st.rdp_process_group)
 
 
 def gradient_groups(
