@@ -569,14 +569,14 @@ class DistributedModel(nn.Module):
             for name, _ in self.module.named_modules()
         ]
         owners = {name: plan.owner(name) for name, _ in self.module.named_modules()}
-        recomputing = activations.checkpointing_partitions(self.module, owners) - {0}
         return pipeline_plan(
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            # coarse: one recomputing partition (0 never splits) turns splitting off for all
-            st.options.split_backward and not recomputing,
+            st.options.split_backward,
             self._plan_ordered(),
+            # their backwards recompute, so they run whole; the other partitions still split
+            activations.checkpointing_partitions(self.module, owners),
         )
 
     def pipeline_schedule(self) -> Schedule | RouteSchedule:
