@@ -61,13 +61,13 @@ def check(schedule: Schedule, whole_partitions: Collection[int] = ()) -> None:
             halves = [len(positions.get((kind, mb), [])) for kind in BACKWARD_HALVES]
             if halves == [0, 0, 0]:
                 problems.append(f"{where}: B{mb} missing")
-            elif rank in whole_partitions and halves != halves_allowed[False]:
-                problems.append(f"{where}: B{mb} is split, but this rank's backwards run whole")
             elif halves not in halves_allowed:
                 problems.append(
                     f"{where}: microbatch {mb} needs B{mb}, or I{mb} and W{mb}, once each; got "
                     + ", ".join(f"{n} {k}{mb}" for k, n in zip("BIW", halves, strict=True))
                 )
+            elif rank in whole_partitions and halves != halves_allowed[False]:
+                problems.append(f"{where}: B{mb} is split, but this rank's backwards run whole")
             for kind in ("F", *MESSAGE_KINDS):
                 count = len(positions.get((kind, mb), []))
                 if kind not in expected and count:
