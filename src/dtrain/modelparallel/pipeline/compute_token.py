@@ -20,6 +20,11 @@ module is the only place that holds its lock: it wakes the tasks the core grants
 and others change or read the core through :meth:`ComputeToken.decide`,
 :meth:`ComputeToken.ask` and :meth:`ComputeToken.wait_until`, never under a lock of their own.
 
+The process's random generators are shared by every thread: a task that forked them for a block
+(:mod:`.generators`) owns the fork (:attr:`Task.owned`), which the token sets aside when the task
+gives it up and puts back when the task has it again, so that the others draw from the
+process's generators meanwhile, not the block's.
+
 The thread that runs the user's script is the *main* task: it holds the token outside steps
 (:mod:`.lending` lends it to served requests during one).
 

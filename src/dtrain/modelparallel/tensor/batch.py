@@ -17,12 +17,12 @@ accordingly). Activations in the region are the same on every rank of the group,
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
 first rank from its own generator (at tp 1 by the process, so one process draws the masks the
 group does), and sent with the shape of every rank's input, which must agree (one small
-all-gather per outermost forward). The region's generator is its task's
-(:mod:`..pipeline.generators`): a region that waits for another partition leaves the process's
-generator to the tasks that compute meanwhile, and the rank's draws outside regions stay its own.
-A layer checkpointed inside the region is recomputed in it
-too: the region's depth is restored around the recomputation, and the checkpoint restores the
-generator, so the recomputation draws the same masks.
+all-gather per outermost forward). The region's fork of the generators is its task's
+(:mod:`..pipeline.generators`): while the region waits for another partition, the tasks that
+compute meanwhile draw from the process's generators, so the rank's draws outside regions stay
+its own. A layer checkpointed inside the region is recomputed in it too: the region's depth is
+restored around the recomputation, and the checkpoint restores the generator, so the
+recomputation draws the same masks.
 
 With pipelines the region may call a module another partition owns: the request carries the
 region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
