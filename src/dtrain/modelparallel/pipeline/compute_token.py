@@ -55,7 +55,8 @@ from dtrain.modelparallel.timeline import TimelineRecorder
 T = TypeVar("T")
 
 _running = threading.local()
-"""The task each thread runs as (:meth:`ComputeToken.running`)."""
+"""The task each thread runs as (:meth:`ComputeToken.running`): a thread runs one task at a time,
+so code that has no token at hand (a tensor-parallel region) finds its task here."""
 
 
 def running_task() -> Task | None:
