@@ -17,9 +17,12 @@ accordingly). Activations in the region are the same on every rank of the group,
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
 first rank from its own generator (at tp 1 by the process, so one process draws the masks the
 group does), and sent with the shape of every rank's input, which must agree (one small
-all-gather per outermost forward). A layer checkpointed inside the region is recomputed in it
-too: the region's depth is restored around the recomputation, and the checkpoint restores the
-generator, so the recomputation draws the same masks.
+all-gather per outermost forward). The region's fork of the generators is its task's
+(:mod:`..pipeline.generators`): while the region waits for another partition, the tasks that
+compute meanwhile draw from the process's generators, so the rank's draws outside regions stay
+its own. A layer checkpointed inside the region is recomputed in it too: the region's depth is
+restored around the recomputation, and the checkpoint restores the generator, so the
+recomputation draws the same masks.
 
 With pipelines the region may call a module another partition owns: the request carries the
 region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
@@ -45,7 +48,7 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import hooks, modes
+from dtrain.modelparallel.pipeline import generators, hooks, modes
 from dtrain.modelparallel.pipeline.activations import restore_on_recompute
 from dtrain.modelparallel.pipeline.remote import materialize
 
@@ -141,8 +144,7 @@ def scaled_batch(
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
     try:
-        with torch.random.fork_rng(devices=devices), modes.tensor_region():
-            torch.manual_seed(seed)
+        with generators.forked(seed, devices), modes.tensor_region():
             yield ScaledBatch(None if gathered else st.tp_process_group)
     finally:
         _inside.depth = 0
