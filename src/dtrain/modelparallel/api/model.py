@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -90,10 +91,23 @@ TRACE_DEVICES = ("cpu", "gpu")
 """``DistributedModel(trace_device=...)``: where rank 0 profiles the whole model."""
 
 
-def trace_device_of(trace_device: str, device: torch.device) -> torch.device:
+def trace_device_of(trace_device: str, device: torch.device, tp_size: int = 1) -> torch.device:
     """Where a rank that computes on ``device`` profiles: ``"gpu"`` is its GPU (the CPU on a
-    rank without one), ``"cpu"`` the CPU (for a model that does not fit on one GPU)."""
-    return device if trace_device == "gpu" else torch.device("cpu")
+    rank without one), ``"cpu"`` the CPU (for a model that does not fit on one GPU).
+
+    With tensor parallelism the profiled forward runs the tp group's collectives, which NCCL
+    runs on the GPU only: a GPU rank then profiles on its GPU, and says so."""
+    if trace_device == "gpu" or device.type == "cpu":
+        return device
+    if tp_size > 1:
+        warnings.warn(
+            f"DistributedModel: trace_device='cpu' profiles on {device} with "
+            f"tensor_parallel_degree={tp_size}: the tensor-parallel group's collectives run "
+            "on the GPU",
+            stacklevel=3,
+        )
+        return device
+    return torch.device("cpu")
 
 
 def with_own_code(root: nn.Module) -> dict[str, str]:
@@ -433,7 +447,7 @@ class DistributedModel(nn.Module):
         st = self._state
         # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
         snapshot = Snapshot(self.module, [], st.device.type == "cuda")
-        device = trace_device_of(self._trace_device, st.device)
+        device = trace_device_of(self._trace_device, st.device, st.tp_size)
         placed = nullcontext() if self._delayed() else moved_to(self.module, device)
         self._tracing.set()
         try:
