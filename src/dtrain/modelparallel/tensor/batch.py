@@ -176,23 +176,22 @@ MAX_DIMS = 4
 features; further ones are compared through the gather itself)."""
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int64)
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+"""Every dtype of this torch (torch names each one of them), in the order of their names: a
+dtype's index is its code in :func:`agree`, its own (two dtypes sharing a code would pass the
+check, then gather mismatched bytes) and the same on every rank running this torch."""
 
 
 def _signature(value: torch.Tensor | None) -> list[int]:
     """What decides a further input's gather: whether it is there, its rows, its dtype."""
     if value is None:
         return [0, 0, 0]
-    code = _DTYPES.index(value.dtype) + 1 if value.dtype in _DTYPES else len(_DTYPES) + 1
-    return [1, int(value.shape[0]) if value.dim() else -1, code]
+    return [1, int(value.shape[0]) if value.dim() else -1, _DTYPES.index(value.dtype)]
 
 
 def _described(signature: list[int]) -> str:
     present, rows, code = signature
-    if not present:
-        return "none"
-    dtype = _DTYPES[code - 1] if code <= len(_DTYPES) else "another dtype"
-    return f"{rows} rows of {dtype}"
+    return f"{rows} rows of {_DTYPES[code]}" if present else "none"
 
 
 def agree(
