@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,6 +79,12 @@ def registration(what: str, init_hook: Any, translate: Any) -> Registration:
         translate=translate,
     )
 
+
+Translations = tuple[
+    Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+]
+"""A family's state-dict translations: to HF's names, and from them."""
 
 Names = tuple[tuple[str, str], ...]
 """Module paths of one model and another's, ``{n}`` standing for a layer's number and

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.huggingface.causal import Translations
 from dtrain.modelparallel.tensor.marks import Args, Registration
 from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
 
@@ -223,6 +224,12 @@ def _block_key(prefix: str, name: str, kind: str) -> str:
     if name not in names:
         raise ModelParallelError(f"smp.nn.huggingface.gpt2: unknown parameter {name}.{kind}")
     return f"{prefix}.{names[name]}.{kind}"
+
+
+def translations(config: Any) -> Translations:
+    """The state-dict translations to HF's names and from them (a checkpoint's)."""
+    del config
+    return translate_state_dict_to_hf_gpt2, translate_hf_state_dict_to_smdistributed
 
 
 REGISTRATION = Registration(
