@@ -169,3 +169,38 @@ def test_gpt2_inside_tensor_parallelism_trains_as_the_plain_model_in_pipelines_a
         for key, value in params.items():
             torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
             assert torch.equal(saved[key], back[key]), f"{name} {key}"
+
+
+class _WithGPT2(torch.nn.Module):
+    """A model holding an HF GPT-2 beside a layer of its own."""
+
+    def __init__(self, translated: bool) -> None:
+        super().__init__()
+        with smp.tensor_parallelism(enabled=translated):
+            self.gpt = hf_cases.build("gpt2")
+        self.head = torch.nn.Linear(4, 4)
+
+
+def test_a_translated_gpt2_inside_a_model_is_renamed_under_its_path(tmp_path: Path) -> None:
+    """A full checkpoint renames only the translated module's keys, under its path: the file
+    loads into the plain model, and resumes into the translated one."""
+    root = str(tmp_path)
+    with single_process({"ddp": True}):
+        model = smp.DistributedModel(_WithGPT2(translated=True))
+        assert type(model.module.gpt).__name__ == "DistributedTransformerLMHead"
+        smp.save_checkpoint(root, "full", partial=False, model=model)
+        saved = torch.load(tmp_path / "full", weights_only=True)
+        plain = _WithGPT2(translated=False)
+        plain.load_state_dict(saved)  # strict: every key, HF's under "gpt."
+        with torch.no_grad():
+            for param in plain.parameters():
+                param.add_(1.0)
+        torch.save(plain.state_dict(), tmp_path / "plain.pt")
+        smp.resume_from_checkpoint(root, "plain.pt", partial=False)
+        resumed = model.state_dict()
+    expected = {"head." + k: v for k, v in plain.head.state_dict().items()}
+    inside = translate_hf_state_dict_to_smdistributed(plain.gpt.state_dict())
+    expected |= {"gpt." + k: v for k, v in inside.items()}
+    assert resumed.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(resumed[key], value), key
