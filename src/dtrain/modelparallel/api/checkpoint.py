@@ -313,10 +313,10 @@ def resume_from_checkpoint(
         user_file = folder / USER_CONTENT
     else:
         values = _read(root / tag)
-        if translate_function is None:
-            values = translated.from_hf(model.get_module(), values)
-        else:
+        if translate_function is not None:
             values = _translated_by(translate_function, values, model, strict)
+        elif isinstance(model, DistributedModel):
+            values = translated.from_hf(model.get_module(), values)
         model.load_state_dict(values, strict=strict)
         user_file = root / f"user_content_{tag}"
     return _read_script_values(user_file, weights_only) if user_file.is_file() else None
@@ -345,17 +345,19 @@ def _check_resume_options(
 def _translated_by(
     translate_function: Callable[[dict[str, Any]], dict[str, Any]],
     values: dict[str, Any],
-    model: DistributedModel,
+    model: Any,
     strict: bool,
 ) -> dict[str, Any]:
-    """``translate_function(values)``, which must be a state dict of the model's keys (all of
-    them, if ``strict``): other keys fail here, naming them and the function."""
+    """``translate_function(values)``, which must be a state dict of the ``DistributedModel``'s
+    keys (all of them, if ``strict``): other keys fail here, naming them and the function."""
     result = translate_function(values)
     if not isinstance(result, dict):
         raise TypeError(
             f"smp.resume_from_checkpoint: translate_function {translate_function!r} returned "
             f"{type(result).__name__}; allowed: a state dict (dict)"
         )
+    if not isinstance(model, DistributedModel):  # its load_state_dict judges the keys
+        return result
     known = translated.state_keys(model.get_module())
     unexpected = sorted(set(result) - known)
     missing = sorted(known - set(result)) if strict else []
