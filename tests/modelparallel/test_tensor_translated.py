@@ -256,7 +256,9 @@ def test_translated_models_train_on_two_ranks_as_the_plain_models(tmp_path: Path
 def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> None:
     """In one process: GPT-J's full checkpoint with SMP's names resumes as it is; a
     ``translate_function`` is used in place of the automatic translation, and one returning
-    other keys fails naming them; so does an HF state dict with a key neither model has."""
+    other keys fails naming them; so does an HF state dict with a key neither model has.
+    Options that would be ignored are refused: ``translate_function`` with a partial
+    checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism."""
     family, options = TRAINED[1]
     hf_file = root / f"{family}_hf.pt"
     hf = torch.load(hf_file)
@@ -280,6 +282,10 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
             smp.resume_from_checkpoint(
                 root, tag=hf_file.name, partial=False, translate_function=wrong
             )
+        with pytest.raises(ValueError, match=r"function of a full state dict \(partial=False\)"):
+            smp.resume_from_checkpoint(root, tag=f"{family}_smp", translate_function=spy)
+        with pytest.raises(ValueError, match="sharded_data_parallel_degree above 1"):
+            smp.resume_from_checkpoint(root, f"{family}_smp", load_sharded_optimizer_state=False)
         torch.save({**hf, "transformer.h.0.attn.extra": torch.zeros(1)}, hf_file)
         with pytest.raises(ModelParallelError) as unknown:
             smp.resume_from_checkpoint(root, tag=hf_file.name, partial=False)
