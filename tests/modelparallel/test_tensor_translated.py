@@ -179,6 +179,9 @@ def test_neox_translations_refuse_a_head_count_they_cannot_know() -> None:
             translate(hf)
         with pytest.raises(ModelParallelError, match="pass num_attention_heads"):
             gptneox.translate_state_dict_to_hf_gptneox(translate(hf, num_attention_heads=4))
+        swapped = _swapped()[1].state_dict()  # by its own config's head count, whatever others
+        for key, value in translate(hf, num_attention_heads=4).items():
+            assert torch.equal(swapped[key], value), key
         smp.reset()
         with pytest.raises(ModelParallelError, match="no GPT-NeoX config was translated"):
             translate(hf)

@@ -201,11 +201,13 @@ def _swapped(module: nn.Module) -> nn.Module | None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
     dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
-    _copy_weights(module, dist, registration.translate)
     hugging_face = _hugging_face(kind) if built_in is not None else None
-    if hugging_face is not None:  # full checkpoints translate its state dict both ways
+    translation = None
+    if hugging_face is not None:  # by the model's own config (GPT-NeoX's head count)
         to_hf, from_hf = hugging_face.translations(module.config)
-        translated.record(dist, translated.Translation(kind.__name__, to_hf, from_hf))
+        translation = translated.Translation(kind.__name__, to_hf, from_hf)
+        translated.record(dist, translation)  # full checkpoints translate both ways too
+    _copy_weights(module, dist, translation.from_hf if translation is not None else None)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
     if forward_hook is not None:

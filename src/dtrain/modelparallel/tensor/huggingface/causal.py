@@ -68,15 +68,14 @@ COMMON = {
 the model's final norm as the last layer's after its output, no position table."""
 
 
-def registration(what: str, init_hook: Any, translate: Any) -> Registration:
-    """A family's registration: its init hook and translation, the shared forward and return
-    hooks."""
+def registration(what: str, init_hook: Any) -> Registration:
+    """A family's registration: its init hook, the shared forward and return hooks (its
+    weights are translated by its ``translations``)."""
     return Registration(
         DistributedTransformerLMHead,
         init_hook=init_hook,
         forward_hook=functools.partial(forward_inputs, what),
         return_hook=output,
-        translate=translate,
     )
 
 

@@ -237,7 +237,6 @@ REGISTRATION = Registration(
     init_hook=init_hook,
     forward_hook=forward_hook,
     return_hook=return_hook,
-    translate=translate_hf_state_dict_to_smdistributed,
 )
 
 

@@ -127,4 +127,4 @@ def translations(config: Any) -> causal.Translations:
     return translate_state_dict_to_hf_gptj, translate_hf_state_dict_to_smdistributed_gptj
 
 
-REGISTRATION = causal.registration(WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptj)
+REGISTRATION = causal.registration(WHAT, init_hook)

@@ -212,6 +212,4 @@ def translations(config: Any) -> causal.Translations:
     )
 
 
-REGISTRATION = causal.registration(
-    WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptneox
-)
+REGISTRATION = causal.registration(WHAT, init_hook)
