@@ -198,11 +198,11 @@ def save_checkpoint(
                 stacklevel=2,
             )
         model_state = model.state_dict() if model is not None else None
-        if model_state is not None and translate_if_full and isinstance(model, DistributedModel):
-            model_state = translated.to_hf(model.get_module(), model_state)
         if st.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             if model_state is not None:
+                if translate_if_full and isinstance(model, DistributedModel):
+                    model_state = translated.to_hf(model.get_module(), model_state)
                 torch.save(model_state, root / tag)
             if user_content is not None:
                 torch.save(user_content, root / f"user_content_{tag}")
@@ -348,19 +348,19 @@ def _translated_by(
     model: Any,
     strict: bool,
 ) -> dict[str, Any]:
-    """``translate_function(values)``, which must be a state dict of the ``DistributedModel``'s
-    keys (all of them, if ``strict``): other keys fail here, naming them and the function."""
+    """``translate_function(values)``, which must be a state dict; with ``strict``, of exactly the
+    ``DistributedModel``'s keys: others fail here, naming them and the function."""
     result = translate_function(values)
     if not isinstance(result, dict):
         raise TypeError(
             f"smp.resume_from_checkpoint: translate_function {translate_function!r} returned "
             f"{type(result).__name__}; allowed: a state dict (dict)"
         )
-    if not isinstance(model, DistributedModel):  # its load_state_dict judges the keys
+    if not strict or not isinstance(model, DistributedModel):  # its load_state_dict judges
         return result
     known = translated.state_keys(model.get_module())
     unexpected = sorted(set(result) - known)
-    missing = sorted(known - set(result)) if strict else []
+    missing = sorted(known - set(result))
     if unexpected or missing:
         raise ModelParallelError(
             f"smp.resume_from_checkpoint: translate_function {translate_function!r} returned "
