@@ -285,6 +285,8 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
             smp.resume_from_checkpoint(
                 root, tag=hf_file.name, partial=False, translate_function=wrong
             )
+        with pytest.raises(TypeError, match=r"returned list; allowed: a state dict \(dict\)"):
+            smp.resume_from_checkpoint(root, hf_file.name, partial=False, translate_function=list)
         with pytest.raises(ValueError, match=r"function of a full state dict \(partial=False\)"):
             smp.resume_from_checkpoint(root, tag=f"{family}_smp", translate_function=spy)
         with pytest.raises(ValueError, match="sharded_data_parallel_degree above 1"):
