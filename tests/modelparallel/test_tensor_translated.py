@@ -257,8 +257,8 @@ def test_translated_models_train_on_two_ranks_as_the_plain_models(tmp_path: Path
 
 
 def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> None:
-    """In one process: GPT-J's full checkpoint with SMP's names resumes as it is; a
-    ``translate_function`` is used in place of the automatic translation, and one returning
+    """In one process: GPT-J's full checkpoint with SMP's names resumes as it is, and
+    ``model.load_state_dict`` takes HF's; a ``translate_function`` is used in place of the automatic translation, and one returning
     other keys fails naming them; so does an HF state dict with a key neither model has.
     Options that would be ignored are refused: ``translate_function`` with a partial
     checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism."""
@@ -280,6 +280,8 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
 
         smp.resume_from_checkpoint(root, tag=hf_file.name, partial=False, translate_function=spy)
         by_spy = {key: value.clone() for key, value in model.state_dict().items()}
+        model.load_state_dict(hf)  # SMP's model translates an HF state dict too
+        by_load = {key: value.clone() for key, value in model.state_dict().items()}
         wrong = functools.partial(_renamed, "lm_head.weight", "lm_head.weights")
         with pytest.raises(ModelParallelError) as wrong_keys:
             smp.resume_from_checkpoint(
@@ -299,6 +301,7 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
     assert calls == [sorted(hf)]  # the file as saved, not translated before
     for key, value in gptj.translate_hf_state_dict_to_smdistributed_gptj(hf).items():
         assert torch.equal(by_spy[key], value + 1), key
+        assert torch.equal(by_load[key], value), key
     assert (
         f"translate_function {wrong!r} returned keys the model does not have: "
         "['lm_head.weights']; missing the model's keys: ['lm_head.weight']"

@@ -315,8 +315,6 @@ def resume_from_checkpoint(
         values = _read(root / tag)
         if translate_function is not None:
             values = _translated_by(translate_function, values, model, strict)
-        elif isinstance(model, DistributedModel):
-            values = translated.from_hf(model.get_module(), values)
         model.load_state_dict(values, strict=strict)
         user_file = root / f"user_content_{tag}"
     return _read_script_values(user_file, weights_only) if user_file.is_file() else None

@@ -51,7 +51,7 @@ from dtrain.modelparallel.plan.profile import (
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan
 from dtrain.modelparallel.scheduling.schedule import Schedule
-from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor import marks, translated
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport.message import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
@@ -768,11 +768,14 @@ class DistributedModel(nn.Module):
         self, state_dict: dict[str, Any], strict: bool = True
     ) -> Any:
         """Load a full or a partial (``local_state_dict``) state; before the first step a
-        partial one is kept and applied once this rank knows its share."""
+        partial one is kept and applied once this rank knows its share. A full one may name a
+        translated module's keys as its HF original does (SMP's fine-tuning from HF weights)."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
         if partial and DEGREES_KEY in state_dict:
             check_degrees(state_dict[DEGREES_KEY], self._state, "load_state_dict")
         values = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, DEGREES_KEY)}
+        if not partial:  # a model translated from HF takes its original's names too, as SMP's
+            values = translated.from_hf(self.module, values)
         if self.sharding is not None:
             self.sharding.load(values, partial, strict)
             return None
