@@ -49,16 +49,14 @@ def test_work_that_waits_inside_a_module_and_loses_its_turn_fails_naming_it() ->
     first, second = Task("leader", 0, "F", step=1), Task("leader", 1, "F", step=1)
     executor.enqueue(first)
     executor.enqueue(second)
-    executor._local.task = first
     executor.await_token(first)
     with executor._cv:  # as a leader task starts: holding, between computations
         executor.core.between(first)
     refused = pytest.raises(ModelParallelError, match=r"module 'parent' would compute")
-    with refused, executor.computing("parent"), executor.waiting():
+    with executor.running(first), refused, executor.computing("parent"), executor.waiting():
         assert second.granted.is_set()  # the plan moved on to F1 meanwhile
-        executor._local.task = second
-        executor.release(second)
-        executor._local.task = first
+        with executor.running(second):
+            executor.release(second)
 
 
 def test_a_weight_half_that_cannot_take_its_turn_fails_the_step_not_just_its_thread() -> None:

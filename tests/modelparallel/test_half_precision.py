@@ -618,6 +618,7 @@ def _resume(directory: str, sdp: int, partial: bool) -> dict[str, Any]:
     else:  # the optimizer's state first: the checkpoint's barriers then cover both
         smp.save(optimizer.state_dict(), optimizer_file, partial=False)
         smp.save_checkpoint(directory, "mid", partial=False, model=model)
+    saved_scale = model.loss_scaling.scaler.scale
     straight = [step(index) for index in (2, 3)]
     want = masters(model, optimizer), model.loss_scaling.scaler.scale
     smp.shutdown()
@@ -630,12 +631,29 @@ def _resume(directory: str, sdp: int, partial: bool) -> dict[str, Any]:
     smp.resume_from_checkpoint(directory, "mid", partial=partial)
     if not partial:
         optimizer.load_state_dict(smp.load(optimizer_file, partial=False))
+    states = [len(optimizer.local_state_dict()["state"])]
     resumed = [step(index) for index in (2, 3)]
     got = masters(model, optimizer), model.loss_scaling.scaler.scale
     files = sorted(os.listdir(os.path.join(directory, "mid_partial" if partial else "")))
     smp.shutdown()
+    scales = [saved_scale]
+    if sdp > 1 and partial:  # SMP's load_sharded_optimizer_state=False: the loss scaler only
+        _init(recipe)
+        model, optimizer, _ = _pipeline(recipe, dynamic_loss_scale=True, dynamic_loss_args=args)
+        smp.resume_from_checkpoint(directory, "mid", load_sharded_optimizer_state=False)
+        states.append(len(optimizer.local_state_dict()["state"]))
+        scales.append(model.loss_scaling.scaler.scale)
+        smp.shutdown()
     dist.destroy_process_group()
-    return {"straight": straight, "resumed": resumed, "want": want, "got": got, "files": files}
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "want": want,
+        "got": got,
+        "files": files,
+        "states": states,
+        "scales": scales,
+    }
 
 
 @pytest.mark.parametrize(
@@ -652,6 +670,11 @@ def test_checkpoint_resume_continues_exactly(sdp: int, partial: bool) -> None:
             assert torch.equal(result["got"][0][name], value), name
         saved = "fp16_states_0_0_0.pt" if partial else "optimizer.pt"
         assert saved in result["files"]
+        assert result["states"][0] > 0  # the momentum buffers of the rank's parameters
+    if sdp > 1 and partial:  # load_sharded_optimizer_state=False: the scale, no states
+        for result in results:
+            assert result["states"][1] == 0
+            assert result["scales"][0] == result["scales"][1] != 2.0**12
 
 
 def _bad_arguments() -> list[str]:

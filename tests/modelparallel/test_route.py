@@ -53,6 +53,19 @@ def test_an_ordered_tied_head_is_planned_per_visit() -> None:
     assert all(visit == 0 for _, _, visit in plan.plan_row(1))
 
 
+def test_a_recomputing_partition_of_a_route_runs_whole_backwards_the_others_split() -> None:
+    """Route 0 -> 1 -> 2 -> 0 with partition 1 recomputing: the ordered plan splits only
+    partition 2's backwards, and its print shows partition 1's whole ones."""
+    modules = [(0, 1.0), (1, 1.0), (2, 1.0), (0, 0.5)]
+    plan = pipeline_plan(POLICY, [1.5, 1.0, 1.0], modules, True, True, whole_partitions={1})
+    assert isinstance(plan, RouteSchedule) and plan.policy.split == (0, 0, 4, 0)
+    lines = str(plan).splitlines()
+    assert lines[2:] == [
+        "rank 1 | F0 F1 F2 B0 B1 B2 F3 B3",
+        "rank 2 | F0 F1 F2 I0 I1 W0 I2 W1 W2 F3 I3 W3",
+    ]
+
+
 def test_a_route_plan_prints_each_ranks_actions_with_the_stage_of_a_later_visit() -> None:
     plan = RouteSchedule(
         (0, 1, 0), POLICY, ((("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)), (("F", 0, 0),))

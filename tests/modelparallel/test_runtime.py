@@ -141,6 +141,9 @@ def test_trace_device_is_cpu_or_gpu() -> None:
     assert trace_device_of("gpu", gpu) == gpu
     assert trace_device_of("cpu", gpu) == cpu
     assert trace_device_of("gpu", cpu) == cpu  # a rank without a GPU profiles on the CPU
+    with pytest.warns(UserWarning, match="trace_device='cpu' profiles on cuda:1 with tensor_par"):
+        assert trace_device_of("cpu", gpu, tp_size=2) == gpu  # NCCL's collectives need the GPU
+    assert trace_device_of("cpu", cpu, tp_size=2) == cpu
 
 
 def test_pipeline_degree_must_divide_the_world() -> None:

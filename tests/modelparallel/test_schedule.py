@@ -459,6 +459,36 @@ def test_the_last_backwards_are_split_on_every_stage_but_the_first() -> None:
     assert not any(a.kind in ("I", "W") for row in unsplit.actions for a in row)
 
 
+def test_a_partition_that_recomputes_runs_whole_backwards_while_the_others_split() -> None:
+    """pp=3, only partition 1 recomputes checkpointed modules: its backwards are whole, the
+    last ones of partition 2 are still split (the leader's never are). The mixed plan passes
+    the check, its grid shows both, and it ends sooner than splitting nowhere (what one
+    recomputing partition used to cost every partition)."""
+    mixed = build_schedule("interleaved", 3, 4, whole_partitions=(1,))
+    assert mixed.policy.split == (0, 0, 3)
+    check(mixed, whole_partitions=(1,))
+    assert str(mixed).splitlines()[1:] == [
+        "rank 0 | F0 F1 F2 F3 .  .  .  B0 -  B1 -  B2 -  B3 -",
+        "rank 1 | .  F0 F1 F2 F3 B0 -  B1 -  B2 -  B3 -  .  .",
+        "rank 2 | .  .  F0 B0 -  F1 I1 F2 I2 F3 I3 W1 W2 W3 .",
+    ]
+    costs = Costs.per_stage(3, split_overhead=0.2)  # what the plans assume
+    unsplit = build_schedule("interleaved", 3, 4, split_backward=False)
+    assert simulate(mixed, costs).makespan < simulate(unsplit, costs).makespan
+    everywhere = build_schedule("interleaved", 3, 4)
+    with pytest.raises(ScheduleError, match="rank 1: B2 is split, but this rank's backwards"):
+        check(everywhere, whole_partitions=(1,))
+
+
+@pytest.mark.parametrize("whole", [(3,), (-1,), ("1",)])
+def test_whole_partitions_outside_the_pipeline_are_refused(whole: tuple[object, ...]) -> None:
+    message = rf"whole_partitions: got {whole[0]!r}; allowed: partitions 0 to 2"
+    with pytest.raises(ValueError, match=message):
+        build_schedule("interleaved", 3, 4, whole_partitions=whole)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        check(build_schedule("interleaved", 3, 4), whole_partitions=whole)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (2, 8), (3, 4), (4, 8)])
 def test_weight_halves_in_idle_time_end_the_step_sooner(

@@ -9,7 +9,10 @@ checkpointed (GPT-NeoX's translation in AWS's script: the head stays with the ro
 partition 1's recomputed layers run whole backwards, as planned). Under ``spread`` (tp peers
 are ranks 0 and 2; manual placement): a chain of smp.nn transformer layers, an LM whose head
 is tied to its embedding with its blocks marked, and a 4-layer LM head with two consecutive
-layers on partition 1.
+layers on partition 1. Every rank seeds its generator with a seed of its own: a dropout outside
+the regions (in the step body) draws, and the steps leave, the rank's own stream, as far on as
+its tp peer's, never a region's (whose seed the group shares; an LM head's region waits for
+partition 1 while the next microbatch's region begins).
 Another stage's shards hold no elements; a profiling step failing on rank 0's tp peer fails
 every rank, naming it. A region entered for a caller on another partition does not gather.
 Without processes: a split block cut by the partition fails naming it, the scaled-batch mark
@@ -20,6 +23,7 @@ replaced."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -132,6 +136,25 @@ the planner profiles on the meta device."""
 
 ROUTED = ("tied", "lm4", "delayed", "untied")
 
+OWN_SEED = 1000
+"""Each rank seeds its generator with this plus its rank before training."""
+
+
+def _dropping_outside(
+    loss_fn: Callable[..., torch.Tensor], states: list[torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` after a dropout outside the tensor-parallel regions, on partition 0 (in the
+    step body: microbatch 1's runs while microbatch 0's region waits for partition 1), which
+    records the generator's state it draws from in ``states``. Its mask is not used, so the
+    losses stay one process's."""
+
+    def dropping(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        states.append(torch.get_rng_state())
+        F.dropout(torch.ones(ids.shape[0], 16), 0.5)
+        return loss_fn(model, ids, mask)
+
+    return dropping
+
 
 def _train(case: str, auto: bool) -> dict[str, Any]:
     build, loss_fn, second = CASES[case]
@@ -147,7 +170,11 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
         events = sorted(model.timeline(), key=lambda e: e.start)
         orders.append(_collapsed([(e.kind, e.microbatch, e.visit) for e in events]))
 
-    losses, _ = trained(model, loss_fn, record_order)
+    seed = OWN_SEED + smp.rank()  # every rank its own generator, as independent ranks have
+    torch.manual_seed(seed)
+    states: list[torch.Tensor] = []
+    losses, _ = trained(model, _dropping_outside(loss_fn, states), record_order)
+    states.append(torch.get_rng_state())
     plan = model.partition_plan()
     schedule = model.pipeline_schedule()
     mine = {id(p) for p in model.local_parameters()}
@@ -162,7 +189,22 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
         "orders": orders,
         "plan": _collapsed(list(schedule.plan_row(smp.pp_rank()))),
         "printed": str(schedule),
+        "drawn": _drawn(seed, states),
     }
+
+
+def _drawn(seed: int, states: list[torch.Tensor], most: int = 20_000) -> list[int | None]:
+    """How many 32-bit words a generator seeded with ``seed`` had drawn at each of ``states``
+    (in the order they were taken; ``None`` for those no draw of its stream reaches)."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn: list[int | None] = []
+    words = 0
+    for state in states:
+        while words < most and not torch.equal(generator.get_state(), state):
+            torch.randint(2**31, (1,), generator=generator)  # one word
+            words += 1
+        drawn.append(words if words < most else None)
+    return drawn
 
 
 WORLDS = {"cluster": ("mlp", "delayed", "untied"), "spread": ("layers", "tied", "lm4")}
@@ -208,7 +250,7 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(placement: str)
             mean = [sum(ranks[r][case]["losses"][step] for r in group) / 2 for step in range(STEPS)]
             assert mean == pytest.approx(losses, rel=1e-5)
             assert ranks[group[0]][case]["plan"] == ranks[group[1]][case]["plan"]
-        for rank in ranks:
+        for index, rank in enumerate(ranks):
             got = rank[case]
             assert got["owners"] == ranks[0][case]["owners"]
             # Every step of a route: the second visits are where tp peers could diverge. A
@@ -221,6 +263,12 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(placement: str)
             assert got["split"] > 0  # every stage holds shards
             assert got["others"][1] == 0  # the other stage's shards: empty DTensors, freed
             assert got["others"][0] > 0 or auto
+            # Outside the regions (at each dropout there, and after the steps) a rank draws
+            # from its own seed's stream, never from a region's, whose seed its tp peer shares:
+            # as far on in it as its peer is in its own.
+            group = next(group for group in tp_groups if index in group)
+            assert None not in got["drawn"]
+            assert got["drawn"] == ranks[sum(group) - index][case]["drawn"]
             assert got["params"].keys() == params.keys()
             for key, value in params.items():
                 torch.testing.assert_close(got["params"][key], value, rtol=1e-4, atol=1e-6)

@@ -10,6 +10,7 @@ marks on a parallel layer's blocks apply."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,12 +74,12 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _plain(family: str = "GPTNeoX", **options: Any) -> Any:
+def _plain(family: str = "GPTNeoX", seed: int = 0, **options: Any) -> Any:
     import transformers
 
     config_class = getattr(transformers, f"{family}Config")
     config = config_class(vocab_size=hf_cases.VOCAB, **SIZES[family], **options)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")
     return model._from_config(config, attn_implementation="eager").train()
 
@@ -178,6 +179,9 @@ def test_neox_translations_refuse_a_head_count_they_cannot_know() -> None:
             translate(hf)
         with pytest.raises(ModelParallelError, match="pass num_attention_heads"):
             gptneox.translate_state_dict_to_hf_gptneox(translate(hf, num_attention_heads=4))
+        swapped = _swapped()[1].state_dict()  # by its own config's head count, whatever others
+        for key, value in translate(hf, num_attention_heads=4).items():
+            assert torch.equal(swapped[key], value), key
         smp.reset()
         with pytest.raises(ModelParallelError, match="no GPT-NeoX config was translated"):
             translate(hf)
@@ -188,10 +192,14 @@ TRAINED = (
     OPTIONS["gptj: rotary on 4 of 8, untied head with a bias"],
 )
 """Trained on two ranks: GPT-NeoX as AWS's script makes it (inside ``smp.model_creation``, without
-memory), GPT-J marked after creation."""
+memory), GPT-J marked after creation and fine-tuned from an HF state dict, as AWS's GPT-J script
+does (``--fine_tune``)."""
 
 
-def _train() -> list[dict[str, Any]]:
+def _train(root: str) -> list[dict[str, Any]]:
+    """Each of ``TRAINED`` at tp=2, saved whole under ``root`` after training (with HF's names,
+    and GPT-J with SMP's too). GPT-J is made from another seed and resumes from the plain
+    model's HF state dict (``{family}_hf.pt``, written by rank 0)."""
     dist.init_process_group("gloo")
     results = []
     for family, options in TRAINED:
@@ -203,19 +211,32 @@ def _train() -> list[dict[str, Any]]:
             with smp.model_creation(tensor_parallelism=True, zero_init=False):
                 plain = _plain(family, **options)
         else:
-            plain = _plain(family, **options)
+            if smp.rank() == 0:
+                torch.save(_plain(family, **options).state_dict(), f"{root}/{family}_hf.pt")
+            smp.barrier()
+            plain = _plain(family, seed=1, **options)
             smp.set_tensor_parallelism(plain, zero_init=False)
         model = smp.DistributedModel(plain)
+        if not delayed:
+            smp.resume_from_checkpoint(root, tag=f"{family}_hf.pt", partial=False)
         losses = hf_cases.train_wrapped(model, "gpt2", STEPS)
         kind = type(model.module).__name__
         results.append({"losses": losses, "state": model.state_dict(), "kind": kind})
+        smp.save_checkpoint(root, f"{family}_full", partial=False, model=model)
+        if not delayed:
+            smp.save_checkpoint(
+                root, f"{family}_smp", partial=False, model=model, translate_if_full=False
+            )
         smp.shutdown()
     dist.destroy_process_group()
     return results
 
 
-def test_translated_models_train_on_two_ranks_as_the_plain_models() -> None:
-    ranks = run_ranks(2, _train, timeout=180, env=hf_cases.HF_ENV)
+def test_translated_models_train_on_two_ranks_as_the_plain_models(tmp_path: Path) -> None:
+    """The mean loss and the parameters are the plain model's; the full checkpoints load
+    strictly into the plain HF models (``translate_if_full``, SMP's default); GPT-J's HF state
+    dict resumed into its translation gives the plain model's weights."""
+    ranks = run_ranks(2, _train, str(tmp_path), timeout=180, env=hf_cases.HF_ENV)
     for index, (family, options) in enumerate(TRAINED):
         first, second = ranks[0][index], ranks[1][index]
         expected = hf_cases.reference("gpt2", STEPS, model=_plain(family, **options))
@@ -223,9 +244,77 @@ def test_translated_models_train_on_two_ranks_as_the_plain_models() -> None:
         mean = [(first["losses"][s] + second["losses"][s]) / 2 for s in range(STEPS)]
         assert mean == pytest.approx(expected.losses, rel=1e-5), family
         back = TRANSLATIONS[family][0](second["state"])
-        _plain(family, **options).load_state_dict(back)  # strict: every key of the HF model
+        saved = torch.load(tmp_path / f"{family}_full", weights_only=True)
+        assert saved.keys() == back.keys()
+        _plain(family, **options).load_state_dict(saved)  # strict: every key of the HF model
         for key, value in expected.params.items():
             torch.testing.assert_close(back[key], value, rtol=1e-4, atol=1e-6, msg=key)
+            assert torch.equal(saved[key], back[key]), key
+    gpt_j = ranks[0][1]["state"]
+    with_smp_names = torch.load(tmp_path / "GPTJ_smp", weights_only=True)
+    assert with_smp_names.keys() == gpt_j.keys()
+    _resumes_and_translates(tmp_path, gpt_j)
+
+
+def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> None:
+    """In one process: GPT-J's full checkpoint with SMP's names resumes as it is, and
+    ``model.load_state_dict`` takes HF's; a ``translate_function`` is used in place of the automatic translation, and one returning
+    other keys fails naming them; so does an HF state dict with a key neither model has.
+    Options that would be ignored are refused: ``translate_function`` with a partial
+    checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism."""
+    family, options = TRAINED[1]
+    hf_file = root / f"{family}_hf.pt"
+    hf = torch.load(hf_file)
+    with single_process({}):
+        plain = _plain(family, seed=1, **options)
+        smp.set_tensor_parallelism(plain, zero_init=False)
+        model = smp.DistributedModel(plain)
+        smp.resume_from_checkpoint(root, tag=f"{family}_smp", partial=False)
+        resumed = {key: value.clone() for key, value in model.state_dict().items()}
+        calls: list[list[str]] = []
+
+        def spy(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            calls.append(sorted(state_dict))
+            translated = gptj.translate_hf_state_dict_to_smdistributed_gptj(state_dict)
+            return {key: value + 1 for key, value in translated.items()}
+
+        smp.resume_from_checkpoint(root, tag=hf_file.name, partial=False, translate_function=spy)
+        by_spy = {key: value.clone() for key, value in model.state_dict().items()}
+        model.load_state_dict(hf)  # SMP's model translates an HF state dict too
+        by_load = {key: value.clone() for key, value in model.state_dict().items()}
+        wrong = functools.partial(_renamed, "lm_head.weight", "lm_head.weights")
+        with pytest.raises(ModelParallelError) as wrong_keys:
+            smp.resume_from_checkpoint(
+                root, tag=hf_file.name, partial=False, translate_function=wrong
+            )
+        with pytest.raises(TypeError, match=r"returned list; allowed: a state dict \(dict\)"):
+            smp.resume_from_checkpoint(root, hf_file.name, partial=False, translate_function=list)
+        with pytest.raises(ValueError, match=r"function of a full state dict \(partial=False\)"):
+            smp.resume_from_checkpoint(root, tag=f"{family}_smp", translate_function=spy)
+        with pytest.raises(ValueError, match="sharded_data_parallel_degree above 1"):
+            smp.resume_from_checkpoint(root, f"{family}_smp", load_sharded_optimizer_state=False)
+        torch.save({**hf, "transformer.h.0.attn.extra": torch.zeros(1)}, hf_file)
+        with pytest.raises(ModelParallelError) as unknown:
+            smp.resume_from_checkpoint(root, tag=hf_file.name, partial=False)
+    for key, value in trained.items():
+        assert torch.equal(resumed[key], value), key
+    assert calls == [sorted(hf)]  # the file as saved, not translated before
+    for key, value in gptj.translate_hf_state_dict_to_smdistributed_gptj(hf).items():
+        assert torch.equal(by_spy[key], value + 1), key
+        assert torch.equal(by_load[key], value), key
+    assert (
+        f"translate_function {wrong!r} returned keys the model does not have: "
+        "['lm_head.weights']; missing the model's keys: ['lm_head.weight']"
+    ) in str(wrong_keys.value)
+    assert "'transformer.h.0.attn.extra'" in str(unknown.value)
+    assert "pass translate_function" in str(unknown.value)
+
+
+def _renamed(old: str, new: str, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-J's translation with key ``old`` named ``new``: a translate function gone wrong."""
+    translated = gptj.translate_hf_state_dict_to_smdistributed_gptj(state_dict)
+    translated[new] = translated.pop(old)
+    return translated
 
 
 def test_checkpointing_marks_on_a_parallel_layers_blocks_apply() -> None:

@@ -37,6 +37,7 @@ import shutil
 import sys
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,11 @@ import torch
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api import comm
-from dtrain.modelparallel.api.model import DEGREES_KEY, check_degrees
+from dtrain.modelparallel.api.model import DEGREES_KEY, DistributedModel, check_degrees
 from dtrain.modelparallel.api.precision import FP16_STATES
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
+from dtrain.modelparallel.tensor import translated
 from dtrain.sealed import broadcast_object
 
 NEWEST = "newest"
@@ -153,10 +155,14 @@ def save_checkpoint(
     model: Any = None,
     optimizer: Any = None,
     user_content: Any = None,
+    translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
 ) -> None:
     """Save a checkpoint under ``path`` (``smp.save_checkpoint``); every rank must call it.
 
+    ``translate_if_full``: a full checkpoint names the parameters of modules translated from
+    Hugging Face models (GPT-2, GPT-J, GPT-NeoX made SMP's ``DistributedTransformerLMHead``) as
+    the HF model does, so it loads into the plain model; False keeps SMP's names.
     ``num_kept_partial_checkpoints`` removes the oldest partial checkpoints beyond that many.
     On return the checkpoint is complete on every rank and ``path/newest`` names it.
     """
@@ -195,6 +201,8 @@ def save_checkpoint(
         if st.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             if model_state is not None:
+                if translate_if_full and isinstance(model, DistributedModel):
+                    model_state = translated.to_hf(model.get_module(), model_state)
                 torch.save(model_state, root / tag)
             if user_content is not None:
                 torch.save(user_content, root / f"user_content_{tag}")
@@ -248,14 +256,21 @@ def resume_from_checkpoint(
     partial: bool = True,
     strict: bool = True,
     load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     weights_only: bool = True,
 ) -> Any:
     """Load a checkpoint into the ``DistributedModel`` (and optimizer); returns user_content.
 
     ``tag=None`` loads the newest. Every rank loads its own partition's part (partial) or the
-    whole state (full); the model applies it once it is partitioned. Model and optimizer state
-    are always read as weights only; ``weights_only=False`` trusts ``user_content`` to hold
-    objects of the script's own classes.
+    whole state (full); the model applies it once it is partitioned. A full state with Hugging
+    Face's names for a module translated from an HF model is renamed to SMP's;
+    ``translate_function`` (full only) instead turns the state into the model's names, for
+    models dtrain does not translate. ``load_sharded_optimizer_state=False`` (sharded data
+    parallelism only) loads the fp16 states (the loss scaler) and the param groups' options, not
+    the parameters' optimizer state.
+    Model and optimizer state are always read as weights only; ``weights_only=False`` trusts
+    ``user_content`` to hold objects of the script's own classes.
     """
     st = state.current("smp.resume_from_checkpoint")
     model = state.current_model()
@@ -263,6 +278,8 @@ def resume_from_checkpoint(
         raise ModelParallelError(
             "smp.resume_from_checkpoint loads into the model: create smp.DistributedModel first"
         )
+    sharded = st.config["sharded_data_parallel_degree"] > 1
+    _check_resume_options(partial, sharded, load_sharded_optimizer_state, translate_function)
     root = Path(path)
     tag = newest_tag(root) if tag is None else _valid_tag(tag)
     if partial:
@@ -287,15 +304,67 @@ def resume_from_checkpoint(
                 )
             else:
                 optimizer_state = _read(optimizer_file)
+                if not load_sharded_optimizer_state:  # the groups' options, no state
+                    optimizer_state = {**optimizer_state, "state": {}}
                 fp16_file = folder / _rank_file(FP16_STATES, st, index)
                 if fp16_file.is_file():
                     optimizer_state[FP16_STATES] = _read(fp16_file)
                 optimizer.load_state_dict(optimizer_state)
         user_file = folder / USER_CONTENT
     else:
-        model.load_state_dict(_read(root / tag), strict=strict)
+        values = _read(root / tag)
+        if translate_function is not None:
+            values = _translated_by(translate_function, values, model, strict)
+        model.load_state_dict(values, strict=strict)
         user_file = root / f"user_content_{tag}"
     return _read_script_values(user_file, weights_only) if user_file.is_file() else None
+
+
+def _check_resume_options(
+    partial: bool,
+    sharded: bool,
+    load_sharded_optimizer_state: bool,
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None,
+) -> None:
+    """Options that would otherwise be ignored fail, naming what they need."""
+    if not load_sharded_optimizer_state and not sharded:
+        raise ValueError(
+            "smp.resume_from_checkpoint: load_sharded_optimizer_state=False applies to sharded "
+            "data parallelism only (sharded_data_parallel_degree above 1); without it, use "
+            "load_optimizer=False to skip the optimizer's state"
+        )
+    if translate_function is not None and (partial or not callable(translate_function)):
+        raise ValueError(
+            "smp.resume_from_checkpoint: translate_function must be a function of a full "
+            f"state dict (partial=False), got {translate_function!r} with partial={partial}"
+        )
+
+
+def _translated_by(
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]],
+    values: dict[str, Any],
+    model: Any,
+    strict: bool,
+) -> dict[str, Any]:
+    """``translate_function(values)``, which must be a state dict; with ``strict``, of exactly the
+    ``DistributedModel``'s keys: others fail here, naming them and the function."""
+    result = translate_function(values)
+    if not isinstance(result, dict):
+        raise TypeError(
+            f"smp.resume_from_checkpoint: translate_function {translate_function!r} returned "
+            f"{type(result).__name__}; allowed: a state dict (dict)"
+        )
+    if not strict or not isinstance(model, DistributedModel):  # its load_state_dict judges
+        return result
+    known = translated.state_keys(model.get_module())
+    unexpected = sorted(set(result) - known)
+    missing = sorted(known - set(result))
+    if unexpected or missing:
+        raise ModelParallelError(
+            f"smp.resume_from_checkpoint: translate_function {translate_function!r} returned "
+            f"keys the model does not have: {unexpected}; missing the model's keys: {missing}"
+        )
+    return result
 
 
 def _check_saved_degrees(folder: Path, st: MPState) -> None:

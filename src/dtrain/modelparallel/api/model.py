@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -50,7 +51,7 @@ from dtrain.modelparallel.plan.profile import (
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan
 from dtrain.modelparallel.scheduling.schedule import Schedule
-from dtrain.modelparallel.tensor import marks
+from dtrain.modelparallel.tensor import marks, translated
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 from dtrain.modelparallel.transport.message import error_body
 from dtrain.sealed import all_gather_objects, broadcast_object
@@ -90,10 +91,23 @@ TRACE_DEVICES = ("cpu", "gpu")
 """``DistributedModel(trace_device=...)``: where rank 0 profiles the whole model."""
 
 
-def trace_device_of(trace_device: str, device: torch.device) -> torch.device:
+def trace_device_of(trace_device: str, device: torch.device, tp_size: int = 1) -> torch.device:
     """Where a rank that computes on ``device`` profiles: ``"gpu"`` is its GPU (the CPU on a
-    rank without one), ``"cpu"`` the CPU (for a model that does not fit on one GPU)."""
-    return device if trace_device == "gpu" else torch.device("cpu")
+    rank without one), ``"cpu"`` the CPU (for a model that does not fit on one GPU).
+
+    With tensor parallelism the profiled forward runs the tp group's collectives, which NCCL
+    runs on the GPU only: a GPU rank then profiles on its GPU, and says so."""
+    if trace_device == "gpu" or device.type == "cpu":
+        return device
+    if tp_size > 1:
+        warnings.warn(
+            f"DistributedModel: trace_device='cpu' profiles on {device} with "
+            f"tensor_parallel_degree={tp_size}: the tensor-parallel group's collectives run "
+            "on the GPU",
+            stacklevel=3,
+        )
+        return device
+    return torch.device("cpu")
 
 
 def with_own_code(root: nn.Module) -> dict[str, str]:
@@ -434,7 +448,7 @@ class DistributedModel(nn.Module):
         st = self._state
         # The traced step leaves no trace: BatchNorm statistics and RNG states as found.
         snapshot = Snapshot(self.module, [], st.device.type == "cuda")
-        device = trace_device_of(self._trace_device, st.device)
+        device = trace_device_of(self._trace_device, st.device, st.tp_size)
         placed = nullcontext() if self._delayed() else moved_to(self.module, device)
         self._tracing.set()
         try:
@@ -570,14 +584,14 @@ class DistributedModel(nn.Module):
             for name, _ in self.module.named_modules()
         ]
         owners = {name: plan.owner(name) for name, _ in self.module.named_modules()}
-        recomputing = activations.checkpointing_partitions(self.module, owners) - {0}
         return pipeline_plan(
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            # coarse: one recomputing partition (0 never splits) turns splitting off for all
-            st.options.split_backward and not recomputing,
+            st.options.split_backward,
             self._plan_ordered(),
+            # their backwards recompute, so they run whole; the other partitions still split
+            activations.checkpointing_partitions(self.module, owners),
         )
 
     def pipeline_schedule(self) -> Schedule | RouteSchedule:
@@ -755,11 +769,14 @@ class DistributedModel(nn.Module):
         self, state_dict: dict[str, Any], strict: bool = True
     ) -> Any:
         """Load a full or a partial (``local_state_dict``) state; before the first step a
-        partial one is kept and applied once this rank knows its share."""
+        partial one is kept and applied once this rank knows its share. A full one may name a
+        translated module's keys as its HF original does (SMP's fine-tuning from HF weights)."""
         partial = bool(state_dict.get(PARTIAL_KEY, False))
         if partial and DEGREES_KEY in state_dict:
             check_degrees(state_dict[DEGREES_KEY], self._state, "load_state_dict")
         values = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, DEGREES_KEY)}
+        if not partial:  # a model translated from HF takes its original's names too, as SMP's
+            values = translated.from_hf(self.module, values)
         if self.sharding is not None:
             self.sharding.load(values, partial, strict)
             return None

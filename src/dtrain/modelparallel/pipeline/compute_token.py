@@ -20,6 +20,11 @@ module is the only place that holds its lock: it wakes the tasks the core grants
 and others change or read the core through :meth:`ComputeToken.decide`,
 :meth:`ComputeToken.ask` and :meth:`ComputeToken.wait_until`, never under a lock of their own.
 
+The process's random generators are shared by every thread: a task that forked them for a block
+(:mod:`.generators`) owns the fork (:attr:`Task.owned`), which the token sets aside when the task
+gives it up and puts back when the task has it again, so that the others draw from the
+process's generators meanwhile, not the block's.
+
 The thread that runs the user's script is the *main* task: it holds the token outside steps
 (:mod:`.lending` lends it to served requests during one).
 
@@ -39,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.scheduling.order import PlanRow
@@ -48,6 +53,26 @@ from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineRecorder
 
 T = TypeVar("T")
+
+_running = threading.local()
+"""The task each thread runs as (:meth:`ComputeToken.running`): a thread runs one task at a time,
+so code that has no token at hand (a tensor-parallel region) finds its task here."""
+
+
+def running_task() -> Task | None:
+    """The task the calling thread runs as, if any (never the main task)."""
+    return getattr(_running, "task", None)
+
+
+class Owned(Protocol):
+    """Process-wide state a task has set up (a forked random generator: see :mod:`.generators`)
+    that is the task's only while it holds the token."""
+
+    def leave(self) -> None:
+        """The task gives the token up: put the state aside, put the process's back."""
+
+    def resume(self) -> None:
+        """The task holds the token again: put the state back."""
 
 
 @dataclass(eq=False)
@@ -67,6 +92,9 @@ class Task(Work):
     """Requests this task queued instead of sending (see :class:`ComputeToken`)."""
     called: int | None = None
     """The partition a leader task's forward called last."""
+    owned: list[Owned] = field(default_factory=list, repr=False)
+    """What the task holds only with the token, innermost last: set aside before another task
+    may take the token, put back once this one has it again."""
 
 
 class ComputeToken:
@@ -93,7 +121,6 @@ class ComputeToken:
         self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
         """Every decision; read and changed only with ``_cv`` held."""
         self._cv = threading.Condition()
-        self._local = threading.local()
         self.recorder = TimelineRecorder(pp_rank)
         self._progress = time.monotonic()
         self.acquire(self.main)
@@ -193,10 +220,14 @@ class ComputeToken:
             task.recording = True
             task.started = self._now()
             self._progress = time.monotonic()
+            for owned in task.owned:
+                owned.resume()
 
     def release(self, task: Task, grant: bool = True) -> None:
         """``task`` gives the token back; it goes on at once unless not ``grant``."""
         with self._cv:
+            for owned in reversed(task.owned):
+                owned.leave()
             self.core.release(task)
             self._record(task)
             task.holding = False
@@ -254,7 +285,7 @@ class ComputeToken:
 
         The main task never counts: code running there is outside any step.
         """
-        task = getattr(self._local, "task", None)
+        task = running_task()
         if task is None:
             holder = self.core.holder
             task = holder if isinstance(holder, Task) and holder.role != "main" else None
@@ -263,12 +294,12 @@ class ComputeToken:
     @contextmanager
     def running(self, task: Task) -> Iterator[Task]:
         """This thread runs as ``task`` (:meth:`current`) meanwhile."""
-        previous = getattr(self._local, "task", None)
-        self._local.task = task
+        previous = running_task()
+        _running.task = task
         try:
             yield task
         finally:
-            self._local.task = previous
+            _running.task = previous
 
     @contextmanager
     def serving(self, task: Task) -> Iterator[Task]:

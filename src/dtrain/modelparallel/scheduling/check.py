@@ -4,6 +4,9 @@ and free of deadlock."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from dtrain.modelparallel.scheduling.costs import check_partitions
 from dtrain.modelparallel.scheduling.rules import (
     Flight,
     backward_phases,
@@ -22,11 +25,13 @@ from dtrain.modelparallel.scheduling.schedule import (
 )
 
 
-def check(schedule: Schedule) -> None:
+def check(schedule: Schedule, whole_partitions: Collection[int] = ()) -> None:
     """Raise :class:`ScheduleError` listing every rule ``schedule`` breaks.
 
     Rules: each rank runs ``F`` and ``B`` (or its halves ``I`` then ``W``) of each microbatch of
-    its own stage exactly once, ``F`` before the backward; every send has exactly one matching
+    its own stage exactly once, ``F`` before the backward, and the ranks of
+    ``whole_partitions`` (which recompute checkpointed modules) only ``B``, so one plan may
+    mix split and whole backwards, per rank and per microbatch; every send has exactly one matching
     receive on the neighbouring rank (forward results go to the next stage, gradients to the
     previous), received before use and sent after being computed; ``simple`` runs all forwards
     before any backward; no rank has more than ``active_microbatches`` in flight (forwarded,
@@ -35,6 +40,7 @@ def check(schedule: Schedule) -> None:
     """
     problems: list[str] = []
     stages = schedule.stages
+    check_partitions("whole_partitions", whole_partitions, stages)
     policy = schedule.policy
     for rank, rank_actions in enumerate(schedule.actions):
         where = f"rank {rank}"
@@ -60,6 +66,8 @@ def check(schedule: Schedule) -> None:
                     f"{where}: microbatch {mb} needs B{mb}, or I{mb} and W{mb}, once each; got "
                     + ", ".join(f"{n} {k}{mb}" for k, n in zip("BIW", halves, strict=True))
                 )
+            elif rank in whole_partitions and halves != halves_allowed[False]:
+                problems.append(f"{where}: B{mb} is split, but this rank's backwards run whole")
             for kind in ("F", *MESSAGE_KINDS):
                 count = len(positions.get((kind, mb), []))
                 if kind not in expected and count:

@@ -4,7 +4,7 @@ the ideal makespan they allow."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -97,6 +97,13 @@ def is_number(value: object) -> bool:
 def check_positive_int(name: str, value: object) -> None:
     if not is_int(value) or value < 1:  # type: ignore[operator]
         raise ValueError(f"{name}: got {value!r}; must be a positive integer")
+
+
+def check_partitions(name: str, partitions: Collection[int], count: int) -> None:
+    """Each of ``partitions`` is a partition number below ``count``."""
+    wrong = [p for p in partitions if not is_int(p) or not 0 <= p < count]
+    if wrong:
+        raise ValueError(f"{name}: got {wrong[0]!r}; allowed: partitions 0 to {count - 1}")
 
 
 def per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:

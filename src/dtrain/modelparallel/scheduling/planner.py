@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Collection
 from dataclasses import replace
 
 from dtrain.modelparallel.scheduling.costs import (
     Costs,
+    check_partitions,
     check_positive_int,
 )
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy, check_pipeline
@@ -33,6 +35,7 @@ def build_schedule(
     active_microbatches: int | None = None,
     split_backward: bool = True,
     costs: Costs | None = None,
+    whole_partitions: Collection[int] = (),
 ) -> Schedule:
     """The action lists SMP's ``pipeline`` runs on ``stages`` ranks for ``microbatches``: what
     the runtime's :class:`~.policy.SchedulePolicy` does when the work costs ``costs``
@@ -43,7 +46,8 @@ def build_schedule(
     ``active_microbatches < microbatches`` is built as ``interleaved`` (SMP's rule): check
     ``Schedule.pipeline`` for the pipeline actually used. With ``split_backward`` the
     backwards :func:`zero_bubble_policy` chooses are ``I``, its send, and a ``W`` placed where
-    the stage would otherwise wait.
+    the stage would otherwise wait; never those of ``whole_partitions`` (stage numbers here),
+    whose backwards run whole.
     """
     check_pipeline(pipeline)
     check_positive_int("stages", stages)
@@ -56,27 +60,36 @@ def build_schedule(
         costs = Costs.per_stage(stages, split_overhead=SPLIT_OVERHEAD)
     policy = SchedulePolicy.for_config(pipeline, microbatches, active_microbatches)
     if split_backward:
-        policy = zero_bubble_policy(policy, stages, costs)
+        policy = zero_bubble_policy(policy, stages, costs, whole_partitions=whole_partitions)
     return schedule_of(policy, stages, costs)
 
 
 def zero_bubble_policy(
-    policy: SchedulePolicy, stages: int, costs: Costs, route: tuple[int, ...] | None = None
+    policy: SchedulePolicy,
+    stages: int,
+    costs: Costs,
+    route: tuple[int, ...] | None = None,
+    whole_partitions: Collection[int] = (),
 ) -> SchedulePolicy:
     """``policy`` with the backwards split whose weight halves shorten the step most (over
-    ``route``'s stages, see :func:`route_orders`).
+    ``route``'s stages, see :func:`route_orders`), none on the partitions (ranks) of
+    ``whole_partitions``: theirs run whole (they recompute checkpointed modules, which a split
+    would recompute once per autograd call, see :mod:`..pipeline.split_backward`).
 
     A stage's weight halves, run when nothing else is ready, fill the drain, where the stage
     would wait while the stages before it do their last backwards; the sooner input halves
     also start those backwards sooner. Each split costs ``costs.split_overhead``. From the
     last stage to the second, each stage's count of split backwards (among the step's last
     microbatches) is the one whose plan ends soonest, the fewest among equals; the first
-    stage sends no gradients and never splits, nor does the leader's stage of a route.
+    stage sends no gradients and never splits, nor does the leader's stage of a route. The
+    other stages' counts are chosen with those backwards whole, so one plan mixes both.
     """
+    ranks = route if route is not None else tuple(range(stages))
+    check_partitions("whole_partitions", whole_partitions, max(ranks, default=0) + 1)
     best = policy
     best_time = _run_policy(best, stages, costs, route)[1]
     for stage in range(stages - 1, 0, -1):
-        if route is not None and route[stage] == 0:
+        if ranks[stage] == 0 or ranks[stage] in whole_partitions:
             continue
         for count in range(1, min(policy.microbatches, 2 * stage + 2) + 1):
             split = [*best.split, *[0] * (stages - len(best.split))]

@@ -11,7 +11,7 @@ visit)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from dtrain.modelparallel.errors import ModelParallelError
@@ -95,10 +95,12 @@ def pipeline_plan(
     modules: list[tuple[int, float]],
     split_backward: bool,
     ordered: bool,
+    whole_partitions: Collection[int] = (),
 ) -> Schedule | RouteSchedule:
     """The plan of a step: each partition's actions for ``policy``, with the backwards that
-    shorten it most split if ``split_backward``, from each partition's ``stage_times``
-    (zeros: unknown) and the model's ``modules`` as ``(owner, seconds)`` in forward order.
+    shorten it most split if ``split_backward`` (none of ``whole_partitions``, which run their
+    backwards whole), from each partition's ``stage_times`` (zeros: unknown) and the model's
+    ``modules`` as ``(owner, seconds)`` in forward order.
 
     Where the runtime follows the plan (``ordered``: ``deterministic_server``, tensor
     parallelism) and the modules' order takes a microbatch back to partition 0 (a head tied to
@@ -110,7 +112,9 @@ def pipeline_plan(
     if not ordered or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)
         if split_backward:
-            policy = zero_bubble_policy(policy, len(stage_times), costs)
+            policy = zero_bubble_policy(
+                policy, len(stage_times), costs, whole_partitions=whole_partitions
+            )
         return schedule_of(policy, len(stage_times), costs)
     try:
         check_route(route)
@@ -123,6 +127,6 @@ def pipeline_plan(
         ) from None
     costs = Costs.of_stages(route_times, SPLIT_OVERHEAD)
     if split_backward:
-        policy = zero_bubble_policy(policy, len(route), costs, route)
+        policy = zero_bubble_policy(policy, len(route), costs, route, whole_partitions)
     rows = route_orders(policy, route, costs)
     return RouteSchedule(route, policy, tuple(tuple(row) for row in rows))

@@ -17,9 +17,12 @@ accordingly). Activations in the region are the same on every rank of the group,
 must draw the same masks there: the outermost module runs under one seed, drawn by the group's
 first rank from its own generator (at tp 1 by the process, so one process draws the masks the
 group does), and sent with the shape of every rank's input, which must agree (one small
-all-gather per outermost forward). A layer checkpointed inside the region is recomputed in it
-too: the region's depth is restored around the recomputation, and the checkpoint restores the
-generator, so the recomputation draws the same masks.
+all-gather per outermost forward). The region's fork of the generators is its task's
+(:mod:`..pipeline.generators`): while the region waits for another partition, the tasks that
+compute meanwhile draw from the process's generators, so the rank's draws outside regions stay
+its own. A layer checkpointed inside the region is recomputed in it too: the region's depth is
+restored around the recomputation, and the checkpoint restores the generator, so the
+recomputation draws the same masks.
 
 With pipelines the region may call a module another partition owns: the request carries the
 region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
@@ -45,7 +48,7 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import hooks, modes
+from dtrain.modelparallel.pipeline import generators, hooks, modes
 from dtrain.modelparallel.pipeline.activations import restore_on_recompute
 from dtrain.modelparallel.pipeline.remote import materialize
 
@@ -141,8 +144,7 @@ def scaled_batch(
     devices = [st.device] if st.device.type == "cuda" else []
     _inside.depth = 1
     try:
-        with torch.random.fork_rng(devices=devices), modes.tensor_region():
-            torch.manual_seed(seed)
+        with generators.forked(seed, devices), modes.tensor_region():
             yield ScaledBatch(None if gathered else st.tp_process_group)
     finally:
         _inside.depth = 0
@@ -174,23 +176,22 @@ MAX_DIMS = 4
 features; further ones are compared through the gather itself)."""
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int64)
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+"""Every dtype of this torch (torch names each one of them), in the order of their names: a
+dtype's index is its code in :func:`agree`, its own (two dtypes sharing a code would pass the
+check, then gather mismatched bytes) and the same on every rank running this torch."""
 
 
 def _signature(value: torch.Tensor | None) -> list[int]:
     """What decides a further input's gather: whether it is there, its rows, its dtype."""
     if value is None:
         return [0, 0, 0]
-    code = _DTYPES.index(value.dtype) + 1 if value.dtype in _DTYPES else len(_DTYPES) + 1
-    return [1, int(value.shape[0]) if value.dim() else -1, code]
+    return [1, int(value.shape[0]) if value.dim() else -1, _DTYPES.index(value.dtype)]
 
 
 def _described(signature: list[int]) -> str:
     present, rows, code = signature
-    if not present:
-        return "none"
-    dtype = _DTYPES[code - 1] if code <= len(_DTYPES) else "another dtype"
-    return f"{rows} rows of {dtype}"
+    return f"{rows} rows of {_DTYPES[code]}" if present else "none"
 
 
 def agree(

@@ -44,9 +44,6 @@ class Registration:
     init_hook: Callable[..., Args] | None = None
     forward_hook: Callable[..., Args] | None = None
     return_hook: Callable[[Any], Any] | None = None
-    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    """dtrain's built-in translations only: the original's state dict under the distributed
-    module's names, so the swap keeps its weights."""
 
 
 _registered: dict[type[nn.Module], Registration] = {}

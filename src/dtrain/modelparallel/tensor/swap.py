@@ -16,6 +16,7 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.tensor import marks, shards
+from dtrain.modelparallel.tensor import marks, shards, translated
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
@@ -59,13 +60,20 @@ family split in place (:mod:`.huggingface.inplace`) is translated only with SMP'
 distributed-transformer intent (:func:`_translates`)."""
 
 
-def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
-    if kind in BUILT_IN:
-        return BUILT_IN[kind]
+def _hugging_face(kind: type[nn.Module]) -> ModuleType | None:
+    """The :mod:`.huggingface` module translating Hugging Face's class ``kind``, or None."""
     name = HUGGING_FACE.get(f"{kind.__module__}.{kind.__qualname__}")
     if name is None:
         return None
-    translation = importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}")
+    return importlib.import_module(f"dtrain.modelparallel.tensor.huggingface.{name}")
+
+
+def _built_in(kind: type[nn.Module]) -> tuple[marks.Registration, Any] | None:
+    if kind in BUILT_IN:
+        return BUILT_IN[kind]
+    translation = _hugging_face(kind)
+    if translation is None:
+        return None
     return translation.REGISTRATION, translation.args_of
 
 
@@ -193,7 +201,13 @@ def _swapped(module: nn.Module) -> nn.Module | None:
         positional, keywords = registration.init_hook(*positional, **keywords)
     keywords = {**keywords, **_accepted(registration.dist_module, mark.options)}
     dist = _created_as(module, lambda: registration.dist_module(*positional, **keywords))
-    _copy_weights(module, dist, registration.translate)
+    hugging_face = _hugging_face(kind) if built_in is not None else None
+    translation = None
+    if hugging_face is not None:  # by the model's own config (GPT-NeoX's head count)
+        to_hf, from_hf = hugging_face.translations(module.config)
+        translation = translated.Translation(kind.__name__, to_hf, from_hf)
+        translated.record(dist, translation)  # full checkpoints translate both ways too
+    _copy_weights(module, dist, translation.from_hf if translation is not None else None)
     dist.train(module.training)
     forward_hook, return_hook = registration.forward_hook, registration.return_hook
     if forward_hook is not None:
@@ -235,16 +249,6 @@ def _accepted(dist_module: type[nn.Module], options: dict[str, Any]) -> dict[str
     return {key: value for key, value in options.items() if key in names}
 
 
-def _state_keys(module: nn.Module) -> set[str]:
-    """The keys of ``module.state_dict()``, without computing it (a DTensor's is a gather)."""
-    keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                keys.add(f"{prefix}.{name}" if prefix else name)
-    return keys
-
-
 def _made(module: nn.Module) -> None:
     """A module created without memory made whole (with its eager values) before it is
     swapped: the one module whole at a time."""
@@ -261,7 +265,7 @@ def _copy_weights(
     if translate is not None:
         dist.load_state_dict(translate(original.state_dict()))
         return
-    if _state_keys(original) == _state_keys(dist):
+    if translated.state_keys(original) == translated.state_keys(dist):
         dist.load_state_dict(original.state_dict())
         return
     warnings.warn(

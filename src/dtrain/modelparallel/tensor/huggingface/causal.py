@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,17 +68,22 @@ COMMON = {
 the model's final norm as the last layer's after its output, no position table."""
 
 
-def registration(what: str, init_hook: Any, translate: Any) -> Registration:
-    """A family's registration: its init hook and translation, the shared forward and return
-    hooks."""
+def registration(what: str, init_hook: Any) -> Registration:
+    """A family's registration: its init hook, the shared forward and return hooks (its
+    weights are translated by its ``translations``)."""
     return Registration(
         DistributedTransformerLMHead,
         init_hook=init_hook,
         forward_hook=functools.partial(forward_inputs, what),
         return_hook=output,
-        translate=translate,
     )
 
+
+Translations = tuple[
+    Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+]
+"""A family's state-dict translations: to HF's names, and from them."""
 
 Names = tuple[tuple[str, str], ...]
 """Module paths of one model and another's, ``{n}`` standing for a layer's number and

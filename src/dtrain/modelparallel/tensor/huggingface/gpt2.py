@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.huggingface.causal import Translations
 from dtrain.modelparallel.tensor.marks import Args, Registration
 from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
 
@@ -225,12 +226,17 @@ def _block_key(prefix: str, name: str, kind: str) -> str:
     return f"{prefix}.{names[name]}.{kind}"
 
 
+def translations(config: Any) -> Translations:
+    """The state-dict translations to HF's names and from them (a checkpoint's)."""
+    del config
+    return translate_state_dict_to_hf_gpt2, translate_hf_state_dict_to_smdistributed
+
+
 REGISTRATION = Registration(
     DistributedTransformerLMHead,
     init_hook=init_hook,
     forward_hook=forward_hook,
     return_hook=return_hook,
-    translate=translate_hf_state_dict_to_smdistributed,
 )
 
 

@@ -120,4 +120,11 @@ def translate_state_dict_to_hf_gptj(
 translate_hf_gptj_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_gptj
 """SMP's older name."""
 
-REGISTRATION = causal.registration(WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptj)
+
+def translations(config: Any) -> causal.Translations:
+    """The state-dict translations to HF's names and from them (a checkpoint's)."""
+    del config
+    return translate_state_dict_to_hf_gptj, translate_hf_state_dict_to_smdistributed_gptj
+
+
+REGISTRATION = causal.registration(WHAT, init_hook)

@@ -20,6 +20,7 @@ count, which ``num_attention_heads`` names or the one config translated since th
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -200,6 +201,15 @@ def translate_state_dict_to_hf_gptneox(
 translate_hf_gptneox_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_gptneox
 """SMP's older name, which takes ``max_seq_len`` too."""
 
-REGISTRATION = causal.registration(
-    WHAT, init_hook, translate_hf_state_dict_to_smdistributed_gptneox
-)
+
+def translations(config: Any) -> causal.Translations:
+    """The state-dict translations to HF's names and from them (a checkpoint's), by the head
+    count of the model's own config, whatever other configs were translated."""
+    heads = {"num_attention_heads": config.num_attention_heads}
+    return (
+        functools.partial(translate_state_dict_to_hf_gptneox, **heads),
+        functools.partial(translate_hf_state_dict_to_smdistributed_gptneox, **heads),
+    )
+
+
+REGISTRATION = causal.registration(WHAT, init_hook)

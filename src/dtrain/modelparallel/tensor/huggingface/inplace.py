@@ -255,8 +255,9 @@ def attention_dropout(config: Any, family: Family, degree: int) -> float:
             f"attn_implementation={implementation!r} is not supported at "
             f"tensor_parallel_degree {degree}: {implementation} draws the dropout mask of the "
             "rank's heads inside its kernel, unlike the one a single process draws for all "
-            f"heads; allowed: attn_implementation='eager' (from_pretrained / from_config "
-            f"argument), or config.{name}=0"
+            "heads; allowed: attn_implementation='eager' (an argument of from_pretrained / "
+            "from_config, or model.set_attn_implementation('eager') before wrapping), or "
+            f"{name}=0 in the config the model is created from"
         )
     return probability
 

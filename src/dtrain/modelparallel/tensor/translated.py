@@ -1,0 +1,104 @@
+"""Which modules of a model were translated from Hugging Face ones, and the model's full state
+dict under HF's names and back (SMP's ``translate_if_full`` and automatic translation of full
+checkpoints).
+
+A Hugging Face model swapped for SMP's ``DistributedTransformerLMHead`` (:mod:`.swap`) has SMP's
+parameter names, so its ``state_dict()`` does not load into the plain HF model, nor an HF state
+dict (``from_pretrained(...).state_dict()``, as AWS's fine-tuning scripts save) into it. The swap
+records each such module's translations here; a checkpoint then renames the keys under the
+module's path either way and leaves the others. Imports no DTensor: checkpoints of models
+without tensor parallelism ask too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from dtrain.modelparallel.errors import ModelParallelError
+
+StateDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Translation:
+    """How one swapped module's state dict becomes its Hugging Face original's and back."""
+
+    source: str
+    """The original's class name (for messages)."""
+    to_hf: Callable[[StateDict], StateDict]
+    from_hf: Callable[[StateDict], StateDict]
+
+
+_recorded: weakref.WeakKeyDictionary[nn.Module, Translation] = weakref.WeakKeyDictionary()
+
+
+def record(module: nn.Module, translation: Translation) -> None:
+    """``module`` replaced a Hugging Face model that ``translation`` translates."""
+    _recorded[module] = translation
+
+
+def _translated(root: nn.Module) -> list[tuple[str, nn.Module, Translation]]:
+    """``(path, module, translation)`` of each recorded module under ``root`` (never nested: a
+    swapped module's submodules are its own)."""
+    return [
+        (path, module, _recorded[module])
+        for path, module in root.named_modules()
+        if module in _recorded
+    ]
+
+
+def state_keys(module: nn.Module) -> set[str]:
+    """The keys of ``module.state_dict()``, without computing it (a DTensor's is a gather)."""
+    keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                keys.add(f"{prefix}.{name}" if prefix else name)
+    return keys
+
+
+def _under(path: str, state_dict: StateDict) -> tuple[StateDict, StateDict]:
+    """``state_dict`` split into the keys under module ``path`` (the path taken off) and the
+    others."""
+    if not path:
+        return dict(state_dict), {}
+    start = f"{path}."
+    inside = {k[len(start) :]: v for k, v in state_dict.items() if k.startswith(start)}
+    return inside, {k: v for k, v in state_dict.items() if not k.startswith(start)}
+
+
+def _prefixed(path: str, state_dict: StateDict) -> StateDict:
+    return {f"{path}.{k}" if path else k: v for k, v in state_dict.items()}
+
+
+def to_hf(root: nn.Module, state_dict: StateDict) -> StateDict:
+    """``root``'s full state dict with each translated module's keys under its original's names:
+    a model translated whole loads into the plain HF model."""
+    for path, _, translation in _translated(root):
+        inside, others = _under(path, state_dict)
+        state_dict = others | _prefixed(path, translation.to_hf(inside))
+    return state_dict
+
+
+def from_hf(root: nn.Module, state_dict: StateDict) -> StateDict:
+    """A full state dict for ``root`` whose translated modules' keys may be their HF originals'
+    names: those are renamed; keys that are the module's own already stay."""
+    for path, module, translation in _translated(root):
+        inside, others = _under(path, state_dict)
+        if not inside or set(inside) <= state_keys(module):
+            continue
+        try:
+            renamed = translation.from_hf(inside)
+        except ModelParallelError as exc:
+            where = f"under {path!r}" if path else "of the model"
+            raise ModelParallelError(
+                f"the full state dict's keys {where} are neither the distributed module's nor "
+                f"{translation.source}'s: {exc}; pass translate_function to translate them"
+            ) from exc
+        state_dict = others | _prefixed(path, renamed)
+    return state_dict
