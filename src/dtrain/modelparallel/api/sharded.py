@@ -23,6 +23,12 @@ the data-parallel group and averaged (or summed) over microbatches, as pipelines
 failure on one rank leaves the others waiting in a collective until the process group's
 timeout (``DTRAIN_MP_TIMEOUT``).
 
+**Tensor parallelism.** With ``tensor_parallel_degree`` above 1 the tp group's DTensors
+(split when the model is wrapped, on ``MPState.tensor_mesh``, which ``smp.init`` slices from
+the same mesh as the sharding one, as FSDP2 requires) are sharded again over the shard group:
+each rank holds its shard of its tp slice. Gradients are completed to tensor parallelism's
+averages after each step (:meth:`ShardedModel._average_over_tp_group`).
+
 **Activation checkpointing.** ``smp.set_activation_checkpointing``'s marks, made before or
 after wrapping, are applied at the first step (:meth:`ShardedModel._checkpoint_marked`): a
 marked module's forward runs under torch's non-reentrant checkpoint inside its FSDP2 hooks.
