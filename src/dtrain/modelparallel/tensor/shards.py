@@ -144,6 +144,23 @@ def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
+def from_first_rank(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a plain module's state dict) as the tp group's first rank holds them. A
+    swapped module's shards are cut locally from whole values (:func:`shard_of`), and ranks may
+    have created the plain module with generators seeded apart: without this the group would
+    hold the shards of different tensors, and replicas that differ."""
+    st = state.current("smp.DistributedModel")
+    if st.tp_size == 1:
+        return values
+    same: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(st.device).contiguous()
+            dist.broadcast(value, src=st.tp_group[0], group=st.tp_process_group)
+        same[key] = value
+    return same
+
+
 def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
     """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
     value cut into this rank's shard, or this rank's saved part wrapped as one."""
