@@ -1,8 +1,9 @@
 """The scaled-batch region at its edges: with dropout on (embeddings, attention probabilities,
 hidden states) and layers checkpointed inside it, an LM head on two tensor-parallel ranks
 trains to the losses and parameters of one process drawing from the same generator, with and
-without prescaled_batch; ranks bringing batches of different shapes fail naming them; a
-checkpointing mark on a swapped module moves to its distributed module."""
+without prescaled_batch; ranks bringing batches of different shapes (with prescaled_batch,
+different rows) fail naming them; a checkpointing mark on a swapped module moves to its
+distributed module."""
 
 from __future__ import annotations
 
@@ -98,6 +99,23 @@ def _mismatched() -> list[str]:
     return errors
 
 
+def _other_rows() -> list[str]:
+    """With prescaled_batch, each rank brings rows of its own (sharded by dp_rank, not
+    rdp_rank) of one shape, to a transformer layer and a DistributedLinear."""
+    layer = smp.nn.DistributedTransformerLayer(
+        num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16
+    )
+    linear = smp.nn.DistributedLinear(8, 4)
+    rows = torch.arange(32.0).reshape(4, 8) + smp.dp_rank()
+    errors = []
+    for call in (lambda: layer((rows[:, None], None)), lambda: linear(rows)):
+        try:
+            call()
+        except ModelParallelError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def _swapped_mark() -> tuple[bool, float]:
     """A Linear marked for checkpointing, then swapped: its distributed module is checkpointed."""
     torch.manual_seed(SEED)
@@ -121,7 +139,9 @@ def _on_ranks(prescaled: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["trained"] = _train("layer" if prescaled else "layers")
     smp.reset()
-    if not prescaled:
+    if prescaled:
+        out["errors"] = _other_rows()
+    else:
         out["errors"] = _mismatched()
         out["swapped"] = _swapped_mark()
     return out
@@ -142,6 +162,16 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     mean = [sum(rank["trained"][0][step] for rank in ranks) / 2 for step in range(STEPS)]
     assert mean == pytest.approx(losses, rel=1e-5)
     if prescaled:
+        rule = (
+            "with prescaled_batch=True every rank of tensor-parallel group [0, 1] must bring the "
+            "same batch, but rank(s) [1] bring other rows than rank 0; shard the data by "
+            "smp.rdp_rank() over smp.rdp_size(), not by smp.dp_rank()"
+        )
+        for rank in ranks:
+            assert rank["errors"] == [
+                f"smp.nn.{name}: {rule}"
+                for name in ("DistributedTransformerLayer", "DistributedLinear")
+            ]
         return
     group = "smp.nn.{}: the ranks of tensor-parallel group [0, 1] bring inputs of different shapes"
     rule = "with prescaled_batch=False every rank of a tp group must bring as many rows"
