@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +124,26 @@ def same_names(state_dict: dict[str, Any], max_seq_len: int | None = None) -> di
     (``max_seq_len``, SMP's argument, is not needed either)."""
     del max_seq_len
     return dict(state_dict)
+
+
+def hooks_refused(what: str, swapped: str, works: str) -> Callable[[], NoReturn]:
+    """SMP's getter ``what`` of hooks that swap ``swapped`` for an ``smp.nn`` module, which
+    dtrain does not do: calling it fails, naming ``works``, the way that does."""
+
+    def refused() -> NoReturn:
+        raise ModelParallelError(f"{what}: {swapped} is not supported by dtrain; {works}")
+
+    refused.__name__ = refused.__qualname__ = what.rpartition(".")[2]
+    return refused
+
+
+def in_place(model: str) -> str:
+    """How a model split in place is made tensor-parallel (the way :func:`hooks_refused`
+    names)."""
+    return (
+        f"create the whole {model} model inside smp.tensor_parallelism() or mark it with "
+        "smp.set_tensor_parallelism, and it is split in place"
+    )
 
 
 def family_of(kind: type[nn.Module]) -> str | None:
