@@ -282,3 +282,19 @@ def test_a_gpt2_block_translates_to_a_distributed_layer_and_back() -> None:
     assert back.keys() == block.state_dict().keys()
     for key, value in block.state_dict().items():
         assert torch.equal(back[key], value), key
+
+
+def test_a_built_in_swap_that_cannot_honour_an_argument_keeps_the_module_with_a_warning() -> None:
+    """As SMP leaves a module it cannot distribute; an ``smp.nn`` module asked for it fails."""
+    with smp.tensor_parallelism():
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+    kept = model[0]
+    kept_as_it_is = r"module '0' \(Embedding\) is kept as it is, not distributed: "
+    with pytest.warns(UserWarning, match=kept_as_it_is + r".* does not implement max_norm=1\.0"):
+        swap.distribute(model)
+    assert model[0] is kept and type(model[1]) is smp.nn.DistributedLinear
+    with pytest.raises(ModelParallelError, match=r"max_norm=1\.0 is not supported by dtrain"):
+        smp.nn.DistributedEmbedding(10, 4, max_norm=1.0)
+    assert smp.nn.DistributedEmbedding(10, 4, vocab_parallel=False).embedding_dim == 4
+    with pytest.raises(ModelParallelError, match="vocab_parallel=True is not supported"):
+        smp.nn.DistributedEmbedding(10, 4, vocab_parallel=True)
