@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -158,6 +159,29 @@ IN_PLACE_DEFAULTS = {**UNSUPPORTED_EXTRAS, "distribute_embedding": False}
 layers, so only their defaults describe it."""
 
 
+HALF_PRECISION_SWITCHES = ("attention_in_fp32", "query_key_layer_scaling")
+"""SMP's switches for its attention's stability in fp16 and bf16 (``smp.nn`` attention)."""
+
+
+def _warn_switches_without_effect(
+    what: str, options: Mapping[str, Any], model: nn.Module, st: state.MPState
+) -> None:
+    """SMP's half-precision switches act in its distributed transformer, which SMP swapped
+    these families' layers for; split in place, HF's attention runs as written and they change
+    nothing. In half precision that is said, once per family and switch (Python's default
+    warning filter shows a message once per place)."""
+    half = st.config["fp16"] or st.config["bf16"]
+    half = half or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    for name in HALF_PRECISION_SWITCHES:
+        if half and options.get(name):
+            warnings.warn(
+                f"{what}: {name}=True has no effect on a model split in place (its attention "
+                "runs as Hugging Face wrote it); it takes effect in smp.nn attention "
+                "(DistributedTransformerLMHead, DistributedTransformerLayer, ...)",
+                stacklevel=2,
+            )
+
+
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
     """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's. Each
     transformer layer is split on its own, so a model created without memory has one layer
@@ -168,6 +192,7 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     if family.check is not None:
         family.check(config)
     st = state.current(what)
+    _warn_switches_without_effect(what, options, model, st)
     degree = st.tp_size
     dropping = degree > 1 and attention_dropout(config, family, degree) > 0
     split_dropout = family.split_dropout
