@@ -24,6 +24,9 @@ from dtrain.modelparallel.tensor.output import DistributedTransformerOutputLayer
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 
+NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+"""Parameters a keyword can name."""
+
 
 def _check_layernorms(
     what: str, pre_layernorm: bool, post_layernorm: bool, single_pre_layernorm: bool
@@ -44,9 +47,6 @@ def _known(what: str, given: Mapping[str, Any], *takers: Callable[..., Any]) -> 
     unknown = sorted(set(given) - known)
     if unknown:
         raise TypeError(f"{what}: unexpected argument(s) {unknown}")
-
-
-NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _positional(what: str, last: str, beyond: tuple[Any, ...]) -> None:
@@ -177,37 +177,36 @@ class DistributedTransformer(DistributedModule):
     ``forward((hidden_states, attention_mask))`` →
     ``(output, attention_mask)``; the tp group's batches are gathered once for all layers."""
 
+    POSITIONAL = (
+        "num_attention_heads",
+        "attention_head_size",
+        "hidden_size",
+        "intermediate_size",
+        "attention_dropout_prob",
+        "hidden_dropout_prob",
+        "activation",
+        "layernorm_epsilon",
+    )
+    """The layers' arguments SMP takes after ``num_layers`` by position, in its order (every
+    version's; the layer's defaults are SMP's)."""
+
     def __init__(
         self,
         num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        *beyond: Any,
+        *positional: Any,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
         **layer: Any,
     ) -> None:
         super().__init__()
-        _positional(self.what, "layernorm_epsilon", beyond)
+        _positional(self.what, self.POSITIONAL[-1], positional[len(self.POSITIONAL) :])
+        twice = sorted(set(self.POSITIONAL[: len(positional)]) & set(layer))
+        if twice:
+            raise TypeError(f"{self.what}: got multiple values for {twice}")
+        layer.update(zip(self.POSITIONAL, positional, strict=False))
         _known(self.what, layer, DistributedTransformerLayer)
         single = layer.get("single_pre_layernorm", False)
         _check_layernorms(self.what, pre_layernorm, post_layernorm, single)
-        layer.update(
-            num_attention_heads=num_attention_heads,
-            attention_head_size=attention_head_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            attention_dropout_prob=attention_dropout_prob,
-            hidden_dropout_prob=hidden_dropout_prob,
-            activation=activation,
-            layernorm_epsilon=layernorm_epsilon,
-        )
         before = pre_layernorm or single
         self.seq_layers = nn.Sequential(
             *(
@@ -314,12 +313,12 @@ class DistributedTransformerLMHead(DistributedModule):
         )
         self.transformer = DistributedTransformer(
             num_layers,
-            num_attention_heads,
-            attention_head_size,
-            hidden_size,
-            intermediate_size,
-            attention_dropout_prob,
-            hidden_dropout_prob,
+            num_attention_heads=num_attention_heads,
+            attention_head_size=attention_head_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            attention_dropout_prob=attention_dropout_prob,
+            hidden_dropout_prob=hidden_dropout_prob,
             causal_mask_size=causal_mask_size,
             initializer_range=initializer_range,
             mask_value=mask_value,
