@@ -47,7 +47,7 @@ def _lm() -> nn.Module:
 
 def _mlp() -> nn.Module:
     """Created with each rank's own seed, as AWS's scripts may seed (``seed + tp_rank``): its
-    layers are swapped with the tp group's first rank's weights, rank 0's in one process."""
+    layers are swapped with rank 0's weights, those of one process."""
     torch.manual_seed(7 + smp.rank())
     return nn.Sequential(
         nn.Embedding(32, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Flatten()

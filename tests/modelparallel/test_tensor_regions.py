@@ -3,7 +3,8 @@ hidden states) and layers checkpointed inside it, an LM head on two tensor-paral
 trains to the losses and parameters of one process drawing from the same generator, with and
 without prescaled_batch; ranks bringing batches of different shapes (with prescaled_batch,
 different rows) fail naming them; a checkpointing mark on a swapped module moves to its
-distributed module."""
+distributed module; a Hugging Face model split in place starts from rank 0's weights on ranks
+seeded apart."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_tensor_equivalence import LM as EQUIVALENCE_LM
+from tests.modelparallel.test_tensor_hf import MODELS
 
 STEPS = 2
 GLOBAL_BATCH = 8
@@ -116,6 +118,18 @@ def _other_rows() -> list[str]:
     return errors
 
 
+def _in_place_seeded_apart() -> dict[str, torch.Tensor]:
+    """A BERT created inside smp.tensor_parallelism() with each rank's own seed: its whole state
+    dict once wrapped, before any step."""
+    import transformers
+
+    torch.manual_seed(100 + smp.rank())
+    config = transformers.BertConfig(**MODELS["bert"].config)
+    with smp.tensor_parallelism():
+        model = transformers.BertForMaskedLM._from_config(config, attn_implementation="eager")
+    return dict(smp.DistributedModel(model).state_dict())
+
+
 def _swapped_mark() -> tuple[bool, float]:
     """A Linear marked for checkpointing, then swapped: its distributed module is checkpointed."""
     torch.manual_seed(SEED)
@@ -141,6 +155,7 @@ def _on_ranks(prescaled: bool) -> dict[str, Any]:
     smp.reset()
     if prescaled:
         out["errors"] = _other_rows()
+        out["in place"] = _in_place_seeded_apart()
     else:
         out["errors"] = _mismatched()
         out["swapped"] = _swapped_mark()
@@ -167,6 +182,8 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
             "same batch, but rank(s) [1] bring other rows than rank 0; shard the data by "
             "smp.rdp_rank() over smp.rdp_size(), not by smp.dp_rank()"
         )
+        theirs = ranks[1]["in place"]  # rank 0's from the start: split layers and the rest
+        assert all(torch.equal(value, theirs[key]) for key, value in ranks[0]["in place"].items())
         for rank in ranks:
             assert rank["errors"] == [
                 f"smp.nn.{name}: {rule}"

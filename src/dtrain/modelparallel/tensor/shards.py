@@ -144,19 +144,20 @@ def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def from_first_rank(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` (a plain module's state dict) as the tp group's first rank holds them. A
-    swapped module's shards are cut locally from whole values (:func:`shard_of`), and ranks may
-    have created the plain module with generators seeded apart: without this the group would
-    hold the shards of different tensors, and replicas that differ."""
+def from_rank_zero(values: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``values`` (a plain module's state dict) as rank 0 holds them. A swapped module's shards
+    are cut locally from whole values (:func:`shard_of`), and ranks may have created the plain
+    module with generators seeded apart: without this a tp group would hold the shards of
+    different tensors and replicas that differ, and tp groups (of other pipeline stages, or
+    replicas) other values than rank 0's, where every rank starts from rank 0's parameters."""
     st = state.current("smp.DistributedModel")
-    if st.tp_size == 1:
-        return values
-    same: dict[str, Any] = {}
+    if st.size == 1:
+        return dict(values)
+    same: dict[Any, Any] = {}
     for key, value in values.items():
         if isinstance(value, torch.Tensor):
             value = value.detach().to(st.device).contiguous()
-            dist.broadcast(value, src=st.tp_group[0], group=st.tp_process_group)
+            dist.broadcast(value, src=0, group=st.world_process_group)
         same[key] = value
     return same
 

@@ -3,12 +3,11 @@
 ``smp.DistributedModel`` calls :func:`distribute` when ``tensor_parallel_degree`` is above 1.
 Every module marked enabled (:mod:`.marks`) whose class is registered is rebuilt as its
 distributed module from its constructor arguments (``init_hook`` applied, then the marking
-context's arguments that the distributed module accepts), takes the original's weights (the tp
-group's first rank's) when their state-dict keys agree (a built-in swap always does; otherwise
-it keeps its own initialization, as SMP's do), and gets the registration's forward and return
-hooks. Its submodules are not visited: the distributed module replaces all of it. A Hugging
-Face model of a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place,
-whole.
+context's arguments that the distributed module accepts), takes the original's weights (rank
+0's) when their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
+initialization, as SMP's do), and gets the registration's forward and return hooks. Its
+submodules are not visited: the distributed module replaces all of it. A Hugging Face model of
+a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place, whole.
 """
 
 from __future__ import annotations
@@ -290,10 +289,10 @@ def _copy_weights(
 ) -> None:
     _made(original)
     if translate is not None:
-        dist.load_state_dict(translate(shards.from_first_rank(original.state_dict())))
+        dist.load_state_dict(translate(shards.from_rank_zero(original.state_dict())))
         return
     if translated.state_keys(original) == translated.state_keys(dist):
-        dist.load_state_dict(shards.from_first_rank(original.state_dict()))
+        dist.load_state_dict(shards.from_rank_zero(original.state_dict()))
         return
     warnings.warn(
         f"smp.tensor_parallelism: {type(dist).__name__} replacing {type(original).__name__} "
