@@ -187,11 +187,10 @@ def _start_from_rank_zero(model: nn.Module) -> None:
     group's shards from its first rank's weights, which ranks seeded apart (or another pipeline
     stage's group) would hold otherwise. A tensor created without memory is made later from rank
     0's random states (:mod:`...deferred`)."""
-    made = [t for t in [*model.parameters(), *model.buffers()] if not deferred.is_deferred(t)]
-    values = shards.from_rank_zero(dict(enumerate(made)))
     with torch.no_grad():
-        for index, tensor in enumerate(made):
-            tensor.copy_(values[index])
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not deferred.is_deferred(tensor):  # one at a time: a device copy each
+                tensor.copy_(shards.from_rank_zero({0: tensor})[0])
 
 
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
