@@ -1,10 +1,10 @@
 """Tensor-parallel training equals one process on the same global batch: tp=2 (world 2),
 tp=2 x rdp=2 (world 4, two microbatches) and tp=2 x rdp=2 with prescaled_batch train
-smp.nn.DistributedTransformerLMHead and a plain MLP marked with smp.set_tensor_parallelism to
-the one-process losses and parameters; in world 4 the LM is checkpointed (partial and whole)
-after three steps and resumed into a fresh model for the fourth, and its whole checkpoint loads
-into the one-process model. At tp=2 in fp32, optimizer.clip_master_grads clips as
-torch.nn.utils.clip_grad_norm_ does in one process."""
+smp.nn.DistributedTransformerLMHead and a plain MLP marked with smp.set_tensor_parallelism (and
+created on each rank with its own seed) to the one-process losses and parameters; in world 4
+the LM is checkpointed (partial and whole) after three steps and resumed into a fresh model for
+the fourth, and its whole checkpoint loads into the one-process model. At tp=2 in fp32,
+optimizer.clip_master_grads clips as torch.nn.utils.clip_grad_norm_ does in one process."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def _lm() -> nn.Module:
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(7)
+    """Created with each rank's own seed, as AWS's scripts may seed (``seed + tp_rank``): its
+    layers are swapped with rank 0's weights, those of one process."""
+    torch.manual_seed(7 + smp.rank())
     return nn.Sequential(
         nn.Embedding(32, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Flatten()
     )

@@ -1,8 +1,11 @@
 """The names a family of Hugging Face models split in place looks for (``inplace.py``): checked
 before anything is split, without processes, since a transformers version that renames a module
-would otherwise leave layers unsplit or heads dropped unlike one process, silently."""
+would otherwise leave layers unsplit or heads dropped unlike one process, silently; and SMP's
+half-precision switches, which such a model cannot honour, said so."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -11,7 +14,9 @@ from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import swap
 from dtrain.modelparallel.tensor.huggingface import inplace
+from tests.modelparallel.harness import single_process
 from tests.modelparallel.test_tensor_hf import MODELS
 
 pytest.importorskip("transformers")
@@ -112,3 +117,21 @@ def test_a_module_whose_training_forward_draws_no_dropout_fails_naming_it() -> N
     with pytest.raises(ModelParallelError, match=r"x: Attention's forward drew no dropout"):
         module(x)
     module.eval()(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_half_precision_switches_without_effect_in_place_are_said(dtype: torch.dtype) -> None:
+    """SMP's ``attention_in_fp32`` acts in its distributed transformer; a model split in place
+    runs HF's attention, so in half precision the switch is said to do nothing (in fp32 it
+    never does anything: nothing is said)."""
+    with single_process({}):
+        model = MODELS["bert"].build().to(dtype)
+        smp.set_tensor_parallelism(model, attention_in_fp32=True, query_key_layer_scaling=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            swap.distribute(model)
+    said = [str(w.message) for w in caught if "has no effect on a model split in" in str(w.message)]
+    expected = "smp.nn.huggingface.bert: attention_in_fp32=True has no effect on a model split in"
+    assert [text[: len(expected)] for text in said] == (
+        [expected] if dtype != torch.float32 else []
+    )

@@ -199,3 +199,102 @@ def test_awss_scripts_imports_and_creation_switches_are_accepted(
     refuse_unsupported("smp.nn.huggingface.gptneox", defaults, IN_PLACE_DEFAULTS)
     with pytest.raises(ModelParallelError, match="distribute_embedding=True is not supported"):
         refuse_unsupported("x", {"distribute_embedding": True}, IN_PLACE_DEFAULTS)
+
+
+SHIM_NAMES = {
+    "gpt2": [
+        "translate_hf_state_dict_to_smdistributed_gpt2_layer",
+        "translate_state_dict_to_hf_gpt2_layer",
+        "get_hf_gpt2_transformer_lm_head_hooks",
+        "get_hf_gpt2_transformer_layer_hooks",
+    ],
+    "gptj": [
+        "translate_hf_state_dict_to_smdistributed_gptj",
+        "translate_state_dict_to_hf_gptj",
+        "translate_hf_gptj_state_dict_to_smdistributed",
+        "get_hf_gptj_transformer_hooks",
+    ],
+    "gptneo": [
+        "translate_hf_state_dict_to_smdistributed_gptneo",
+        "get_hf_gptneo_transformer_lm_head_hooks",
+    ],
+    "gptneox": ["translate_state_dict_to_hf_gptneox", "get_hf_gptneox_transformer_lm_head_hooks"],
+    "bert": ["translate_hf_state_dict_to_smdistributed_bert", "get_hf_bert_transformer_hooks"],
+    "roberta": [
+        "translate_hf_state_dict_to_smdistributed_roberta",
+        "get_hf_roberta_transformer_hooks",
+    ],
+}
+"""Names of SMP 1.12's ``smdistributed.modelparallel.torch.nn.huggingface`` modules that AWS's
+scripts import (the GPT-J tensor-parallel script: ``gptj``'s translations)."""
+
+
+def test_smps_huggingface_modules_import_with_their_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hooks come from the registration that swaps the model; those of a swap dtrain does not
+    make fail, naming the way that works."""
+    import importlib
+
+    from dtrain.modelparallel.tensor.huggingface import gpt2, gptj, gptneox
+
+    monkeypatch.syspath_prepend(str(SHIM_ROOT))
+    shim = "smdistributed.modelparallel.torch.nn.huggingface"
+    for family, names in SHIM_NAMES.items():
+        module = importlib.import_module(f"{shim}.{family}")
+        assert all(callable(getattr(module, name)) for name in names), family
+    for translation, getter in (
+        (gpt2, gpt2.get_hf_gpt2_transformer_lm_head_hooks),
+        (gptj, gptj.get_hf_gptj_transformer_hooks),
+        (gptneox, gptneox.get_hf_gptneox_transformer_lm_head_hooks),
+    ):
+        registration = translation.REGISTRATION
+        hooks = (registration.init_hook, registration.forward_hook, registration.return_hook)
+        assert getter() == hooks
+    refused = {
+        "bert": ("get_hf_bert_transformer_hooks", "create the whole BERT model inside"),
+        "roberta": ("get_hf_roberta_transformer_hooks", "create the whole RoBERTa model inside"),
+        "gptneo": ("get_hf_gptneo_transformer_lm_head_hooks", "the whole GPT-Neo model inside"),
+        "gpt2": (
+            "get_hf_gpt2_transformer_layer_hooks",
+            "becomes an smp.nn.DistributedTransformerLMHead",
+        ),
+    }
+    for family, (getter, works) in refused.items():
+        with pytest.raises(
+            ModelParallelError, match=f"{getter}: .* not supported by dtrain; .*{works}"
+        ):
+            getattr(importlib.import_module(f"{shim}.{family}"), getter)()
+    assert smp.nn.DistributedLayerNorm(8).normalized_shape == (8,)  # tp 1: a layer norm
+
+
+def test_a_gpt2_block_translates_to_a_distributed_layer_and_back() -> None:
+    transformers = pytest.importorskip("transformers")
+    from dtrain.modelparallel.tensor.huggingface import gpt2
+
+    config = transformers.GPT2Config(n_embd=8, n_head=2, n_inner=16, n_positions=8)
+    block = transformers.models.gpt2.modeling_gpt2.GPT2Block(config)
+    layer = smp.nn.DistributedTransformerLayer(
+        num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16,
+        pre_layernorm=True, post_layernorm=False,
+    )  # fmt: skip
+    ours = gpt2.translate_hf_state_dict_to_smdistributed_gpt2_layer(block.state_dict())
+    layer.load_state_dict(ours)  # strict: every key of the layer
+    back = gpt2.translate_state_dict_to_hf_gpt2_layer(layer.state_dict())
+    assert back.keys() == block.state_dict().keys()
+    for key, value in block.state_dict().items():
+        assert torch.equal(back[key], value), key
+
+
+def test_a_built_in_swap_that_cannot_honour_an_argument_keeps_the_module_with_a_warning() -> None:
+    """As SMP leaves a module it cannot distribute; an ``smp.nn`` module asked for it fails."""
+    with smp.tensor_parallelism():
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+    kept = model[0]
+    kept_as_it_is = r"module '0' \(Embedding\) is kept as it is, not distributed: "
+    with pytest.warns(UserWarning, match=kept_as_it_is + r".* does not implement max_norm=1\.0"):
+        swap.distribute(model)
+    assert model[0] is kept and type(model[1]) is smp.nn.DistributedLinear
+    with pytest.raises(ModelParallelError, match=r"max_norm=1\.0 is not supported by dtrain"):
+        smp.nn.DistributedEmbedding(10, 4, max_norm=1.0)
+    assert smp.nn.DistributedEmbedding(10, 4, vocab_parallel=False).embedding_dim == 4
+    with pytest.raises(ModelParallelError, match="vocab_parallel=True is not supported"):
+        smp.nn.DistributedEmbedding(10, 4, vocab_parallel=True)

@@ -168,3 +168,49 @@ def test_two_ranks_compute_as_one_process_and_name_sizes_that_do_not_split() -> 
         "smp.nn.DistributedAttentionLayer: cross_attention=True is not supported by dtrain; "
         "allowed: False",
     ]
+
+
+SMALL = {key: LM[key] for key in list(LM)[:9]}
+"""The LM head's first nine arguments, in SMP's order (every SMP version's)."""
+
+
+def test_smps_constructor_arguments_are_taken_as_smp_takes_them() -> None:
+    """Positional arguments in SMP's order, SMP's keywords (``tie_input_output_embedding``,
+    ``final_layernorm``, ``mask_value``) and defaults (``layer_idx`` 0, a single pre-layer
+    norm); unknown ones fail naming the module given them."""
+    ids, mask = _inputs()
+    with single_process({}):
+        by_position = smp.nn.DistributedTransformerLMHead(*SMALL.values()).state_dict()
+        smp.reset()  # creation numbers from 0 again: the same initial weights
+        by_keyword = smp.nn.DistributedTransformerLMHead(**SMALL).state_dict()
+        assert by_position.keys() == by_keyword.keys()
+        assert all(torch.equal(by_position[key], by_keyword[key]) for key in by_keyword)
+        with pytest.raises(TypeError, match=r"LMHead: 1 positional argument\(s\) after 'hidden"):
+            smp.nn.DistributedTransformerLMHead(*SMALL.values(), "gelu")
+        stack = smp.nn.DistributedTransformer(1, 2, 4, 8, 16, 0.0, 0.0, "relu", 1e-6)
+        assert stack.seq_layers[0].output.activation == "relu"
+        assert stack.seq_layers[0].attention.pre_layernorm is None  # post_layernorm only
+        with pytest.raises(TypeError, match=r"DistributedTransformerLMHead: unexpected .*'bogus'"):
+            smp.nn.DistributedTransformerLMHead(**SMALL, bogus=1)
+        untied = smp.nn.DistributedTransformerLMHead(**SMALL, tie_input_output_embedding=False)
+        assert untied.lm_head.weight is not untied.word_embedding.weight
+        normed = smp.nn.DistributedTransformerLMHead(**LM, final_layernorm=True, add_lm_head=False)
+        out = normed((ids, mask, None, None, None))
+        torch.testing.assert_close(out.mean(-1), torch.zeros(BATCH, 8), atol=1e-5, rtol=0)
+        unmasked = smp.nn.DistributedTransformerLMHead(**LM, mask_value=0.0).eval()
+        hidden = torch.zeros(BATCH, 8)  # masks every token, with a value of 0: nothing
+        torch.testing.assert_close(
+            unmasked((ids, hidden, None, None, None)), unmasked((ids, mask, None, None, None))
+        )
+        layer = smp.nn.DistributedTransformerLayer(
+            num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16,
+            scale_attn_by_layer_idx=True,
+        )  # fmt: skip
+        assert layer.attention.scale == 4**-0.5  # layer_idx 0
+        single = smp.nn.DistributedTransformerLayer(
+            num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16,
+            single_pre_layernorm=True, parallel_attn_output=True, post_layernorm=False,
+        )  # fmt: skip
+        assert single.attention.pre_layernorm is not None and single.output.pre_layernorm is None
+        with pytest.raises(ValueError, match="at least one of pre_layernorm, single_pre_layernorm"):
+            smp.nn.DistributedTransformerLayer(post_layernorm=False)

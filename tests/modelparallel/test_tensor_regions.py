@@ -1,8 +1,10 @@
 """The scaled-batch region at its edges: with dropout on (embeddings, attention probabilities,
 hidden states) and layers checkpointed inside it, an LM head on two tensor-parallel ranks
 trains to the losses and parameters of one process drawing from the same generator, with and
-without prescaled_batch; ranks bringing batches of different shapes fail naming them; a
-checkpointing mark on a swapped module moves to its distributed module."""
+without prescaled_batch; ranks bringing batches of different shapes (with prescaled_batch,
+different rows) fail naming them; a checkpointing mark on a swapped module moves to its
+distributed module; a Hugging Face model split in place starts from rank 0's weights on ranks
+seeded apart."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_tensor_equivalence import LM as EQUIVALENCE_LM
+from tests.modelparallel.test_tensor_hf import MODELS
 
 STEPS = 2
 GLOBAL_BATCH = 8
@@ -98,6 +101,35 @@ def _mismatched() -> list[str]:
     return errors
 
 
+def _other_rows() -> list[str]:
+    """With prescaled_batch, each rank brings rows of its own (sharded by dp_rank, not
+    rdp_rank) of one shape, to a transformer layer and a DistributedLinear."""
+    layer = smp.nn.DistributedTransformerLayer(
+        num_attention_heads=2, attention_head_size=4, hidden_size=8, intermediate_size=16
+    )
+    linear = smp.nn.DistributedLinear(8, 4)
+    rows = torch.arange(32.0).reshape(4, 8) + smp.dp_rank()
+    errors = []
+    for call in (lambda: layer((rows[:, None], None)), lambda: linear(rows)):
+        try:
+            call()
+        except ModelParallelError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _in_place_seeded_apart() -> dict[str, torch.Tensor]:
+    """A BERT created inside smp.tensor_parallelism() with each rank's own seed: its whole state
+    dict once wrapped, before any step."""
+    import transformers
+
+    torch.manual_seed(100 + smp.rank())
+    config = transformers.BertConfig(**MODELS["bert"].config)
+    with smp.tensor_parallelism():
+        model = transformers.BertForMaskedLM._from_config(config, attn_implementation="eager")
+    return dict(smp.DistributedModel(model).state_dict())
+
+
 def _swapped_mark() -> tuple[bool, float]:
     """A Linear marked for checkpointing, then swapped: its distributed module is checkpointed."""
     torch.manual_seed(SEED)
@@ -121,7 +153,10 @@ def _on_ranks(prescaled: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["trained"] = _train("layer" if prescaled else "layers")
     smp.reset()
-    if not prescaled:
+    if prescaled:
+        out["errors"] = _other_rows()
+        out["in place"] = _in_place_seeded_apart()
+    else:
         out["errors"] = _mismatched()
         out["swapped"] = _swapped_mark()
     return out
@@ -142,6 +177,18 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     mean = [sum(rank["trained"][0][step] for rank in ranks) / 2 for step in range(STEPS)]
     assert mean == pytest.approx(losses, rel=1e-5)
     if prescaled:
+        rule = (
+            "with prescaled_batch=True every rank of tensor-parallel group [0, 1] must bring the "
+            "same batch, but rank(s) [1] bring other rows than rank 0; shard the data by "
+            "smp.rdp_rank() over smp.rdp_size(), not by smp.dp_rank()"
+        )
+        theirs = ranks[1]["in place"]  # rank 0's from the start: split layers and the rest
+        assert all(torch.equal(value, theirs[key]) for key, value in ranks[0]["in place"].items())
+        for rank in ranks:
+            assert rank["errors"] == [
+                f"smp.nn.{name}: {rule}"
+                for name in ("DistributedTransformerLayer", "DistributedLinear")
+            ]
         return
     group = "smp.nn.{}: the ranks of tensor-parallel group [0, 1] bring inputs of different shapes"
     rule = "with prescaled_batch=False every rank of a tp group must bring as many rows"

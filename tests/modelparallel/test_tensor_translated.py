@@ -258,8 +258,9 @@ def test_translated_models_train_on_two_ranks_as_the_plain_models(tmp_path: Path
 
 def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> None:
     """In one process: GPT-J's full checkpoint with SMP's names resumes as it is, and
-    ``model.load_state_dict`` takes HF's; a ``translate_function`` is used in place of the automatic translation, and one returning
-    other keys fails naming them; so does an HF state dict with a key neither model has.
+    ``model.load_state_dict`` takes HF's; a ``translate_function`` is used in place of the
+    automatic translation, and one returning other keys fails naming them; so does an HF state
+    dict with a key neither model has.
     Options that would be ignored are refused: ``translate_function`` with a partial
     checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism."""
     family, options = TRAINED[1]

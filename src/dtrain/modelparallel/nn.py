@@ -8,7 +8,7 @@ from dtrain.modelparallel.tensor import huggingface
 from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.flash import FlashAttentionLayer
-from dtrain.modelparallel.tensor.layernorm import FusedLayerNorm
+from dtrain.modelparallel.tensor.layernorm import DistributedLayerNorm, FusedLayerNorm
 from dtrain.modelparallel.tensor.linear import DistributedLinear
 from dtrain.modelparallel.tensor.output import DistributedTransformerOutputLayer
 from dtrain.modelparallel.tensor.transformer import (
@@ -20,6 +20,7 @@ from dtrain.modelparallel.tensor.transformer import (
 __all__ = [
     "DistributedAttentionLayer",
     "DistributedEmbedding",
+    "DistributedLayerNorm",
     "DistributedLinear",
     "DistributedTransformer",
     "DistributedTransformerLMHead",

@@ -24,7 +24,7 @@ from dtrain.modelparallel.tensor.module import (
 )
 
 MASKED = -1e4
-"""SMP's value for scores a causal mask hides."""
+"""SMP's value for scores a mask hides (its ``mask_value``'s default)."""
 
 
 class DistributedAttentionLayer(DistributedModule):
@@ -38,12 +38,14 @@ class DistributedAttentionLayer(DistributedModule):
     returns the layer's output, ``[N, S, hidden_size]``. With ``causal_mask_size`` each
     position attends only to itself and earlier ones. Scores are scaled by
     ``1/sqrt(attention_head_size)`` (not with ``scale_attention_scores=False``) and with
-    ``scale_attn_by_layer_idx`` by ``1/(layer_idx + 1)``, as SMP's ``FlashAttentionLayer`` and
-    HF's GPT-2 do. With ``rotary_dim`` the first ``rotary_dim`` dimensions of every query and
-    key head are rotated by their position (counted from 0) with base ``rotary_emb_base``:
-    their halves against each other with ``gpt_neox_type_rotary`` (GPT-NeoX's), neighbouring
-    pairs otherwise (GPT-J's). ``use_qkv_bias`` and ``use_attn_dense_bias`` (SMP's names): the
-    projections' biases. Cross attention is not implemented.
+    ``scale_attn_by_layer_idx`` by ``1/(layer_idx + 1)`` (``layer_idx`` 0 unless given, SMP's
+    default), as SMP's ``FlashAttentionLayer`` and HF's GPT-2 do. Scores a causal mask hides
+    get ``mask_value`` (SMP's, -1e4). With ``rotary_dim`` the first ``rotary_dim`` dimensions
+    of every query and key head are rotated by their position (counted from 0) with base
+    ``rotary_emb_base``: their halves against each other with ``gpt_neox_type_rotary``
+    (GPT-NeoX's), neighbouring pairs otherwise (GPT-J's). ``use_qkv_bias`` and
+    ``use_attn_dense_bias`` (SMP's names): the projections' biases. Cross attention is not
+    implemented.
 
     In half precision (bf16 or fp16 activations) SMP's switches for its stability take effect:
     ``attention_in_fp32`` multiplies queries and keys in fp32; ``query_key_layer_scaling``
@@ -78,6 +80,7 @@ class DistributedAttentionLayer(DistributedModule):
         use_attn_dense_bias: bool = True,
         attention_in_fp32: bool = False,
         query_key_layer_scaling: bool = False,
+        mask_value: float = MASKED,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -93,15 +96,11 @@ class DistributedAttentionLayer(DistributedModule):
         self.attention_dropout_prob = attention_dropout_prob
         self.attention_in_fp32 = attention_in_fp32
         self.query_key_layer_scaling = query_key_layer_scaling
-        self.layer_number = (0 if layer_idx is None else layer_idx) + 1
+        self.mask_value = mask_value
+        self.layer_number = (0 if layer_idx is None else layer_idx) + 1  # SMP's default: 0
         self.scale = attention_head_size**-0.5 if scale_attention_scores else 1.0
         if scale_attn_by_layer_idx:
-            if layer_idx is None:
-                raise ValueError(
-                    f"{self.what}: scale_attn_by_layer_idx=True needs layer_idx; allowed: the "
-                    "layer's number, counted from 0"
-                )
-            self.scale /= layer_idx + 1
+            self.scale /= self.layer_number
         self.rotary: Rotary | None = None
         if rotary_dim is not None:
             self.rotary = Rotary(
@@ -146,7 +145,7 @@ class DistributedAttentionLayer(DistributedModule):
         if self.causal_mask_size is not None:
             causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
             causal_bias = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device)
-            causal_bias.masked_fill_(~causal, MASKED)
+            causal_bias.masked_fill_(~causal, self.mask_value)
             bias = causal_bias if bias is None else bias + causal_bias
         if bias is not None:
             bias = bias.to(hidden.dtype)

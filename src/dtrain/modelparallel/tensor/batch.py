@@ -194,22 +194,50 @@ def _described(signature: list[int]) -> str:
     return f"{rows} rows of {_DTYPES[code]}" if present else "none"
 
 
+def _fingerprint(leading: torch.Tensor) -> list[int]:
+    """Two numbers that tell batches apart (its float64 sum, and its sum weighted by position,
+    as their bits), for ``prescaled_batch``, where every rank of the tp group must bring the
+    same batch."""
+    flat = leading.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+    sums = torch.stack([flat.sum(), flat.dot(weights)]).cpu()
+    return sums.view(torch.int64).tolist()
+
+
+def _check_same_batch(what: str, st: state.MPState, fingerprints: list[list[int]]) -> None:
+    """With ``prescaled_batch`` the group's ranks bring one batch; other ones fail, naming
+    the ranks whose differ from the first rank's."""
+    apart = [r for r, f in zip(st.tp_group, fingerprints, strict=True) if f != fingerprints[0]]
+    if apart:
+        raise ModelParallelError(
+            f"{what}: with prescaled_batch=True every rank of tensor-parallel group "
+            f"{st.tp_group} must bring the same batch, but rank(s) {apart} bring other rows "
+            f"than rank {st.tp_group[0]}; shard the data by smp.rdp_rank() over "
+            "smp.rdp_size(), not by smp.dp_rank()"
+        )
+
+
 def agree(
     what: str, leading: torch.Tensor, seed: int = 0, others: tuple[torch.Tensor | None, ...] = ()
 ) -> int:
     """The tp group's first rank's ``seed`` (the region's, drawn by each rank from its own
     generator), after checking that every rank of the group brings ``leading`` of one shape and
     ``others`` (the further inputs the region gathers, such as a mask) alike: there or not, of
-    as many rows and one dtype. One small all-gather carries it all, so batches of different
-    sizes fail here, naming them, instead of aborting a gather, and a mask one rank lacks fails
-    instead of pairing one rank's gather with another's all-reduce."""
+    as many rows and one dtype (with ``prescaled_batch``, ``leading`` of one content too). One
+    small all-gather carries it all, so batches of different sizes fail here, naming them,
+    instead of aborting a gather, and a mask one rank lacks fails instead of pairing one rank's
+    gather with another's all-reduce."""
     st = state.current(what)
     if st.tp_size == 1:
         return seed
     shape = list(leading.shape[:MAX_DIMS])
     further = [number for value in others for number in _signature(value)]
+    prescaled = _fingerprint(leading) if st.config["prescaled_batch"] else []
     mine = torch.tensor([seed, leading.dim(), *shape, *[0] * (MAX_DIMS - len(shape)), *further])
-    rows = _all_gather(mine[None], st.object_groups["tp"])
+    rows = _all_gather(
+        torch.cat([mine, torch.tensor(prescaled, dtype=torch.int64)])[None], st.object_groups["tp"]
+    )
+    rows, fingerprints = rows[:, : len(mine)], rows[:, len(mine) :].tolist()
     shapes = [row[2 : 2 + min(int(row[1]), MAX_DIMS)].tolist() for row in rows]
     if any(shape != shapes[0] for shape in shapes):
         given = ", ".join(f"rank {r} {s}" for r, s in zip(st.tp_group, shapes, strict=True))
@@ -234,6 +262,8 @@ def agree(
             f"inputs: {given}; every rank of a tp group must bring the same ones (a mask on "
             "each rank or on none), of as many rows and one dtype"
         )
+    if prescaled:
+        _check_same_batch(what, st, fingerprints)
     return int(rows[0][0].item())
 
 

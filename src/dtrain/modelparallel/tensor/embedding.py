@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -27,7 +30,18 @@ class DistributedEmbedding(nn.Embedding):
     all of them, and an exchange gives each rank its rows (torch's ``ColwiseParallel`` with
     ``Shard(0)`` on both sides). The table starts normal with ``initializer_range`` (or as
     ``_weight``). ``max_norm`` (which renormalises rows in place, a norm over every shard)
-    and ``sparse`` gradients are not implemented, nor SMP's internal ``_skip_*`` switches."""
+    and ``sparse`` gradients are not implemented, nor SMP's internal ``_skip_*`` switches, nor
+    its ``vocab_parallel`` split (by rows)."""
+
+    IMPLEMENTED_ONLY: ClassVar[Mapping[str, Any]] = {
+        "max_norm": None,
+        "sparse": False,
+        "_skip_allgather": False,
+        "_skip_scatter_and_merge": False,
+        "vocab_parallel": False,
+    }
+    """Arguments implemented only at these (SMP's default) values: others fail, and a plain
+    ``nn.Embedding`` with them is kept as it is when the model is wrapped (:mod:`.swap`)."""
 
     def __init__(
         self,
@@ -42,22 +56,16 @@ class DistributedEmbedding(nn.Embedding):
         initializer_range: float = 0.02,
         _skip_allgather: bool = False,
         _skip_scatter_and_merge: bool = False,
+        vocab_parallel: bool = False,
     ) -> None:
-        refuse_unsupported(
-            WHAT,
-            {
-                "max_norm": max_norm,
-                "sparse": sparse,
-                "_skip_allgather": _skip_allgather,
-                "_skip_scatter_and_merge": _skip_scatter_and_merge,
-            },
-            {
-                "max_norm": None,
-                "sparse": False,
-                "_skip_allgather": False,
-                "_skip_scatter_and_merge": False,
-            },
-        )
+        given = {
+            "max_norm": max_norm,
+            "sparse": sparse,
+            "_skip_allgather": _skip_allgather,
+            "_skip_scatter_and_merge": _skip_scatter_and_merge,
+            "vocab_parallel": vocab_parallel,
+        }
+        refuse_unsupported(WHAT, given, self.IMPLEMENTED_ONLY)
         split(WHAT, "embedding_dim", embedding_dim)
         with seeded(WHAT):
             super().__init__(

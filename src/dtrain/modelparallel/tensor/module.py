@@ -29,7 +29,8 @@ TUNING_ARGUMENTS = frozenset(
 """SMP's kernel and fp16 switches (``smp.tensor_parallelism(fused_softmax=...)``), accepted by
 every distributed module. ``attention_in_fp32`` and ``query_key_layer_scaling`` take effect in
 :class:`.attention.DistributedAttentionLayer` in half precision (its own arguments); a model
-split in place computes its attention as Hugging Face wrote it. The others are without effect:
+split in place computes its attention as Hugging Face wrote it (in half precision a warning
+says they change nothing there: :mod:`.huggingface.inplace`). The others are without effect:
 they choose fused kernels, which dtrain's ``scaled_dot_product_attention`` does not offer as
 switches; and ``zero_init``, SMP's creation of sharded-data-parallel models in shards, which
 dtrain's delayed initialisation does without being asked (``zero_init=False`` on a GPT-NeoX or

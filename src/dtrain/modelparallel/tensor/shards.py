@@ -144,6 +144,24 @@ def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
+def from_rank_zero(values: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``values`` (a plain module's state dict) as rank 0 holds them. A swapped module's shards
+    are cut locally from whole values (:func:`shard_of`), and ranks may have created the plain
+    module with generators seeded apart: without this a tp group would hold the shards of
+    different tensors and replicas that differ, and tp groups (of other pipeline stages, or
+    replicas) other values than rank 0's, where every rank starts from rank 0's parameters."""
+    st = state.current("smp.DistributedModel")
+    if st.size == 1:
+        return dict(values)
+    same: dict[Any, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(st.device).contiguous()
+            dist.broadcast(value, src=0, group=st.world_process_group)
+        same[key] = value
+    return same
+
+
 def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
     """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
     value cut into this rank's shard, or this rank's saved part wrapped as one."""
@@ -167,15 +185,10 @@ def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> N
 
 
 def broadcast_over_replicas(tensor: DTensor) -> None:
-    """Give the rdp group the shard of its first rank (replicas start alike); a tensor the tp
-    group replicates (a row-split layer's bias: each rank kept the one it created) first takes
-    the tp group's first rank's value, as its split weights did."""
+    """Give the rdp group the shard of its first rank (replicas start alike)."""
     st = state.current("the model's first step")
-    local = tensor.to_local()
-    if st.tp_size > 1 and all(p.is_replicate() for p in tensor.placements):
-        dist.broadcast(local, src=st.tp_group[0], group=st.tp_process_group)
     if st.rdp_size > 1:
-        dist.broadcast(local, src=st.rdp_group[0], group=st.rdp_process_group)
+        dist.broadcast(tensor.to_local(), src=st.rdp_group[0], group=st.rdp_process_group)
 
 
 def gradient_groups(

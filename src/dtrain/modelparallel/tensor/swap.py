@@ -3,8 +3,8 @@
 ``smp.DistributedModel`` calls :func:`distribute` when ``tensor_parallel_degree`` is above 1.
 Every module marked enabled (:mod:`.marks`) whose class is registered is rebuilt as its
 distributed module from its constructor arguments (``init_hook`` applied, then the marking
-context's arguments that the distributed module accepts), takes the original's weights when
-their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
+context's arguments that the distributed module accepts), takes the original's weights (rank
+0's) when their state-dict keys agree (a built-in swap always does; otherwise it keeps its own
 initialization, as SMP's do), and gets the registration's forward and return hooks. Its
 submodules are not visited: the distributed module replaces all of it. A Hugging Face model of
 a family :mod:`.huggingface.inplace` knows is not rebuilt but split in place, whole.
@@ -95,7 +95,7 @@ def distribute(root: nn.Module) -> nn.Module:
         if id(module) in done:  # shared by two parents: swapped once
             return done[id(module)]
         try:
-            swapped = _swapped(module)
+            swapped = _swapped(module, path)
             if swapped is not None and swapped is not module:  # split in place: marks stay
                 activations.carry_over(module, swapped)
         except ModelParallelError as exc:
@@ -143,7 +143,23 @@ def _swaps(module: nn.Module) -> bool:
     if mark is None or not mark.enabled:
         return False
     kind = type(module)
-    return kind in marks.registered() or _built_in(kind) is not None or _family(kind) is not None
+    if kind in marks.registered() or _family(kind) is not None:
+        return True
+    return _built_in(kind) is not None and not _not_honoured(module)
+
+
+def _not_honoured(module: nn.Module) -> dict[str, Any]:
+    """The arguments of ``module``, of a class swapped without a registration (``nn.Linear``,
+    ``nn.Embedding``), that its distributed class implements at other values only (an
+    embedding's ``max_norm``). SMP leaves a module it cannot distribute as it is; so does the
+    swap, with a warning (an ``smp.nn`` module created with them fails)."""
+    built_in = BUILT_IN.get(type(module))
+    if built_in is None or type(module) in marks.registered():
+        return {}
+    registration, read_args = built_in
+    only = getattr(registration.dist_module, "IMPLEMENTED_ONLY", {})
+    _, keywords = read_args(module)
+    return {key: value for key, value in keywords.items() if key in only and value != only[key]}
 
 
 def _refuse_untying(root: nn.Module) -> None:
@@ -174,8 +190,8 @@ def _refuse_untying(root: nn.Module) -> None:
     walk(root, "", None)
 
 
-def _swapped(module: nn.Module) -> nn.Module | None:
-    """``module``'s distributed module, or None if it stays."""
+def _swapped(module: nn.Module, path: str) -> nn.Module | None:
+    """``module``'s distributed module, or None if it stays (``path`` names it)."""
     mark = marks.mark_of(module)
     if mark is None or not mark.enabled:
         return None
@@ -186,6 +202,16 @@ def _swapped(module: nn.Module) -> nn.Module | None:
     if family is not None:  # its own layers split in place, each made when split if delayed
         return inplace.parallelize(module, family, mark.options)
     built_in = _built_in(kind) if registration is None else None
+    not_honoured = _not_honoured(module)
+    if not_honoured:
+        given = ", ".join(f"{key}={value!r}" for key, value in not_honoured.items())
+        warnings.warn(
+            f"smp.DistributedModel: module {path or 'the model'!r} ({kind.__name__}) is kept as "
+            f"it is, not distributed: {BUILT_IN[kind][0].dist_module.__name__} does not "
+            f"implement {given}",
+            stacklevel=4,
+        )
+        return None
     if built_in is not None:
         registration, read_args = built_in
         args = read_args(module)
@@ -263,10 +289,10 @@ def _copy_weights(
 ) -> None:
     _made(original)
     if translate is not None:
-        dist.load_state_dict(translate(original.state_dict()))
+        dist.load_state_dict(translate(shards.from_rank_zero(original.state_dict())))
         return
     if translated.state_keys(original) == translated.state_keys(dist):
-        dist.load_state_dict(original.state_dict())
+        dist.load_state_dict(shards.from_rank_zero(original.state_dict()))
         return
     warnings.warn(
         f"smp.tensor_parallelism: {type(dist).__name__} replacing {type(original).__name__} "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,17 +13,53 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.attention import DistributedAttentionLayer
+from dtrain.modelparallel.tensor.attention import MASKED, DistributedAttentionLayer
 from dtrain.modelparallel.tensor.batch import scaled_batch
-from dtrain.modelparallel.tensor.module import DistributedModule, refuse_unsupported, seeded
+from dtrain.modelparallel.tensor.module import (
+    TUNING_ARGUMENTS,
+    UNSUPPORTED_EXTRAS,
+    DistributedModule,
+    refuse_unsupported,
+    seeded,
+)
 from dtrain.modelparallel.tensor.output import DistributedTransformerOutputLayer
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 
+NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+"""Parameters a keyword can name."""
 
-def _check_layernorms(what: str, pre_layernorm: bool, post_layernorm: bool) -> None:
-    if not (pre_layernorm or post_layernorm):
-        raise ValueError(f"{what}: at least one of pre_layernorm and post_layernorm must be true")
+
+def _check_layernorms(
+    what: str, pre_layernorm: bool, post_layernorm: bool, single_pre_layernorm: bool
+) -> None:
+    if not (pre_layernorm or post_layernorm or single_pre_layernorm):
+        raise ValueError(
+            f"{what}: at least one of pre_layernorm, single_pre_layernorm and post_layernorm "
+            "must be true"
+        )
+
+
+def _known(what: str, given: Mapping[str, Any], *takers: Callable[..., Any]) -> None:
+    """Keywords a stack passes down to ``takers`` (its layers) that none of them takes fail
+    here, naming the stack, not the innermost module they would reach."""
+    known = set(TUNING_ARGUMENTS) | set(UNSUPPORTED_EXTRAS)
+    for taker in takers:
+        known |= {p.name for p in inspect.signature(taker).parameters.values() if p.kind in NAMED}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"{what}: unexpected argument(s) {unknown}")
+
+
+def _positional(what: str, last: str, beyond: tuple[Any, ...]) -> None:
+    """SMP took its arguments positionally too, in an order its versions changed after
+    ``last`` (later ones insert ``embedding_dropout_prob``, ``mask_value``): further positional
+    ones fail rather than land on the wrong name."""
+    if beyond:
+        raise TypeError(
+            f"{what}: {len(beyond)} positional argument(s) after {last!r}; SMP's versions order "
+            "the later ones differently: pass them by keyword"
+        )
 
 
 class DistributedTransformerLayer(DistributedModule):
@@ -63,13 +101,15 @@ class DistributedTransformerLayer(DistributedModule):
         gpt_neox_type_rotary: bool = False,
         use_qkv_bias: bool = True,
         use_attn_dense_bias: bool = True,
+        mask_value: float = MASKED,
         **options: Any,
     ) -> None:
         super().__init__()
         refuse_unsupported(
             self.what, {"add_cross_attention": add_cross_attention}, {"add_cross_attention": False}
         )
-        _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        _check_layernorms(self.what, pre_layernorm, post_layernorm, single_pre_layernorm)
+        pre_layernorm = pre_layernorm or single_pre_layernorm  # the one is the attention's
         if parallel_attn_output and not pre_layernorm:
             raise ValueError(
                 f"{self.what}: parallel_attn_output=True needs pre_layernorm=True (each block "
@@ -104,6 +144,7 @@ class DistributedTransformerLayer(DistributedModule):
             gpt_neox_type_rotary=gpt_neox_type_rotary,
             use_qkv_bias=use_qkv_bias,
             use_attn_dense_bias=use_attn_dense_bias,
+            mask_value=mask_value,
             **shared,
         )
         self.output = DistributedTransformerOutputLayer(
@@ -138,23 +179,44 @@ class DistributedTransformer(DistributedModule):
     ``forward((hidden_states, attention_mask))`` →
     ``(output, attention_mask)``; the tp group's batches are gathered once for all layers."""
 
+    POSITIONAL = (
+        "num_attention_heads",
+        "attention_head_size",
+        "hidden_size",
+        "intermediate_size",
+        "attention_dropout_prob",
+        "hidden_dropout_prob",
+        "activation",
+        "layernorm_epsilon",
+    )
+    """The layers' arguments SMP takes after ``num_layers`` by position, in its order (every
+    version's; the layer's defaults are SMP's)."""
+
     def __init__(
         self,
         num_layers: int = 12,
-        *,
+        *positional: Any,
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
         **layer: Any,
     ) -> None:
         super().__init__()
-        _check_layernorms(self.what, pre_layernorm, post_layernorm)
+        _positional(self.what, self.POSITIONAL[-1], positional[len(self.POSITIONAL) :])
+        twice = sorted(set(self.POSITIONAL[: len(positional)]) & set(layer))
+        if twice:
+            raise TypeError(f"{self.what}: got multiple values for {twice}")
+        layer.update(zip(self.POSITIONAL, positional, strict=False))
+        _known(self.what, layer, DistributedTransformerLayer)
+        single = layer.get("single_pre_layernorm", False)
+        _check_layernorms(self.what, pre_layernorm, post_layernorm, single)
+        before = pre_layernorm or single
         self.seq_layers = nn.Sequential(
             *(
                 DistributedTransformerLayer(
                     **layer,
                     layer_idx=i,
                     pre_layernorm=pre_layernorm,
-                    post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
+                    post_layernorm=post_layernorm and (not before or i == num_layers - 1),
                 )
                 for i in range(num_layers)
             )
@@ -175,14 +237,16 @@ class DistributedTransformerLMHead(DistributedModule):
     ``use_normal_initialization``, ``pre_layernorm``, ``post_layernorm``, ...) and, with
     ``add_lm_head``, a head tied to the word embedding. dtrain's own arguments, for Hugging
     Face translations: ``embedding_dropout_prob`` (the embeddings' dropout; None: SMP's
-    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own). SMP's
-    ``use_positional_embedding=False`` leaves out the position table (for rotary attention,
-    ``rotary_dim``), ``use_lm_head_bias`` gives the head a bias. The
-    embeddings and head are plain (each rank holds them whole and runs them on its own batch);
-    the transformer is split. SMP's ``distribute_embedding=True`` is accepted with sharded
-    data parallelism only (AWS's GPT-J script sets it at sdp and tp above 1): the embeddings
-    stay plain, and FSDP2 shards them over the shard group as it shards everything. Arguments
-    are keywords only (SMP also took them in its order).
+    ``hidden_dropout_prob``) and ``tie_word_embeddings=False`` (a head of its own, as SMP's
+    ``tie_input_output_embedding=False``). SMP's ``use_positional_embedding=False`` leaves out
+    the position table (for rotary attention, ``rotary_dim``), ``use_lm_head_bias`` gives the
+    head a bias, ``final_layernorm`` adds a norm (``layernorm``) after the transformer,
+    ``mask_value`` is what masked scores get. The embeddings and head are plain (each rank
+    holds them whole and runs them on its own batch); the transformer is split. SMP's
+    ``distribute_embedding=True`` is accepted with sharded data parallelism only (AWS's GPT-J
+    script sets it at sdp and tp above 1): the embeddings stay plain, and FSDP2 shards them
+    over the shard group as it shards everything. The first nine arguments may be positional,
+    in SMP's order (its versions differ after them).
 
     ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))``: the mask
     is SMP's 0/1 mask over tokens (1 = attend), ``token_type_ids``, ``position_ids`` and
@@ -200,11 +264,16 @@ class DistributedTransformerLMHead(DistributedModule):
 
     def __init__(
         self,
-        *,
+        num_layers: int = 12,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
         hidden_size: int = 1024,
+        intermediate_size: int = 4096,
         vocab_size: int = 30522,
         num_positions: int = 1024,
+        attention_dropout_prob: float = 0.1,
         hidden_dropout_prob: float = 0.1,
+        *beyond: Any,
         num_token_types: int = 0,
         causal_mask_size: int | None = None,
         add_lm_head: bool = True,
@@ -214,9 +283,14 @@ class DistributedTransformerLMHead(DistributedModule):
         tie_word_embeddings: bool = True,
         use_positional_embedding: bool = True,
         use_lm_head_bias: bool = False,
+        tie_input_output_embedding: bool = True,
+        final_layernorm: bool = False,
+        mask_value: float = MASKED,
         **transformer: Any,
     ) -> None:
         super().__init__()
+        _positional(self.what, "hidden_dropout_prob", beyond)
+        _known(self.what, transformer, DistributedTransformer, DistributedTransformerLayer)
         sharded = state.current(self.what).config["sharded_data_parallel_degree"] > 1
         if distribute_embedding and not sharded:
             raise ModelParallelError(
@@ -246,14 +320,23 @@ class DistributedTransformerLMHead(DistributedModule):
             hidden_dropout_prob if embedding_dropout_prob is None else embedding_dropout_prob
         )
         self.transformer = DistributedTransformer(
+            num_layers,
+            num_attention_heads=num_attention_heads,
+            attention_head_size=attention_head_size,
             hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            attention_dropout_prob=attention_dropout_prob,
             hidden_dropout_prob=hidden_dropout_prob,
             causal_mask_size=causal_mask_size,
             initializer_range=initializer_range,
+            mask_value=mask_value,
             **transformer,
         )
+        self.mask_value = mask_value
+        epsilon = transformer.get("layernorm_epsilon", 1e-5)
+        self.layernorm = nn.LayerNorm(hidden_size, epsilon) if final_layernorm else None
         self.lm_head: nn.Linear | None = None
-        if add_lm_head and tie_word_embeddings:
+        if add_lm_head and tie_word_embeddings and tie_input_output_embedding:
             self.lm_head = nn.Linear(hidden_size, vocab_size, bias=use_lm_head_bias)
             self.lm_head.weight = self.word_embedding.weight
         elif add_lm_head:
@@ -285,13 +368,15 @@ class DistributedTransformerLMHead(DistributedModule):
         mask = None
         if attention_mask is not None:
             flat = attention_mask.view(input_ids.shape[0], -1).to(hidden.dtype)
-            mask = (1.0 - flat[:, None, None, :]) * -10000.0
+            mask = (1.0 - flat[:, None, None, :]) * self.mask_value
         with scaled_batch(self.what, hidden, mask) as batch:
             # The embeddings' dropout draws its mask on the group's combined batch, under the
             # group's seed: the transformer takes its input as the same on every rank.
             combined = self.dropout(batch.gather(hidden))
             out, _ = self.transformer((combined, batch.gather(mask)))
             hidden = batch.scatter(out)
+        if self.layernorm is not None:
+            hidden = self.layernorm(hidden)
         if self.lm_head is None:
             return hidden
         logits = self.lm_head(hidden)

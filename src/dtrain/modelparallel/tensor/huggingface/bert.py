@@ -11,7 +11,12 @@ input: the model keeps HF's names.
 from typing import Any
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
+from dtrain.modelparallel.tensor.huggingface.inplace import (
+    Family,
+    hooks_refused,
+    in_place,
+    same_names,
+)
 
 
 def refuse_cross_attention(config: Any) -> None:
@@ -41,3 +46,10 @@ FAMILY = Family(
 
 translate_hf_state_dict_to_smdistributed = same_names
 translate_state_dict_to_hf_bert = same_names
+translate_hf_state_dict_to_smdistributed_bert = same_names
+
+get_hf_bert_transformer_hooks = hooks_refused(
+    "smp.nn.huggingface.bert.get_hf_bert_transformer_hooks",
+    "BertEncoder as smp.nn.DistributedTransformer",
+    in_place("BERT"),
+)

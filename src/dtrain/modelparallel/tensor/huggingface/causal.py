@@ -117,3 +117,9 @@ def rename(
         else:
             raise ModelParallelError(f"{what}: unknown key {key!r}")
     return out
+
+
+def hooks_of(registration: Registration) -> tuple[Any, Any, Any]:
+    """SMP's ``get_hf_*_hooks()``: the init, forward and return hooks its registration of the
+    model's class uses (what ``smp.tp_register_with_module`` takes after the classes)."""
+    return registration.init_hook, registration.forward_hook, registration.return_hook

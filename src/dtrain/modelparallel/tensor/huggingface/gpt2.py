@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor.huggingface import causal
 from dtrain.modelparallel.tensor.huggingface.causal import Translations
+from dtrain.modelparallel.tensor.huggingface.inplace import hooks_refused
 from dtrain.modelparallel.tensor.marks import Args, Registration
 from dtrain.modelparallel.tensor.transformer import DistributedTransformerLMHead
 
@@ -242,3 +244,55 @@ REGISTRATION = Registration(
 
 translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smdistributed
 """The name later SMP versions give it, which AWS's ``train_gpt_simple.py`` imports."""
+
+LAYER = "transformer.h.0."
+"""A ``GPT2Block``'s keys as the first layer of a model (its translations go through the
+model's)."""
+
+
+def translate_hf_state_dict_to_smdistributed_gpt2_layer(
+    state_dict: dict[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A ``GPT2Block`` state dict under ``DistributedTransformerLayer``'s names."""
+    whole = translate_hf_state_dict_to_smdistributed(
+        {LAYER + key: value for key, value in state_dict.items()}, max_seq_len
+    )
+    return _unprefixed(whole, "transformer.seq_layers.0.")
+
+
+def translate_state_dict_to_hf_gpt2_layer(
+    state_dict: dict[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A ``DistributedTransformerLayer`` state dict (pre-layer-norm, as a ``GPT2Block``
+    translates) under ``GPT2Block``'s names."""
+    whole = translate_state_dict_to_hf_gpt2(
+        {f"transformer.seq_layers.0.{key}": value for key, value in state_dict.items()},
+        max_seq_len,
+    )
+    return _unprefixed(whole, LAYER)
+
+
+def _unprefixed(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """A translated layer's keys without the model's ``prefix``; a key outside it (a layer norm
+    after the output, which a model takes as its final norm) fails, naming it."""
+    outside = sorted(key for key in state_dict if not key.startswith(prefix))
+    if outside:
+        raise ModelParallelError(
+            f"smp.nn.huggingface.gpt2: a GPT-2 layer has no {outside} (translated from a layer "
+            "with post_layernorm?); allowed: a pre-layer-norm layer's keys"
+        )
+    return {key.removeprefix(prefix): value for key, value in state_dict.items()}
+
+
+def get_hf_gpt2_transformer_lm_head_hooks() -> tuple[Any, Any, Any]:
+    """SMP's hooks turning a ``GPT2LMHeadModel`` into the distributed LM head (init, forward,
+    return)."""
+    return causal.hooks_of(REGISTRATION)
+
+
+get_hf_gpt2_transformer_layer_hooks = hooks_refused(
+    "smp.nn.huggingface.gpt2.get_hf_gpt2_transformer_layer_hooks",
+    "GPT2Block as smp.nn.DistributedTransformerLayer",
+    "create the whole GPT2LMHeadModel inside smp.tensor_parallelism() or mark it with "
+    "smp.set_tensor_parallelism, and it becomes an smp.nn.DistributedTransformerLMHead",
+)

@@ -128,3 +128,9 @@ def translations(config: Any) -> causal.Translations:
 
 
 REGISTRATION = causal.registration(WHAT, init_hook)
+
+
+def get_hf_gptj_transformer_hooks() -> tuple[Any, Any, Any]:
+    """SMP's hooks turning a ``GPTJForCausalLM`` into the distributed LM head (init, forward,
+    return)."""
+    return causal.hooks_of(REGISTRATION)

@@ -5,7 +5,12 @@ count. ``token_type_ids`` are refused, as for GPT-J (embedded with the word embe
 translation functions return their input: the model keeps HF's names.
 """
 
-from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
+from dtrain.modelparallel.tensor.huggingface.inplace import (
+    Family,
+    hooks_refused,
+    in_place,
+    same_names,
+)
 
 FAMILY = Family(
     name="gptneo",
@@ -22,3 +27,9 @@ FAMILY = Family(
 translate_hf_state_dict_to_smdistributed_gptneo = same_names
 translate_hf_gptneo_state_dict_to_smdistributed = same_names  # SMP's older name
 translate_state_dict_to_hf_gptneo = same_names
+
+get_hf_gptneo_transformer_lm_head_hooks = hooks_refused(
+    "smp.nn.huggingface.gptneo.get_hf_gptneo_transformer_lm_head_hooks",
+    "GPTNeoForCausalLM as smp.nn.DistributedTransformerLMHead",
+    in_place("GPT-Neo"),
+)

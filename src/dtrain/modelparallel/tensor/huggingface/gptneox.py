@@ -213,3 +213,9 @@ def translations(config: Any) -> causal.Translations:
 
 
 REGISTRATION = causal.registration(WHAT, init_hook)
+
+
+def get_hf_gptneox_transformer_lm_head_hooks() -> tuple[Any, Any, Any]:
+    """SMP's hooks turning a ``GPTNeoXForCausalLM`` into the distributed LM head (init, forward,
+    return)."""
+    return causal.hooks_of(REGISTRATION)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.overrides import TorchFunctionMode
 
-from dtrain.modelparallel import state
+from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
@@ -126,6 +127,26 @@ def same_names(state_dict: dict[str, Any], max_seq_len: int | None = None) -> di
     return dict(state_dict)
 
 
+def hooks_refused(what: str, swapped: str, works: str) -> Callable[[], NoReturn]:
+    """SMP's getter ``what`` of hooks that swap ``swapped`` for an ``smp.nn`` module, which
+    dtrain does not do: calling it fails, naming ``works``, the way that does."""
+
+    def refused() -> NoReturn:
+        raise ModelParallelError(f"{what}: {swapped} is not supported by dtrain; {works}")
+
+    refused.__name__ = refused.__qualname__ = what.rpartition(".")[2]
+    return refused
+
+
+def in_place(model: str) -> str:
+    """How a model split in place is made tensor-parallel (the way :func:`hooks_refused`
+    names)."""
+    return (
+        f"create the whole {model} model inside smp.tensor_parallelism() or mark it with "
+        "smp.set_tensor_parallelism, and it is split in place"
+    )
+
+
 def family_of(kind: type[nn.Module]) -> str | None:
     """The family file of an HF model class, None for any other class."""
     name = FAMILIES.get(kind.__module__)
@@ -138,6 +159,40 @@ IN_PLACE_DEFAULTS = {**UNSUPPORTED_EXTRAS, "distribute_embedding": False}
 layers, so only their defaults describe it."""
 
 
+HALF_PRECISION_SWITCHES = ("attention_in_fp32", "query_key_layer_scaling")
+"""SMP's switches for its attention's stability in fp16 and bf16 (``smp.nn`` attention)."""
+
+
+def _warn_switches_without_effect(
+    what: str, options: Mapping[str, Any], model: nn.Module, st: state.MPState
+) -> None:
+    """SMP's half-precision switches act in its distributed transformer, which SMP swapped
+    these families' layers for; split in place, HF's attention runs as written and they change
+    nothing. In half precision that is said, once per family and switch (Python's default
+    warning filter shows a message once per place)."""
+    half = st.config["fp16"] or st.config["bf16"]
+    half = half or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    for name in HALF_PRECISION_SWITCHES:
+        if half and options.get(name):
+            warnings.warn(
+                f"{what}: {name}=True has no effect on a model split in place (its attention "
+                "runs as Hugging Face wrote it); it takes effect in smp.nn attention "
+                "(DistributedTransformerLMHead, DistributedTransformerLayer, ...)",
+                stacklevel=2,
+            )
+
+
+def _start_from_rank_zero(model: nn.Module) -> None:
+    """Every rank's ``model`` made rank 0's before it is split: torch's styles cut each tp
+    group's shards from its first rank's weights, which ranks seeded apart (or another pipeline
+    stage's group) would hold otherwise. A tensor created without memory is made later from rank
+    0's random states (:mod:`...deferred`)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not deferred.is_deferred(tensor):  # one at a time: a device copy each
+                tensor.copy_(shards.from_rank_zero({0: tensor})[0])
+
+
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
     """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's. Each
     transformer layer is split on its own, so a model created without memory has one layer
@@ -148,6 +203,8 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
     if family.check is not None:
         family.check(config)
     st = state.current(what)
+    _warn_switches_without_effect(what, options, model, st)
+    _start_from_rank_zero(model)
     degree = st.tp_size
     dropping = degree > 1 and attention_dropout(config, family, degree) > 0
     split_dropout = family.split_dropout

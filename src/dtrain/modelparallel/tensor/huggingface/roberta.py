@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.tensor.huggingface import bert
-from dtrain.modelparallel.tensor.huggingface.inplace import same_names
+from dtrain.modelparallel.tensor.huggingface.inplace import hooks_refused, in_place, same_names
 
 
 def positions(base: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -25,3 +25,10 @@ FAMILY = dataclasses.replace(bert.FAMILY, name="roberta", positions=positions)
 
 translate_hf_state_dict_to_smdistributed = same_names
 translate_state_dict_to_hf_roberta = same_names
+translate_hf_state_dict_to_smdistributed_roberta = same_names
+
+get_hf_roberta_transformer_hooks = hooks_refused(
+    "smp.nn.huggingface.roberta.get_hf_roberta_transformer_hooks",
+    "RobertaEncoder as smp.nn.DistributedTransformer",
+    in_place("RoBERTa"),
+)
