@@ -230,7 +230,8 @@ def test_tensor_parallel_with_sharded_data_parallel_trains_like_one_process(
     for rank in ranks:  # every rank starts alike
         wrapped = rank["replicas"][1]
         assert all(torch.equal(v, ranks[0]["replicas"][1][k]) for k, v in wrapped.items())
-    params = _accumulated_in_one_process()
+    with single_process({}):
+        params = _accumulated_in_one_process()
     for rank in ranks:  # each step call's gradients averaged once, then added
         for key, value in params.items():
             torch.testing.assert_close(rank["accumulated"][key], value, rtol=1e-4, atol=1e-6)
