@@ -19,6 +19,7 @@ from dtrain.modelparallel.scheduling.planner import (
     zero_bubble_policy,
 )
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.route import pipeline_plan
 from dtrain.modelparallel.scheduling.schedule import (
     Action,
     Schedule,
@@ -483,8 +484,18 @@ def test_a_partition_that_recomputes_runs_whole_backwards_while_the_others_split
 @pytest.mark.parametrize("whole", [(3,), (-1,), ("1",)])
 def test_whole_partitions_outside_the_pipeline_are_refused(whole: tuple[object, ...]) -> None:
     message = rf"whole_partitions: got {whole[0]!r}; allowed: partitions 0 to 2"
-    with pytest.raises(ValueError, match=message):
-        build_schedule("interleaved", 3, 4, whole_partitions=whole)  # type: ignore[arg-type]
+    for split in (True, False):  # refused whether or not anything splits
+        with pytest.raises(ValueError, match=message):
+            build_schedule("interleaved", 3, 4, split_backward=split, whole_partitions=whole)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=message):
+            pipeline_plan(
+                SchedulePolicy.for_config("interleaved", 4, 4),
+                [1.0] * 3,
+                [(0, 1.0)],
+                split,
+                False,
+                whole,
+            )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
         check(build_schedule("interleaved", 3, 4), whole_partitions=whole)  # type: ignore[arg-type]
 

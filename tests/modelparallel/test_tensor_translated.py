@@ -262,7 +262,8 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
     automatic translation, and one returning other keys fails naming them; so does an HF state
     dict with a key neither model has.
     Options that would be ignored are refused: ``translate_function`` with a partial
-    checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism."""
+    checkpoint, ``load_sharded_optimizer_state=False`` without sharded data parallelism or with a
+    full one."""
     family, options = TRAINED[1]
     hf_file = root / f"{family}_hf.pt"
     hf = torch.load(hf_file)
@@ -283,6 +284,10 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
         by_spy = {key: value.clone() for key, value in model.state_dict().items()}
         model.load_state_dict(hf)  # SMP's model translates an HF state dict too
         by_load = {key: value.clone() for key, value in model.state_dict().items()}
+        stray = {**by_load, "transformer.stray": torch.zeros(1)}  # SMP's names and one more
+        model.load_state_dict(stray, strict=False)  # ignored, as torch ignores it
+        with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"transf"):
+            model.load_state_dict(stray)
         wrong = functools.partial(_renamed, "lm_head.weight", "lm_head.weights")
         with pytest.raises(ModelParallelError) as wrong_keys:
             smp.resume_from_checkpoint(
@@ -294,6 +299,10 @@ def _resumes_and_translates(root: Path, trained: dict[str, torch.Tensor]) -> Non
             smp.resume_from_checkpoint(root, tag=f"{family}_smp", translate_function=spy)
         with pytest.raises(ValueError, match="sharded_data_parallel_degree above 1"):
             smp.resume_from_checkpoint(root, f"{family}_smp", load_sharded_optimizer_state=False)
+        with pytest.raises(ValueError, match=r"applies to partial checkpoints \(partial=True\)"):
+            smp.resume_from_checkpoint(
+                root, f"{family}_smp", partial=False, load_sharded_optimizer_state=False
+            )
         torch.save({**hf, "transformer.h.0.attn.extra": torch.zeros(1)}, hf_file)
         with pytest.raises(ModelParallelError) as unknown:
             smp.resume_from_checkpoint(root, tag=hf_file.name, partial=False)

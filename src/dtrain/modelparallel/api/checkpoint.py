@@ -327,6 +327,11 @@ def _check_resume_options(
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None,
 ) -> None:
     """Options that would otherwise be ignored fail, naming what they need."""
+    if not load_sharded_optimizer_state and not partial:
+        raise ValueError(
+            "smp.resume_from_checkpoint: load_sharded_optimizer_state=False applies to partial "
+            "checkpoints (partial=True); a full one holds no optimizer state"
+        )
     if not load_sharded_optimizer_state and not sharded:
         raise ValueError(
             "smp.resume_from_checkpoint: load_sharded_optimizer_state=False applies to sharded "

@@ -629,17 +629,8 @@ class DistributedModel(nn.Module):
     ) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """``(name, tensor, is_parameter)`` under every name ``state_dict()`` uses (a tied
         parameter appears under each of its names)."""
-        for prefix, module in self.module.named_modules(remove_duplicate=False):
-            if local_only and not self._owns(module):
-                continue
-            for key, param in module._parameters.items():
-                if param is not None:
-                    yield (f"{prefix}.{key}" if prefix else key), param, True
-            for key, buffer in module._buffers.items():
-                if buffer is not None and not (
-                    persistent_only and key in module._non_persistent_buffers_set
-                ):
-                    yield (f"{prefix}.{key}" if prefix else key), buffer, False
+        keep = self._owns if local_only else None
+        yield from translated.named_state(self.module, persistent_only, keep)
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()

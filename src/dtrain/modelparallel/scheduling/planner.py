@@ -52,6 +52,7 @@ def build_schedule(
     check_pipeline(pipeline)
     check_positive_int("stages", stages)
     check_positive_int("microbatches", microbatches)
+    check_partitions("whole_partitions", whole_partitions, stages)
     if active_microbatches is None:
         active_microbatches = stages + 2
     else:

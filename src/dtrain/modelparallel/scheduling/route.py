@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.costs import Costs, check_partitions
 from dtrain.modelparallel.scheduling.order import Key
 from dtrain.modelparallel.scheduling.planner import (
     SPLIT_OVERHEAD,
@@ -108,6 +108,7 @@ def pipeline_plan(
     serves fails naming it. Otherwise it is a chain plan, the runtime's order when work runs as
     it becomes ready only where the forward is a chain.
     """
+    check_partitions("whole_partitions", whole_partitions, len(stage_times))
     route, route_times = route_of(modules)  # registration order: most models' forward order
     if not ordered or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)

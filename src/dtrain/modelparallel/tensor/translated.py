@@ -13,10 +13,11 @@ without tensor parallelism ask too.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
@@ -52,14 +53,30 @@ def _translated(root: nn.Module) -> list[tuple[str, nn.Module, Translation]]:
     ]
 
 
+def named_state(
+    root: nn.Module,
+    persistent_only: bool = True,
+    keep: Callable[[nn.Module], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_parameter)`` under every name ``root.state_dict()`` uses (a tied
+    parameter under each of its names), of the modules ``keep`` admits, without computing the
+    state dict (a DTensor's is a gather)."""
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        if keep is not None and not keep(module):
+            continue
+        for key, param in module._parameters.items():
+            if param is not None:
+                yield (f"{prefix}.{key}" if prefix else key), param, True
+        for key, buffer in module._buffers.items():
+            if buffer is not None and not (
+                persistent_only and key in module._non_persistent_buffers_set
+            ):
+                yield (f"{prefix}.{key}" if prefix else key), buffer, False
+
+
 def state_keys(module: nn.Module) -> set[str]:
-    """The keys of ``module.state_dict()``, without computing it (a DTensor's is a gather)."""
-    keys = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                keys.add(f"{prefix}.{name}" if prefix else name)
-    return keys
+    """The keys of ``module.state_dict()``."""
+    return {name for name, _, _ in named_state(module)}
 
 
 def _under(path: str, state_dict: StateDict) -> tuple[StateDict, StateDict]:
@@ -87,10 +104,12 @@ def to_hf(root: nn.Module, state_dict: StateDict) -> StateDict:
 
 def from_hf(root: nn.Module, state_dict: StateDict) -> StateDict:
     """A full state dict for ``root`` whose translated modules' keys may be their HF originals'
-    names: those are renamed; keys that are the module's own already stay."""
+    names: those are renamed. Keys mostly the module's own already stay, a stray one among them
+    too (the load's strictness judges it, as torch's does)."""
     for path, module, translation in _translated(root):
         inside, others = _under(path, state_dict)
-        if not inside or set(inside) <= state_keys(module):
+        own = state_keys(module)
+        if len(set(inside) & own) >= len(set(inside) - own):  # SMP's names (or nothing) there
             continue
         try:
             renamed = translation.from_hf(inside)
