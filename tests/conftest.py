@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "test_compat.py", "modelparallel/test_hf_models.py",
     "modelparallel/test_activation_checkpointing.py", "modelparallel/test_stall.py",
     "modelparallel/test_equivalence.py", "modelparallel/test_tensor_mixed.py",
+    "modelparallel/test_sharded_tensor.py",
     "modelparallel/test_tensor_hf.py", "modelparallel/test_tensor_pipeline.py",
     "modelparallel/test_tensor_translated.py",
 )  # fmt: skip
