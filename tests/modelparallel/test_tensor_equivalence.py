@@ -238,11 +238,43 @@ def _clipped_step(model: Any, optimizer: Any, step: int) -> float:
     return norm
 
 
-def _clipped_fp32() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _clipped_fp32() -> tuple[list[float], dict[str, torch.Tensor], float]:
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
     model, optimizer = _wrapped("lm", _lm)
     norms = [_clipped_step(model, optimizer, step) for step in range(2)]
-    return norms, model.state_dict()
+    trained = model.state_dict()
+    smp.reset()
+    return norms, trained, accumulated_norm()
+
+
+ACCUMULATED = 2
+"""Steps whose gradients ``accumulated_norm`` adds up before one optimizer step."""
+
+
+def accumulated_norm() -> float:
+    """The MLP wrapped, then moved with ``to`` (torch swaps a DTensor parameter with its copy),
+    its gradients accumulated over ACCUMULATED steps: their norm. The step averages only its
+    own gradients over the dp group; averaging the sum again divided a split parameter's
+    earlier ones by the tp degree, and a mark lost in the move made them tp times too large."""
+    build, loss_fn = CASES["mlp"]
+    model, optimizer = _wrapped("mlp", build)
+    model.to("cpu")
+    rows = GLOBAL_BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
+    for step in range(ACCUMULATED):
+        ids, mask = _batch(step)
+        step_of(loss_fn)(model, ids[mine], mask[mine])
+    return optimizer.clip_master_grads(1e9)
+
+
+def accumulated_reference() -> float:
+    """``accumulated_norm`` of one process."""
+    build, loss_fn = CASES["mlp"]
+    with single_process({}):
+        model = build()
+        for step in range(ACCUMULATED):
+            loss_fn(model, *_batch(step)).backward()
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
 
 
 def test_fp32_tensor_parallel_clip_master_grads_clips_as_one_process() -> None:
@@ -258,7 +290,9 @@ def test_fp32_tensor_parallel_clip_master_grads_clips_as_one_process() -> None:
             optimizer.step()
         params = model.state_dict()
     assert min(norms) > CLIP
-    for got, trained in run_ranks(2, _clipped_fp32):
+    accumulated = accumulated_reference()
+    for got, trained, accumulated_got in run_ranks(2, _clipped_fp32):
+        assert accumulated_got == pytest.approx(accumulated, rel=1e-5)
         assert got == pytest.approx(norms, rel=1e-5)
         for key, value in params.items():
             torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)

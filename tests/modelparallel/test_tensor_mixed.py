@@ -2,9 +2,10 @@
 batch. bf16 and fp16 parameters: tp=2 (and tp=2 x rdp=2 with the optimizer state sharded)
 trains like one process running ``test_half_precision``'s recipe by hand (the model in half,
 fp32 masters, here DTensors, stepped and rounded back; fp16's scale and an overflow on one
-rank skipping the step on all; a partial checkpoint resumed); ``smp.amp.GradScaler`` on DTensor
-gradients. Delayed creation: each rank makes its shards with eager values. ``shard_optimizer_state``
-at tp=2 x rdp=2: ``test_tensor_equivalence``'s models train like one process."""
+rank skipping the step on all; a partial checkpoint resumed; bf16 gradients accumulated over
+two steps of a model moved once wrapped); ``smp.amp.GradScaler`` on DTensor gradients. Delayed
+creation: each rank makes its shards with eager values. ``shard_optimizer_state`` at tp=2 x
+rdp=2: ``test_tensor_equivalence``'s models train like one process."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from tests.modelparallel.test_tensor_equivalence import (
     STEPS,
     _batch,
     _lm,
+    accumulated_norm,
+    accumulated_reference,
     one_process,
     trained,
 )
@@ -134,7 +137,18 @@ def _check(results: list[dict[str, Any]], recipe: half.Recipe) -> None:
 def test_bf16_tensor_parallel_trains_like_one_process_with_fp32_dtensor_masters() -> None:
     # Created without memory: split when wrapped, the rest made at the first step, then half.
     recipe = half.Recipe("tp_lm", "bf16", microbatches=1, dp=2, clip=0.5, pp=1, delayed=True)
-    _check(run_ranks(2, _train, recipe, None), recipe)
+    ranks = run_ranks(2, _train_then_accumulate, recipe)
+    _check(ranks, recipe)
+    accumulated = accumulated_reference()
+    for got in ranks:  # the masters' gradients, accumulated
+        assert got["accumulated"] == pytest.approx(accumulated, rel=1e-2)
+
+
+def _train_then_accumulate(recipe: half.Recipe) -> dict[str, Any]:
+    """``_train``, then ``test_tensor_equivalence.accumulated_norm`` in half."""
+    trained = _train(recipe, None)
+    smp.reset()
+    return {**trained, "accumulated": accumulated_norm()}
 
 
 def test_fp16_tensor_parallel_with_sharded_state_skips_an_overflow_of_one_rank_on_all(

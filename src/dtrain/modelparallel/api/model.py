@@ -31,7 +31,13 @@ from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.api import placement
-from dtrain.modelparallel.api.precision import HalfParameters, LossScaling, half_dtype
+from dtrain.modelparallel.api.precision import (
+    HalfParameters,
+    LossScaling,
+    add_gradients_back,
+    half_dtype,
+    set_gradients_aside,
+)
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.pipeline import activations, hooks, solo
 from dtrain.modelparallel.pipeline.group import PipelineGroup
@@ -185,6 +191,7 @@ class DistributedModel(nn.Module):
 
             self._sync_random_states(module)  # a delayed model's shards are made now
             placed = placement.manual_placements(module)
+            shards.restore_marks(module)  # the script may have moved it (``to``) before
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             placement.keep_placements(module, placed)
             shards.split_delayed(module, self._state.device)
@@ -322,20 +329,27 @@ class DistributedModel(nn.Module):
             self._partition(make_body)
         runtime = self._runtime
         assert runtime is not None
-        if runtime.is_leader:
-            try:
-                body = make_body(self._state.device)
-            except BaseException as exc:
-                runtime.abort_step(exc)
-                raise
-            outcomes = runtime.run_step(count, body)
-        else:
-            outcomes = runtime.run_step(count, None)
-        if all(ok for ok, _ in outcomes):
-            if self.half_precision is None:
-                self._reduce_gradients(list(self.local_parameters()))
+        # fp32: the gradients of earlier steps (accumulating before one optimizer step) were
+        # averaged already; only this step's are (a half model's masters do the same)
+        params = list(self.local_parameters()) if self.half_precision is None else []
+        earlier = set_gradients_aside(params)
+        try:
+            if runtime.is_leader:
+                try:
+                    body = make_body(self._state.device)
+                except BaseException as exc:
+                    runtime.abort_step(exc)
+                    raise
+                outcomes = runtime.run_step(count, body)
             else:
-                self.half_precision.after_backward(self._reduce_gradients)
+                outcomes = runtime.run_step(count, None)
+            if all(ok for ok, _ in outcomes):
+                if self.half_precision is None:
+                    self._reduce_gradients(params)
+                else:
+                    self.half_precision.after_backward(self._reduce_gradients)
+        finally:
+            add_gradients_back(earlier)
             trace = self._state.options.trace
             if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
                 self.export_timeline(trace)
@@ -565,6 +579,20 @@ class DistributedModel(nn.Module):
         floating parameters and buffers become half; call once the own ones are in place."""
         if self.half_precision is not None:
             self.half_precision.cast(self.local_parameters(), self._all_tensors())
+            self._restore_marks()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to``, ``cuda``, ``half``...: as torch does them, then tensor parallelism's marks
+        are put back on the parameters the conversion swapped."""
+        result = super()._apply(fn, recurse)
+        self._restore_marks()
+        return result
+
+    def _restore_marks(self) -> None:
+        """Which parameters' gradients average over which group (see
+        :data:`.tensor.shards.SCALED_NAMES`), after a conversion swapped them."""
+        if self.tensor_shards is not None:
+            self.tensor_shards.restore_marks(self.module)
 
     def _plan_ordered(self) -> bool:
         """Whether every rank computes in its plan row's order: with ``deterministic_server``,

@@ -31,6 +31,12 @@ SCALED_BATCH = "_dtrain_scaled_batch"
 """The attribute marking a parameter of a distributed module (set on the parameter itself: a
 set of tensors would compare them by value)."""
 
+SCALED_NAMES = "_dtrain_scaled_batch_names"
+"""The attribute of a module recording which of its own parameters carry :data:`SCALED_BATCH`
+(name to mark): torch's conversions (``Module.to``, ``.cuda()``, ``.half()``) swap a DTensor
+parameter with its converted copy, ``__dict__`` included, which drops the mark; the module
+keeps it, and :func:`restore_marks` puts it back."""
+
 SPLIT_BLOCK = "_dtrain_split_block"
 """The attribute marking a module whose layers ``parallelize`` split. Its forward computes on
 their shards (and, for a distributed module, in the scaled-batch region), so a layer on another
@@ -61,8 +67,27 @@ def mark_block(module: nn.Module) -> None:
     """Mark ``module`` a split block and every parameter of it one that sees the group's
     combined batch (a block whose layers are split one by one is marked as a whole here)."""
     setattr(module, SPLIT_BLOCK, True)
-    for param in module.parameters():  # marked again once split, when made
-        setattr(param, SCALED_BATCH, True)
+    mark_scaled_batch(module, True)  # marked again once split, when made
+
+
+def mark_scaled_batch(module: nn.Module, scaled: bool) -> None:
+    """Mark every parameter of ``module`` as one that sees the group's combined batch, or (not
+    ``scaled``) its rank's own rows, on the parameter and in its module's record."""
+    for sub in module.modules():
+        names = sub.__dict__.setdefault(SCALED_NAMES, {})
+        for name, param in sub.named_parameters(recurse=False):
+            names[name] = scaled
+            setattr(param, SCALED_BATCH, scaled)
+
+
+def restore_marks(root: nn.Module) -> None:
+    """Put the marks of :func:`mark_scaled_batch` back on the parameters of ``root`` from their
+    modules' records (after a conversion swapped them away)."""
+    for sub in root.modules():
+        for name, scaled in getattr(sub, SCALED_NAMES, {}).items():
+            param = sub._parameters.get(name)
+            if param is not None:
+                setattr(param, SCALED_BATCH, scaled)
 
 
 def split_delayed(root: nn.Module, device: torch.device) -> None:

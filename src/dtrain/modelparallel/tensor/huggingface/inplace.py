@@ -249,8 +249,7 @@ def _split_base(
             _per_head(layer, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
-        for param in embedding.parameters():  # runs on the rank's own rows, before the region
-            setattr(param, shards.SCALED_BATCH, False)
+        shards.mark_scaled_batch(embedding, False)  # the rank's own rows, before the region
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
 
