@@ -18,6 +18,7 @@ import torch
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import state
+from dtrain.modelparallel.api.checkpoint import OPTIMIZER_SHARDS_KEY
 from dtrain.modelparallel.api.model import DEGREES_KEY
 from dtrain.modelparallel.errors import ModelParallelError, NotInitializedError
 from tests.modelparallel.harness import run_ranks, single_process
@@ -75,6 +76,13 @@ def _checkpoints(path: str) -> dict[str, Any]:
     out["user_content"] = smp.resume_from_checkpoint(root)
     out["resumed"] = {k: v.tolist() for k, v in model.params.items()}
     out["optimizer_step"] = optimizer.step
+    if me == 0:  # as if the second stage's optimizer state were split otherwise
+        (root / "step1_partial" / "optimizer_1_0_0.pt").unlink()
+    smp.barrier()
+    try:
+        smp.resume_from_checkpoint(root, "step1")
+    except ModelParallelError as exc:
+        out["missing"] = str(exc)
 
     for tag in ("step2", "step3"):
         smp.save_checkpoint(root, tag, model=model, num_kept_partial_checkpoints=2)
@@ -119,6 +127,13 @@ def test_partial_and_full_checkpoints_round_trip_on_a_pipeline(tmp_path: Path) -
         assert out["resumed"]["ab"[pp]] == resumed["ab"[pp]]
         assert out["resumed"]["ba"[pp]] == [0.0] * len(resumed["ba"[pp]])  # untouched
         assert out["optimizer_step"] == 100 + pp
+        assert out["missing"] == (
+            f"smp.resume_from_checkpoint({tmp_path / 'step1_partial'}): ranks [1, 3] find no "
+            "optimizer state of theirs (each reads optimizer_{pp_rank}_{tp_rank}_{rdp_rank}.pt), "
+            "the other ranks do: it was saved split otherwise (this job holds it whole); resume "
+            "with the shard_optimizer_state and rdp degree it was saved with, or with "
+            "load_optimizer=False to start the optimizer afresh"
+        )
         assert out["after_pruning"] == ["newest", "step2_partial", "step3_partial"]
         assert out["full_file"] == {"a": [7.0, 7.0], "b": [8.0, 8.0, 8.0]}
         assert out["full_user_content"] == "done"
@@ -211,6 +226,32 @@ def test_saving_a_tag_again_clears_what_an_earlier_save_at_other_degrees_left(
         assert _files(tmp_path) == ["newest", "t_partial/model_0_0_0.pt"]
         smp.resume_from_checkpoint(tmp_path, tag="t")
         assert model.loads == [("partial", True)]
+
+
+def test_optimizer_state_split_otherwise_is_refused_and_an_older_file_loads(
+    tmp_path: Path,
+) -> None:
+    # Saved in 2 shards (shard_optimizer_state at rdp 2), resumed where each rank holds it whole.
+    with single_process():
+        state.register_model(FakeModel(1.0))
+        optimizer = FakeOptimizer(5)
+        state.register_optimizer(optimizer)
+        smp.save_checkpoint(tmp_path, "t", model=state.current_model(), optimizer=optimizer)
+        file = tmp_path / "t_partial" / "optimizer_0_0_0.pt"
+        saved = torch.load(file)
+        assert saved.pop(OPTIMIZER_SHARDS_KEY) == 1
+        torch.save({**saved, OPTIMIZER_SHARDS_KEY: 2}, file)
+        with pytest.raises(ModelParallelError) as caught:
+            smp.resume_from_checkpoint(tmp_path, tag="t")
+        assert str(caught.value) == (
+            f"smp.resume_from_checkpoint({tmp_path / 't_partial'}): the optimizer state of rank "
+            "0 was saved in 2 shards, this job holds it whole (shard_optimizer_state False, rdp "
+            "degree 1); allowed: the same split; resume with the shard_optimizer_state and rdp "
+            "degree it was saved with, or with load_optimizer=False to start the optimizer afresh"
+        )
+        torch.save({**saved, "step": 6}, file)  # as dtrain saved it before recording the split
+        smp.resume_from_checkpoint(tmp_path, tag="t")
+        assert optimizer.step == 6
 
 
 class SavedAtPp2(FakeModel):

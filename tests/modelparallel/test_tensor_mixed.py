@@ -162,6 +162,11 @@ def test_fp16_tensor_parallel_with_sharded_state_skips_an_overflow_of_one_rank_o
         huge_loss_at=1, poisoned_at=2, pp=1, shard_optimizer_state=True,
     )  # fmt: skip
     _check(run_ranks(4, _train, recipe, str(tmp_path), timeout=120), recipe)
+    # ZeRO shards over the rdp group: its files name the rdp rank (pp, tp, rdp)
+    kinds = ("fp16_states", "optimizer")
+    sharded = [f"{kind}_0_{tp}_{rdp}.pt" for kind in kinds for tp in (0, 1) for rdp in (0, 1)]
+    files = sorted(p.name for p in (tmp_path / "part_partial").iterdir())
+    assert files == sorted([*sharded, "model_0_0_0.pt", "model_0_1_0.pt"])
 
 
 def _scaler_steps() -> dict[str, Any]:

@@ -139,13 +139,32 @@ def _share(st: MPState, kind: str) -> tuple[bool, int]:
     """Whether this rank writes partial files of ``kind``, and the index (``rdp``) of those it
     writes and reads: one writer per pipeline stage (its dp rank 0); with sharded data
     parallelism one per shard (the first shard group's ranks), whose file the ranks holding
-    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state. With
-    tensor parallelism one per tp rank of each stage (its rdp rank 0; without it the rdp rank
-    is the dp rank)."""
+    the same shard read; with ``shard_optimizer_state`` every rank its optimizer state, by its
+    rdp rank (ZeRO shards over the rdp group). With tensor parallelism one per tp rank of each
+    stage (its rdp rank 0; without it the rdp rank is the dp rank)."""
     if kind == "optimizer" and st.config["shard_optimizer_state"]:
-        return True, st.dp_rank
+        return True, st.rdp_rank
     degree = st.config["sharded_data_parallel_degree"]
     return st.rdp_rank < degree, st.rdp_rank % degree
+
+
+OPTIMIZER_SHARDS_KEY = "_dtrain_optimizer_shards"
+"""In a partial optimizer file: :func:`optimizer_shards` when it was saved. Files saved before
+it was recorded lack it; their names gave the dp rank, not the rdp rank, with
+``shard_optimizer_state``, which differ only with tensor parallelism."""
+
+
+def optimizer_shards(st: MPState) -> int:
+    """Into how many parts the optimizer state of one pipeline stage and tp rank is split over
+    its replicas: ``sharded_data_parallel_degree``, or with ``shard_optimizer_state`` the rdp
+    degree (ZeRO shards over the rdp group); 1 when each rank holds it whole."""
+    if st.config["shard_optimizer_state"]:
+        return st.rdp_size
+    return st.config["sharded_data_parallel_degree"]
+
+
+def _shards_named(count: int) -> str:
+    return "whole" if count == 1 else f"in {count} shards"
 
 
 def save_checkpoint(
@@ -184,6 +203,7 @@ def save_checkpoint(
         writes, index = _share(st, "optimizer")
         if writes and optimizer is not None:
             optimizer_state = optimizer.local_state_dict()
+            optimizer_state[OPTIMIZER_SHARDS_KEY] = optimizer_shards(st)
             if FP16_STATES in optimizer_state:
                 fp16_file = folder / _rank_file(FP16_STATES, st, index)
                 torch.save(optimizer_state.pop(FP16_STATES), fp16_file)
@@ -291,10 +311,11 @@ def resume_from_checkpoint(
                 f"no partial checkpoint for pp_rank {st.pp_rank}, tp_rank {st.tp_rank}: "
                 f"{model_file} does not exist (not a partial checkpoint?)"
             )
-        model.load_state_dict(_read(model_file), strict=strict)
         _, index = _share(st, "optimizer")
         optimizer_file = folder / _rank_file("optimizer", st, index)
-        if load_optimizer and optimizer_file.is_file():
+        with_optimizer = load_optimizer and _saved_optimizer(folder, optimizer_file, st)
+        model.load_state_dict(_read(model_file), strict=strict)
+        if with_optimizer:
             optimizer = state.current_optimizer()
             if optimizer is None:
                 warnings.warn(
@@ -304,6 +325,7 @@ def resume_from_checkpoint(
                 )
             else:
                 optimizer_state = _read(optimizer_file)
+                optimizer_state.pop(OPTIMIZER_SHARDS_KEY, None)
                 if not load_sharded_optimizer_state:  # the groups' options, no state
                     optimizer_state = {**optimizer_state, "state": {}}
                 fp16_file = folder / _rank_file(FP16_STATES, st, index)
@@ -385,6 +407,44 @@ def _check_saved_degrees(folder: Path, st: MPState) -> None:
     saved = broadcast_object(saved, 0, st.object_groups["world"], st.seals)
     if saved is not None:
         check_degrees(saved, st, f"smp.resume_from_checkpoint({folder})")
+
+
+def _saved_optimizer(folder: Path, file: Path, st: MPState) -> bool:
+    """Whether the partial checkpoint in ``folder`` holds optimizer state to load, this rank's
+    in ``file``, agreed by every rank: all of them find theirs, split as this job splits it, or
+    none does (a checkpoint of the model only). A rank without its file while others have
+    theirs, or a state split otherwise (another rdp degree with ``shard_optimizer_state``),
+    fails on every rank, naming them: the optimizer would start afresh on some ranks."""
+    shards = None
+    if file.is_file():
+        saved = torch.load(file, "cpu", weights_only=True, mmap=True)
+        shards = saved.get(OPTIMIZER_SHARDS_KEY, 0) if isinstance(saved, dict) else 0
+    found = comm.allgather(shards, comm.WORLD)
+    here = optimizer_shards(st)
+    what = f"smp.resume_from_checkpoint({folder})"
+    missing = [rank for rank, count in enumerate(found) if count is None]
+    if len(missing) == len(found):
+        return False
+    if missing:
+        raise ModelParallelError(
+            f"{what}: ranks {missing} find no optimizer state of theirs (each reads "
+            "optimizer_{pp_rank}_{tp_rank}_{rdp_rank}.pt), the other ranks do: it was saved "
+            f"split otherwise (this job holds it {_shards_named(here)}); resume with the "
+            "shard_optimizer_state and rdp degree it was saved with, or with "
+            "load_optimizer=False to start the optimizer afresh"
+        )
+    old = here > 1 and st.tp_size > 1 and st.config["shard_optimizer_state"]
+    for rank, count in enumerate(found):
+        if count != here and (count != 0 or old):
+            saved_as = "by an older dtrain" if count == 0 else _shards_named(count)
+            raise ModelParallelError(
+                f"{what}: the optimizer state of rank {rank} was saved {saved_as}, this job "
+                f"holds it {_shards_named(here)} (shard_optimizer_state "
+                f"{st.config['shard_optimizer_state']}, rdp degree {st.rdp_size}); allowed: the "
+                "same split; resume with the shard_optimizer_state and rdp degree it was saved "
+                "with, or with load_optimizer=False to start the optimizer afresh"
+            )
+    return True
 
 
 def _read(file: Path) -> Any:
