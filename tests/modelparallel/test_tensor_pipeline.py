@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.api import placement
-from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.errors import ModelParallelError, PartitionError
 from dtrain.modelparallel.pipeline import hooks, modes
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
@@ -363,9 +363,62 @@ def test_a_swapped_module_keeps_the_partition_of_the_one_it_replaced() -> None:
     placed = placement.manual_placements(root)
     root[1] = nn.Sequential(nn.Linear(2, 2))  # as the swap puts a distributed module there
     assert placement.manual_placements(root) == {}
-    placement.keep_placements(root, placed)
+    placement.keep_placements(root, placed, {"": root, "0": root[0], "1": nn.Linear(2, 2)})
     assert placement.manual_placements(root) == {"1": 1, "1.0": 1}
     placement.clear()
+
+
+class _Hf(nn.Module):
+    """As a Hugging Face model: an embedding, then layers in a list named ``h``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(4, 2)
+        self.h = nn.ModuleList(nn.Sequential(nn.Linear(2, 2)) for _ in range(3))
+
+
+class _Swapped(nn.Module):
+    """What a swap makes of ``_Hf``: the layers under another name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(4, 2)
+        self.seq_layers = nn.Sequential(*(nn.Linear(2, 2) for _ in range(3)))
+
+
+@pytest.mark.parametrize(
+    ("placed", "kept"),
+    [
+        ({"h.1": 1, "h.2": 1}, {"seq_layers.1": 1, "seq_layers.2": 1}),
+        ({"h": 1}, {"seq_layers": 1, **{f"seq_layers.{i}": 1 for i in range(3)}}),
+        (
+            {"": 1},
+            {"": 1, "embedding": 1, "seq_layers": 1, **{f"seq_layers.{i}": 1 for i in range(3)}},
+        ),
+        ({"wte": 1}, "'wte' on partition 1"),
+        (
+            {"h.1": 1, "h.1.0": 0},
+            "'h.1.0' on partition 0 before [^;]* \\(under 'h.1', on partition 1\\)",
+        ),
+    ],
+)
+def test_placements_on_a_swapped_model_follow_its_layers_or_fail_naming_them(
+    placed: dict[str, int], kept: dict[str, int] | str
+) -> None:
+    # GPT-2's transformer.h.2 is the translated LM head's transformer.seq_layers.2.
+    old, new = _Hf(), _Swapped()
+    for name, partition in placed.items():
+        smp.set_partition(old.get_submodule(name), partition, recurse=False)
+    before = dict(old.named_modules())
+    try:
+        if isinstance(kept, str):
+            with pytest.raises(PartitionError, match=f"placed module {kept}"):
+                placement.keep_placements(new, placement.manual_placements(old), before)
+        else:
+            placement.keep_placements(new, placement.manual_placements(old), before)
+            assert placement.manual_placements(new) == kept
+    finally:
+        placement.clear()
 
 
 class _FailsOnTpRank1(nn.Module):

@@ -191,9 +191,10 @@ class DistributedModel(nn.Module):
 
             self._sync_random_states(module)  # a delayed model's shards are made now
             placed = placement.manual_placements(module)
+            before = dict(module.named_modules())
             shards.restore_marks(module)  # the script may have moved it (``to``) before
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
-            placement.keep_placements(module, placed)
+            placement.keep_placements(module, placed, before)
             shards.split_delayed(module, self._state.device)
             if self._state.tp_size > 1 and not sharded:
                 self.tensor_shards = shards

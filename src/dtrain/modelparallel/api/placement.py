@@ -68,13 +68,70 @@ def manual_placements(root: nn.Module) -> dict[str, int]:
     return {name: _assigned[m] for name, m in root.named_modules() if m in _assigned}
 
 
-def keep_placements(root: nn.Module, placements: dict[str, int]) -> None:
-    """A module swapped for another under ``root`` (tensor parallelism's swap) takes the
-    partition of the one it replaced, given by name in ``placements``, for its whole subtree."""
-    for name, module in root.named_modules():
-        if name in placements and module not in _assigned:
-            for each in module.modules():
-                _assigned.setdefault(each, placements[name])
+def keep_placements(
+    root: nn.Module, placements: dict[str, int], before: dict[str, nn.Module]
+) -> None:
+    """Carry the manual ``placements`` made on a model (by name; ``before``: its modules by
+    name) over to ``root``, the model after tensor parallelism's swap. A module swapped for
+    another takes the partition of the one it replaced, for its whole subtree. A module gone
+    with the swap is found again where the swap kept it under another name: a layer of a list
+    (``transformer.h.2`` of a GPT-2 model) is the layer of the same index in the one list of as
+    many layers its replacement holds (``transformer.seq_layers.2``), as is the list itself. A
+    placement neither kept nor covered by its parent's fails, naming it: the plan would
+    silently ignore it."""
+    after = dict(root.named_modules())
+    kept: dict[str, int] = {}
+    for name in sorted(placements, key=lambda n: (n.count("."), n)):  # parents first
+        partition = placements[name]
+        target = name if name in after else _renamed(name, before, after)
+        if target is not None:
+            kept[name] = partition
+            if after[target] is not before.get(name):
+                for each in after[target].modules():
+                    _assigned.setdefault(each, partition)
+            continue
+        parents = [n for n in kept if n == "" or name.startswith(f"{n}.")]
+        parent = max(parents, key=len, default=None)
+        if parent is None or kept[parent] != partition:
+            raise PartitionError(
+                f"smp.set_partition placed module {name!r} on partition {partition} before "
+                "the model was wrapped, but tensor parallelism swapped it for modules of "
+                "other names"
+                + ("" if parent is None else f" (under {parent!r}, on partition {kept[parent]})")
+                + "; place the swapped model's modules after wrapping instead: "
+                f"smp.set_partition(model.get_module().<name>, {partition}), for a name of "
+                "model.get_module().named_modules()"
+            )
+        kept[name] = partition
+
+
+LAYER_LISTS = (nn.ModuleList, nn.Sequential)
+"""Modules holding layers by index, which a swap may keep under another name."""
+
+
+def _renamed(name: str, before: dict[str, nn.Module], after: dict[str, nn.Module]) -> str | None:
+    """Where the swap put module ``name`` (gone from ``after``), if a layer list tells: the
+    list (:data:`LAYER_LISTS`) of ``before`` holding it (or it, a list) maps to the one list
+    of as many layers under the module that replaced their ancestor."""
+    holder, _, index = name.rpartition(".")
+    if not (index.isdigit() and isinstance(before.get(holder), LAYER_LISTS)):
+        holder, index = name, ""
+    layers = before.get(holder)
+    if not isinstance(layers, LAYER_LISTS):
+        return None
+    parts = holder.split(".")
+    prefixes = ["", *(".".join(parts[: i + 1]) for i in range(len(parts)))]
+    swapped = [p for p in prefixes if p in after and after[p] is not before.get(p)]
+    if not swapped:
+        return None
+    lists = [
+        path
+        for path, module in after[swapped[0]].named_modules(prefix=swapped[0])
+        if isinstance(module, LAYER_LISTS) and len(module) == len(layers)
+    ]
+    if len(lists) != 1:
+        return None
+    return ".".join(part for part in (lists[0], index) if part)
 
 
 def clear() -> None:
