@@ -12,6 +12,7 @@ from dtrain.modelparallel.pipeline.executor import Executor, Task
 from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.planner import schedule_of
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.route import ORDER_ADVICE
 
 
 def test_a_finished_backward_leaves_the_next_microbatch_admitted_before_the_token_moves() -> None:
@@ -53,10 +54,16 @@ def test_work_that_waits_inside_a_module_and_loses_its_turn_fails_naming_it() ->
     with executor._cv:  # as a leader task starts: holding, between computations
         executor.core.between(first)
     refused = pytest.raises(ModelParallelError, match=r"module 'parent' would compute")
-    with executor.running(first), refused, executor.computing("parent"), executor.waiting():
+    with (
+        executor.running(first),
+        refused as caught,
+        executor.computing("parent"),
+        executor.waiting(),
+    ):
         assert second.granted.is_set()  # the plan moved on to F1 meanwhile
         with executor.running(second):
             executor.release(second)
+    assert str(caught.value).endswith(ORDER_ADVICE)  # what to do about it
 
 
 def test_a_weight_half_that_cannot_take_its_turn_fails_the_step_not_just_its_thread() -> None:

@@ -14,7 +14,12 @@ from dtrain.modelparallel.scheduling.planner import (
     zero_bubble_policy,
 )
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan, route_of
+from dtrain.modelparallel.scheduling.route import (
+    ORDER_ADVICE,
+    RouteSchedule,
+    pipeline_plan,
+    route_of,
+)
 from dtrain.modelparallel.scheduling.schedule import Schedule
 
 POLICY = SchedulePolicy.for_config("interleaved", 4, 4)
@@ -93,5 +98,8 @@ def test_without_a_plan_order_a_tied_head_keeps_the_chain_plan() -> None:
 
 def test_a_route_no_plan_serves_fails_naming_it() -> None:
     modules = [(0, 1.0), (1, 1.0), (0, 1.0), (1, 1.0)]
-    with pytest.raises(ModelParallelError, match=r"partitions 0 -> 1 -> 0 -> 1: route: got"):
+    with pytest.raises(ModelParallelError, match=r"partitions 0 -> 1 -> 0 -> 1: route: got") as e:
         pipeline_plan(POLICY, [1.0, 1.0], modules, split_backward=False, ordered=True)
+    assert str(e.value).endswith(ORDER_ADVICE)  # says what to do, with auto_partition too
+    for advice in ("Register the modules in the order", "smp.set_partition", "auto_partition"):
+        assert advice in ORDER_ADVICE

@@ -49,6 +49,7 @@ from typing import Any, Protocol, TypeVar
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.scheduling.order import PlanRow
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.scheduling.route import ORDER_ADVICE
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineRecorder
 
@@ -384,8 +385,10 @@ class ComputeToken:
             f"deterministic_server: module {name!r} would compute {where}: the plan's order "
             "(deterministic_server, or tensor_parallel_degree above 1) needs every microbatch "
             "to go through the partitions in order (0, 1, ...), then back to partition 0 or "
-            "not, as the model's modules are registered; place its modules so, or (without "
-            "tensor parallelism) set deterministic_server to false"
+            "not, and was made for the modules in the order they are registered, which the "
+            "forward does not follow here (a module registered before another but called "
+            "after it, or one whose code runs again after a submodule elsewhere). "
+            f"{ORDER_ADVICE}"
         )
 
     def came_back(self, task: Task) -> None:

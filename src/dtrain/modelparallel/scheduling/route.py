@@ -27,6 +27,20 @@ from dtrain.modelparallel.scheduling.planner import (
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.schedule import Schedule
 
+ORDER_ADVICE = (
+    "Register the modules in the order the forward calls them (a head registered before the "
+    "layers it runs after breaks the plan); place a module whose own code runs around its "
+    "submodules (a container's forward) on one partition with all of them "
+    "(smp.set_partition(module, k) places its submodules too), and the modules called after "
+    "it on the same or later partitions, or back on partition 0 to end. The automatic "
+    "partition (auto_partition) keeps such placements as constraints: pin that module there "
+    "too. Or (without tensor parallelism) set deterministic_server to false"
+)
+"""What to do where the plan order cannot serve a model's placement (see
+:func:`.planner.check_route`): the runtime follows a plan made from the order the modules are
+registered in, and the code of a module on one partition runs again after its submodules on
+another return."""
+
 
 def route_of(modules: Iterable[tuple[int, float]]) -> tuple[tuple[int, ...], list[float]]:
     """The route of a forward whose modules run in order on the partitions of ``modules``
@@ -123,8 +137,7 @@ def pipeline_plan(
         raise ModelParallelError(
             "deterministic_server (or tensor parallelism) runs each rank's plan, made for "
             "the model's modules in the order they are registered, on the partitions "
-            f"{' -> '.join(map(str, route))}: {error}; place the modules so, or (without "
-            "tensor parallelism) set deterministic_server to false"
+            f"{' -> '.join(map(str, route))}: {error}. {ORDER_ADVICE}"
         ) from None
     costs = Costs.of_stages(route_times, SPLIT_OVERHEAD)
     if split_backward:
