@@ -6,7 +6,9 @@ smp.nn.DistributedTransformerLMHead created without memory, split over the stage
 scatters the batch on partition 0 after its last layer on partition 1: route 0 -> 1 -> 0; the
 plan splits partition 1's backwards), and that LM with a head of its own and its layers
 checkpointed (GPT-NeoX's translation in AWS's script: the head stays with the root's code, and
-partition 1's recomputed layers run whole backwards, as planned). Under ``spread`` (tp peers
+partition 1's recomputed layers run whole backwards, as planned), and a model registering its
+head before the blocks it calls first (the planner keeps their Sequential whole, which a cut
+would return to before the head). Under ``spread`` (tp peers
 are ranks 0 and 2; manual placement): a chain of smp.nn transformer layers, an LM whose head
 is tied to its embedding with its blocks marked, and a 4-layer LM head with two consecutive
 layers on partition 1. Every rank seeds its generator with a seed of its own: a dropout outside
@@ -114,6 +116,25 @@ def _untied_checkpointed() -> nn.Module:
     return module
 
 
+class _HeadFirst(nn.Module):
+    """Its head registered before the blocks it runs after (both marked for tp), the blocks in
+    an ``nn.Sequential``, whose code runs around them: a plan cutting them returns to the
+    Sequential's partition before the head, which no plan order serves, so the automatic
+    partition keeps them whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.head = nn.Linear(8, 8)
+        self.table = nn.Embedding(32, 8)
+        self.blocks = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        for marked in (self.head, self.blocks):
+            smp.set_tensor_parallelism(marked)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.table(ids))).flatten(1)
+
+
 def _marked_mlp() -> nn.Module:
     module = _mlp()
     smp.set_tensor_parallelism(module)
@@ -122,6 +143,7 @@ def _marked_mlp() -> nn.Module:
 
 CASES = {
     "mlp": (_marked_mlp, _mlp_loss, ("3", "4")),
+    "head_first": (_HeadFirst, _mlp_loss, ()),
     "layers": (_layers, _layers_loss, ("2", "3")),
     "tied": (_tied, _tied_loss, ("blocks.1", "ln_f")),
     "lm4": (_lm4, _lm_loss, ("transformer.seq_layers.2", "transformer.seq_layers.3")),
@@ -185,6 +207,7 @@ def _train(case: str, auto: bool) -> dict[str, Any]:
         "split": sum(isinstance(p, DTensor) for p in model.local_parameters()),
         "others": (len(others), sum(p.to_local().numel() for p in others)),
         "owners": {name: plan.owner(name) for name, _ in module.named_children()},
+        "blocks": {plan.owner(name) for name, _ in module.named_modules() if "blocks" in name},
         "second": [name for name, _ in module.named_modules() if name and plan.owner(name)],
         "orders": orders,
         "plan": _collapsed(list(schedule.plan_row(smp.pp_rank()))),
@@ -207,7 +230,10 @@ def _drawn(seed: int, states: list[torch.Tensor], most: int = 20_000) -> list[in
     return drawn
 
 
-WORLDS = {"cluster": ("mlp", "delayed", "untied"), "spread": ("layers", "tied", "lm4")}
+WORLDS = {
+    "cluster": ("mlp", "delayed", "untied", "head_first"),
+    "spread": ("layers", "tied", "lm4"),
+}
 """The cases each placement's world trains: the automatic plan under ``cluster``, the manual one
 under ``spread``."""
 
@@ -272,7 +298,11 @@ def test_pipeline_by_tensor_parallel_training_equals_one_process(placement: str)
             assert got["params"].keys() == params.keys()
             for key, value in params.items():
                 torch.testing.assert_close(got["params"][key], value, rtol=1e-4, atol=1e-6)
-        if routed:  # back to partition 0: a plan per visit
+        if case == "head_first":  # the blocks and their Sequential on one partition
+            owners = ranks[0][case]["owners"]
+            assert owners["head"] == 1 and "route" not in ranks[0][case]["printed"]
+            assert ranks[0][case]["blocks"] == {owners["blocks"]}
+        elif routed:  # back to partition 0: a plan per visit
             assert "route 0 -> 1 -> 0" in ranks[0][case]["printed"]
             assert {"F0.1", "B0.1"} <= set(ranks[0][case]["plan"])
         else:

@@ -54,8 +54,9 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
+from dtrain.modelparallel.scheduling.planner import check_route
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan
+from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan, route_of
 from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.tensor import marks, translated
 from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
@@ -488,14 +489,57 @@ class DistributedModel(nn.Module):
         whole = activations.kept_whole(self.module)
         if self.tensor_shards is not None:
             whole |= self.tensor_shards.split_blocks(self.module)
-        plan = auto_plan(
-            self._profile,
-            st.pp_size,
-            memory_weight=st.config["memory_weight"],
-            fixed=fixed,
-            whole=whole,
-        )
+        while True:
+            plan = auto_plan(
+                self._profile,
+                st.pp_size,
+                memory_weight=st.config["memory_weight"],
+                fixed=fixed,
+                whole=whole,
+            )
+            returning = self._returning(plan) if self._plan_ordered() else None
+            if returning is None or returning in whole:
+                break
+            whole.add(returning)  # planned again with it whole, on one partition
         return fit.check_device_memory(plan, self._profile, st, self.module, fixed, whole)
+
+    def _returning(self, plan: PartitionPlan) -> str | None:
+        """Where the plan's route is one no plan order serves, a module whose code, on one
+        partition, runs again after its submodules on a later one returned (its end), before
+        the route goes on: kept whole, it takes them back (``None``: no such module)."""
+        route = route_of((plan.owner(name), 0.0) for name, _ in self._route_events(plan))[0]
+        try:
+            check_route(route)
+        except ValueError:
+            events = self._route_events(plan)
+            for (before, _), (name, end) in itertools.pairwise(events):
+                if end and plan.owner(name) < plan.owner(before):
+                    return name
+        return None
+
+    @staticmethod
+    def _seconds(plan: PartitionPlan, name: str) -> float:
+        return plan.modules[name].compute_time if plan.profiled else 0.0
+
+    def _route_events(self, plan: PartitionPlan) -> list[tuple[str, bool]]:
+        """The modules the forward enters and leaves, in order, as ``(name, is_end)``: from a
+        profiled plan, in the order of their first calls, each left before the next module
+        outside it is entered (the root is never left: the step ends there); from a plan made
+        without running the model, entered in the order they are registered."""
+        names = [name for name, _ in self.module.named_modules()]
+        if not plan.profiled:
+            return [(name, False) for name in names]
+        called = {name: plan.modules[name].order for name in names if name in plan.modules}
+        events: list[tuple[str, bool]] = []
+        open_: list[str] = []
+        ran = sorted((n for n in names if called.get(n) is not None), key=called.__getitem__)
+        for name in ran:
+            while open_ and open_[-1] and not name.startswith(f"{open_[-1]}."):
+                events.append((open_.pop(), True))
+            events.append((name, False))
+            open_.append(name)
+        events.extend((name, True) for name in reversed(open_) if name)
+        return events
 
     def _broadcast_objects(self, payload: list[Any]) -> list[Any]:
         """Rank 0's ``payload``, on every rank."""
@@ -609,8 +653,8 @@ class DistributedModel(nn.Module):
         )
         times = [stage.compute_time for stage in plan.stages] if plan.profiled else []
         modules = [
-            (plan.owner(name), plan.modules[name].compute_time if plan.profiled else 0.0)
-            for name, _ in self.module.named_modules()
+            (plan.owner(name), 0.0 if end else self._seconds(plan, name))
+            for name, end in self._route_events(plan)
         ]
         owners = {name: plan.owner(name) for name, _ in self.module.named_modules()}
         return pipeline_plan(

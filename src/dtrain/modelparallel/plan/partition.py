@@ -113,6 +113,10 @@ class PlacedModule:
     modules built and called alike: repeated identical layers show one time)."""
     memory_bytes: int = 0
     cost: float = 0.0
+    order: int | None = None
+    """Where its first call came in the profiled forward (:attr:`ModuleStats.order`), which
+    the pipeline's route follows; ``None`` if it never ran, or in a plan made without running
+    the model."""
 
 
 @dataclass
@@ -566,6 +570,7 @@ def costed_plan(
             compute_time=time,
             memory_bytes=memory,
             cost=model.cost(time, memory),
+            order=stats.order if profiled else None,
         )
     traffic = [[0] * partitions for _ in range(partitions)]
     for caller, callee, sent, returned in model.calls:

@@ -37,9 +37,9 @@ ORDER_ADVICE = (
     "too. Or (without tensor parallelism) set deterministic_server to false"
 )
 """What to do where the plan order cannot serve a model's placement (see
-:func:`.planner.check_route`): the runtime follows a plan made from the order the modules are
-registered in, and the code of a module on one partition runs again after its submodules on
-another return."""
+:func:`.planner.check_route`): a plan made without running the model follows the order the
+modules are registered in, and the code of a module on one partition runs again after its
+submodules on another return."""
 
 
 def route_of(modules: Iterable[tuple[int, float]]) -> tuple[tuple[int, ...], list[float]]:
@@ -123,7 +123,7 @@ def pipeline_plan(
     it becomes ready only where the forward is a chain.
     """
     check_partitions("whole_partitions", whole_partitions, len(stage_times))
-    route, route_times = route_of(modules)  # registration order: most models' forward order
+    route, route_times = route_of(modules)  # the order the caller knows: profiled, or registered
     if not ordered or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)
         if split_backward:
@@ -136,7 +136,8 @@ def pipeline_plan(
     except ValueError as error:
         raise ModelParallelError(
             "deterministic_server (or tensor parallelism) runs each rank's plan, made for "
-            "the model's modules in the order they are registered, on the partitions "
+            "the model's modules in the order they run (as profiled, or as registered where "
+            "the model was not run to plan), on the partitions "
             f"{' -> '.join(map(str, route))}: {error}. {ORDER_ADVICE}"
         ) from None
     costs = Costs.of_stages(route_times, SPLIT_OVERHEAD)
