@@ -350,11 +350,11 @@ class DistributedModel(nn.Module):
                     self._reduce_gradients(params)
                 else:
                     self.half_precision.after_backward(self._reduce_gradients)
+                trace = self._state.options.trace
+                if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
+                    self.export_timeline(trace)
         finally:
             add_gradients_back(earlier)
-            trace = self._state.options.trace
-            if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
-                self.export_timeline(trace)
         return outcomes
 
     # --- partitioning ------------------------------------------------------------------------
@@ -507,11 +507,10 @@ class DistributedModel(nn.Module):
         """Where the plan's route is one no plan order serves, a module whose code, on one
         partition, runs again after its submodules on a later one returned (its end), before
         the route goes on: kept whole, it takes them back (``None``: no such module)."""
-        route = route_of((plan.owner(name), 0.0) for name, _ in self._route_events(plan))[0]
+        events = self._route_events(plan)
         try:
-            check_route(route)
+            check_route(route_of((plan.owner(name), 0.0) for name, _ in events)[0])
         except ValueError:
-            events = self._route_events(plan)
             for (before, _), (name, end) in itertools.pairwise(events):
                 if end and plan.owner(name) < plan.owner(before):
                     return name
