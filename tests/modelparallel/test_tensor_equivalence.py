@@ -240,7 +240,8 @@ def _clipped_step(model: Any, optimizer: Any, step: int) -> float:
 
 def _clipped_fp32() -> tuple[list[float], dict[str, torch.Tensor], float]:
     smp.init({"tensor_parallel_degree": 2, "ddp": True})
-    model, optimizer = _wrapped("lm", _lm)
+    # moved before wrapping: torch swaps its DTensor parameters, which the model marks again
+    model, optimizer = _wrapped("lm", lambda: _lm().to("cpu"))
     norms = [_clipped_step(model, optimizer, step) for step in range(2)]
     trained = model.state_dict()
     smp.reset()
