@@ -279,6 +279,8 @@ def accumulated_reference() -> float:
 
 
 def test_fp32_tensor_parallel_clip_master_grads_clips_as_one_process() -> None:
+    """Also for a model moved before wrapping, and gradients accumulated over two steps of a
+    model moved once wrapped."""
     # torch.nn.utils.clip_grad_norm_ refuses the mix of tensors and DTensors.
     with single_process({}):
         model = _lm()
