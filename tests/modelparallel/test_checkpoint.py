@@ -76,6 +76,7 @@ def _checkpoints(path: str) -> dict[str, Any]:
     out["user_content"] = smp.resume_from_checkpoint(root)
     out["resumed"] = {k: v.tolist() for k, v in model.params.items()}
     out["optimizer_step"] = optimizer.step
+    smp.barrier()  # every rank has read its files
     if me == 0:  # as if the second stage's optimizer state were split otherwise
         (root / "step1_partial" / "optimizer_1_0_0.pt").unlink()
     smp.barrier()
