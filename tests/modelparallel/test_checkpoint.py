@@ -76,14 +76,17 @@ def _checkpoints(path: str) -> dict[str, Any]:
     out["user_content"] = smp.resume_from_checkpoint(root)
     out["resumed"] = {k: v.tolist() for k, v in model.params.items()}
     out["optimizer_step"] = optimizer.step
-    smp.barrier()  # every rank has read its files
-    if me == 0:  # as if the second stage's optimizer state were split otherwise
-        (root / "step1_partial" / "optimizer_1_0_0.pt").unlink()
-    smp.barrier()
-    try:
-        smp.resume_from_checkpoint(root, "step1")
-    except ModelParallelError as exc:
-        out["missing"] = str(exc)
+    # As if the second stage's optimizer state were split otherwise, then with no model file
+    # for it either: every rank fails, none waits for the others.
+    for key, name in (("missing", "optimizer"), ("no_model", "model")):
+        smp.barrier()  # every rank has read its files
+        if me == 0:
+            (root / "step1_partial" / f"{name}_1_0_0.pt").unlink()
+        smp.barrier()
+        try:
+            smp.resume_from_checkpoint(root, "step1")
+        except (ModelParallelError, FileNotFoundError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
 
     for tag in ("step2", "step3"):
         smp.save_checkpoint(root, tag, model=model, num_kept_partial_checkpoints=2)
@@ -129,11 +132,16 @@ def test_partial_and_full_checkpoints_round_trip_on_a_pipeline(tmp_path: Path) -
         assert out["resumed"]["ba"[pp]] == [0.0] * len(resumed["ba"[pp]])  # untouched
         assert out["optimizer_step"] == 100 + pp
         assert out["missing"] == (
-            f"smp.resume_from_checkpoint({tmp_path / 'step1_partial'}): ranks [1, 3] find no "
-            "optimizer state of theirs (each reads optimizer_{pp_rank}_{tp_rank}_{rdp_rank}.pt), "
-            "the other ranks do: it was saved split otherwise (this job holds it whole); resume "
-            "with the shard_optimizer_state and rdp degree it was saved with, or with "
-            "load_optimizer=False to start the optimizer afresh"
+            f"ModelParallelError: smp.resume_from_checkpoint({tmp_path / 'step1_partial'}): "
+            "ranks [1, 3] find no optimizer state of theirs (each reads "
+            "optimizer_{pp_rank}_{tp_rank}_{rdp_rank}.pt), the other ranks do: it was saved split "
+            "otherwise (this job holds it whole); resume with the shard_optimizer_state and rdp "
+            "degree it was saved with, or with load_optimizer=False to start the optimizer afresh"
+        )
+        assert out["no_model"] == (
+            f"FileNotFoundError: smp.resume_from_checkpoint({tmp_path / 'step1_partial'}): "
+            "ranks [1, 3] find no model file of theirs (model_1_0_0.pt does not exist; not a "
+            "partial checkpoint?)"
         )
         assert out["after_pruning"] == ["newest", "step2_partial", "step3_partial"]
         assert out["full_file"] == {"a": [7.0, 7.0], "b": [8.0, 8.0, 8.0]}

@@ -735,3 +735,20 @@ def test_floating_inputs_enter_in_half_and_outputs_leave_in_fp32() -> None:
     )
     out = half.outputs({"logits": torch.ones(1, dtype=torch.bfloat16), "ids": torch.arange(1)})
     assert (out["logits"].dtype, out["ids"].dtype) == (torch.float32, torch.int64)
+
+
+def test_a_later_step_adds_its_gradients_into_the_masters_in_place() -> None:
+    """Accumulating over steps: a step's half gradients are added into the masters' fp32 ones,
+    which ``average`` then sees whole, with no second fp32 buffer set aside."""
+    from dtrain.modelparallel.api.precision import HalfParameters
+
+    half = HalfParameters(torch.bfloat16, torch.device("cpu"), None)
+    param = nn.Parameter(torch.ones(4))
+    half.cast([param], [param])
+    averaged: list[Tensor] = []
+    for _ in range(2):
+        param.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)
+        half.after_backward(lambda masters: averaged.extend(m.grad for m in masters))
+    master = half.master(param)
+    assert averaged[0] is averaged[1] is master.grad
+    assert torch.equal(master.grad, torch.ones(4)) and param.grad is None

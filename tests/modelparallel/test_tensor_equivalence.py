@@ -3,17 +3,20 @@ tp=2 x rdp=2 (world 4, two microbatches) and tp=2 x rdp=2 with prescaled_batch t
 smp.nn.DistributedTransformerLMHead and a plain MLP marked with smp.set_tensor_parallelism (and
 created on each rank with its own seed) to the one-process losses and parameters; in world 4
 the LM is checkpointed (partial and whole) after three steps and resumed into a fresh model for
-the fourth, and its whole checkpoint loads into the one-process model. At tp=2 in fp32,
+the fourth, and its whole checkpoint loads into the one-process model. The MLP's initial values
+are broadcast once, when it is wrapped. At tp=2 in fp32,
 optimizer.clip_master_grads clips as torch.nn.utils.clip_grad_norm_ does in one process."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -169,6 +172,31 @@ def _wrapped(case: str, build: Callable[[], nn.Module]) -> tuple[Any, Any]:
     return model, smp.DistributedOptimizer(_optimizer(model.parameters()))
 
 
+def _broadcast_once() -> tuple[int, int]:
+    """Elements broadcast while the MLP (created with each rank's own seed) is wrapped and
+    steps once, and the MLP's own: every rank starts from rank 0's values, broadcast once (when
+    wrapped, before the split), not again at the first step."""
+    build, loss_fn = CASES["mlp"]
+    module = build()
+    own = sum(t.numel() for t in [*module.parameters(), *module.buffers()])
+    counted: list[int] = []
+    broadcast = dist.broadcast
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counted.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counting
+    try:
+        model, _ = _wrapped("mlp", lambda: module)
+        ids, mask = _batch(0)
+        rows = GLOBAL_BATCH // smp.dp_size()
+        step_of(loss_fn)(model, ids[:rows], mask[:rows])
+    finally:
+        dist.broadcast = broadcast
+    return sum(counted), own
+
+
 def _on_ranks(microbatches: int, prescaled: bool, checkpoint: str | None) -> dict[str, Any]:
     smp.init(
         {
@@ -182,6 +210,8 @@ def _on_ranks(microbatches: int, prescaled: bool, checkpoint: str | None) -> dic
     for case in CASES:
         out[case] = _train(case, checkpoint if case == "lm" else None)
         smp.reset()
+    out["broadcast"] = _broadcast_once()
+    smp.reset()
     bad = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4))
     bad[1] = nn.Linear(5, 4)
     smp.set_tensor_parallelism(bad)
@@ -216,6 +246,9 @@ def test_tensor_parallel_training_equals_one_process(
             assert trained.keys() == params.keys()
             for key, value in params.items():
                 torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
+    for rank in ranks:
+        counted, own = rank["broadcast"]
+        assert counted == own
     assert ranks[0]["bad"] == (
         "smp.DistributedModel: module '1' (Linear) cannot be distributed: "
         "smp.nn.DistributedLinear: in_features=5 does not split over "
@@ -253,13 +286,14 @@ ACCUMULATED = 2
 
 
 def accumulated_norm() -> float:
-    """The MLP wrapped, then moved with ``to`` (torch swaps a DTensor parameter with its copy),
-    its gradients accumulated over ACCUMULATED steps: their norm. The step averages only its
-    own gradients over the dp group; averaging the sum again divided a split parameter's
-    earlier ones by the tp degree, and a mark lost in the move made them tp times too large."""
+    """The MLP wrapped, then its inner module moved with ``to`` (torch swaps a DTensor
+    parameter with its copy, the DistributedModel unaware), its gradients accumulated over
+    ACCUMULATED steps: their norm. Averaging the earlier steps' again with a step's divided a
+    split parameter's by the tp degree once more, and a mark lost in the move made them tp
+    times too large."""
     build, loss_fn = CASES["mlp"]
     model, optimizer = _wrapped("mlp", build)
-    model.to("cpu")
+    model.get_module().to("cpu")
     rows = GLOBAL_BATCH // smp.dp_size()
     mine = slice(smp.dp_rank() * rows, (smp.dp_rank() + 1) * rows)
     for step in range(ACCUMULATED):
@@ -276,6 +310,33 @@ def accumulated_reference() -> float:
         for step in range(ACCUMULATED):
             loss_fn(model, *_batch(step)).backward()
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+
+
+@pytest.mark.parametrize(
+    ("tp", "prescaled", "factor"), [(1, False, 1), (1, True, 1), (2, True, 1), (2, False, 2)]
+)
+def test_earlier_gradients_are_multiplied_only_where_their_average_divides_by_tp(
+    tp: int, prescaled: bool, factor: int
+) -> None:
+    """Accumulating, an earlier step's gradient is averaged again with the next step's; only a
+    split parameter's average divides by the tp degree (not at tp 1, nor prescaled, whose
+    divisor is the number of batches the rdp group holds), so only its gradient is multiplied
+    by it first, in place, and comes out of the average as it was: rdp ranks holding ``e``
+    alike and ``n_r`` of their own give ``e + sum(n_r) / (rdp * tp)``."""
+    from dtrain.modelparallel.tensor import shards
+
+    rdp = 2
+    st: Any = SimpleNamespace(tp_size=tp, rdp_size=rdp, config={"prescaled_batch": prescaled})
+    assert shards.tp_batches(st) == factor
+    earlier = [torch.full((3,), 0.5) for _ in range(rdp)]
+    memory = [grad.data_ptr() for grad in earlier]
+    new = [torch.arange(3.0) + rank for rank in range(rdp)]
+    for grad in earlier:
+        shards.carry_earlier([grad], shards.tp_batches(st))
+    assert [grad.data_ptr() for grad in earlier] == memory
+    assert all(torch.equal(grad, torch.full((3,), 0.5 * factor)) for grad in earlier)
+    averaged = sum(e + n for e, n in zip(earlier, new, strict=True)) / (rdp * factor)
+    torch.testing.assert_close(averaged, 0.5 + sum(new) / (rdp * factor))
 
 
 def test_fp32_tensor_parallel_clip_master_grads_clips_as_one_process() -> None:

@@ -179,8 +179,10 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     if prescaled:
         rule = (
             "with prescaled_batch=True every rank of tensor-parallel group [0, 1] must bring the "
-            "same batch, but rank(s) [1] bring other rows than rank 0; shard the data by "
-            "smp.rdp_rank() over smp.rdp_size(), not by smp.dp_rank()"
+            "same batch, but rank(s) [1] bring other rows than rank 0: shard the data by "
+            "smp.rdp_rank() over smp.rdp_size(), not by smp.dp_rank(); or modules before it "
+            "computed different inputs on the tp ranks, e.g. dropout drawn from generators "
+            "seeded apart: seed every rank of a tp group alike"
         )
         theirs = ranks[1]["in place"]  # rank 0's from the start: split layers and the rest
         assert all(torch.equal(value, theirs[key]) for key, value in ranks[0]["in place"].items())
@@ -209,3 +211,14 @@ def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
         expected = plain(torch.ones(4, 8)).pow(2).mean().item()
     for rank in ranks:
         assert rank["swapped"] == (True, pytest.approx(expected, rel=1e-5))
+
+
+def test_a_batch_on_the_meta_device_has_a_fingerprint_of_the_same_length() -> None:
+    """The automatic partition's profiled forward of a model created without memory gives a
+    region meta inputs (on every rank of the tp group alike): ``prescaled_batch``'s check row
+    keeps its length, with nothing to compare."""
+    from dtrain.modelparallel.tensor.batch import _fingerprint
+
+    real = _fingerprint(torch.ones(4, 8))
+    assert len(_fingerprint(torch.empty(4, 8, device="meta"))) == len(real) == 2
+    assert _fingerprint(torch.empty(4, 8, device="meta")) == [0, 0]

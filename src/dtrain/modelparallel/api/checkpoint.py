@@ -306,14 +306,9 @@ def resume_from_checkpoint(
         folder = root / f"{tag}{PARTIAL_SUFFIX}"
         _check_saved_degrees(folder, st)
         model_file = folder / _rank_file("model", st, _share(st, "model")[1])
-        if not model_file.is_file():
-            raise FileNotFoundError(
-                f"no partial checkpoint for pp_rank {st.pp_rank}, tp_rank {st.tp_rank}: "
-                f"{model_file} does not exist (not a partial checkpoint?)"
-            )
         _, index = _share(st, "optimizer")
         optimizer_file = folder / _rank_file("optimizer", st, index)
-        with_optimizer = load_optimizer and _saved_optimizer(folder, optimizer_file, st)
+        with_optimizer = _saved_files(folder, model_file, optimizer_file, load_optimizer, st)
         model.load_state_dict(_read(model_file), strict=strict)
         if with_optimizer:
             optimizer = state.current_optimizer()
@@ -409,19 +404,36 @@ def _check_saved_degrees(folder: Path, st: MPState) -> None:
         check_degrees(saved, st, f"smp.resume_from_checkpoint({folder})")
 
 
-def _saved_optimizer(folder: Path, file: Path, st: MPState) -> bool:
-    """Whether the partial checkpoint in ``folder`` holds optimizer state to load, this rank's
-    in ``file``, agreed by every rank: all of them find theirs, split as this job splits it, or
-    none does (a checkpoint of the model only). A rank without its file while others have
-    theirs, or a state split otherwise (another rdp degree with ``shard_optimizer_state``),
-    fails on every rank, naming them: the optimizer would start afresh on some ranks."""
+def _saved_files(
+    folder: Path, model_file: Path, optimizer_file: Path, load_optimizer: bool, st: MPState
+) -> bool:
+    """Whether the partial checkpoint in ``folder`` holds optimizer state to load (this rank's
+    in ``optimizer_file``; ``load_optimizer`` false: none), agreed by every rank in one
+    all-gather with whether each rank finds its ``model_file``: a rank without its model file
+    fails every rank, naming each missing file and its rank (failing alone, it would leave the
+    others waiting in the all-gather); all ranks find their optimizer files, split as this job
+    splits the state, or none does (a checkpoint of the model only). A rank without its file
+    while others have theirs, or a state split otherwise (another rdp degree with
+    ``shard_optimizer_state``), fails on every rank, naming them: the optimizer would start
+    afresh on some ranks."""
     shards = None
-    if file.is_file():
-        saved = torch.load(file, "cpu", weights_only=True, mmap=True)
+    if load_optimizer and optimizer_file.is_file():
+        saved = torch.load(optimizer_file, "cpu", weights_only=True, mmap=True)
         shards = saved.get(OPTIMIZER_SHARDS_KEY, 0) if isinstance(saved, dict) else 0
-    found = comm.allgather(shards, comm.WORLD)
-    here = optimizer_shards(st)
+    lacking = None if model_file.is_file() else model_file.name
+    gathered = comm.allgather((lacking, shards), comm.WORLD)
     what = f"smp.resume_from_checkpoint({folder})"
+    absent = {rank: name for rank, (name, _) in enumerate(gathered) if name is not None}
+    if absent:
+        files = ", ".join(sorted(set(absent.values())))
+        raise FileNotFoundError(
+            f"{what}: ranks {list(absent)} find no model file of theirs ({files} does not "
+            "exist; not a partial checkpoint?)"
+        )
+    if not load_optimizer:
+        return False
+    found = [count for _, count in gathered]
+    here = optimizer_shards(st)
     missing = [rank for rank, count in enumerate(found) if count is None]
     if len(missing) == len(found):
         return False

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from dtrain.dataparallel.buckets import plan_buckets
@@ -34,9 +35,7 @@ from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.api.precision import (
     HalfParameters,
     LossScaling,
-    add_gradients_back,
     half_dtype,
-    set_gradients_aside,
 )
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
 from dtrain.modelparallel.pipeline import activations, hooks, solo
@@ -181,6 +180,8 @@ class DistributedModel(nn.Module):
                 did_you_mean(str(trace_device), TRACE_DEVICES),
             )
         self._state = state.current()
+        self._from_rank_zero = False
+        """Whether every rank holds rank 0's initial values (:meth:`_broadcast_initial_state`)."""
         self.tensor_shards: Any = None
         """With ``tensor_parallel_degree`` above 1, :mod:`.tensor.shards` (imported for tensor
         parallelism only: DTensor takes a second to import), which knows the parameters split
@@ -194,6 +195,7 @@ class DistributedModel(nn.Module):
             placed = placement.manual_placements(module)
             before = dict(module.named_modules())
             shards.restore_marks(module)  # the script may have moved it (``to``) before
+            self._broadcast_initial_state(module)  # before shards are cut from its values
             module = swap.distribute(module)  # SMP swaps in place when wrapping, too
             placement.keep_placements(module, placed, before)
             shards.split_delayed(module, self._state.device)
@@ -233,7 +235,10 @@ class DistributedModel(nn.Module):
 
             self._sync_random_states()
             self.sharding = ShardedModel(
-                module, self._state, lambda: self._state_tensors(local_only=False)
+                module,
+                self._state,
+                lambda: self._state_tensors(local_only=False),
+                self._from_rank_zero,
             )
 
     # --- calling the model -------------------------------------------------------------------
@@ -327,34 +332,36 @@ class DistributedModel(nn.Module):
             if not self.sharding.stepped:  # sharded when wrapped: the hooks run before step 1
                 self._run_post_partition_hooks()
             return self.sharding.run_step(count, make_body)
+        self._restore_marks()  # before the masters copy them, and the averages read them
         if self._runtime is None:
             self._partition(make_body)
         runtime = self._runtime
         assert runtime is not None
-        # fp32: the gradients of earlier steps (accumulating before one optimizer step) were
-        # averaged already; only this step's are (a half model's masters do the same)
-        params = list(self.local_parameters()) if self.half_precision is None else []
-        earlier = set_gradients_aside(params)
-        try:
-            if runtime.is_leader:
-                try:
-                    body = make_body(self._state.device)
-                except BaseException as exc:
-                    runtime.abort_step(exc)
-                    raise
-                outcomes = runtime.run_step(count, body)
+        # the gradients averaged below: this rank's, or their fp32 masters (which hold the
+        # earlier steps' when accumulating before one optimizer step)
+        half = self.half_precision
+        params = list(self.local_parameters()) if half is None else half.masters()
+        if self.tensor_shards is not None:
+            shards = self.tensor_shards
+            scaled = [p.grad for p in params if p.grad is not None and shards.is_scaled_batch(p)]
+            shards.carry_earlier(scaled, shards.tp_batches(self._state))
+        if runtime.is_leader:
+            try:
+                body = make_body(self._state.device)
+            except BaseException as exc:
+                runtime.abort_step(exc)
+                raise
+            outcomes = runtime.run_step(count, body)
+        else:
+            outcomes = runtime.run_step(count, None)
+        if all(ok for ok, _ in outcomes):
+            if half is None:
+                self._reduce_gradients(params)
             else:
-                outcomes = runtime.run_step(count, None)
-            if all(ok for ok, _ in outcomes):
-                if self.half_precision is None:
-                    self._reduce_gradients(params)
-                else:
-                    self.half_precision.after_backward(self._reduce_gradients)
-                trace = self._state.options.trace
-                if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
-                    self.export_timeline(trace)
-        finally:
-            add_gradients_back(earlier)
+                half.after_backward(self._reduce_gradients)
+            trace = self._state.options.trace
+            if trace and self._state.dp_rank == 0:  # every rank of the first pipeline
+                self.export_timeline(trace)
         return outcomes
 
     # --- partitioning ------------------------------------------------------------------------
@@ -377,7 +384,7 @@ class DistributedModel(nn.Module):
     def _partition(self, make_body: Callable[[torch.device], Callable[[int], Any]]) -> None:
         st = self._state
         self._sync_random_states()
-        self._broadcast_initial_state()
+        self._broadcast_initial_state(self.module)
         fixed = placement.manual_placements(self.module)
         if st.config["auto_partition"] and st.pp_size > 1:
             plan = self._auto_plan(make_body, fixed)
@@ -550,18 +557,20 @@ class DistributedModel(nn.Module):
         theirs = self._broadcast_objects([state.numpy().tobytes() for state in states])
         return [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in theirs]
 
-    def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (models may be seeded apart;
-        a delayed model's share is made from rank 0's random states instead)."""
+    def _broadcast_initial_state(self, root: nn.Module) -> None:
+        """Every rank starts from rank 0's parameters and buffers of ``root`` (models may be
+        seeded apart), once: a model with tensor parallelism when wrapped, before its modules
+        are split (each rank cuts its shards from these values), any other at its first step (a
+        sharded one as it is sharded). A tensor created without memory is made from rank 0's
+        random states instead, and a DTensor then is an ``smp.nn`` module's, created alike on
+        every rank (``tensor_parallel_seed``)."""
         st = self._state
-        if st.size == 1:
+        if st.size == 1 or self._from_rank_zero:
             return
+        self._from_rank_zero = True
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                if tensor.is_meta:
-                    continue
-                if self.tensor_shards is not None and self.tensor_shards.is_distributed(tensor):
-                    self.tensor_shards.broadcast_over_replicas(tensor)  # a tp group holds it alike
+            for tensor in [*root.parameters(), *root.buffers()]:
+                if tensor.is_meta or is_traceable_wrapper_subclass(tensor):
                     continue
                 data = tensor.data.to(st.device)
                 dist.broadcast(data, src=0, group=st.world_process_group)
@@ -623,18 +632,11 @@ class DistributedModel(nn.Module):
         floating parameters and buffers become half; call once the own ones are in place."""
         if self.half_precision is not None:
             self.half_precision.cast(self.local_parameters(), self._all_tensors())
-            self._restore_marks()
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        """``to``, ``cuda``, ``half``...: as torch does them, then tensor parallelism's marks
-        are put back on the parameters the conversion swapped."""
-        result = super()._apply(fn, recurse)
-        self._restore_marks()
-        return result
 
     def _restore_marks(self) -> None:
         """Which parameters' gradients average over which group (see
-        :data:`.tensor.shards.SCALED_NAMES`), after a conversion swapped them."""
+        :data:`.tensor.shards.SCALED_NAMES`), put back at every step: a conversion of the model
+        or of its inner module (``to``, ``cuda``, ``half``, the half cast) swaps them away."""
         if self.tensor_shards is not None:
             self.tensor_shards.restore_marks(self.module)
 

@@ -58,29 +58,6 @@ def _copied(tensor: torch.Tensor, value: torch.Tensor) -> None:
     tensor.copy_(value)
 
 
-Gradients = list[tuple[torch.Tensor, torch.Tensor]]
-"""Tensors and the gradients they held, set aside."""
-
-
-def set_gradients_aside(params: Iterable[torch.Tensor]) -> Gradients:
-    """Take the gradients ``params`` hold now (of earlier steps, accumulating before one
-    optimizer step, already averaged over the data-parallel group), so that a step averages
-    only its own: averaging the sum again would divide a tensor-parallel split parameter's
-    earlier share by the tp degree once more (its average is a sum divided by the number of
-    batches), and costs an all-reduce anyway. :func:`add_gradients_back` returns them."""
-    earlier = [(param, param.grad) for param in params if param.grad is not None]
-    for param, _ in earlier:
-        param.grad = None
-    return earlier
-
-
-def add_gradients_back(earlier: Gradients) -> None:
-    """Add :func:`set_gradients_aside`'s gradients to the ones the step left."""
-    with torch.no_grad():
-        for param, grad in earlier:
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-
-
 def _by_type(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by their class (plain tensors, DTensors) and a DTensor's mesh:
     torch's fused kernels take one kind at a time, and a DTensor group's results are resolved
@@ -103,7 +80,7 @@ def convert(tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Make ``tensor`` ``dtype`` in place: the model, the optimizer and the masters hold the
     object. A tensor made of other tensors (a DTensor: ``.data`` would change its wrapper, not
     the local tensor inside) is swapped with its converted copy, as ``nn.Module.to`` does,
-    attributes included (the model puts tensor parallelism's marks back, as after ``to``)."""
+    attributes included (the model puts tensor parallelism's marks back at every step)."""
     converted = tensor.data.to(dtype)
     if is_traceable_wrapper_subclass(converted):
         if isinstance(tensor, nn.Parameter):
@@ -372,19 +349,21 @@ class HalfParameters(LossScaling):
         return map_leaves(outputs, to_float)
 
     def after_backward(self, average: Callable[[list[nn.Parameter]], None]) -> None:
-        """Every rank, after a step's backward: the half gradients, unscaled, become fp32 ones
-        (and are freed), ``average`` averages them over the data-parallel group, they are added
-        to the masters' gradients of earlier steps (accumulating), and with fp16 every rank
-        learns whether any rank's gradients overflowed."""
+        """Every rank, after a step's backward: the half gradients, unscaled, are added to the
+        masters' fp32 gradients (and freed), ``average`` averages those over the data-parallel
+        group (the model readied the earlier steps' for it), and with fp16 every rank learns
+        whether any rank's gradients overflowed."""
         inverse = 1.0 / self.loss_scale
-        earlier = set_gradients_aside(self.masters())  # averaged by their own steps already
         with torch.no_grad():
             for param, master in self._masters.values():
-                if param.grad is not None:
+                if param.grad is None:
+                    continue
+                if master.grad is None:
                     master.grad = param.grad.to(torch.float32).mul_(inverse)
-                    param.grad = None
+                else:  # accumulating over steps: no fp32 temporary
+                    master.grad.add_(param.grad, alpha=inverse)
+                param.grad = None
         average(self.masters())
-        add_gradients_back(earlier)
         if not self.scaled:
             return
         grads = [m.grad for m in self.masters() if m.grad is not None]

@@ -159,6 +159,7 @@ class ShardedModel:
         module: nn.Module,
         st: MPState,
         named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor, bool]]],
+        from_rank_zero: bool = False,
     ) -> None:
         mesh = st.sharding_mesh
         assert mesh is not None, "smp.init builds the mesh when the degree is above 1"
@@ -170,6 +171,9 @@ class ShardedModel:
         replace a value: ``smp.nn`` modules' hooks gather a DTensor whole, which is then no shard
         to save and, loaded into, a copy that the parameter never sees."""
         self.device = st.device
+        self._from_rank_zero = from_rank_zero
+        """Whether every rank holds rank 0's values already (broadcast when a tensor-parallel
+        model was wrapped, before its modules were split): :meth:`_prepare` broadcasts none."""
         self._mesh = mesh
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
         self._world = st.world_process_group
@@ -192,7 +196,8 @@ class ShardedModel:
         self._tensor_group = st.tp_process_group if st.tp_size > 1 else None
         """With tensor parallelism, the tp group, over which :meth:`_average_over_tp_group`
         completes FSDP2's averaging over the rdp ranks."""
-        self._prescaled = bool(st.config["prescaled_batch"])
+        self._tp_batches = shards.tp_batches(st)
+        """What a scaled-batch gradient is divided by after FSDP2's mean over the rdp ranks."""
         scaled = {name for name, p in module.named_parameters() if shards.is_scaled_batch(p)}
         claimed: set[int] = set()
         for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
@@ -213,8 +218,9 @@ class ShardedModel:
 
     def _prepare(self, modules: list[nn.Module]) -> None:
         """Make the tensors one unit manages (the parameters and buffers of ``modules``, the
-        unit's submodules outside the units below it) rank 0's on every rank, on this rank's
-        device, right before the unit is sharded.
+        unit's submodules outside the units below it) rank 0's on every rank (broadcast, unless
+        a tensor-parallel model's were when it was wrapped), on this rank's device, right before
+        the unit is sharded.
 
         This is the one place a unit's tensors exist whole: a model created without memory
         (``smp.delay_param_initialization``) is made here, unit by unit, with its eager values
@@ -232,13 +238,13 @@ class ShardedModel:
             deferred.materialize([t for t, _ in tensors if not isinstance(t, DTensor)], self.device)
             for tensor, is_buffer in tensors:
                 if isinstance(tensor, DTensor):  # the tp group's shards (made when wrapped)
-                    shards.broadcast_over_replicas(tensor)
                     kept = self._kept(tensor, is_buffer)
                     if kept.dtype != tensor.dtype:
                         convert(tensor, kept.dtype)
                     continue
                 data = tensor.data.to(self.device)
-                dist.broadcast(data, src=0, group=self._world)
+                if not self._from_rank_zero:
+                    dist.broadcast(data, src=0, group=self._world)
                 tensor.data = self._kept(data, is_buffer)
 
     def _kept(self, data: torch.Tensor, is_buffer: bool) -> torch.Tensor:
@@ -265,7 +271,9 @@ class ShardedModel:
         self._rescale()
         self._measured = None  # a norm clip_master_grads took misses this body's gradients
         self.stepped = self._stepping = True
-        kept = self._set_aside_gradients()
+        if self._tensor_group is not None:  # FSDP2 adds this step's to them; divided after
+            earlier = [p.grad for p, scaled in self._scaled_batch if scaled and p.grad is not None]
+            shards.carry_earlier(earlier, self._tp_batches)
         try:
             results: list[MicrobatchResult] = [(True, body(mb)) for mb in range(count)]
             self._average_over_tp_group()
@@ -277,33 +285,14 @@ class ShardedModel:
             raise
         finally:
             self._stepping = False
-            self._add_back(kept)
-
-    def _set_aside_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """With tensor parallelism, the gradients of earlier steps (not stepped yet), taken off
-        their parameters so that :meth:`_average_over_tp_group` sees this step's alone."""
-        if self._tensor_group is None:
-            return []
-        kept = [(p, p.grad) for p, _ in self._scaled_batch if p.grad is not None]
-        for param, _ in kept:
-            param.grad = None
-        return kept
-
-    @staticmethod
-    def _add_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Add the gradients :meth:`_set_aside_gradients` took to this step's."""
-        for param, grad in kept:
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad += grad
 
     def _average_over_tp_group(self) -> None:
         """Complete FSDP2's mean over the rdp ranks to SMP's averages with tensor parallelism
         (those of :func:`.tensor.shards.gradient_groups`): a plain parameter saw its rank's
         batch, so its gradient is the mean over the tp group too (whose ranks shard it alike);
-        a distributed module's holds the sum over the tp group's batches, so it is divided by
-        the tp degree (unless ``prescaled_batch``: then the group shares one batch)."""
+        a distributed module's holds the sum over :func:`.tensor.shards.tp_batches` batches,
+        so it is divided by that (the earlier steps' were multiplied by it:
+        :func:`.tensor.shards.carry_earlier`)."""
         if self._tensor_group is None:
             return
         plain = [
@@ -315,8 +304,8 @@ class ShardedModel:
             for grad, part in zip(plain, flat.split([g.numel() for g in plain]), strict=True):
                 grad.copy_(part.view_as(grad))
         scaled = [_local(p.grad) for p, s in self._scaled_batch if s and p.grad is not None]
-        if scaled and not self._prescaled:
-            torch._foreach_div_(scaled, dist.get_world_size(self._tensor_group))
+        if scaled and self._tp_batches > 1:
+            torch._foreach_div_(scaled, self._tp_batches)
 
     def _checkpoint_marked(self) -> None:
         """Checkpoint the modules ``smp.set_activation_checkpointing`` marked (before or after

@@ -197,7 +197,11 @@ def _described(signature: list[int]) -> str:
 def _fingerprint(leading: torch.Tensor) -> list[int]:
     """Two numbers that tell batches apart (its float64 sum, and its sum weighted by position,
     as their bits), for ``prescaled_batch``, where every rank of the tp group must bring the
-    same batch."""
+    same batch. A batch without values (on the meta device: the automatic partition's profiled
+    forward of a model created without memory, which every rank of the group runs alike) has
+    none to compare: a constant, so the row keeps its length."""
+    if leading.is_meta:
+        return [0, 0]
     flat = leading.detach().reshape(-1).to(torch.float64)
     weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
     sums = torch.stack([flat.sum(), flat.dot(weights)]).cpu()
@@ -206,14 +210,17 @@ def _fingerprint(leading: torch.Tensor) -> list[int]:
 
 def _check_same_batch(what: str, st: state.MPState, fingerprints: list[list[int]]) -> None:
     """With ``prescaled_batch`` the group's ranks bring one batch; other ones fail, naming
-    the ranks whose differ from the first rank's."""
+    the ranks whose differ from the first rank's and the two causes: data sharded by dp rank,
+    or modules before the region computing apart (dropout from generators seeded apart)."""
     apart = [r for r, f in zip(st.tp_group, fingerprints, strict=True) if f != fingerprints[0]]
     if apart:
         raise ModelParallelError(
             f"{what}: with prescaled_batch=True every rank of tensor-parallel group "
             f"{st.tp_group} must bring the same batch, but rank(s) {apart} bring other rows "
-            f"than rank {st.tp_group[0]}; shard the data by smp.rdp_rank() over "
-            "smp.rdp_size(), not by smp.dp_rank()"
+            f"than rank {st.tp_group[0]}: shard the data by smp.rdp_rank() over "
+            "smp.rdp_size(), not by smp.dp_rank(); or modules before it computed different "
+            "inputs on the tp ranks, e.g. dropout drawn from generators seeded apart: seed "
+            "every rank of a tp group alike"
         )
 
 

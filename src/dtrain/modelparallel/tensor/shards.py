@@ -35,7 +35,8 @@ SCALED_NAMES = "_dtrain_scaled_batch_names"
 """The attribute of a module recording which of its own parameters carry :data:`SCALED_BATCH`
 (name to mark): torch's conversions (``Module.to``, ``.cuda()``, ``.half()``) swap a DTensor
 parameter with its converted copy, ``__dict__`` included, which drops the mark; the module
-keeps it, and :func:`restore_marks` puts it back."""
+keeps it, and :func:`restore_marks` puts it back (``DistributedModel`` does when wrapping and
+at every step)."""
 
 SPLIT_BLOCK = "_dtrain_split_block"
 """The attribute marking a module whose layers ``parallelize`` split. Its forward computes on
@@ -169,24 +170,6 @@ def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def from_rank_zero(values: Mapping[Any, Any]) -> dict[Any, Any]:
-    """``values`` (a plain module's state dict) as rank 0 holds them. A swapped module's shards
-    are cut locally from whole values (:func:`shard_of`), and ranks may have created the plain
-    module with generators seeded apart: without this a tp group would hold the shards of
-    different tensors and replicas that differ, and tp groups (of other pipeline stages, or
-    replicas) other values than rank 0's, where every rank starts from rank 0's parameters."""
-    st = state.current("smp.DistributedModel")
-    if st.size == 1:
-        return dict(values)
-    same: dict[Any, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to(st.device).contiguous()
-            dist.broadcast(value, src=0, group=st.world_process_group)
-        same[key] = value
-    return same
-
-
 def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
     """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
     value cut into this rank's shard, or this rank's saved part wrapped as one."""
@@ -209,11 +192,11 @@ def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> N
         tensor.to_local().copy_(value)
 
 
-def broadcast_over_replicas(tensor: DTensor) -> None:
-    """Give the rdp group the shard of its first rank (replicas start alike)."""
-    st = state.current("the model's first step")
-    if st.rdp_size > 1:
-        dist.broadcast(tensor.to_local(), src=st.rdp_group[0], group=st.rdp_process_group)
+def tp_batches(st: state.MPState) -> int:
+    """How many batches a scaled-batch parameter's gradient sums on one rank: the tp group's
+    (its ranks' batches, combined), or one with ``prescaled_batch`` (the group shares one). Its
+    average divides by this beside the rdp degree; a plain parameter's is a mean."""
+    return 1 if st.config["prescaled_batch"] else st.tp_size
 
 
 def gradient_groups(
@@ -223,18 +206,29 @@ def gradient_groups(
     ``None`` divisor meaning the group's mean.
 
     A plain parameter saw its rank's batch: the mean over the dp group. A scaled-batch one
-    holds the sum over the tp group's batches already (or, with ``prescaled_batch``, the
-    gradient of the one batch the group shares): summed over the rdp group and divided by the
-    number of distinct batches, ``dp_size`` (``rdp_size`` when prescaled)."""
+    holds the sum over :func:`tp_batches` batches: summed over the rdp group and divided by the
+    number of distinct batches (``dp_size``, ``rdp_size`` when prescaled)."""
     plain = [local(p.grad) for p in params if p.grad is not None and not is_scaled_batch(p)]
     scaled = [local(p.grad) for p in params if p.grad is not None and is_scaled_batch(p)]
-    batches = st.rdp_size if st.config["prescaled_batch"] else st.dp_size
     groups: list[tuple[dist.ProcessGroup, int | None, list[torch.Tensor]]] = []
     if plain:
         groups.append((st.dp_process_group, None, plain))
     if scaled:
-        groups.append((st.rdp_process_group, batches, scaled))
+        groups.append((st.rdp_process_group, st.rdp_size * tp_batches(st), scaled))
     return groups
+
+
+def carry_earlier(grads: list[torch.Tensor], factor: int) -> None:
+    """Ready the scaled-batch gradients of earlier steps (accumulating before one optimizer
+    step, averaged by their own steps, so alike on every rank that averages them) for a step
+    that averages them again with this step's: multiplied in place by ``factor``, the
+    :func:`tp_batches` the average divides by, so that it leaves them as they were
+    (``sum_rdp(t*e + n) / (rdp*t) = e + sum_rdp(n) / (rdp*t)``). No second buffer: a plain
+    gradient's mean is linear (``mean(e + n) = e + mean(n)``) and so is a prescaled one's, so
+    nothing else is touched. A step that fails leaves them multiplied beside its partial
+    gradients: the script zeroes them."""
+    if factor > 1 and grads:
+        torch._foreach_mul_([local(g) for g in grads], factor)
 
 
 def whole_state_dict_hook(

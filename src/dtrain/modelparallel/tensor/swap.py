@@ -289,10 +289,10 @@ def _copy_weights(
 ) -> None:
     _made(original)
     if translate is not None:
-        dist.load_state_dict(translate(shards.from_rank_zero(original.state_dict())))
+        dist.load_state_dict(translate(original.state_dict()))
         return
     if translated.state_keys(original) == translated.state_keys(dist):
-        dist.load_state_dict(shards.from_rank_zero(original.state_dict()))
+        dist.load_state_dict(original.state_dict())
         return
     warnings.warn(
         f"smp.tensor_parallelism: {type(dist).__name__} replacing {type(original).__name__} "

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.overrides import TorchFunctionMode
 
-from dtrain.modelparallel import deferred, state
+from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
@@ -182,17 +182,6 @@ def _warn_switches_without_effect(
             )
 
 
-def _start_from_rank_zero(model: nn.Module) -> None:
-    """Every rank's ``model`` made rank 0's before it is split: torch's styles cut each tp
-    group's shards from its first rank's weights, which ranks seeded apart (or another pipeline
-    stage's group) would hold otherwise. A tensor created without memory is made later from rank
-    0's random states (:mod:`...deferred`)."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if not deferred.is_deferred(tensor):  # one at a time: a device copy each
-                tensor.copy_(shards.from_rank_zero({0: tensor})[0])
-
-
 def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) -> nn.Module:
     """Split ``model`` (an HF model of ``family``) in place; ``options`` are its mark's. Each
     transformer layer is split on its own, so a model created without memory has one layer
@@ -204,7 +193,6 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
         family.check(config)
     st = state.current(what)
     _warn_switches_without_effect(what, options, model, st)
-    _start_from_rank_zero(model)
     degree = st.tp_size
     dropping = degree > 1 and attention_dropout(config, family, degree) > 0
     split_dropout = family.split_dropout
