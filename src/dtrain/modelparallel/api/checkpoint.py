@@ -308,9 +308,9 @@ def resume_from_checkpoint(
         model_file = folder / _rank_file("model", st, _share(st, "model")[1])
         _, index = _share(st, "optimizer")
         optimizer_file = folder / _rank_file("optimizer", st, index)
-        with_optimizer = _saved_files(folder, model_file, optimizer_file, load_optimizer, st)
+        optimizer_state = _saved_files(folder, model_file, optimizer_file, load_optimizer, st)
         model.load_state_dict(_read(model_file), strict=strict)
-        if with_optimizer:
+        if optimizer_state is not None:
             optimizer = state.current_optimizer()
             if optimizer is None:
                 warnings.warn(
@@ -319,7 +319,6 @@ def resume_from_checkpoint(
                     stacklevel=2,
                 )
             else:
-                optimizer_state = _read(optimizer_file)
                 optimizer_state.pop(OPTIMIZER_SHARDS_KEY, None)
                 if not load_sharded_optimizer_state:  # the groups' options, no state
                     optimizer_state = {**optimizer_state, "state": {}}
@@ -406,19 +405,19 @@ def _check_saved_degrees(folder: Path, st: MPState) -> None:
 
 def _saved_files(
     folder: Path, model_file: Path, optimizer_file: Path, load_optimizer: bool, st: MPState
-) -> bool:
-    """Whether the partial checkpoint in ``folder`` holds optimizer state to load (this rank's
-    in ``optimizer_file``; ``load_optimizer`` false: none), agreed by every rank in one
-    all-gather with whether each rank finds its ``model_file``: a rank without its model file
-    fails every rank, naming each missing file and its rank (failing alone, it would leave the
-    others waiting in the all-gather); all ranks find their optimizer files, split as this job
-    splits the state, or none does (a checkpoint of the model only). A rank without its file
-    while others have theirs, or a state split otherwise (another rdp degree with
-    ``shard_optimizer_state``), fails on every rank, naming them: the optimizer would start
-    afresh on some ranks."""
-    shards = None
+) -> Any:
+    """The optimizer state to load from the partial checkpoint in ``folder`` (this rank's
+    ``optimizer_file``, read once), or None (``load_optimizer`` false, or none saved), agreed
+    by every rank in one all-gather with whether each rank finds its ``model_file``: a rank
+    without its model file fails every rank, naming each missing file and its rank (failing
+    alone, it would leave the others waiting in the all-gather); all ranks find their
+    optimizer files, split as this job splits the state, or none does (a checkpoint of the
+    model only). A rank without its file while others have theirs, or a state split otherwise
+    (another rdp degree with ``shard_optimizer_state``), fails on every rank, naming them: the
+    optimizer would start afresh on some ranks."""
+    saved, shards = None, None
     if load_optimizer and optimizer_file.is_file():
-        saved = torch.load(optimizer_file, "cpu", weights_only=True, mmap=True)
+        saved = _read(optimizer_file)
         shards = saved.get(OPTIMIZER_SHARDS_KEY, 0) if isinstance(saved, dict) else 0
     lacking = None if model_file.is_file() else model_file.name
     gathered = comm.allgather((lacking, shards), comm.WORLD)
@@ -431,12 +430,12 @@ def _saved_files(
             "exist; not a partial checkpoint?)"
         )
     if not load_optimizer:
-        return False
+        return None
     found = [count for _, count in gathered]
     here = optimizer_shards(st)
     missing = [rank for rank, count in enumerate(found) if count is None]
     if len(missing) == len(found):
-        return False
+        return None
     if missing:
         raise ModelParallelError(
             f"{what}: ranks {missing} find no optimizer state of theirs (each reads "
@@ -456,7 +455,7 @@ def _saved_files(
                 "same split; resume with the shard_optimizer_state and rdp degree it was saved "
                 "with, or with load_optimizer=False to start the optimizer afresh"
             )
-    return True
+    return saved
 
 
 def _read(file: Path) -> Any:
