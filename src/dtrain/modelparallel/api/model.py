@@ -28,13 +28,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from dtrain.dataparallel.buckets import plan_buckets
-from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.api.precision import (
     HalfParameters,
     LossScaling,
+    average_in_place,
     half_dtype,
 )
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
@@ -764,24 +764,7 @@ class DistributedModel(nn.Module):
                 [(g.dtype, g.device) for g in grads],
             )
             for bucket in plan.buckets:
-                self._average([grads[index] for index in bucket.params], group, divisor)
-
-    def _average(
-        self, grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int | None
-    ) -> None:
-        """One bucket (one dtype and device) reduced in one collective over ``group``: its
-        mean, or (``divisor``) its sum divided by that."""
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if divisor is None:
-            all_reduce(flat, ReduceOp.AVERAGE, group=group)
-        else:
-            if dist.get_world_size(group) > 1:
-                all_reduce(flat, ReduceOp.SUM, group=group)
-            flat /= divisor
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+                average_in_place([grads[index] for index in bucket.params], group, divisor)
 
     # --- state dicts -------------------------------------------------------------------------
 

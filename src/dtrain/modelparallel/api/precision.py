@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
 from dtrain.modelparallel.pipeline.remote import RemoteValue
 from dtrain.modelparallel.transport.structure import map_leaves
@@ -102,6 +103,24 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     mesh; a plain tensor as it is. Duck-typed: DTensor takes a second to import."""
     full = getattr(value, "full_tensor", None)
     return value if full is None else full()
+
+
+def average_in_place(
+    grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int | None = None
+) -> None:
+    """``grads`` (one dtype and device) reduced in one collective over ``group``: their mean,
+    or (``divisor``) their sum divided by that."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if divisor is None:
+        all_reduce(flat, ReduceOp.AVERAGE, group=group)
+    else:
+        if dist.get_world_size(group) > 1:
+            all_reduce(flat, ReduceOp.SUM, group=group)
+        flat /= divisor
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def clip_gradients(

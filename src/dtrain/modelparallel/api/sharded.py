@@ -65,9 +65,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.modelparallel import deferred
-from dtrain.modelparallel.api.precision import LossScaling, clip_gradients, convert, half_dtype
+from dtrain.modelparallel.api.precision import (
+    LossScaling,
+    average_in_place,
+    clip_gradients,
+    convert,
+    half_dtype,
+)
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.pipeline import activations
 from dtrain.modelparallel.pipeline.executor import MicrobatchResult
@@ -299,10 +304,7 @@ class ShardedModel:
             _local(p.grad) for p, scaled in self._scaled_batch if not scaled and p.grad is not None
         ]
         if plain:
-            flat = torch.cat([grad.reshape(-1) for grad in plain])
-            all_reduce(flat, ReduceOp.AVERAGE, group=self._tensor_group)
-            for grad, part in zip(plain, flat.split([g.numel() for g in plain]), strict=True):
-                grad.copy_(part.view_as(grad))
+            average_in_place(plain, self._tensor_group)
         scaled = [_local(p.grad) for p, s in self._scaled_batch if s and p.grad is not None]
         if scaled and self._tp_batches > 1:
             torch._foreach_div_(scaled, self._tp_batches)
