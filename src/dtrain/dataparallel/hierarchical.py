@@ -24,14 +24,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dtrain.dataparallel.single import all_gather_single, reduce_scatter_single
 from dtrain.dataparallel.strategies import Transfer, own_group, private_buffers
 from dtrain.topology import Topology
 
 HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"
 """Set to 1 or 0 to force hierarchical reduction on or off when the constructor leaves it None."""
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def wants_hierarchical(
@@ -79,11 +77,11 @@ class HierarchicalAllReduce:
     def launch(self, stage: int, transfer: Transfer) -> dist.Work:
         if stage == 0:
             transfer.scratch = transfer.wire.new_empty(transfer.wire.numel() // self.pad_multiple)
-            return _reduce_scatter(
+            return reduce_scatter_single(
                 transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
             )
         shard = transfer.scratch
         assert shard is not None, "stage 0 allocates the shard"
         if stage == 1:
             return dist.all_reduce(shard, group=self.cross_host_group, async_op=True)
-        return _all_gather(transfer.wire, shard, group=self.gather_group, async_op=True)
+        return all_gather_single(transfer.wire, shard, group=self.gather_group, async_op=True)
