@@ -8,7 +8,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 
 from dtrain.modelparallel import state
