@@ -132,3 +132,24 @@ def test_forks_seed_the_cpu_and_their_own_gpus_only(monkeypatch: pytest.MonkeyPa
     assert in_region == _draw(torch.Generator().manual_seed(9))
     assert creating == _draw(torch.Generator().manual_seed(5))
     assert after == _draw(torch.Generator().manual_seed(3))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_rank_a_modules_seed_is_forked_on_its_gpu_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A distributed module created on the GPU draws from the seed there; afterwards the GPU's
+    stream goes on as if the module had not been made."""
+    gpu = torch.device("cuda", 0)
+    rank = SimpleNamespace(config={"tensor_parallel_seed": 5}, device=gpu)
+    monkeypatch.setattr(module.state, "current", lambda what=None: rank)
+    monkeypatch.setattr(module, "_created", itertools.count())
+    torch.cuda.manual_seed(3)
+    with module.seeded("smp.nn.DistributedLinear"):
+        creating = torch.rand(3, device=gpu)
+    after = torch.rand(3, device=gpu)
+    assert torch.equal(
+        creating, torch.rand(3, device=gpu, generator=torch.Generator(gpu).manual_seed(5))
+    )
+    torch.cuda.manual_seed(3)
+    assert torch.equal(after, torch.rand(3, device=gpu))
