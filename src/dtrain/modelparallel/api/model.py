@@ -38,9 +38,11 @@ from dtrain.modelparallel.api.precision import (
     half_dtype,
 )
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.pipeline import activations, hooks, solo
+from dtrain.modelparallel.modules import activations, hooks
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
+from dtrain.modelparallel.pipeline import solo
 from dtrain.modelparallel.pipeline.group import PipelineGroup
-from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
+from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
 from dtrain.modelparallel.pipeline.split_backward import scaled_grads
 from dtrain.modelparallel.pipeline.stall import default_store
 from dtrain.modelparallel.plan import fit
