@@ -678,13 +678,13 @@ def _plan(args: argparse.Namespace) -> int:
     from dtrain.modelparallel.errors import MemoryLimitError
     from dtrain.modelparallel.plan.fit import MAX_PARTITIONS, check_memory
     from dtrain.modelparallel.plan.memory import parse_size
-    from dtrain.modelparallel.plan.partition import auto_plan
     from dtrain.modelparallel.plan.planview import StageProgress, draw_plan
     from dtrain.modelparallel.plan.profile import (
         DEFAULT_REPEATS,
         profile_module,
         profile_without_memory,
     )
+    from dtrain.modelparallel.plan.solver import auto_plan
 
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     if args.partitions < 1:
