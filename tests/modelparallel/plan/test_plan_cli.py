@@ -19,7 +19,7 @@ from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.plan.profile import profile_module
 from dtrain.modelparallel.plan.solver import auto_plan
 
-GPT = Path(__file__).resolve().parents[2] / "examples" / "modelparallel" / "gpt.py"
+GPT = Path(__file__).resolve().parents[3] / "examples" / "modelparallel" / "gpt.py"
 
 TINY_MODEL = """
 import torch
