@@ -52,7 +52,7 @@ from dtrain.modelparallel.modules import generators, hooks, modes
 from dtrain.modelparallel.modules.activations import restore_on_recompute
 from dtrain.modelparallel.modules.unfetched import materialize
 
-T = TypeVar("T", torch.Tensor, None)
+T = TypeVar("T", bound=torch.Tensor | None)
 
 _inside = threading.local()
 
