@@ -12,7 +12,7 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import generators
+from dtrain.modelparallel.modules import generators
 from dtrain.modelparallel.tensor import shards
 
 TUNING_ARGUMENTS = frozenset(
