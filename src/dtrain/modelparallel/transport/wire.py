@@ -33,16 +33,17 @@ thread, whatever the other threads send), and ranks that share one GPU (a gloo w
 as ranks on several GPUs do.
 
 Those copies go through pinned host memory, on copy streams (:mod:`dtrain.streams`): the
-sender's after the compute stream's work so far (its tensors' producers), each receiver's
-beside it, so that neither waits for the compute queued meanwhile nor holds it up. A stream
-holding GPU bytes is pinned memory from torch's caching host allocator, which hands it out again
-to a later stream of its size; a receiver's buffer for first sends is pinned once, on a GPU
-rank. gloo reads and writes the host memory itself, so a stream leaves only once its copies
-are done: the sender does not wait for them, a thread of the transport's own does and posts
-it, in the order the streams were sent (:mod:`.posting`); the receiver's CPU waits for its
-copies before it reuses its buffer. A received tensor, made on the copy stream, is recorded on
-the stream that computes with it: the runtime's threads all compute on their device's default
-stream.
+sender's after the compute stream's work so far (its tensors' producers), with the compute
+queued after the send waiting for them on the GPU (it may write the tensors in place), each
+receiver's beside the compute, so that it neither waits for the compute queued meanwhile nor
+holds it up. A stream holding GPU bytes is pinned memory from torch's caching host allocator,
+which hands it out again to a later stream of its size; a receiver's buffer for first sends is
+pinned once, on a GPU rank. gloo reads and writes the host memory itself, so a stream leaves
+only once its copies are done: the sender does not wait for them, a thread of the transport's
+own does and posts it, in the order the streams were sent (:mod:`.posting`); the receiver's CPU
+waits for its copies before it reuses its buffer. A received tensor, made on the copy stream, is
+recorded on the stream that computes with it: the runtime's threads all compute on their
+device's default stream.
 
 Streams are posted one at a time, which keeps one message's parts together; the receiver reads
 a whole message before the next, so parts never interleave. A stream's sends are waited for
@@ -233,6 +234,8 @@ class Transport:
                 if tensor.numel():
                     part = data[offset : offset + _nbytes(meta)]
                     part.copy_(_as_bytes(tensor), non_blocking=True)
+        if from_gpu:  # compute queued later (it may write the tensors in place) waits for them
+            self._send_copies.join()
         parts = [(stream[: min(end, self._first_bytes)], _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], _TAG_OVERFLOW))
