@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dtrain.dataparallel.single import all_gather_single, reduce_scatter_single
+from dtrain.dataparallel.single import all_gather_single, reduce_scatter_single, started
 from dtrain.dataparallel.strategies import Transfer, own_group, private_buffers
 from dtrain.environment import switch
 from dtrain.topology import Topology
@@ -78,11 +78,15 @@ class HierarchicalAllReduce:
     def launch(self, stage: int, transfer: Transfer) -> dist.Work:
         if stage == 0:
             transfer.scratch = transfer.wire.new_empty(transfer.wire.numel() // self.pad_multiple)
-            return reduce_scatter_single(
-                transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
+            return started(
+                reduce_scatter_single(
+                    transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
+                )
             )
         shard = transfer.scratch
         assert shard is not None, "stage 0 allocates the shard"
         if stage == 1:
             return dist.all_reduce(shard, group=self.cross_host_group, async_op=True)
-        return all_gather_single(transfer.wire, shard, group=self.gather_group, async_op=True)
+        return started(
+            all_gather_single(transfer.wire, shard, group=self.gather_group, async_op=True)
+        )

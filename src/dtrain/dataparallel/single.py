@@ -30,3 +30,10 @@ def reduce_scatter_single(
     """The group's sum of ``whole``, of which this rank keeps its shard (``output``)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, whole, group=group, async_op=async_op)
+
+
+def started(work: dist.Work | None) -> dist.Work:
+    """The handle of an operation started asynchronously (``async_op=True``, ``isend``): torch
+    types it optional, as a rank outside the group gets none, which no caller here is."""
+    assert work is not None, "an operation started asynchronously on its group returns its Work"
+    return work

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch
@@ -380,8 +381,13 @@ class _Recomputation(AbstractContextManager[None]):
         for restorer in self.restorers:
             self.stack.enter_context(restorer())
 
-    def __exit__(self, *exc: object) -> bool | None:
-        return self.stack.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        return self.stack.__exit__(exc_type, exc, traceback)
 
 
 def _contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:

@@ -70,6 +70,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtrain.dataparallel.single import started
 from dtrain.modelparallel.errors import (
     CommunicationTimeoutError,
     ModelParallelError,
@@ -257,7 +258,8 @@ class Transport:
             bytearray(seal), dtype=torch.uint8
         )
         works = [
-            dist.isend(part, dst=dst, group=self._group, tag=tag) for part, tag in outgoing.parts
+            started(dist.isend(part, dst=dst, group=self._group, tag=tag))
+            for part, tag in outgoing.parts
         ]
         buffers = [part for part, _ in outgoing.parts]
         self._unfinished[dst] = _Sent(dst, outgoing.messages[0], works, buffers)
