@@ -232,15 +232,18 @@ def ray_head(cluster: Cluster) -> Iterator[str]:
         marker.split("=")[0]: marker.split("=")[1],
     }  # fmt: skip
     ray = str(Path(sys.executable).parent / "ray")
+    # Nothing the job does not use: no log forwarding (the controller connects with
+    # log_to_driver=False), no autoscaler.
     lean = [
         "--num-cpus", "1", "--object-store-memory", "200000000", "--disable-usage-stats",
-        "--block",
+        "--include-log-monitor", "false", "--block",
     ]  # fmt: skip
     gcs = f"{cluster.a.address}:{next(PORTS)}"
+    head = ["--head", "--port", gcs.split(":")[1], "--include-dashboard=false", "--no-monitor"]
     nodes = []
     try:
         for machine, role in (
-            (cluster.a, ["--head", "--port", gcs.split(":")[1], "--include-dashboard=false"]),
+            (cluster.a, head),
             (cluster.b, ["--address", gcs]),
         ):
             log = scratch / f"{machine.namespace}.log"
