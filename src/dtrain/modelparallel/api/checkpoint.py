@@ -46,8 +46,9 @@ import torch
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api import comm
-from dtrain.modelparallel.api.model import DEGREES_KEY, DistributedModel, check_degrees
+from dtrain.modelparallel.api.model import DistributedModel
 from dtrain.modelparallel.api.precision import FP16_STATES
+from dtrain.modelparallel.api.state_dicts import DEGREES_KEY, check_degrees
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
 from dtrain.modelparallel.tensor import translated
