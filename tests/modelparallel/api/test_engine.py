@@ -128,7 +128,7 @@ def test_a_pipelined_model_without_tensor_parallelism_imports_no_dtensor() -> No
     """DTensor and FSDP2 take a second to import: a pipelined fp16 model without tensor
     parallelism steps, gathers and loads its state without them (torch's optimizers import
     them on their own, through torch.compile's machinery)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     command = [sys.executable, "-c", LAZY]
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=root)
     assert done.stdout.strip().splitlines()[-1] == "[]"
