@@ -84,7 +84,7 @@ def DistributedOptimizer(
         adapter.prune()
         run = original_step if adapter.zero is None else adapter.zero_step
         result = engine.optimizer_step(self, lambda: run(*args, **kwargs))
-        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped
+        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped  # type: ignore[attr-defined]
         return result
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -139,10 +139,10 @@ class _Adapter:
         states = self.optimizer.state
         for group in self.optimizer.param_groups:
             group["params"] = [stepped[id(p)] for p in group["params"] if id(p) in stepped]
-        for param in list(states):
-            values = states.pop(param)
-            if id(param) in stepped:
-                states[stepped[id(param)]] = values
+        for key in list(states):
+            values = states.pop(key)
+            if id(key) in stepped:
+                states[stepped[id(key)]] = values
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 if param in states:

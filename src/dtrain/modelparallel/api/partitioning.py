@@ -290,10 +290,14 @@ def route_events(root: nn.Module, plan: PartitionPlan) -> list[tuple[str, bool]]
     names = [name for name, _ in root.named_modules()]
     if not plan.profiled:
         return [(name, False) for name in names]
-    called = {name: plan.modules[name].order for name in names if name in plan.modules}
+    called = {
+        name: order
+        for name in names
+        if name in plan.modules and (order := plan.modules[name].order) is not None
+    }
     events: list[tuple[str, bool]] = []
     open_: list[str] = []
-    ran = sorted((n for n in names if called.get(n) is not None), key=called.__getitem__)
+    ran = sorted(called, key=called.__getitem__)
     for name in ran:
         while open_ and open_[-1] and not name.startswith(f"{open_[-1]}."):
             events.append((open_.pop(), True))

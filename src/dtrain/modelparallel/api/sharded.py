@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ from dtrain.modelparallel import deferred
 from dtrain.modelparallel.api import initial
 from dtrain.modelparallel.api.engine import MakeBody
 from dtrain.modelparallel.api.precision import (
+    HalfParameters,
     LossScaling,
     average_in_place,
     clip_gradients,
@@ -168,7 +169,7 @@ class ShardedEngine:
     """The sharded side of a ``DistributedModel``: shards the module when it is wrapped, runs
     steps, clips gradients and converts state dicts between full, partial and sharded."""
 
-    half_precision = None
+    half_precision: HalfParameters | None = None
     """The fp32 shards are the masters: none kept apart."""
 
     def __init__(
@@ -426,7 +427,8 @@ class ShardedEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (gathered: every rank must call it)."""
-        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True)
+        full = cast(dict[str, torch.Tensor], get_model_state_dict(self.module, options=options))
         return {name: value.detach().cpu() for name, value in full.items()}
 
     def _registered(self) -> dict[str, torch.Tensor]:

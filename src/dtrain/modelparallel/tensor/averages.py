@@ -11,6 +11,7 @@ This module imports no DTensor: a pipelined model without tensor parallelism use
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,7 +80,7 @@ class Average:
     grads: list[torch.Tensor]
 
 
-def averages(params: list[torch.Tensor], st: MPState, rdp_mean_taken: bool) -> list[Average]:
+def averages(params: Sequence[torch.Tensor], st: MPState, rdp_mean_taken: bool) -> list[Average]:
     """How the gradients of ``params`` (the local parts of those that have one) become SMP's
     averages over the data-parallel group.
 
@@ -111,7 +112,7 @@ def _scaled(param: torch.Tensor, split: bool) -> bool:
     return split and is_scaled_batch(param)
 
 
-def carry_earlier(params: list[torch.Tensor], st: MPState) -> None:
+def carry_earlier(params: Sequence[torch.Tensor], st: MPState) -> None:
     """Ready the scaled-batch gradients of earlier steps in ``params`` (accumulating before one
     optimizer step, averaged by their own steps, so alike on every rank that averages them) for
     a step that averages them again with this step's: multiplied in place by the

@@ -132,6 +132,7 @@ def shard_load_hook(
     tensors = [*module.named_parameters(prefix[:-1]), *module.named_buffers(prefix[:-1])]
     for key, tensor in tensors:
         value = state_dict.get(key)
-        plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-        if isinstance(tensor, DTensor) and plain and value.shape == tensor.shape:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if isinstance(tensor, DTensor) and value.shape == tensor.shape:
             state_dict[key] = laid_out_as(f"load_state_dict: {key!r}", tensor, value, True)
