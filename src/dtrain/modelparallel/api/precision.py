@@ -14,8 +14,8 @@ scale, so what the optimizer, clipping and state dicts see is the true gradient)
 averaged over the data-parallel group in fp32. fp16 needs the loss scaled so that small
 gradients do not vanish: ``model.backward(loss)`` multiplies by :class:`LossScaler`'s scale, an
 inf/NaN in any rank's gradients makes every rank skip that optimizer step (the flag is agreed over
-the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
-``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
+the world by :func:`overflowed`, as the sharded model's and :mod:`.amp`'s are), and a dynamic
+scale backs off on it and grows after ``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
 
 With tensor parallelism the parameters of distributed modules are DTensors, and so are their
 masters (a master is made as its parameter is, and carries its marks); the step, the rounding
@@ -50,10 +50,6 @@ Saved = Callable[[torch.Tensor], torch.Tensor]
 
 Loaded = Callable[[torch.Tensor, torch.Tensor], None]
 """How a saved value is copied into a master: as it is, or (tensor parallelism) cut or wrapped."""
-
-
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
 
 
 def _by_type(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -312,7 +308,7 @@ class LossScaling:
             self.scaler.update(overflow)
         return None if overflow else step()
 
-    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
+    def state_dict(self, names: dict[int, str], saved: Saved) -> dict[str, Any]:
         """What a checkpoint keeps under ``"fp16_states"`` (``names``: id of a model parameter
         → its name, ``saved``: how a tensor is saved, for the masters a subclass keeps): the
         loss scaler."""
@@ -442,14 +438,14 @@ class HalfParameters(LossScaling):
 
     # --- state dicts ---------------------------------------------------------------------------
 
-    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
+    def state_dict(self, names: dict[int, str], saved: Saved) -> dict[str, Any]:
         """The masters by parameter name, each as ``saved`` gives it, on the CPU, and the loss
         scaler."""
         masters = {
             names[id(param)]: saved(master.detach()).cpu()
             for param, master in self._masters.values()
         }
-        return {MASTERS: masters, **super().state_dict(names)}
+        return {MASTERS: masters, **super().state_dict(names, saved)}
 
     def load_masters(self, values: dict[str, Any], names: dict[int, str], load: Loaded) -> None:
         """Load the masters this rank owns from :meth:`state_dict`'s ``values`` (each copied

@@ -74,7 +74,7 @@ def cut(what: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def same_shape(what: str, part: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _same_shape(what: str, part: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value``, a saved local part, if it has the shape of this rank's ``part``."""
     if value.shape != part.shape:
         raise ModelParallelError(
@@ -90,7 +90,7 @@ def part_of(what: str, like: torch.Tensor, value: torch.Tensor, whole_value: boo
     (``whole_value`` false) the part it is, as ``local_state_dict`` saved it."""
     if whole_value:
         return cut(what, like, value)
-    return same_shape(what, local(like), value)
+    return _same_shape(what, local(like), value)
 
 
 def load_into(what: str, tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> None:
