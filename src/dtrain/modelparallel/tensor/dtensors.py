@@ -54,11 +54,7 @@ def cut(what: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     a rank beyond the pieces), as DTensor and FSDP2 cut. By hand, as ``distribute_tensor``
     refuses a tp shard that the shard group splits unevenly (FSDP2's ``_StridedShard``), which
     FSDP2 itself allows. ``what`` names the value in errors."""
-    if value.shape != like.shape:
-        raise ModelParallelError(
-            f"{what} has shape {tuple(value.shape)} in the full state dict, the parameter "
-            f"{tuple(like.shape)}"
-        )
+    _check_shape(what, value, like.shape, whole_value=True)
     if not is_distributed(like):
         return value
     mesh = like.device_mesh  # type: ignore[attr-defined]
@@ -74,15 +70,22 @@ def cut(what: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _same_shape(what: str, part: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value``, a saved local part, if it has the shape of this rank's ``part``."""
-    if value.shape != part.shape:
-        raise ModelParallelError(
-            f"{what} has shape {tuple(value.shape)} in the partial state dict but this rank's "
-            f"part has shape {tuple(part.shape)}: a partial state loads only at the degrees "
-            "it was saved at; save a full one (partial=False) to change them"
+def _check_shape(what: str, value: torch.Tensor, shape: torch.Size, whole_value: bool) -> None:
+    """A saved ``value`` must have ``shape``: the whole tensor's, or (not ``whole_value``) this
+    rank's part's."""
+    if value.shape == shape:
+        return
+    if whole_value:
+        kind, hint = "full state dict, the parameter", ""
+    else:
+        kind = "partial state dict, this rank's part"
+        hint = (
+            ": a partial state loads only at the degrees it was saved at; save a full one "
+            "(partial=False) to change them"
         )
-    return value
+    raise ModelParallelError(
+        f"{what} has shape {tuple(value.shape)} in the {kind} {tuple(shape)}{hint}"
+    )
 
 
 def part_of(what: str, like: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
@@ -90,7 +93,8 @@ def part_of(what: str, like: torch.Tensor, value: torch.Tensor, whole_value: boo
     (``whole_value`` false) the part it is, as ``local_state_dict`` saved it."""
     if whole_value:
         return cut(what, like, value)
-    return _same_shape(what, local(like), value)
+    _check_shape(what, value, local(like).shape, whole_value=False)
+    return value
 
 
 def load_into(what: str, tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> None:
