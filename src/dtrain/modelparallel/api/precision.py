@@ -15,7 +15,8 @@ averaged over the data-parallel group in fp32. fp16 needs the loss scaled so tha
 gradients do not vanish: ``model.backward(loss)`` multiplies by :class:`LossScaler`'s scale, an
 inf/NaN in any rank's gradients makes every rank skip that optimizer step (the flag is agreed over
 the world by :func:`overflowed`, as the sharded model's and :mod:`.amp`'s are), and a dynamic
-scale backs off on it and grows after ``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
+scale backs off on it and grows after ``scale_window`` clean steps. bf16 has fp32's range and is
+not scaled.
 
 With tensor parallelism the parameters of distributed modules are DTensors, and so are their
 masters (a master is made as its parameter is, and carries its marks); the step, the rounding
