@@ -25,6 +25,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
 
 # Two workers, each taking whole files (a file's tests share module fixtures, such as the
 # network namespaces of test_clusters): the tests wait on processes and timers as much as they

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.environment import switch
 from dtrain.errors import ConfigError
 
 TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
@@ -20,9 +21,6 @@ DEFER_ENV = "DTRAIN_MP_DEFER"
 SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
 STALL_ENV = "DTRAIN_MP_STALL_REPORT"
 TRACE_ENV = "DTRAIN_MP_TRACE"
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,8 @@ class RuntimeOptions:
         defaults = cls()
         return cls(
             timeout=_seconds(environ, TIMEOUT_ENV, defaults.timeout),
-            defer=_switch(environ, DEFER_ENV, defaults.defer),
-            split_backward=_switch(environ, SPLIT_ENV, defaults.split_backward),
+            defer=switch(DEFER_ENV, defaults.defer, environ),
+            split_backward=switch(SPLIT_ENV, defaults.split_backward, environ),
             stall_report=_seconds(environ, STALL_ENV, defaults.stall_report),
             trace=_trace_path(environ),
         )
@@ -81,15 +79,3 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(name, raw, "a positive number of seconds")
     return value
-
-
-def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name, "")
-    value = raw.strip().lower()
-    if not value:
-        return default
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(name, raw, f"one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off)")

@@ -17,7 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from dtrain.modelparallel.api.precision import HalfParameters, LossScaling
-    from dtrain.modelparallel.pipeline.executor import MicrobatchResult
+    from dtrain.modelparallel.modules.tasks import MicrobatchResult
     from dtrain.modelparallel.plan.partition import PartitionPlan
     from dtrain.modelparallel.scheduling.route import RouteSchedule
     from dtrain.modelparallel.scheduling.schedule import Schedule

@@ -31,7 +31,7 @@ from dtrain.modelparallel.api.state_dicts import (
     check_degrees,
     degrees,
 )
-from dtrain.modelparallel.pipeline.executor import MicrobatchResult
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.scheduling.route import RouteSchedule
 from dtrain.modelparallel.scheduling.schedule import Schedule

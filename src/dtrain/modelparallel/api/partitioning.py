@@ -25,10 +25,11 @@ from dtrain.modelparallel import deferred
 from dtrain.modelparallel.api import initial, placement
 from dtrain.modelparallel.api.engine import MakeBody
 from dtrain.modelparallel.errors import ModelParallelError, StepFailedError
-from dtrain.modelparallel.pipeline import activations, solo
+from dtrain.modelparallel.modules import activations
+from dtrain.modelparallel.pipeline import solo
 from dtrain.modelparallel.pipeline.stall import default_store
 from dtrain.modelparallel.plan import fit
-from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, manual_plan
+from dtrain.modelparallel.plan.partition import PartitionPlan, manual_plan
 from dtrain.modelparallel.plan.profile import (
     ModelProfile,
     Snapshot,
@@ -37,6 +38,7 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
+from dtrain.modelparallel.plan.solver import auto_plan
 from dtrain.modelparallel.scheduling.planner import check_route
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan, route_of

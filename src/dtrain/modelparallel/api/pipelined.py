@@ -39,9 +39,10 @@ from dtrain.modelparallel.api.precision import (
 )
 from dtrain.modelparallel.api.state_dicts import check_keys
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
-from dtrain.modelparallel.pipeline import hooks
+from dtrain.modelparallel.modules import hooks
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.pipeline.group import PipelineGroup
-from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
+from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
 from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.scheduling.route import RouteSchedule
 from dtrain.modelparallel.scheduling.schedule import Schedule

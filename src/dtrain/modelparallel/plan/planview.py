@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dtrain.modelparallel.plan.memory import format_size
-from dtrain.modelparallel.plan.partition import PartitionPlan, format_count, partition_colour
+from dtrain.modelparallel.plan.partition import PartitionPlan
+from dtrain.modelparallel.plan.render import format_count, partition_colour
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 """The peak-memory columns of the text plan, in its order."""
@@ -137,7 +138,7 @@ def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
     work.set_yticks(ys, labels, fontsize=8)
     work.invert_yaxis()  # partition 0 on top
     work.margins(x=0.25)
-    left = [0] * rows
+    left: list[float] = [0] * rows
     kinds = list(data.bars[0].memory) if data.bars else []
     for kind, colour in zip(kinds, _MEMORY_COLOURS, strict=False):
         widths = [bar.memory[kind] / 2**20 for bar in data.bars]

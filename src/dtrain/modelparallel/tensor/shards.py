@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import hooks
+from dtrain.modelparallel.modules import hooks
 from dtrain.modelparallel.tensor.averages import mark_scaled_batch
 from dtrain.modelparallel.tensor.dtensors import laid_out_as, whole
 

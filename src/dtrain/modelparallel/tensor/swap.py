@@ -24,7 +24,7 @@ from torch import nn
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.modules import activations
 from dtrain.modelparallel.tensor import marks, translated
 from dtrain.modelparallel.tensor.averages import is_scaled_batch
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding

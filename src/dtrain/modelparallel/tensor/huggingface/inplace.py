@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from dtrain.modelparallel.tensor.module import (
     split,
     whole_state_dicts,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # imported only with a model of its own
 
 FAMILIES = {
     "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
@@ -214,7 +217,7 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
 
 def _split_base(
     model: nn.Module,
-    base: nn.Module,
+    base: PreTrainedModel,
     family: Family,
     rank: int,
     degree: int,
