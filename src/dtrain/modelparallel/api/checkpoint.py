@@ -493,7 +493,7 @@ def _numpy_classes() -> list[Any]:
         for name in dir(np.dtypes)
         if name.endswith("DType") and name not in ("ObjectDType", "VoidDType")
     ]
-    multiarray = np._core.multiarray
+    multiarray = np._core.multiarray  # type: ignore[attr-defined]  # numpy 2's, not in its stubs
     return [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
 
 

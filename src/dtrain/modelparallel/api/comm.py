@@ -138,6 +138,7 @@ def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
             for part, peer in zip(parts, peers, strict=True)
         ]
         for work in works:
+            assert work is not None, "every rank is in the world's group"
             work.wait()
 
 
