@@ -54,7 +54,7 @@ def _pipelined(trace_device: str, auto: bool, batches_on_gpu: bool) -> dict[str,
         if batches_on_gpu:
             x, y = x.to(device), y.to(device)
         losses.append(step(x, y))
-    profile = model._profile
+    profile = model.engine.partitioner.profile
     return {
         "backend": dist.get_backend(),
         "device": str(state.current().device),

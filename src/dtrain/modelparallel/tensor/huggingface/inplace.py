@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.averages import mark_scaled_batch
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
 from dtrain.modelparallel.tensor.module import (
     UNSUPPORTED_EXTRAS,
@@ -240,7 +241,7 @@ def _split_base(
             _per_head(layer, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
-        shards.mark_scaled_batch(embedding, False)  # the rank's own rows, before the region
+        mark_scaled_batch(embedding, False)  # the rank's own rows, before the region
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
 
