@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel.pipeline.remote import RemoteValue
+from dtrain.modelparallel.modules.unfetched import Unfetched
 from dtrain.modelparallel.tensor.dtensors import local, whole
 from dtrain.modelparallel.transport.structure import map_leaves
 
@@ -376,9 +376,9 @@ class HalfParameters(LossScaling):
         """The model's floating outputs in fp32 (a deferred value is fetched to convert it)."""
 
         def to_float(value: Any) -> Any:
-            if isinstance(value, RemoteValue) or (
-                isinstance(value, torch.Tensor) and value.is_floating_point()
-            ):
+            if isinstance(value, Unfetched):
+                value = value.fetch()
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return value.float()
             return value
 
