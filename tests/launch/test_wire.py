@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.launch import wire
 from dtrain.launch.wire import (
     HANDSHAKE_LIMIT,
     PROTOCOL_VERSION,
