@@ -17,6 +17,8 @@ from dtrain.jobs.describe import HIDDEN_VALUE, describe
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobStore
 from dtrain.jobs.variables import job_variables, read_environment_file
+from dtrain.launch.clusters import parse_cluster
+from dtrain.launch.clusters.ray import RayCluster
 from dtrain.launch.submit import rerun_spec
 from tests.conftest import JOB_SCRIPTS, dtrain
 
@@ -210,3 +212,17 @@ def test_a_detached_controller_gets_the_spec_in_a_private_file_not_its_arguments
     logs = dtrain("logs", "detached", home=dtrain_home).stdout
     assert f"BY_NAME sha256={_digest(by_name)} in argv of: []" in logs
     assert not list(dtrain_home.glob("spec-*"))  # the private copy is gone once read
+
+
+def test_on_ray_only_variables_a_command_line_showed_go_in_the_runtime_env() -> None:
+    """Ray puts a runtime_env's variables on its worker set-up's command line; the others reach
+    the agent in the job's encrypted start message."""
+    spec = JobSpec(
+        entry_point="train.py",
+        job_name="on-ray",
+        cluster="ray://127.0.0.1:6379",
+        environment={"PYTHONPATH": "/code", "TOKEN": "hunter2"},
+        hidden_environment=("TOKEN",),
+    )
+    cluster = parse_cluster(spec)
+    assert isinstance(cluster, RayCluster) and cluster.environment == {"PYTHONPATH": "/code"}
