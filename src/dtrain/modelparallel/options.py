@@ -16,25 +16,14 @@ from pathlib import Path
 from dtrain.errors import ConfigError
 
 TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
-DEFER_ENV = "DTRAIN_MP_DEFER"
-SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
 STALL_ENV = "DTRAIN_MP_STALL_REPORT"
 TRACE_ENV = "DTRAIN_MP_TRACE"
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     timeout: float = 300.0
     """Seconds any wait for another rank may take before it fails naming that rank."""
-    defer: bool = True
-    """Remote calls return at once with values their owner computes meanwhile (off: every
-    call waits for its reply; for modules whose output structure changes between calls)."""
-    split_backward: bool = True
-    """The backwards the schedule chooses send their inputs' gradients first and leave their
-    weights' for idle time (off: every backward in one piece, for comparison)."""
     stall_report: float = 60.0
     """Seconds of silence after which every rank reports what it waits for (see
     :mod:`.pipeline.stall`); the wait itself goes on until ``timeout``."""
@@ -48,8 +37,6 @@ class RuntimeOptions:
         defaults = cls()
         return cls(
             timeout=_seconds(environ, TIMEOUT_ENV, defaults.timeout),
-            defer=_switch(environ, DEFER_ENV, defaults.defer),
-            split_backward=_switch(environ, SPLIT_ENV, defaults.split_backward),
             stall_report=_seconds(environ, STALL_ENV, defaults.stall_report),
             trace=_trace_path(environ),
         )
@@ -81,15 +68,3 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(name, raw, "a positive number of seconds")
     return value
-
-
-def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name, "")
-    value = raw.strip().lower()
-    if not value:
-        return default
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(name, raw, f"one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off)")

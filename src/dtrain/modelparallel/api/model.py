@@ -53,6 +53,7 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
+from dtrain.modelparallel.scheduling.ordering import ordering_for
 from dtrain.modelparallel.scheduling.planner import check_route
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.route import RouteSchedule, pipeline_plan, route_of
@@ -612,9 +613,9 @@ class DistributedModel(nn.Module):
             timeout=st.options.timeout,
         )
         self._schedule = self._planned_schedule(plan)
-        row = self._schedule.plan_row(st.pp_rank) if self._plan_ordered() else None
+        ordering = ordering_for(self._schedule, st.pp_rank, self._plan_ordered())
         self._runtime = PipelineRuntime(
-            group, modules, owners, self._schedule.policy, st.options, row
+            group, modules, owners, self._schedule.policy, st.options, ordering
         )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_message_group)
@@ -662,7 +663,6 @@ class DistributedModel(nn.Module):
             policy,
             times or [0.0] * st.pp_size,
             modules,
-            st.options.split_backward,
             self._plan_ordered(),
             # their backwards recompute, so they run whole; the other partitions still split
             activations.checkpointing_partitions(self.module, owners),

@@ -224,9 +224,7 @@ def check_device_memory(
     :meth:`MemorySettings.of_job`); on a GPU, checked against the memory free on the rank's
     device before the first step (:func:`check_memory`). Rank 0 checks on its own GPU for
     every rank: a job's GPUs are alike."""
-    settings = MemorySettings.of_job(
-        st.config, state.current_optimizer(), st.options.split_backward
-    )
+    settings = MemorySettings.of_job(st.config, state.current_optimizer())
     plan = plan.with_memory(settings)
     if st.device.type == "cuda":
         total = torch.cuda.get_device_properties(st.device).total_memory

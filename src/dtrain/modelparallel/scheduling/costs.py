@@ -1,5 +1,4 @@
-"""What a pipeline's work costs in a plan: per-stage forward, backward and message times, and
-the ideal makespan they allow."""
+"""What a pipeline's work costs in a plan: per-stage forward, backward and message times."""
 
 from __future__ import annotations
 
@@ -68,22 +67,6 @@ class Costs:
         if kind in ("I", "W"):
             return self.backward[stage] * (1.0 + self.split_overhead) / 2
         raise ValueError(f"no compute cost for action kind {kind!r}; allowed: F, B, I, W")
-
-
-def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:
-    """Pipeline makespan of the bubble formula: ``max(stage_costs) x (M + P - 1)``.
-
-    ``stage_costs[s]`` is stage ``s``'s forward + backward time for one microbatch. With uniform
-    stages and no communication latency it is the exact makespan of both pipelines (``simple``,
-    and ``interleaved`` with ``active_microbatches >= min(stages, microbatches)``): fill and
-    drain cost ``P - 1`` slots of a stage. With uneven stages (same forward:backward split) it
-    is an upper bound, as if every stage were the slowest: what benchmarks compare steps to.
-    """
-    check_positive_int("microbatches", microbatches)
-    if not stage_costs:
-        raise ValueError("stage_costs: got an empty sequence; need one cost per stage")
-    costs = per_stage("stage_costs", stage_costs, len(stage_costs))
-    return max(costs) * (microbatches + len(costs) - 1)
 
 
 def is_int(value: object) -> bool:
