@@ -182,6 +182,8 @@ class PlannedOrdering:
         return order
 
     def in_turn(self, work: Work) -> bool:
+        if work.role == "main":
+            return True
         return self.order(work.step).admits(work.phase, work.microbatch, work.visit)
 
     def end(self, step: int, phase: str, microbatch: int, visit: int | None = None) -> bool:

@@ -99,7 +99,7 @@ class Turns(Protocol):
         """The core says where to look for the work of an action still on the rank."""
 
     def in_turn(self, work: Work) -> bool:
-        """Whether ``work`` may compute now."""
+        """Whether ``work`` may compute now (the main task always may)."""
 
     def end(self, step: int, phase: str, microbatch: int, visit: int | None = None) -> bool:
         """The rank's action ``phase`` of ``microbatch`` in ``step`` (at ``visit``, or every
@@ -197,7 +197,7 @@ class Scheduler:
         waiting = self._waiting
         if self.weights_owed and any(entry.work is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry.work.phase == "W"]
-        in_turn = self.in_turn
+        in_turn = self.ordering.in_turn
         if not self._announced:
             return [entry for entry in waiting if in_turn(entry.work)]
         # Out of turn, announced work would hold up the turn it waits for (a backward request
@@ -257,7 +257,7 @@ class Scheduler:
 
     def in_turn(self, work: Work) -> bool:
         """Whether the ordering lets ``work`` compute now (the main task always may)."""
-        return work.role == "main" or self.ordering.in_turn(work)
+        return self.ordering.in_turn(work)
 
     def _busy(self, step: int, key: ActionKey) -> bool:
         """Whether work of action ``key`` in ``step`` is announced, waiting or computing here."""
