@@ -240,7 +240,7 @@ class RemoteCaller:
     def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline;
         ``reply``: a call's, awaited only to learn its outputs' structure, see
-        :meth:`.Scheduler.waits`)."""
+        :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`)."""
         request = pending.request
         what = f"{request.label()} from rank {pending.peer}"
         with (

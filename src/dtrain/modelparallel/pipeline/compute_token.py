@@ -378,7 +378,7 @@ class ComputeToken:
     def waiting(self, reply: bool = False, coming_back: bool = False) -> Iterator[None]:
         """Give the token away while the current task waits for another rank (or for another
         task's result; for a remote call's ``reply``, awaited only to learn its outputs'
-        structure, see :meth:`.Scheduler.waits`); a sticky
+        structure, see :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`); a sticky
         holder does not take it back afterwards. ``coming_back``: no wait, but the visit its
         waits for replies left ends here)."""
         task = self.current()

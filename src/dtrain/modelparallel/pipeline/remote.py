@@ -107,7 +107,8 @@ class CallRecord:
 
     def reply(self, learning: bool = False) -> Any:
         """Wait until the call is known to have succeeded (its error raises); its structure
-        (``learning``: awaited only for that, see :meth:`.Scheduler.waits`)."""
+        (``learning``: awaited only for that, see
+        :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`)."""
         if not self._settled:
             if self.predicted is None:
                 message, tensors = self.runtime.wait(self.pending, reply=learning)
