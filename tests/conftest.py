@@ -44,15 +44,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LONGEST_FIRST = (
-    "test_clusters.py", "test_jobs_integration.py", "modelparallel/test_sharded.py",
+    "launch/test_clusters.py", "test_jobs_integration.py", "modelparallel/api/test_sharded.py",
     "modelparallel/test_delayed.py", "modelparallel/test_job.py",
-    "modelparallel/test_half_precision.py", "test_join.py", "launch/test_entry.py",
-    "test_compat.py", "modelparallel/test_hf_models.py",
-    "modelparallel/test_activation_checkpointing.py", "modelparallel/test_stall.py",
-    "modelparallel/test_equivalence.py", "modelparallel/test_tensor_mixed.py",
-    "modelparallel/test_sharded_tensor.py",
-    "modelparallel/test_tensor_hf.py", "modelparallel/test_tensor_pipeline.py",
-    "modelparallel/test_tensor_translated.py",
+    "modelparallel/api/test_half_precision.py", "launch/test_join.py", "launch/test_entry.py",
+    "compat/test_scripts.py", "modelparallel/test_hf_models.py",
+    "modelparallel/pipeline/test_activation_checkpointing.py",
+    "modelparallel/pipeline/test_stall.py", "modelparallel/test_equivalence.py",
+    "modelparallel/tensor/test_mixed.py", "modelparallel/api/test_sharded_tensor.py",
+    "modelparallel/tensor/test_hf.py", "modelparallel/tensor/test_pipeline.py",
+    "modelparallel/tensor/test_translated.py",
 )  # fmt: skip
 """The files that take longest (20 to 140 s each on this 2-core machine), longest first; they
 start first and the rest follow in collection order. ``make test`` hands whole files to two

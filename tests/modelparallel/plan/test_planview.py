@@ -14,7 +14,7 @@ from dtrain.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from dtrain.modelparallel.plan.memory import MemorySettings
 from dtrain.modelparallel.plan.partition import _CUT_CHOICE, auto_plan, costed_plan, manual_plan
 from dtrain.modelparallel.plan.planview import StageProgress, draw_plan, figure_data
-from tests.modelparallel.test_partition import MS, chain, hand_profile, measures, splits
+from tests.modelparallel.plan.test_partition import MS, chain, hand_profile, measures, splits
 
 DEEP_MODEL = """
 import torch

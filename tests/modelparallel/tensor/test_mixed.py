@@ -20,9 +20,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
-from tests.modelparallel import test_half_precision as half
+from tests.modelparallel.api import test_half_precision as half
 from tests.modelparallel.harness import run_ranks, single_process
-from tests.modelparallel.test_tensor_equivalence import (
+from tests.modelparallel.tensor.test_equivalence import (
     CASES,
     STEPS,
     _batch,

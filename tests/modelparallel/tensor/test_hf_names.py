@@ -17,7 +17,7 @@ from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import swap
 from dtrain.modelparallel.tensor.huggingface import inplace
 from tests.modelparallel.harness import single_process
-from tests.modelparallel.test_tensor_hf import MODELS
+from tests.modelparallel.tensor.test_hf import MODELS
 
 pytest.importorskip("transformers")
 

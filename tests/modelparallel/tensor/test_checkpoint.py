@@ -15,7 +15,7 @@ import torch
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks, single_process
-from tests.modelparallel.test_tensor_equivalence import (
+from tests.modelparallel.tensor.test_equivalence import (
     _batch,
     _lm,
     _lm_loss,

@@ -18,8 +18,8 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline import activations
 from tests.modelparallel.harness import run_ranks, single_process
-from tests.modelparallel.test_tensor_equivalence import LM as EQUIVALENCE_LM
-from tests.modelparallel.test_tensor_hf import MODELS
+from tests.modelparallel.tensor.test_equivalence import LM as EQUIVALENCE_LM
+from tests.modelparallel.tensor.test_hf import MODELS
 
 STEPS = 2
 GLOBAL_BATCH = 8

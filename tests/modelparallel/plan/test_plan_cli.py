@@ -18,7 +18,7 @@ from dtrain.modelparallel.plan import profile as profile_py
 from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan
 from dtrain.modelparallel.plan.profile import profile_module
 
-GPT = Path(__file__).resolve().parents[2] / "examples" / "modelparallel" / "gpt.py"
+GPT = Path(__file__).resolve().parents[3] / "examples" / "modelparallel" / "gpt.py"
 
 TINY_MODEL = """
 import torch

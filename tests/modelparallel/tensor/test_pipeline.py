@@ -42,8 +42,8 @@ from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.models import ResidualTransformerLM
-from tests.modelparallel.test_deterministic import _collapsed
-from tests.modelparallel.test_tensor_equivalence import (
+from tests.modelparallel.pipeline.test_deterministic import _collapsed
+from tests.modelparallel.tensor.test_equivalence import (
     LM,
     STEPS,
     _lm,

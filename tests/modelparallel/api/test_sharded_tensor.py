@@ -27,12 +27,12 @@ from dtrain.modelparallel.state import sharding_grid
 from dtrain.modelparallel.tensor.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 from dtrain.topology import Topology
 from tests.modelparallel import hf_cases
-from tests.modelparallel import test_half_precision as half
-from tests.modelparallel import test_tensor_equivalence as tensor
-from tests.modelparallel import test_tensor_gpt2 as gpt2
+from tests.modelparallel.api import test_half_precision as half
 from tests.modelparallel.harness import run_ranks, single_process
-from tests.modelparallel.test_tensor_mixed import TP_LM
-from tests.modelparallel.test_tensor_topology import PLACEMENT_TABLE
+from tests.modelparallel.tensor import test_equivalence as tensor
+from tests.modelparallel.tensor import test_gpt2 as gpt2
+from tests.modelparallel.tensor.test_mixed import TP_LM
+from tests.modelparallel.tensor.test_topology import PLACEMENT_TABLE
 
 SDPTP = {
     "tensor_parallel_degree": 2,

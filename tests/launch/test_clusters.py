@@ -28,7 +28,7 @@ import torch
 from dtrain.launch.processes import marked_processes, signal_pids
 from tests.conftest import JOB_SCRIPTS, dtrain, processes_of_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _netns  # noqa: E402 - benchmarks/ is not a package
 
