@@ -451,7 +451,7 @@ def test_a_forward_waiting_for_replies_ends_its_visit_when_it_computes_here_agai
         elif event == "waits for a reply":
             assert ordering.visit_over(work, reply=True) is answer, event
         elif event == "comes back":
-            assert ordering.came_back(work) is answer, event
+            assert ordering.back_from_replies(work) is answer, event
         else:
             assert ordering.returns(work) is answer, event
             assert ordering.off_plan(work) is None
@@ -466,7 +466,7 @@ def test_a_wait_for_a_value_after_replies_ends_the_visit_once() -> None:
     core.computes(work)
     assert not ordering.visit_over(work, reply=True)
     assert ordering.visit_over(work) and ordering.order(0).describe() == "F0 (visit 1)"
-    assert not ordering.came_back(work) and ordering.returns(work) and work.visit == 1
+    assert not ordering.back_from_replies(work) and ordering.returns(work) and work.visit == 1
 
 
 def test_in_a_chain_plan_a_forward_waiting_for_a_reply_ends_its_action() -> None:
@@ -475,7 +475,7 @@ def test_in_a_chain_plan_a_forward_waiting_for_a_reply_ends_its_action() -> None
     work = Work("leader", 0, "F")
     core.computes(work)
     assert ordering.visit_over(work, reply=True) and ordering.order(0).describe() == "F1"
-    assert not ordering.came_back(work)
+    assert not ordering.back_from_replies(work)
 
 
 def test_a_forward_with_no_visit_left_still_fails_naming_where() -> None:

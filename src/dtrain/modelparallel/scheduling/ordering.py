@@ -239,7 +239,7 @@ class PlannedOrdering:
         tell.here(lambda core: self.visit_over(work, reply))
 
     def comes_back(self, tell: Tell, work: Work) -> None:
-        tell.here(lambda core: self.came_back(work))
+        tell.here(lambda core: self.back_from_replies(work))
 
     def placing(self, tell: Tell, work: Work) -> str | None:
         """Work that comes back after it waited is its next visit's, if the plan has one
@@ -269,7 +269,7 @@ class PlannedOrdering:
         module's first call: later ones are deferred) has not left for good where the plan has
         a later visit: it would have gone on without waiting, perhaps calling that partition
         again (a module's layers there, one by one). Its visit ends when it next computes here
-        (:meth:`came_back`) or waits for a value. (The first call of a module is microbatch
+        (:meth:`back_from_replies`) or waits for a value. (The first call of a module is microbatch
         0's, whose forward comes first in every rank's plan row, so the turn it keeps holds up
         nobody; replies awaited in every microbatch, for hooks replayed, end the visit.)"""
         if work.role != "leader":
@@ -291,7 +291,7 @@ class PlannedOrdering:
             return self.end(work.step, "B", work.microbatch, work.visit)
         return False
 
-    def came_back(self, work: Work) -> bool:
+    def back_from_replies(self, work: Work) -> bool:
         """``work`` is about to compute here: if it waited for replies since it computed last
         (:meth:`visit_over`), its visit is over now, as it would have been at the wait.
         Whether that ended an action."""

@@ -166,9 +166,9 @@ class RuntimeModel:
             r.core.waiting or r.core.weights_owed for r in self.ranks
         ):
             turns = {rank: r.ordering.describe_turn() for rank, r in enumerate(self.ranks)}
+            shown = f"; each rank's turn: {turns}" if any(turns.values()) else ""
             raise RuntimeDeadlock(
-                f"the {self.policy.pipeline} pipeline stops, no rank can go on; each rank's "
-                f"turn: {turns}"
+                f"the {self.policy.pipeline} pipeline stops, no rank can go on{shown}"
             )
         return [r.order for r in self.ranks]
 
