@@ -48,7 +48,7 @@ LONGEST_FIRST = (
     "modelparallel/test_delayed.py", "modelparallel/test_job.py",
     "modelparallel/api/test_half_precision.py", "launch/test_join.py", "launch/test_entry.py",
     "compat/test_scripts.py", "modelparallel/test_hf_models.py",
-    "modelparallel/pipeline/test_activation_checkpointing.py",
+    "modelparallel/modules/test_activation_checkpointing.py",
     "modelparallel/pipeline/test_stall.py", "modelparallel/test_equivalence.py",
     "modelparallel/tensor/test_mixed.py", "modelparallel/api/test_sharded_tensor.py",
     "modelparallel/tensor/test_hf.py", "modelparallel/tensor/test_pipeline.py",

@@ -162,7 +162,7 @@ def test_mixed_radix_formula() -> None:
 
 
 def test_degrees() -> None:
-    topo = Topology.from_hosts(4, 8, pipeline_degree=2, tensor_degree=2)
+    topo = Topology(32, 8, pipeline_degree=2, tensor_degree=2)
     assert topo.world_size == 32
     assert (topo.rdp_degree, topo.dp_degree, topo.mp_degree, topo.num_hosts) == (8, 16, 4, 4)
 
@@ -191,43 +191,17 @@ def test_host_groups_two_by_two() -> None:
     assert topo.coords(3).host_name == "algo-2"
 
 
-def test_hierarchical_groups_of_a_dp_group() -> None:
-    topo = Topology(8, 4, pipeline_degree=2, placement="cluster")
-    dp = topo.dp_group(0)
-    assert dp == [0, 2, 4, 6]
-    intra, inter = topo.hierarchical_groups(dp)
-    assert intra == [[0, 2], [4, 6]]
-    assert inter == [[0, 4], [2, 6]]
-    assert topo.hierarchical_groups([6, 0, 4, 2]) == (intra, inter)
-
-
-def test_hierarchical_groups_of_the_world_match_host_groups() -> None:
-    topo = Topology(12, 4)
-    split = topo.hierarchical_groups(list(range(12)))
-    assert split.intra == topo.all_groups("host")
-    assert split.inter == topo.all_groups("cross_host")
-
-
-def test_hierarchical_groups_single_host() -> None:
-    topo = Topology(8, 4, pipeline_degree=2, placement="spread")
-    intra, inter = topo.hierarchical_groups(topo.dp_group(0))
-    assert intra == [[0, 1, 2, 3]]
-    assert inter == [[0], [1], [2], [3]]
-
-
-def test_hierarchical_groups_uneven() -> None:
-    topo = Topology(12, 3, pipeline_degree=2, placement="cluster")
-    dp = topo.dp_group(0)  # [0, 2, 4, 6, 8, 10]: 2, 1, 2, 1 ranks per host
-    assert not topo.splits_evenly_by_host(dp)
-    with pytest.raises(ValueError, match="unevenly"):
-        topo.hierarchical_groups(dp)
-    assert topo.splits_evenly_by_host([0, 1, 3, 4])
-
-
-@pytest.mark.parametrize("ranks", [[], [0, 0], [0, 8]])
-def test_hierarchical_groups_bad_ranks(ranks: list[int]) -> None:
-    with pytest.raises(ValueError):
-        Topology(8, 4).hierarchical_groups(ranks)
+@pytest.mark.parametrize(("world", "per_host"), [(12, 4), (8, 2), (4, 4), (6, 1)])
+def test_host_and_cross_host_groups_cover_the_world_once(world: int, per_host: int) -> None:
+    """What the hierarchical reducer builds on: a reduce-scatter in each host group, then an
+    all-reduce of shard i across hosts between local ranks i, reduces every rank's bucket once:
+    each host group meets each cross-host group in exactly one rank, its i-th."""
+    topo = Topology(world, per_host)
+    hosts, columns = topo.all_groups("host"), topo.all_groups("cross_host")
+    assert len(hosts) == topo.num_hosts and len(columns) == per_host
+    for host in hosts:
+        for i, column in enumerate(columns):
+            assert set(host) & set(column) == {host[i]}
 
 
 # --- table -----------------------------------------------------------------------------------

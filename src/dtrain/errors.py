@@ -6,7 +6,7 @@ They print without a traceback.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 
@@ -41,6 +41,12 @@ class ConfigError(DtrainError):
         if self.suggestion:
             message += f" (did you mean {self.suggestion!r}?)"
         return message
+
+
+def check_choice(key: str, value: str, allowed: Collection[str]) -> None:
+    """``value`` is one of ``allowed``, or a :class:`ConfigError` listing them (and a near miss)."""
+    if value not in allowed:
+        raise ConfigError(key, value, ", ".join(allowed), did_you_mean(value, allowed))
 
 
 class UnknownKeyError(ConfigError):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.environment import switch
 from dtrain.errors import DtrainError
 from dtrain.jobkey import KEY_ENV, take_key
 
@@ -57,6 +58,12 @@ class OversizedMessageError(DtrainError):
     """A peer announced a message longer than this rank accepts."""
 
 
+def trusts_store() -> bool:
+    """Whether the user accepts a key agreed through the rendezvous store (``TRUST_STORE_ENV``,
+    a switch: see :mod:`dtrain.environment`)."""
+    return switch(TRUST_STORE_ENV, False)
+
+
 def job_key() -> bytes:
     """This job's key (see the module docstring); without one from the environment, a world
     of several ranks needs the default process group's store and the user's trust in it."""
@@ -65,7 +72,7 @@ def job_key() -> bytes:
         return key
     if dist.get_world_size() == 1:  # no peer to agree with, nothing through the store
         return os.urandom(32)
-    if os.environ.get(TRUST_STORE_ENV) != "1":
+    if not trusts_store():
         raise DtrainError(
             f"no job key to seal messages between ranks: {KEY_ENV} is not set (dtrain run "
             "sets it). Under another launcher (torchrun, mpirun) the ranks can agree on a "

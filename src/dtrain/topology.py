@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, get_args
 
 from dtrain.errors import ConfigError, did_you_mean
 
@@ -50,18 +50,6 @@ class RankCoords:
     def host_name(self) -> str:
         """SageMaker's name for this rank's host (``algo-1`` is host 0)."""
         return host_name(self.host)
-
-
-class HierarchicalGroups(NamedTuple):
-    """A group split for two-level collectives: ``intra`` per host, ``inter`` across hosts.
-
-    ``intra[h]`` are the group's ranks on its h-th host; ``inter[i]`` takes the i-th of those
-    from every host, so a reduce-scatter in ``intra`` followed by an all-reduce in ``inter``
-    reduces each shard over the whole group.
-    """
-
-    intra: list[list[int]]
-    inter: list[list[int]]
 
 
 def host_name(host: int) -> str:
@@ -129,26 +117,6 @@ class Topology:
                 f"the world size {self.world_size}",
             )
         placement_order(self.placement)
-
-    @classmethod
-    def from_hosts(
-        cls,
-        num_hosts: int,
-        processes_per_host: int,
-        pipeline_degree: int = 1,
-        tensor_degree: int = 1,
-        placement: str = "cluster",
-    ) -> Topology:
-        """Build from the job's shape (``instance_count × processes_per_host``)."""
-        _check_positive("instance_count", num_hosts)
-        _check_positive("processes_per_host", processes_per_host)
-        return cls(
-            num_hosts * processes_per_host,
-            processes_per_host,
-            pipeline_degree,
-            tensor_degree,
-            placement,
-        )
 
     # --- sizes -------------------------------------------------------------------------------
 
@@ -294,36 +262,6 @@ class Topology:
             dp_rank=self.dp_group(rank).index(rank),
             mp_rank=self.mp_group(rank).index(rank),
         )
-
-    def hierarchical_groups(self, ranks: list[int]) -> HierarchicalGroups:
-        """Split an arbitrary group (e.g. a dp group) by host for two-level collectives.
-
-        Raises ValueError if the hosts hold unequal numbers of the group's ranks: the shards of
-        a reduce-scatter inside each host would then not line up, so use a flat collective
-        (check first with ``splits_evenly_by_host``).
-        """
-        by_host = self._by_host(ranks)
-        sizes = {len(members) for members in by_host}
-        if len(sizes) != 1:
-            layout = {host_name(m[0] // self.processes_per_host): m for m in by_host}
-            raise ValueError(f"ranks are spread unevenly over hosts: {layout}")
-        inter = [list(column) for column in zip(*by_host, strict=True)]
-        return HierarchicalGroups(intra=by_host, inter=inter)
-
-    def splits_evenly_by_host(self, ranks: list[int]) -> bool:
-        """Whether every host holding some of ``ranks`` holds the same number of them."""
-        return len({len(members) for members in self._by_host(ranks)}) == 1
-
-    def _by_host(self, ranks: list[int]) -> list[list[int]]:
-        if not ranks:
-            raise ValueError("empty rank list")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"duplicate ranks in {ranks}")
-        groups: dict[int, list[int]] = {}
-        for rank in sorted(ranks):
-            self._check_rank(rank)
-            groups.setdefault(rank // self.processes_per_host, []).append(rank)
-        return [groups[host] for host in sorted(groups)]
 
     def table(self) -> str:
         """One line per rank with its host and group ranks, for logs and ``--dry-run`` output."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import warnings
 from typing import Any
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from dtrain.config.modelparallel import (
     MP_PARAMETER_NAMES,
     PARAMETERS,
+    SPECS,
     schema_markdown,
     validate_mp_parameters,
 )
@@ -244,3 +247,40 @@ def test_schema_markdown_lists_every_parameter() -> None:
         assert f"| `{name}`" in table
     assert "(alias `partitions`)" in table
     assert "0.2 if optimize is speed, else 0.8" in table
+
+
+WITHOUT_EFFECT: dict[str, dict[str, Any]] = {
+    "contiguous": {"contiguous": False},
+    "horovod": {"horovod": True},
+    "ddp_port": {"ddp": True, "ddp_port": 29500},
+    "ddp_dist_backend": {"ddp": True, "ddp_dist_backend": "nccl"},
+    "activation_loading_horizon": {"activation_loading_horizon": 2},
+    "skip_tracing": {"skip_tracing": True},
+    "sdp_reduce_bucket_size": {"sdp_reduce_bucket_size": 1000},
+    "sdp_max_live_parameters": {"sdp_max_live_parameters": 1000},
+    "sdp_hierarchical_allgather": {"sdp_hierarchical_allgather": False},
+}
+"""Each parameter dtrain accepts without effect, set away from its default."""
+
+
+def test_every_parameter_without_effect_is_tried() -> None:
+    assert set(WITHOUT_EFFECT) == {s.name for s in PARAMETERS if s.without_effect is not None}
+
+
+@pytest.mark.parametrize("name", WITHOUT_EFFECT)
+def test_a_parameter_without_effect_warns_once_naming_what_dtrain_does_instead(name: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_mp_parameters(WITHOUT_EFFECT[name], where=P)
+    said = [str(w.message) for w in caught]
+    instead = SPECS[name].without_effect
+    assert said == [
+        f"{P}.{name}={json.dumps(WITHOUT_EFFECT[name][name])} is accepted without effect: {instead}"
+    ]
+
+
+def test_parameters_without_effect_left_at_their_defaults_say_nothing() -> None:
+    defaults = {name: SPECS[name].default for name in WITHOUT_EFFECT}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_mp_parameters({**defaults, "ddp": True}, where=P)

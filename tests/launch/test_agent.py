@@ -4,9 +4,11 @@ long as its attempt."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +86,40 @@ def test_the_store_closes_when_the_attempt_ends() -> None:
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", fields["port"]), timeout=5)
     controller.sock.close()
+
+
+class _Started:
+    """What ``spawn_agent`` started: its command, and what it wrote to the agent's input."""
+
+    def __init__(self, command: list[str], **options: Any) -> None:
+        self.command = command
+        self.stdin = self
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+
+def test_dtrain_starts_an_agent_as_its_own_module_with_the_flags_it_parses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Local and Ray hosts start ``python -m dtrain.launch.agent`` (not ``dtrain.cli``, which
+    sits above the launcher); what it passes is what the module's ``main`` parses."""
+    monkeypatch.setattr(agent_module.subprocess, "Popen", _Started)
+    started: Any = agent_module.spawn_agent(("127.0.0.1", 29400), SECRET, "algo-2", 5.0)
+    assert started.command[:3] == [sys.executable, "-m", "dtrain.launch.agent"]
+    joined: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(agent_module, "run_agent", lambda *args: joined.append(args) or 7)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(started.written.decode()))
+
+    def end(status: int) -> None:
+        raise SystemExit(status)
+
+    monkeypatch.setattr(agent_module.entry, "end", end)
+    with pytest.raises(SystemExit) as ended:
+        agent_module.main(started.command[3:])
+    assert ended.value.code == 7
+    assert joined == [(("127.0.0.1", 29400), SECRET, None, "algo-2", 5.0)]

@@ -51,6 +51,9 @@ class ParameterSpec:
     nullable: bool = False
     limitation: str | None = None
     """Why dtrain allows less than SMP does (said wherever the allowed values are)."""
+    without_effect: str | None = None
+    """What dtrain does instead, for a parameter it accepts but does not act on: set away from
+    its default, it warns, naming both."""
 
 
 PLACEMENT_PERMUTATIONS = ("DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
@@ -98,8 +101,21 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         minimum=0,
         nullable=True,
     ),
-    ParameterSpec("contiguous", bool, True, "Partitions form connected subgraphs (TensorFlow)."),
-    ParameterSpec("horovod", bool, False, "Hybrid data parallelism via Horovod (TensorFlow)."),
+    ParameterSpec(
+        "contiguous",
+        bool,
+        True,
+        "Partitions form connected subgraphs (TensorFlow).",
+        without_effect="dtrain's planner cuts the modules, in the order they run, into one "
+        "contiguous segment per partition (modules placed with smp.partition stay there)",
+    ),
+    ParameterSpec(
+        "horovod",
+        bool,
+        False,
+        "Hybrid data parallelism via Horovod (TensorFlow).",
+        without_effect="dtrain has no Horovod; data parallelism comes with ddp: true",
+    ),
     ParameterSpec(
         "ddp",
         bool,
@@ -116,6 +132,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         maximum=65535,
         requires=(("ddp", True),),
         nullable=True,
+        without_effect="the data-parallel groups are made in the job's process group "
+        "(MASTER_ADDR, MASTER_PORT), with no rendezvous of their own",
     ),
     ParameterSpec(
         "ddp_dist_backend",
@@ -124,6 +142,8 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "torch.distributed backend for DDP.",
         choices=("auto", "nccl"),
         requires=(("ddp", True),),
+        without_effect="the data-parallel groups use the world's backend (nccl with a GPU per "
+        "process, gloo otherwise)",
     ),
     ParameterSpec(
         "memory_weight",
@@ -192,10 +212,18 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "activation_loading_horizon",
         int,
         4,
-        "Accepted; offloaded inputs reload at recompute.",
+        "How many modules ahead offloaded activations are loaded back.",
         minimum=0,
+        without_effect="offloaded inputs are copied back when their recomputation starts",
     ),
-    ParameterSpec("skip_tracing", bool, False, "Skip the tracing step before partitioning."),
+    ParameterSpec(
+        "skip_tracing",
+        bool,
+        False,
+        "Skip the tracing step before partitioning.",
+        without_effect="dtrain runs the model to profile it only where it partitions "
+        "automatically (auto_partition: true), which needs the profile",
+    ),
     ParameterSpec(
         "delayed_parameter_initialization", bool, False, "Create parameters only once partitioned."
     ),
@@ -219,9 +247,10 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "sdp_reduce_bucket_size",
         int,
         500_000_000,
-        "Gradient bucket size (elements); accepted without effect: FSDP2 reduces each unit's "
-        "gradients in one collective.",
+        "Gradient bucket size (elements).",
         minimum=1,
+        without_effect="FSDP2 reduce-scatters each unit's gradients in one collective, so the "
+        "units are the buckets",
     ),
     ParameterSpec(
         "sdp_param_persistence_threshold",
@@ -236,16 +265,18 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "sdp_max_live_parameters",
         int,
         1_000_000_000,
-        "Most parameters held recombined at once; accepted without effect: FSDP2 holds the "
-        "running unit's (and the next one's, prefetched).",
+        "Most parameters held recombined at once.",
         minimum=1,
+        without_effect="FSDP2 holds the running unit's parameters gathered (and, on GPUs, the "
+        "next unit's, prefetched), never more",
     ),
     ParameterSpec(
         "sdp_hierarchical_allgather",
         bool,
         True,
-        "AllGather within hosts, then across; accepted without effect: shard groups are "
-        "neighbouring ranks, so a group within a host gathers within it.",
+        "AllGather within hosts, then across.",
+        without_effect="the all-gather runs within a shard group, which is neighbouring ranks, "
+        "so within one host when the group fits in it",
     ),
     ParameterSpec(
         "sdp_gradient_clipping",
@@ -397,6 +428,18 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
         )
 
 
+def _warn_without_effect(values: Mapping[str, Any], where: str) -> None:
+    """One warning for each parameter set that dtrain accepts without acting on it (Python's
+    default warning filter shows each once)."""
+    for spec in PARAMETERS:
+        if spec.without_effect is not None and values[spec.name] != spec.default:
+            warnings.warn(
+                f"{where}.{spec.name}={_show(values[spec.name])} is accepted without effect: "
+                f"{spec.without_effect}",
+                stacklevel=3,
+            )
+
+
 def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
     """The model's degrees must tile the processes, extra replicas need DDP and the sharded
     data-parallel degree must divide the replicas (SMP v1 rules)."""
@@ -449,6 +492,7 @@ def validate_mp_parameters(
     values = {name: values[name] for name in MP_PARAMETER_NAMES}
     _check_requires(values, where)
     _check_partitioning(values, where)
+    _warn_without_effect(values, where)
     if values["fp16_params"]:
         values["fp16"] = True
     if world_size is not None:
@@ -471,5 +515,19 @@ def schema_markdown() -> str:
             spec.default.description if isinstance(spec.default, Derived) else _show(spec.default)
         )
         requires = ", ".join(f"`{other}={_show(value)}`" for other, value in spec.requires)
-        rows.append(f"| {name} | {_describe(spec)} | {default} | {requires} | {spec.help} |")
+        meaning = spec.help
+        if spec.without_effect is not None:
+            meaning += f" Accepted without effect: {spec.without_effect}."
+        rows.append(f"| {name} | {_describe(spec)} | {default} | {requires} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def without_effect_markdown() -> str:
+    """The parameters dtrain accepts without effect, and what it does instead, for the docs."""
+    rows = ["| parameter | SMP | dtrain |", "|---|---|---|"]
+    rows += [
+        f"| `{spec.name}` | {spec.help} | {spec.without_effect} |"
+        for spec in PARAMETERS
+        if spec.without_effect is not None
+    ]
     return "\n".join(rows) + "\n"

@@ -19,16 +19,17 @@ and the scatter of bucket b+1 could be issued in different orders on different r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from dtrain.dataparallel.strategies import Transfer, own_group, private_buffers
+from dtrain.environment import switch
 from dtrain.topology import Topology
 
 HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"
-"""Set to 1 or 0 to force hierarchical reduction on or off when the constructor leaves it None."""
+"""A switch (:mod:`dtrain.environment`) that forces hierarchical reduction on or off when the
+constructor leaves it None."""
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,8 +44,8 @@ def wants_hierarchical(
     the whole world in rank order can be split by host here (every rank has to create the
     host groups, which it can only do for a layout it knows).
     """
-    if requested is None and os.environ.get(HIERARCHICAL_ENV, "") != "":
-        requested = os.environ[HIERARCHICAL_ENV] not in ("0", "false", "False")
+    if requested is None:
+        requested = switch(HIERARCHICAL_ENV, None)
     if requested is None:
         return spans_world and local_size > 1 and world_size > local_size
     if requested and not spans_world:

@@ -37,10 +37,12 @@ import torch.distributed as dist
 
 from dtrain.dataparallel.compression import Codec
 from dtrain.dataparallel.strategies import BufferSpec, Transfer, own_group
+from dtrain.environment import switch
 from dtrain.sealed import Seals, broadcast_object, job_key
 
 SHM_ENV = "DTRAIN_SHM_ALLREDUCE"
-"""Set to 1 to reduce through shared memory when the constructor leaves ``shared_memory`` None."""
+"""A switch (:mod:`dtrain.environment`) that reduces through shared memory when the constructor
+leaves ``shared_memory`` None."""
 
 SHM_DIR = "/dev/shm"
 
@@ -52,7 +54,7 @@ class SharedMemoryUnavailable(RuntimeError):
 def wants_shared_memory(requested: bool | None) -> bool:
     """Resolve ``shared_memory=None|True|False``: None reads the env var (unset: off)."""
     if requested is None:
-        return os.environ.get(SHM_ENV, "") not in ("", "0", "false", "False")
+        return switch(SHM_ENV, False)
     return requested
 
 

@@ -13,10 +13,14 @@ started. An agent that fails for any other reason sends its error to the control
 goes, so the job's failure reason names it.
 
 Nothing here decides what the job does next: that is the controller's (:mod:`controller`).
+
+dtrain starts an agent as ``python -m dtrain.launch.agent`` (:func:`spawn_agent`); a person
+types ``dtrain agent`` (the same :func:`main`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -29,18 +33,20 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dtrain.compat import shim_pythonpath_entry
 from dtrain.errors import DtrainError
+from dtrain.exits import EXIT_BAD_INPUT
 from dtrain.jobkey import KEY_ENV, derive_key
 from dtrain.jobs.channels import materialize_channel
 from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
+from dtrain.launch import entry
 from dtrain.launch.machine import host_facts
-from dtrain.launch.netif import format_endpoint, interface_of
+from dtrain.launch.netif import format_endpoint, interface_of, parse_endpoint
 from dtrain.launch.processes import become_subreaper
 from dtrain.launch.ranks import LocalRanks, RankLaunch
 from dtrain.launch.rendezvous import RendezvousStore
@@ -54,6 +60,7 @@ from dtrain.launch.wire import (
     ConnectionClosed,
     ProtocolError,
     join_controller,
+    read_secret,
     shown,
 )
 
@@ -462,12 +469,12 @@ class Agent:
 def spawn_agent(
     controller: tuple[str, int], secret: bytes, host: str, connect_timeout: float, **popen: Any
 ) -> subprocess.Popen[bytes]:
-    """``dtrain agent`` for ``host`` as a child process, in a session of its own.
+    """An agent for ``host`` as a child process, in a session of its own.
 
     The secret goes through its standard input: a command line is readable by every user.
     """
     command = [
-        sys.executable, "-m", "dtrain.cli", "agent", "--join", format_endpoint(*controller),
+        sys.executable, "-m", "dtrain.launch.agent", "--join", format_endpoint(*controller),
         "--secret-file", "-", "--host", host, "--connect-timeout", str(connect_timeout),
     ]  # fmt: skip
     agent = subprocess.Popen(
@@ -509,3 +516,44 @@ def run_agent(
         assert keeper.stdin is not None
         keeper.stdin.close()  # the keeper sweeps once more, then exits
         keeper.wait(timeout=30)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run one machine's share of a job.")
+    parser.add_argument(
+        "--join", required=True, metavar="ADDR:PORT", help="the controller's join:// address"
+    )
+    parser.add_argument(
+        "--secret-file", required=True, help="the job's secret (- reads it from standard input)"
+    )
+    parser.add_argument(
+        "--address",
+        help="this machine's address for the job (default: the one that reaches the controller)",
+    )
+    parser.add_argument("--host", help="ask for this host name (algo-1 hosts the rendezvous)")
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to keep trying to join the controller (whatever it or a stranger answers)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "dtrain.launch.agent") -> NoReturn:
+    """Serve the job, then end without the interpreter's teardown: ``algo-1``'s rendezvous store
+    loaded torch, and tearing torch down took 1 to 3 s here, which the controller (and so
+    ``dtrain run``) waited for at the end of every job."""
+    args = _parser(prog).parse_args(argv)
+    try:
+        controller = parse_endpoint("--join", args.join)
+        secret = read_secret(args.secret_file)
+        status = run_agent(controller, secret, args.address, args.host, args.connect_timeout)
+    except DtrainError as error:
+        print(f"dtrain: error: {error}", file=sys.stderr)
+        status = EXIT_BAD_INPUT
+    entry.end(status)
+
+
+if __name__ == "__main__":
+    main()

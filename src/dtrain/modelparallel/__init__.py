@@ -39,7 +39,7 @@ from dtrain.modelparallel.api.optimizer import DistributedOptimizer
 from dtrain.modelparallel.api.placement import partition, set_partition
 from dtrain.modelparallel.api.step import StepOutput, step
 from dtrain.modelparallel.deferred import delay_param_initialization
-from dtrain.modelparallel.pipeline.activations import set_activation_checkpointing
+from dtrain.modelparallel.modules.activations import set_activation_checkpointing
 from dtrain.modelparallel.state import (
     dp_rank,
     dp_size,

@@ -23,7 +23,7 @@ from torch import Tensor
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from tests.modelparallel.harness import run_ranks
-from tests.modelparallel.pipeline.test_activation_checkpointing import (
+from tests.modelparallel.modules.test_activation_checkpointing import (
     BATCH,
     BLOCKS,
     STEPS,

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.modules.unfetched import materialize
 from dtrain.modelparallel.pipeline.remote import (
     RemoteValue,
     call_signature,
     deferred_outputs,
-    materialize,
     predictable,
     same_structure,
 )

@@ -22,8 +22,9 @@ from dtrain.modelparallel.plan.memory import (
     optimizer_kind,
     parse_size,
 )
-from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, costed_plan
+from dtrain.modelparallel.plan.partition import PartitionPlan, costed_plan
 from dtrain.modelparallel.plan.profile import ModelProfile, ModuleStats, ProfiledCall
+from dtrain.modelparallel.plan.solver import auto_plan
 from dtrain.modelparallel.scheduling.schedule import simulate
 
 KIB = 1024

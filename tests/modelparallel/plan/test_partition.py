@@ -12,19 +12,14 @@ from collections.abc import Iterator, Mapping, Sequence
 import pytest
 
 from dtrain.modelparallel.errors import PartitionError
-from dtrain.modelparallel.plan.partition import (
-    _CUT_CHOICE,
-    PartitionPlan,
-    auto_plan,
-    costed_plan,
-    manual_plan,
-)
+from dtrain.modelparallel.plan.partition import PartitionPlan, costed_plan, manual_plan
 from dtrain.modelparallel.plan.profile import (
     ModelProfile,
     ModuleStats,
     ProfiledCall,
     parent_name,
 )
+from dtrain.modelparallel.plan.solver import _CUT_CHOICE, auto_plan
 from tests.modelparallel import profiles
 from tests.modelparallel.models import GroupedNet, ResidualTransformerLM
 
@@ -271,7 +266,7 @@ def test_fewer_atoms_than_partitions_leaves_partitions_empty() -> None:
     [([3], "partition 3 is"), ([2, 5, 6, 7, 9], "partitions 2, 5-7, 9 are")],
 )
 def test_empty_partitions_are_named_as_ranges(numbers: list[int], text: str) -> None:
-    from dtrain.modelparallel.plan.partition import _ranges
+    from dtrain.modelparallel.plan.solver import _ranges
 
     assert _ranges(numbers) == text
 

@@ -15,8 +15,9 @@ from dtrain.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
 from dtrain.config.modelparallel import validate_mp_parameters
 from dtrain.modelparallel.api.placement import manual_placements
 from dtrain.modelparallel.plan import profile as profile_py
-from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan
+from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.plan.profile import profile_module
+from dtrain.modelparallel.plan.solver import auto_plan
 
 GPT = Path(__file__).resolve().parents[3] / "examples" / "modelparallel" / "gpt.py"
 

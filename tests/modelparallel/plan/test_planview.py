@@ -12,8 +12,9 @@ from torch import nn
 
 from dtrain.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from dtrain.modelparallel.plan.memory import MemorySettings
-from dtrain.modelparallel.plan.partition import _CUT_CHOICE, auto_plan, costed_plan, manual_plan
+from dtrain.modelparallel.plan.partition import costed_plan, manual_plan
 from dtrain.modelparallel.plan.planview import StageProgress, draw_plan, figure_data
+from dtrain.modelparallel.plan.solver import _CUT_CHOICE, auto_plan
 from tests.modelparallel.plan.test_partition import MS, chain, hand_profile, measures, splits
 
 DEEP_MODEL = """

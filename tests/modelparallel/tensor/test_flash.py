@@ -19,7 +19,7 @@ import dtrain.modelparallel as smp
 from dtrain.compat import SHIM_ROOT
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import modes
+from dtrain.modelparallel.modules import modes
 from dtrain.modelparallel.tensor.flash import drop_heads
 
 BATCH, SEQ, HEADS, SIZE = 2, 5, 4, 8

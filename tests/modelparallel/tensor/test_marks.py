@@ -14,7 +14,7 @@ import dtrain.modelparallel as smp
 from dtrain.compat import SHIM_ROOT
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.modules import activations
 from dtrain.modelparallel.tensor import swap
 from tests.modelparallel.harness import single_process
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.api import placement
 from dtrain.modelparallel.errors import ModelParallelError, PartitionError
-from dtrain.modelparallel.pipeline import hooks, modes
+from dtrain.modelparallel.modules import hooks, modes
+from dtrain.modelparallel.pipeline.hooks import hooked_submodules
 from dtrain.modelparallel.tensor import shards
 from dtrain.modelparallel.tensor.batch import scaled_batch
 from tests.modelparallel.harness import run_ranks
@@ -382,11 +383,11 @@ def test_a_region_called_from_another_partition_does_not_gather_again() -> None:
 def test_hooks_marked_local_are_not_replayed_and_dropped_where_not_computed() -> None:
     layer = nn.Linear(2, 2)
     style = layer.register_forward_pre_hook(lambda module, args: None)
-    assert hooks.hooked_submodules("", [("layer", layer)]) == ["layer"]
+    assert hooked_submodules("", [("layer", layer)]) == ["layer"]
     hooks.run_where_computed(layer, {style.id})
-    assert hooks.hooked_submodules("", [("layer", layer)]) == []
+    assert hooked_submodules("", [("layer", layer)]) == []
     user = layer.register_forward_hook(lambda module, args, out: None)
-    assert hooks.hooked_submodules("", [("layer", layer)]) == ["layer"]
+    assert hooked_submodules("", [("layer", layer)]) == ["layer"]
     hooks.drop_local_hooks(layer)
     assert list(layer._forward_pre_hooks) == [] and list(layer._forward_hooks) == [user.id]
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.modules import activations
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.tensor.test_equivalence import LM as EQUIVALENCE_LM
 from tests.modelparallel.tensor.test_hf import MODELS

@@ -35,7 +35,7 @@ BUNDLE = {"CPU": 1}
 
 
 class AgentActor:
-    """Runs ``dtrain agent`` on its node until the agent exits (Ray's remote class, unwrapped)."""
+    """Runs an agent on its node until the agent exits (Ray's remote class, unwrapped)."""
 
     def run(
         self, controller: tuple[str, int], secret: bytes, host: str, connect_timeout: float

@@ -38,13 +38,15 @@ from dtrain.modelparallel.api.precision import (
     half_dtype,
 )
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, StepFailedError
-from dtrain.modelparallel.pipeline import activations, hooks, solo
+from dtrain.modelparallel.modules import activations, hooks
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
+from dtrain.modelparallel.pipeline import solo
 from dtrain.modelparallel.pipeline.group import PipelineGroup
-from dtrain.modelparallel.pipeline.runtime import MicrobatchResult, PipelineRuntime
+from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
 from dtrain.modelparallel.pipeline.split_backward import scaled_grads
 from dtrain.modelparallel.pipeline.stall import default_store
 from dtrain.modelparallel.plan import fit
-from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan, manual_plan
+from dtrain.modelparallel.plan.partition import PartitionPlan, manual_plan
 from dtrain.modelparallel.plan.profile import (
     ModelProfile,
     Snapshot,
@@ -53,6 +55,7 @@ from dtrain.modelparallel.plan.profile import (
     profile_module,
     profile_without_memory,
 )
+from dtrain.modelparallel.plan.solver import auto_plan
 from dtrain.modelparallel.scheduling.ordering import ordering_for
 from dtrain.modelparallel.scheduling.planner import check_route
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy

@@ -74,9 +74,9 @@ from dtrain.modelparallel.api.precision import (
     half_dtype,
 )
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
-from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.pipeline.executor import MicrobatchResult
-from dtrain.modelparallel.pipeline.remote import install_stub
+from dtrain.modelparallel.modules import activations
+from dtrain.modelparallel.modules.stubs import install_stub
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.state import MPState
 from dtrain.modelparallel.tensor import shards
 

@@ -1,3 +1,3 @@
-"""The pipeline runtime: one rank's executor, the caller and owner sides of remote calls, hooks,
-split backward, stall detection and activation checkpointing.
+"""The pipeline runtime: one rank's executor, the caller and owner sides of remote calls, hook
+replay, split backward and stall detection.
 """

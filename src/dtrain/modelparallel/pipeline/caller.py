@@ -17,17 +17,18 @@ from typing import Any
 import torch
 
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError, RemoteError
-from dtrain.modelparallel.pipeline.activations import (
-    REMOTE_STUB,
-    CheckpointSpec,
+from dtrain.modelparallel.modules.activations import CheckpointSpec
+from dtrain.modelparallel.modules.checkpoint import (
     inside_non_reentrant_checkpoint,
     inside_reentrant_checkpoint,
     take,
 )
+from dtrain.modelparallel.modules.modes import ComputeMode
+from dtrain.modelparallel.modules.stubs import REMOTE_STUB
+from dtrain.modelparallel.modules.unfetched import materialize
 from dtrain.modelparallel.pipeline.executor import Task
 from dtrain.modelparallel.pipeline.group import RankParts
 from dtrain.modelparallel.pipeline.hooks import hooked_submodules, replay
-from dtrain.modelparallel.pipeline.modes import ComputeMode
 from dtrain.modelparallel.pipeline.remote import (
     CallRecord,
     LeafId,
@@ -35,7 +36,6 @@ from dtrain.modelparallel.pipeline.remote import (
     attach,
     call_signature,
     deferred_outputs,
-    materialize,
     predictable,
 )
 from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
@@ -115,7 +115,7 @@ class RemoteCaller:
                 )
             spec = take(module)
             if spec is None and inside_non_reentrant_checkpoint():
-                spec = CheckpointSpec()  # the owner checkpoints it (see .activations)
+                spec = CheckpointSpec()  # the owner checkpoints it (see ..modules.checkpoint)
             if not inside_reentrant_checkpoint():
                 return self.call(task, name, owner, args, kwargs, spec)
             _refuse_deferred_arguments(name, owner, (args, kwargs))

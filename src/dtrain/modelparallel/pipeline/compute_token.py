@@ -21,8 +21,8 @@ and others change or read the core through :meth:`ComputeToken.decide`,
 :meth:`ComputeToken.ask` and :meth:`ComputeToken.wait_until`, never under a lock of their own.
 
 The process's random generators are shared by every thread: a task that forked them for a block
-(:mod:`.generators`) owns the fork (:attr:`Task.owned`), which the token sets aside when the task
-gives it up and puts back when the task has it again, so that the others draw from the
+(:mod:`..modules.generators`) owns the fork (:attr:`Task.owned`), which the token sets aside when
+the task gives it up and puts back when the task has it again, so that the others draw from the
 process's generators meanwhile, not the block's.
 
 The thread that runs the user's script is the *main* task: it holds the token outside steps
@@ -45,9 +45,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError
+from dtrain.modelparallel.modules.tasks import Owned, running_as, running_task
 from dtrain.modelparallel.pipeline.notices import ALONE, Messenger, Notices
 from dtrain.modelparallel.scheduling.ordering import Ordering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
@@ -55,26 +56,6 @@ from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineRecorder
 
 T = TypeVar("T")
-
-_running = threading.local()
-"""The task each thread runs as (:meth:`ComputeToken.running`): a thread runs one task at a time,
-so code that has no token at hand (a tensor-parallel region) finds its task here."""
-
-
-def running_task() -> Task | None:
-    """The task the calling thread runs as, if any (never the main task)."""
-    return getattr(_running, "task", None)
-
-
-class Owned(Protocol):
-    """Process-wide state a task has set up (a forked random generator: see :mod:`.generators`)
-    that is the task's only while it holds the token."""
-
-    def leave(self) -> None:
-        """The task gives the token up: put the state aside, put the process's back."""
-
-    def resume(self) -> None:
-        """The task holds the token again: put the state back."""
 
 
 @dataclass(eq=False)
@@ -273,20 +254,16 @@ class ComputeToken:
         The main task never counts: code running there is outside any step.
         """
         task = running_task()
-        if task is None:
-            holder = self.core.holder
-            task = holder if isinstance(holder, Task) and holder.role != "main" else None
-        return task
+        if isinstance(task, Task):
+            return task
+        holder = self.core.holder
+        return holder if isinstance(holder, Task) and holder.role != "main" else None
 
     @contextmanager
     def running(self, task: Task) -> Iterator[Task]:
         """This thread runs as ``task`` (:meth:`current`) meanwhile."""
-        previous = running_task()
-        _running.task = task
-        try:
+        with running_as(task):
             yield task
-        finally:
-            _running.task = previous
 
     @contextmanager
     def serving(self, task: Task) -> Iterator[Task]:

@@ -13,7 +13,7 @@ gradient into a recorded value. Backward hooks on such submodules are refused.
 
 Hooks that are part of a module on every rank's copy and do their work where the module runs
 (torch's tensor-parallel styles turning a layer's inputs and outputs into DTensors and back)
-are marked with :func:`run_where_computed` and never replayed.
+are marked with :func:`~..modules.hooks.run_where_computed` and never replayed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.modules.hooks import replayed
 from dtrain.modelparallel.transport.message import TensorRef
 from dtrain.modelparallel.transport.structure import map_leaves
 
@@ -49,40 +50,10 @@ def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or repr(hook)
 
 
-LOCAL_HOOKS = "_dtrain_local_hooks"
-"""The attribute holding the ids of a module's hooks that :func:`run_where_computed` marked."""
-
-
-def run_where_computed(module: nn.Module, hook_ids: set[int]) -> None:
-    """Mark forward hooks of ``module`` (by handle id) that every rank's copy has and that only
-    run where the module computes: a remote call neither records nor replays them."""
-    setattr(module, LOCAL_HOOKS, getattr(module, LOCAL_HOOKS, frozenset()) | hook_ids)
-
-
-def drop_local_hooks(module: nn.Module) -> None:
-    """Remove the hooks :func:`run_where_computed` marked from ``module``, on a rank where it
-    does not compute (called there, it only sends its arguments to its owner)."""
-    for key in getattr(module, LOCAL_HOOKS, frozenset()):
-        for table in (
-            module._forward_pre_hooks,
-            module._forward_pre_hooks_with_kwargs,
-            module._forward_hooks,
-            module._forward_hooks_with_kwargs,
-            module._forward_hooks_always_called,
-        ):
-            table.pop(key, None)
-    setattr(module, LOCAL_HOOKS, frozenset())
-
-
-def _replayed(hooks: dict[int, Any], module: nn.Module) -> list[tuple[int, Any]]:
-    local = getattr(module, LOCAL_HOOKS, frozenset())
-    return [(key, hook) for key, hook in hooks.items() if key not in local]
-
-
 def has_forward_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward hooks that run where they were registered."""
     return bool(
-        _replayed(module._forward_hooks, module) or _replayed(module._forward_pre_hooks, module)
+        replayed(module._forward_hooks, module) or replayed(module._forward_pre_hooks, module)
     )
 
 
@@ -184,13 +155,13 @@ def replay(
             return _received(tensors[v.index], differentiable[v.index], where)
 
         args, kwargs, output = map_leaves(tuple(values), tensor)
-        for key, hook in _replayed(module._forward_pre_hooks, module):
+        for key, hook in replayed(module._forward_pre_hooks, module):
             if key in module._forward_pre_hooks_with_kwargs:
                 result = hook(module, args, kwargs)
             else:
                 result = hook(module, args)
             _check_result(result, hook, "forward pre-hook", name, native)
-        for key, hook in _replayed(module._forward_hooks, module):
+        for key, hook in replayed(module._forward_hooks, module):
             if key in module._forward_hooks_with_kwargs:
                 result = hook(module, args, kwargs, output)
             else:

@@ -14,11 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.scheduling.scheduler import Scheduler
-
-MicrobatchResult = tuple[bool, Any]
-"""``(True, value)`` for a microbatch that returned, ``(False, exception)`` for one that raised."""
 
 
 class LeaderStep:

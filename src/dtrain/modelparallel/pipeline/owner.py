@@ -27,13 +27,15 @@ import torch
 from torch import nn
 
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
-from dtrain.modelparallel.pipeline.activations import CheckpointSpec, checkpointed, requested, take
+from dtrain.modelparallel.modules.activations import CheckpointSpec, checkpointed
+from dtrain.modelparallel.modules.checkpoint import requested, take
+from dtrain.modelparallel.modules.modes import ComputeMode
+from dtrain.modelparallel.modules.unfetched import materialize
 from dtrain.modelparallel.pipeline.caller import RemoteCaller
 from dtrain.modelparallel.pipeline.executor import Task
 from dtrain.modelparallel.pipeline.group import RankParts
 from dtrain.modelparallel.pipeline.hooks import Record, owners_hooks, recording
-from dtrain.modelparallel.pipeline.modes import ComputeMode
-from dtrain.modelparallel.pipeline.remote import check_prediction, materialize, resolve_output
+from dtrain.modelparallel.pipeline.remote import check_prediction, resolve_output
 from dtrain.modelparallel.pipeline.split_backward import WeightHalf, backward_inputs_first
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
 from dtrain.modelparallel.transport.message import (

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.modules.unfetched import Unfetched, materialize
 from dtrain.modelparallel.transport.message import (
     Message,
     OutputRef,
@@ -218,7 +218,7 @@ def attach(
     return unflatten(structure, list(outputs))
 
 
-class RemoteValue:
+class RemoteValue(Unfetched):
     """A tensor a remote call will produce, not fetched yet (see the module docstring).
 
     Passed to a module of its owner it stays there; any other use fetches it, once, after which
@@ -355,11 +355,6 @@ for _name in _FETCHING_METHODS:
     setattr(RemoteValue, _name, _delegate(_name))
 
 
-def materialize(obj: Any) -> Any:
-    """``obj`` with every :class:`RemoteValue` in it (nested) fetched."""
-    return map_leaves(obj, lambda v: v.fetch() if isinstance(v, RemoteValue) else v)
-
-
 def deferred_outputs(record: CallRecord, structure: Any) -> Any:
     """The outputs of a deferred call: ``structure`` with a :class:`RemoteValue` per tensor."""
 
@@ -428,12 +423,3 @@ def resolve_output(output: Any, path: tuple[Any, ...], module: str) -> Any:
         raise ModelParallelError(
             f"output {path!r} of module {module!r} does not exist in what it returned"
         ) from exc
-
-
-def install_stub(module: nn.Module, stub: Callable[..., Any]) -> None:
-    """Make ``module(...)`` call ``stub`` instead of the module's own forward (hooks still run)."""
-    module.forward = stub  # type: ignore[method-assign]
-
-
-def remove_stub(module: nn.Module) -> None:
-    module.__dict__.pop("forward", None)

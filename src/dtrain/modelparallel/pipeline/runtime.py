@@ -31,20 +31,17 @@ from dtrain.modelparallel.errors import (
     StepFailedError,
 )
 from dtrain.modelparallel.heap import release_blas_buffers
+from dtrain.modelparallel.modules.activations import plan_checkpointing
+from dtrain.modelparallel.modules.modes import ComputeMode
+from dtrain.modelparallel.modules.stubs import install_stub, remove_stub
+from dtrain.modelparallel.modules.unfetched import materialize
 from dtrain.modelparallel.options import RuntimeOptions
-from dtrain.modelparallel.pipeline.activations import plan_checkpointing
 from dtrain.modelparallel.pipeline.caller import RemoteCaller
 from dtrain.modelparallel.pipeline.dispatch import Dispatcher, StepGate
 from dtrain.modelparallel.pipeline.executor import Executor, MicrobatchResult, Task
 from dtrain.modelparallel.pipeline.group import PipelineGroup, RankParts
-from dtrain.modelparallel.pipeline.modes import ComputeMode
 from dtrain.modelparallel.pipeline.owner import Owner
-from dtrain.modelparallel.pipeline.remote import (
-    RemoteValue,
-    install_stub,
-    materialize,
-    remove_stub,
-)
+from dtrain.modelparallel.pipeline.remote import RemoteValue
 from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, scaled_grads
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
 from dtrain.modelparallel.scheduling.ordering import Ordering

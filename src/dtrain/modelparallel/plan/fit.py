@@ -22,8 +22,9 @@ from torch import nn
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import MemoryLimitError
 from dtrain.modelparallel.plan.memory import MemorySettings, format_size
-from dtrain.modelparallel.plan.partition import PartitionPlan, auto_plan
+from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.plan.profile import ModelProfile
+from dtrain.modelparallel.plan.solver import auto_plan
 from dtrain.modelparallel.state import MPState
 
 MAX_PARTITIONS = 8

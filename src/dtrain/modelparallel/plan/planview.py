@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dtrain.modelparallel.plan.memory import format_size
-from dtrain.modelparallel.plan.partition import PartitionPlan, format_count, partition_colour
+from dtrain.modelparallel.plan.partition import PartitionPlan
+from dtrain.modelparallel.plan.render import format_count, partition_colour
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 """The peak-memory columns of the text plan, in its order."""

@@ -301,6 +301,11 @@ def parent_name(name: str, present: set[str]) -> str | None:
     return ""
 
 
+def within(name: str, ancestor: str) -> bool:
+    """``name`` is ``ancestor`` or in its subtree."""
+    return not ancestor or name == ancestor or name.startswith(ancestor + ".")
+
+
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -18,17 +18,17 @@ must draw the same masks there: the outermost module runs under one seed, drawn 
 first rank from its own generator (at tp 1 by the process, so one process draws the masks the
 group does), and sent with the shape of every rank's input, which must agree (one small
 all-gather per outermost forward). The region's fork of the generators is its task's
-(:mod:`..pipeline.generators`): while the region waits for another partition, the tasks that
+(:mod:`..modules.generators`): while the region waits for another partition, the tasks that
 compute meanwhile draw from the process's generators, so the rank's draws outside regions stay
 its own. A layer checkpointed inside the region is recomputed in it too: the region's depth is
 restored around the recomputation, and the checkpoint restores the generator, so the
 recomputation draws the same masks.
 
 With pipelines the region may call a module another partition owns: the request carries the
-region's mark (:mod:`..pipeline.modes`), and there the module takes its inputs as the combined
+region's mark (:mod:`..modules.modes`), and there the module takes its inputs as the combined
 batch they are and gives its outputs back whole; it agrees on its own group seed (that
 partition's tp group runs the same requests in the same order). Their outputs come back as the
-deferred values of remote calls (:class:`~..pipeline.remote.RemoteValue`; a module's inputs are
+deferred values of remote calls (:class:`~..modules.unfetched.Unfetched`; a module's inputs are
 fetched before it runs), which the region fetches before it cuts each rank's rows there: its
 last crossing runs on its own partition after the later ones (a route back to partition 0, whose
 plan gives the crossing a visit of its own there).
@@ -48,9 +48,9 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import generators, hooks, modes
-from dtrain.modelparallel.pipeline.activations import restore_on_recompute
-from dtrain.modelparallel.pipeline.remote import materialize
+from dtrain.modelparallel.modules import generators, hooks, modes
+from dtrain.modelparallel.modules.activations import restore_on_recompute
+from dtrain.modelparallel.modules.unfetched import materialize
 
 T = TypeVar("T", torch.Tensor, None)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import modes
+from dtrain.modelparallel.modules import modes
 
 
 class FlashAttentionLayer(nn.Module):

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import hooks
+from dtrain.modelparallel.modules import hooks
 
 PENDING = "_dtrain_pending_split"
 """The attribute holding the plan of a module created without memory, split once made."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import activations
+from dtrain.modelparallel.modules import activations
 from dtrain.modelparallel.tensor import marks, shards, translated
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace

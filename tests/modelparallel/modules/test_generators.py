@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
+from dtrain.modelparallel.modules.generators import ForkedGenerators, forked
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
-from dtrain.modelparallel.pipeline.generators import ForkedGenerators, forked
 from dtrain.modelparallel.scheduling.ordering import FreeOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 

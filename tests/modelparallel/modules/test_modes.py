@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel.pipeline.modes import Autocast, ComputeMode
+from dtrain.modelparallel.modules.modes import Autocast, ComputeMode
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import run_ranks
 

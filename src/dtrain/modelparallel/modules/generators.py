@@ -17,7 +17,7 @@ up) the process's state is installed, and the block's is kept aside; when the ta
 token again, the process's state, advanced by whatever the others drew, is kept aside in turn.
 So the block draws exactly what it would draw alone, and the process's generator exactly what
 it would without the block. The compute token switches the task's forks
-(:attr:`.compute_token.Task.owned`) as it hands the token over.
+(:attr:`.tasks.RunningTask.owned`) as it hands the token over.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dtrain.modelparallel.pipeline.compute_token import running_task
+from dtrain.modelparallel.modules.tasks import running_task
 
 
 class ForkedGenerators:

@@ -1,23 +1,16 @@
-"""Activation checkpointing (``smp.set_activation_checkpointing``, SMP's ``patches.checkpoint``)
-and activation offloading, for modules on any pipeline partition.
+"""Activation checkpointing (``smp.set_activation_checkpointing``) and activation offloading,
+for modules on any pipeline partition, or in a sharded model.
 
 A checkpointed module keeps only its inputs for backward; what its forward computed in between
 is recomputed when backward reaches it. The recomputation has to run where the module runs:
 on the leader for modules it owns, on the owner for a module another partition owns (a remote
-call's forward and backward both run there, :mod:`.owner`). So a mark only records what to
-checkpoint; the runtime wraps the forward of each marked module on the rank that owns it
+call's forward and backward both run there, :mod:`..pipeline.owner`). So a mark only records
+what to checkpoint; the runtime wraps the forward of each marked module on the rank that owns it
 (:func:`plan_checkpointing`, :func:`checkpointed`), with torch's non-reentrant
 ``torch.utils.checkpoint``. A module whose submodules live on several partitions cannot be
 recomputed in one place: its largest subtrees that each run on one partition are recomputed
-where they run, and its own code between them keeps its activations.
-
-``torch.utils.checkpoint`` that the model's own code wraps around a module another partition
-runs works too. Reentrant: its forward runs without grad, so the owner keeps nothing; the
-recomputation in backward calls the owner again, with grad, and backpropagates through that call
-(the call's outputs are fetched at once, as the checkpoint function needs tensors); an argument
-another partition computed and nobody fetched is no tensor to that function, which would drop
-its gradient, so such a call fails (:mod:`.caller`). Non-reentrant: the call is checkpointed by
-its owner (:func:`inside_non_reentrant_checkpoint`), as if marked.
+where they run, and its own code between them keeps its activations. A single call is
+checkpointed by SMP's ``checkpoint`` (:mod:`.checkpoint`).
 
 A sharded model (``sharded_data_parallel_degree`` > 1, no pipeline) plans its marks as one
 partition and wraps the forwards at its first step too (:mod:`..api.sharded`).
@@ -29,12 +22,10 @@ them back to the device first. On a CPU there is nothing to offload.
 
 from __future__ import annotations
 
-import contextvars
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +103,7 @@ def kept_whole(root: nn.Module) -> set[str]:
 def checkpointing_partitions(root: nn.Module, owners: dict[str, int]) -> set[int]:
     """The partitions that run a part of ``root``'s marked modules (by ``owners``, module name
     to partition): their backwards recompute, so they run whole (see
-    :mod:`.split_backward`), and a plan must not split them."""
+    :mod:`..pipeline.split_backward`), and a plan must not split them."""
     with _lock:
         marked = list(_marks)
     inside = {id(each) for m in marked for each in m.modules()}
@@ -234,7 +225,7 @@ class CheckpointPlan:
         forward: Callable[..., Any] = module.forward
         if name in self.sequentials:
             spec, groups = self.sequentials[name]
-            forward = _grouped_forward(groups, spec)
+            forward = grouped_forward(groups, spec)
         if name in self.modules:
             forward = checkpointed(forward, self.modules[name])
         return forward
@@ -286,7 +277,7 @@ def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPla
             continue
         children = list(module)
         partitions: list[object] = [_tree_partition(child, partition_of) for child in children]
-        groups = _groups(children, partitions, owners[name], group_size(spec.strategy))
+        groups = group_runs(children, partitions, owners[name], group_size(spec.strategy))
         if any(group.together for group in groups):
             plan.sequentials[name] = (spec, groups)
         for group in groups:
@@ -297,7 +288,7 @@ def plan_checkpointing(root: nn.Module, owners: dict[str, int]) -> CheckpointPla
     return plan
 
 
-def _groups(
+def group_runs(
     children: list[nn.Module], partitions: list[object], here: object, size: int | None
 ) -> list[Group]:
     """SMP's grouping: runs of consecutive children on one partition, cut every ``size``
@@ -333,7 +324,7 @@ def _chain(
     return through
 
 
-def _grouped_forward(
+def grouped_forward(
     groups: list[Group],
     spec: CheckpointSpec,
     alone: Callable[[nn.Module, Any], Any] = _call,
@@ -460,112 +451,3 @@ def _offloaded_call(
         preserve_rng_state=spec.preserve_rng_state,
         context_fn=_contexts,
     )
-
-
-# --- SMP's patches.checkpoint -------------------------------------------------------------------
-
-_request: contextvars.ContextVar[tuple[nn.Module, CheckpointSpec] | None] = contextvars.ContextVar(
-    "dtrain_checkpoint_request", default=None
-)
-"""A ``checkpoint(module, ...)`` call of a module another partition runs, for its stub (which
-sends it along) or, on the owner, for the module's forward."""
-
-REMOTE_STUB = "dtrain_runs_elsewhere"
-"""Attribute set on the forward stub of a module another partition owns."""
-
-
-def runs_elsewhere(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), REMOTE_STUB, False)
-
-
-@contextmanager
-def requested(module: nn.Module, spec: CheckpointSpec | None) -> Iterator[None]:
-    """Within the block, the next call of ``module`` runs checkpointed (see :func:`take`);
-    ``None``: as it is."""
-    if spec is None:
-        yield
-        return
-    token = _request.set((module, spec))
-    try:
-        yield
-    finally:
-        _request.reset(token)
-
-
-def take(module: nn.Module) -> CheckpointSpec | None:
-    """The checkpointing requested for this call of ``module`` (once), if any."""
-    request = _request.get()
-    if request is None or request[0] is not module:
-        return None
-    _request.set(None)
-    return request[1]
-
-
-def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:
-    """SMP's ``checkpoint(module, *args)``: call ``module`` checkpointed, where it runs (a module
-    of another partition is checkpointed by its owner). Modules only, as in SMP."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            "checkpoint takes an nn.Module (SMP checkpoints at module granularity), got "
-            f"{type(module).__name__}; use torch.utils.checkpoint for a function"
-        )
-    spec = CheckpointSpec(preserve_rng_state)
-    if runs_elsewhere(module):
-        with requested(module, spec):
-            return module(*args)
-    return checkpointed(module, spec)(*args)
-
-
-def checkpoint_sequential(
-    sequential_module: nn.Sequential,
-    input: Any,
-    strategy: str = "each",
-    preserve_rng_state: bool = True,
-    pack_args_as_tuple: bool = False,
-) -> Any:
-    """SMP's ``checkpoint_sequential``: run the Sequential on ``input`` with its children
-    checkpointed in groups (``strategy``); a group never spans partitions, and a child another
-    partition runs is checkpointed on its own by its owner."""
-    if not isinstance(sequential_module, nn.Sequential):
-        raise TypeError(
-            f"checkpoint_sequential takes an nn.Sequential, got {type(sequential_module).__name__}"
-        )
-    if not isinstance(pack_args_as_tuple, bool):
-        raise ConfigError(
-            "checkpoint_sequential.pack_args_as_tuple", pack_args_as_tuple, "True or False"
-        )
-    spec = CheckpointSpec(preserve_rng_state)
-    children = list(sequential_module)
-    elsewhere = [runs_elsewhere(child) for child in children]
-    groups = _groups(children, list(elsewhere), False, group_size(strategy))
-
-    def alone(child: nn.Module, value: Any) -> Any:
-        return checkpoint(child, value, preserve_rng_state=preserve_rng_state)
-
-    return _grouped_forward(groups, spec, alone)(input)
-
-
-# --- torch.utils.checkpoint around a remote module ------------------------------------------------
-
-_REENTRANT_CODES = (
-    torch.utils.checkpoint.CheckpointFunction.forward.__code__,
-    torch.utils.checkpoint.CheckpointFunction.backward.__code__,
-)
-
-
-def inside_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside reentrant ``torch.utils.checkpoint`` (its forward, or
-    its recomputation in backward)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _REENTRANT_CODES:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def inside_non_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside the forward of non-reentrant ``torch.utils.checkpoint``
-    (whose saved-tensor hooks are the innermost; not in its recomputation)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")

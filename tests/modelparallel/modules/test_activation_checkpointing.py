@@ -24,14 +24,9 @@ from torch import Tensor, nn
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.pipeline import activations
-from dtrain.modelparallel.pipeline.activations import (
-    Group,
-    _groups,
-    checkpoint,
-    checkpoint_sequential,
-    set_activation_checkpointing,
-)
+from dtrain.modelparallel.modules import activations
+from dtrain.modelparallel.modules.activations import Group, group_runs, set_activation_checkpointing
+from dtrain.modelparallel.modules.checkpoint import checkpoint, checkpoint_sequential
 from tests.modelparallel.equivalence import init_smp
 from tests.modelparallel.harness import first_visible_gpu, run_ranks
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -305,20 +300,20 @@ def test_groups_follow_smps_example() -> None:
     rank 0 checkpoints c, d and e each on rank 1 (its calls keep their inputs there anyway)."""
     a, b, c, d, e = (nn.Linear(2, 2) for _ in range(5))
     partitions: list[object] = [0, 0, 1, 1, 1]
-    assert _groups([a, b, c, d, e], partitions, 0, 3) == [
+    assert group_runs([a, b, c, d, e], partitions, 0, 3) == [
         Group((a, b), True),
         Group((c, d, e), False),
     ]
-    assert _groups([a, b, c, d, e], partitions, 1, 3) == [
+    assert group_runs([a, b, c, d, e], partitions, 1, 3) == [
         Group((a, b), False),
         Group((c, d, e), True),
     ]
-    assert _groups([a, b, c, d, e], partitions, 1, 2) == [
+    assert group_runs([a, b, c, d, e], partitions, 1, 2) == [
         Group((a, b), False),
         Group((c, d), True),
         Group((e,), True),
     ]
-    assert _groups([a, b, c, d, e], partitions, 0, None) == [
+    assert group_runs([a, b, c, d, e], partitions, 0, None) == [
         Group((a, b), True),
         Group((c, d, e), False),
     ]
