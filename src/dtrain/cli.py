@@ -385,8 +385,8 @@ def _jobs(status: str | None, name_contains: str | None, most: int) -> int:
         )
         layout = f"{spec['instance_count']}x{spec['processes_per_host'] or 'auto'}"
         last = latest(store.recent_metrics(record.name, RATE_WINDOW))
-        row = (record.name, record.status, record.secondary_status, created, elapsed, layout)
-        rows.append((*row, str(last) if last else "-"))
+        cells = (record.name, record.status, record.secondary_status, created, elapsed, layout)
+        rows.append((*cells, str(last) if last else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(

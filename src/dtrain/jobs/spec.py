@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, overload
 
 SHARDING_TYPES = ("FullyReplicated", "ShardedByS3Key")
 
@@ -95,10 +95,11 @@ class JobSpec:
         )
 
 
-_Path = TypeVar("_Path", str, None)
-
-
-def _absolute(path: _Path) -> _Path:
+@overload
+def _absolute(path: str) -> str: ...
+@overload
+def _absolute(path: str | None) -> str | None: ...
+def _absolute(path: str | None) -> str | None:
     """A local path made absolute; URIs (``s3://``, ``file://``) and ``None`` stay as they are."""
     if path is None or "://" in path:
         return path

@@ -169,7 +169,7 @@ class Controller:
                     raise DtrainError(
                         f"{phase}: host {name} left: {shown(event.message['reason'])}"
                     )
-                if event.message.kind == kind and name in hosts:
+                if event.message.kind == kind and name is not None and name in hosts:
                     replies[name] = event.message
                 if event.message.kind == "copied" and self.on_copied is not None and name:
                     copied = event.message
@@ -277,12 +277,12 @@ class Controller:
             return False  # a late report of an earlier attempt
         if message.kind == "exited":
             code = message["code"]
-            failure = (
+            failed = (
                 rank_failure(name, message["rank"], code, message["time"], message["tail"])
                 if code != 0
                 else None
             )
-            return attempt.rank_exited(failure, message["stopped"])
+            return attempt.rank_exited(failed, message["stopped"])
         if message.kind == "done":
             attempt.host_done(name)
         return False

@@ -30,7 +30,7 @@ class _ChunkWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: bytes) -> int:  # type: ignore[override]
+    def write(self, data: bytes) -> int:  # type: ignore[override]  # tarfile writes bytes
         self._buffer += data
         while len(self._buffer) >= CHUNK:
             self._send(bytes(self._buffer[:CHUNK]))
@@ -62,7 +62,7 @@ def send_folder(
 ) -> None:
     """Send every file under ``folder`` (names relative to it) as the tar stream ``stream``."""
     writer = _ChunkWriter(lambda data: connection.send("chunk", data, stream=stream))
-    with tarfile.open(fileobj=writer, mode="w|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=writer, mode="w|") as tar:
         if folder.is_dir():
             for path in files_under(folder, skip):
                 tar.add(path, arcname=path.relative_to(folder).as_posix(), recursive=False)
@@ -97,7 +97,7 @@ class ChunkReader(io.RawIOBase):
         while self.read(CHUNK):
             pass
 
-    def readinto(self, target: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, target: bytearray) -> int:  # type: ignore[override]  # read()'s bytearray
         while not self._current and not self._ended:
             self.check()
             try:
@@ -126,7 +126,7 @@ def repack(source: io.RawIOBase, target: tarfile.TarFile, seen: set[str]) -> Non
     """Copy the regular files of tar stream ``source`` into ``target``, but names in ``seen``,
     without setuid, setgid or sticky bits: whoever unpacks the archive gets no program that
     runs as someone else."""
-    with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=source, mode="r|") as tar:
         for member in tar:
             if not member.isfile():
                 continue
@@ -145,5 +145,5 @@ def unpack(source: io.RawIOBase, folder: Path) -> None:
     The filter refuses absolute names, ``..``, links that point out of ``folder`` and device
     files, and clears setuid, setgid and sticky bits and group and others' write bits.
     """
-    with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=source, mode="r|") as tar:
         tar.extractall(folder, filter="data")

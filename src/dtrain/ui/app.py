@@ -12,6 +12,7 @@ import hmac
 import ipaddress
 
 from flask import Flask, Response, abort, jsonify, redirect, render_template, request, send_file
+from flask.typing import ResponseReturnValue
 
 from dtrain.errors import DtrainError
 from dtrain.jobs.store import JobRecord, JobStore
@@ -57,10 +58,10 @@ def _given_token() -> str:
 def create_app(store: JobStore, token: str | None = None) -> Flask:
     """The application over ``store``; ``token``, if given, is required on every request."""
     app = Flask(__name__)
-    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # on Flask's default provider
 
     @app.before_request
-    def check_access() -> Response | None:
+    def check_access() -> ResponseReturnValue | None:
         if token is None:
             if not is_loopback(_request_hostname(request.host)):
                 abort(403, "this view answers requests to 127.0.0.1 or localhost only")

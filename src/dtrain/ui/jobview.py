@@ -160,7 +160,7 @@ def job_detail(store: JobStore, name: str) -> dict[str, Any]:
     # Names only: values are often credentials, and the page may be seen by others.
     description["Environment"] = sorted(description["Environment"])
     logs, host_ranks = _ranks(record, spec)
-    found = []
+    found: list[tuple[bool, str, os.stat_result]] = []
     for relative, info in _job_files(Path(record.folder)):
         if len(found) == MAX_LISTED_FILES * 10:
             break
@@ -230,8 +230,8 @@ def find_views(record: JobRecord) -> list[dict[str, Any]]:
     for _, _, path in rank_logs(JobFolder(root).logs_dir):
         text = _plan_in_log(path)
         if text is not None:
-            relative = path.relative_to(root).as_posix()
-            views.append({"kind": "plan-text", "path": relative, "text": text})
+            log = path.relative_to(root).as_posix()
+            views.append({"kind": "plan-text", "path": log, "text": text})
     return views
 
 

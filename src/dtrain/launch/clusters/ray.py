@@ -15,6 +15,7 @@ Ray itself is an optional extra: ``pip install 'dtrain[ray]'``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import socket
@@ -72,7 +73,7 @@ class RayCluster:
         try:
             ray.init(
                 address=format_endpoint(self.address, self.port),
-                logging_level="ERROR",
+                logging_level=logging.ERROR,
                 log_to_driver=False,
                 configure_logging=False,
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,16 @@ class Costs:
         raise ValueError(f"no compute cost for action kind {kind!r}; allowed: F, B, I, W")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_positive_int(name: str, value: object) -> None:
-    if not is_int(value) or value < 1:  # type: ignore[operator]
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: got {value!r}; must be a positive integer")
 
 
@@ -91,10 +92,17 @@ def check_partitions(name: str, partitions: Collection[int], count: int) -> None
 
 def per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:
     """One finite, non-negative cost per stage, from a number or a sequence."""
-    costs = (cost,) * stages if is_number(cost) else tuple(cost)  # type: ignore[arg-type]
+    if is_number(cost):
+        costs: Sequence[object] = (cost,) * stages
+    elif isinstance(cost, Sequence):
+        costs = cost
+    else:
+        raise ValueError(f"{name}: got {cost!r}; need a number or one per stage ({stages})")
     if len(costs) != stages:
         raise ValueError(f"{name}: got {len(costs)} costs; need one per stage ({stages})")
+    checked: list[float] = []
     for value in costs:
         if not is_number(value) or value < 0 or not math.isfinite(value):
             raise ValueError(f"{name}: got {value!r}; costs must be finite numbers >= 0")
-    return tuple(float(value) for value in costs)
+        checked.append(float(value))
+    return tuple(checked)

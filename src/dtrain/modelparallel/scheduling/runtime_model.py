@@ -30,6 +30,7 @@ thread gets there first.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
@@ -341,7 +342,7 @@ class RuntimeModel:
                 stream.phases.append(self._backward_phase(following, mb))
                 due.remove(mb)
             for other in due:
-                self._at(comm, lambda other=other: self._backward(self.last, other))
+                self._at(comm, functools.partial(self._backward, self.last, other))
 
     def _backward_phase(self, stage: int, mb: int) -> Phase:
         return backward_phases(self.policy.splits_backward(stage, mb))[0]
