@@ -32,6 +32,7 @@ from dtrain.modelparallel.errors import (
 )
 from dtrain.modelparallel.heap import release_blas_buffers
 from dtrain.modelparallel.modules.activations import plan_checkpointing
+from dtrain.modelparallel.modules.backward import scaled_grads
 from dtrain.modelparallel.modules.modes import ComputeMode
 from dtrain.modelparallel.modules.stubs import install_stub, remove_stub
 from dtrain.modelparallel.modules.unfetched import materialize
@@ -42,7 +43,7 @@ from dtrain.modelparallel.pipeline.executor import Executor, MicrobatchResult, T
 from dtrain.modelparallel.pipeline.group import PipelineGroup, RankParts
 from dtrain.modelparallel.pipeline.owner import Owner
 from dtrain.modelparallel.pipeline.remote import RemoteValue
-from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, scaled_grads
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
 from dtrain.modelparallel.scheduling.ordering import Ordering
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy

@@ -278,15 +278,3 @@ def backward_giving_way(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def scaled_grads(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
-) -> list[torch.Tensor | None]:
-    """The gradients of ``outputs`` for ``backward``, multiplied by the microbatch ``scale``."""
-    if scale is None:
-        return grads
-    return [
-        (torch.ones_like(out) if g is None else g) * scale
-        for out, g in zip(outputs, grads, strict=True)
-    ]
