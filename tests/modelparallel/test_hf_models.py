@@ -92,8 +92,8 @@ def assert_same_in_float64(got: Trained, expected: Trained, what: str) -> None:
 @pytest.mark.parametrize("name", ["t5", "t5_auto"])
 def test_t5_trains_like_one_process_in_float64(one_world: dict[str, Trained], name: str) -> None:
     """T5 split inside its decoder (block 0's position biases, the masks and the encoder's states
-    cross partitions), and as the automatic plan splits it (the decoder on partition 1 calls back
-    the shared embedding on partition 0): in float64, where float32's summation order hides
+    cross partitions), and as the automatic plan splits it (today the decoder on partition 1 calls
+    back the shared embedding on partition 0): in float64, where float32's summation order hides
     nothing, the same training as one process on the whole batch."""
     layout, got = ONE_WORLD[name], one_world[name]
     assert got.partitions_used == 2, f"{layout}: the model was not split"
