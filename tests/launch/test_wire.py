@@ -16,6 +16,7 @@ from dtrain.errors import ConfigError
 from dtrain.launch import wire
 from dtrain.launch.wire import (
     HANDSHAKE_LIMIT,
+    HELLO_LIMIT,
     PROTOCOL_VERSION,
     SHOWN_LIMIT,
     AuthenticationError,
@@ -70,18 +71,22 @@ def test_an_oversized_frame_is_refused_before_it_is_read() -> None:
         receiver.receive(limit=HANDSHAKE_LIMIT)
 
 
-HELLO = {"kind": "hello", "version": PROTOCOL_VERSION, "nonce": "0" * 32, "proof": "0" * 64}
+HELLO = {
+    "kind": "hello", "version": PROTOCOL_VERSION, "time": 0, "nonce": "0" * 32, "proof": "0" * 64,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("frame", "expected"),
     [
         ({**HELLO, "proof": "é" * 64}, r"proof = 'éééé.*allowed: 64 hex digits"),
-        (b"[" * 16_000, "not JSON: maximum recursion depth"),
+        (b"[" * 1000, "not JSON: maximum recursion depth"),
+        (b"[" * 1025, f"sent a frame over {HELLO_LIMIT} bytes"),
         (b'{"kind": "hello\xff"}', "not JSON"),
         ({**HELLO, "version": float("nan")}, "not JSON: NaN is not a number JSON allows"),
         ({"kind": "hello"}, "hello' with version = nothing"),
         ({**HELLO, "version": "2"}, "version = '2'; allowed: an integer"),
+        ({**HELLO, "time": 1.5}, "time = 1.5; allowed: an integer >= 0"),
         ({"kind": "\x1b[31mred"}, r"unknown kind '\\x1b\[31mred'"),
         ({"kind": "output", "attempt": 1, "rank": 0, "lines": [], "frame": None},
          "'output' where 'hello'"),
@@ -163,7 +168,7 @@ def test_an_impostor_controller_is_found_out_before_the_agent_tells_anything(
     with pytest.raises(AuthenticationError, match="could not prove the job's secret"):
         join_controller(agent, SECRET, facts())
     thread.join()
-    assert set(heard[0]) == {"kind", "version", "nonce", "proof"}  # no facts before the proof
+    assert set(heard[0]) == {"kind", "version", "time", "nonce", "proof"}  # no facts before
 
 
 def test_an_agent_of_another_version_is_told_to_install_the_same() -> None:

@@ -276,9 +276,11 @@ class Agent:
         self._signalled = signal.Signals(signum).name
 
     def _beat(self) -> None:
+        """A heartbeat a second, unless a frame is going out (it shows the controller this agent
+        lives) or the controller has no room for one: never waits on the controller."""
         while self._alive:
             try:
-                self.connection.send("heartbeat")
+                self.connection.send("heartbeat", wait=False)
             except ConnectionClosed:
                 return
             time.sleep(HEARTBEAT_INTERVAL)
