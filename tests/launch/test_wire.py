@@ -3,10 +3,13 @@ proofs, sealed frames, and a peer's text shown harmless."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import stat
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,11 +23,16 @@ from dtrain.launch.wire import (
     PROTOCOL_VERSION,
     SHOWN_LIMIT,
     AuthenticationError,
+    Connection,
     ConnectionClosed,
+    HelloCheck,
+    Message,
     ProtocolError,
+    SendStalled,
     admit_agent,
     join_controller,
     prove,
+    prove_hello,
     read_secret,
     shown,
 )
@@ -246,3 +254,140 @@ def test_a_secret_file_is_created_private_and_a_readable_or_foreign_one_refused(
         read_secret(str(short))
     with pytest.raises(ConfigError, match="readable file"):
         read_secret(str(tmp_path / "missing"))
+
+
+# --- the agent's first frame: fresh, once, from a clock near the controller's -----------------
+
+
+def hello(secret: bytes = SECRET, seconds: float = 1_000_000.0, nonce: str = "a" * 32) -> Message:
+    milliseconds = int(seconds * 1000)
+    proof = prove_hello(secret, milliseconds, nonce)
+    fields = {"version": PROTOCOL_VERSION, "time": milliseconds, "nonce": nonce, "proof": proof}
+    return Message("hello", fields)
+
+
+def test_a_hello_passes_once_within_the_clock_skew_and_never_with_a_wrong_secret() -> None:
+    check = HelloCheck(SECRET, skew_limit=300)
+    check(hello(seconds=1000), now=1000 + 299)  # the agent's clock 299 s behind
+    check(hello(seconds=1000, nonce="b" * 32), now=1000 - 299)  # ahead
+    with pytest.raises(AuthenticationError, match=r"^its hello was sent before \(a replay\)$"):
+        check(hello(seconds=1000), now=1000 + 1)
+    with pytest.raises(AuthenticationError, match=r"^wrong secret$"):
+        check(hello(secret=b"x" * 64, seconds=1000, nonce="c" * 32), now=1000)
+    forged = hello(seconds=1000, nonce="d" * 32)
+    moved = Message("hello", {**forged.fields, "time": forged["time"] + 1})  # proof of another time
+    with pytest.raises(AuthenticationError, match=r"^wrong secret$"):
+        check(moved, now=1000)
+    late = "its clock is 301 s behind the controller's (at most 300 s are tolerated: set"
+    with pytest.raises(AuthenticationError, match=re.escape(late)):
+        check(hello(seconds=1000, nonce="e" * 32), now=1000 + 301)
+    with pytest.raises(AuthenticationError, match="its clock is 400 s ahead of the controller's"):
+        check(hello(seconds=1000, nonce="f" * 32), now=1000 - 400)
+
+
+def test_a_replayed_hello_is_refused_until_it_could_no_longer_pass_as_fresh() -> None:
+    check = HelloCheck(SECRET, skew_limit=300)
+    check(hello(seconds=1000), now=1000)
+    with pytest.raises(AuthenticationError, match="a replay"):
+        check(hello(seconds=1000), now=1000 + 300)  # still fresh: remembered
+    with pytest.raises(AuthenticationError, match="its clock is 301 s behind"):
+        check(hello(seconds=1000), now=1000 + 301)  # no longer fresh, whether remembered or not
+
+
+class ControllerClockAhead(HelloCheck):
+    """The controller's clock 400 s ahead of the agent's."""
+
+    def __call__(self, hello: Message, now: float | None = None) -> None:
+        super().__call__(hello, time.time() + 400)
+
+
+def test_an_agent_whose_clock_is_too_far_off_is_told_by_how_much() -> None:
+    controller, agent = tcp_pair()
+    results: list[object] = []
+
+    def admit() -> None:
+        try:
+            admit_agent(controller, SECRET, check=ControllerClockAhead(SECRET))
+        except AuthenticationError as error:
+            results.append(error)
+
+    thread = threading.Thread(target=admit)
+    thread.start()
+    told = "refused this agent: its clock is 400 s behind the controller's (at most 300 s are"
+    with pytest.raises(ProtocolError, match=re.escape(told)):
+        join_controller(agent, SECRET, facts())
+    thread.join()
+    assert str(results[0]).startswith("its clock is 400 s behind")
+
+
+# --- sends have deadlines; heartbeats never wait -------------------------------------------
+
+
+def test_a_send_the_peer_takes_nothing_of_fails_and_ends_the_connection() -> None:
+    controller, agent = admitted_pair()  # the agent reads nothing from now on
+    controller.stall_limit = 0.3
+    started = time.monotonic()
+    with pytest.raises(SendStalled, match=r"127\.0\.0\.1:\d+ took no data for 0\.3 s"):
+        for _ in range(64):
+            controller.send("chunk", b"\0" * (1 << 20), stream="code")
+    assert time.monotonic() - started < 10
+    with pytest.raises(ConnectionClosed, match="took no data"):  # a cut frame cannot go on
+        controller.send("heartbeat")
+    agent.close()
+
+
+def test_a_heartbeat_never_waits_behind_a_stuck_frame() -> None:
+    controller, agent = admitted_pair()  # the agent reads nothing
+    bulk = threading.Thread(target=_fill, args=(controller,), daemon=True)
+    bulk.start()
+    time.sleep(0.5)  # the frame under way waits for room that never comes
+    started = time.monotonic()
+    assert controller.send("heartbeat", wait=False) is False  # another frame is going out
+    assert time.monotonic() - started < 0.1
+    controller.abort("the test is over")  # wakes the stuck send at once
+    bulk.join(timeout=5)
+    assert not bulk.is_alive()
+    agent.close()
+
+
+def _fill(connection: Connection) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            connection.send("chunk", b"\0" * (1 << 20), stream="code")
+
+
+def test_a_heartbeat_is_skipped_while_the_socket_has_no_room() -> None:
+    controller, agent = admitted_pair()  # the agent reads nothing
+    while controller.send("chunk", b"\0" * 1024, wait=False, stream="code"):
+        pass  # each frame fits whole while there is room: none is ever cut
+    started = time.monotonic()
+    assert controller.send("heartbeat", wait=False) is False
+    assert time.monotonic() - started < 0.1
+    agent.close()
+
+
+def test_an_aborted_connection_fails_every_send_and_receive_with_its_reason() -> None:
+    controller, agent = admitted_pair()
+    received: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            controller.receive()
+        except ConnectionClosed as error:
+            received.append(error)
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    controller.abort("no heartbeat for 15 s")
+    reader.join(timeout=5)
+    assert [str(error) for error in received] == ["no heartbeat for 15 s"]
+    with pytest.raises(ConnectionClosed, match=r"^no heartbeat for 15 s$"):
+        controller.send("heartbeat")
+    agent.close()
+
+
+def test_every_character_a_console_could_act_on_is_escaped_but_a_tab() -> None:
+    assert shown("a\tb\nc\r\x1b[2J\x85\u2028\u202e\ud800", None) == (
+        "a\tb\\nc\\r\\x1b[2J\\x85\\u2028\\u202e\\ud800"
+    )
+    assert shown("x" * 1000, None) == "x" * 1000  # a rank's line is never cut
