@@ -87,8 +87,11 @@ class Door:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop reading; drop every connection still waiting (the listener is its owner's)."""
+        """Stop reading and shut the listener (its owner closes it); drop every connection still
+        waiting."""
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread
         self._thread.join()
 
     def _run(self) -> None:
@@ -101,7 +104,7 @@ class Door:
                         accepting = True
                     elif key.fileobj in self._pending:
                         self._read(self._pending[key.fileobj])  # type: ignore[index]
-                if accepting:
+                if accepting and not self._closed.is_set():
                     self._accept()
                 self._expire()
         finally:
@@ -151,6 +154,12 @@ class Door:
             self._drop(oldest, f"{self.max_pending} connections await a first frame")
 
     def _read(self, pending: _Pending) -> None:
+        try:
+            self._read_hello(pending)
+        except Exception as error:  # whatever a stranger sent ends its connection, nothing else
+            self._drop(pending, f"{type(error).__name__}: {error}")
+
+    def _read_hello(self, pending: _Pending) -> None:
         connection = pending.connection
         try:
             while True:
@@ -189,6 +198,8 @@ class Door:
             self._selector.unregister(sock)
 
     def _drop(self, pending: _Pending, why: str | None) -> None:
+        if pending.connection.sock not in self._pending:
+            return  # dropped already
         self._forget(pending)
         pending.connection.close()
         if why is not None:

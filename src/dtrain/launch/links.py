@@ -292,8 +292,6 @@ class Links:
     def close(self) -> None:
         """Dismiss every agent (each ends its ranks and exits) and stop listening."""
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
         self._door.close()
         self.listener.close()
         for link in self.by_name.values():
