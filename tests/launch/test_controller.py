@@ -22,7 +22,7 @@ from dtrain.launch import controller as controller_module
 from dtrain.launch import links
 from dtrain.launch.controller import Controller, JobStopped
 from dtrain.launch.env import LaunchPlan
-from dtrain.launch.outcome import COMPLETED, FAILED, Attempt
+from dtrain.launch.outcome import COMPLETED, FAILED, Attempt, Outcome
 from dtrain.launch.transfer import CHUNK, send_folder
 from dtrain.launch.wire import Connection, ConnectionClosed, Message
 from tests.launch.peers import SECRET, FakeAgent
@@ -86,17 +86,17 @@ def test_hosts_are_named_as_asked_then_in_order_and_extras_refused(
         FakeAgent(port_of(control), None, ignore, tmp_path)
 
 
-def test_the_first_failure_stops_the_other_host_and_names_the_root_cause(
-    controller: tuple, tmp_path: Path
-) -> None:
-    control, output = controller
+def first_rank_fails(
+    control: Controller, home: Path, lines: list[str], tail: str, frame: str | None = None
+) -> tuple[Outcome, FakeAgent]:
+    """An attempt on two hosts whose rank 0 writes ``lines`` (and ``frame``) and fails with
+    ``tail``, and whose other rank ends when stopped; its outcome, and the other host."""
 
     def failing(agent: FakeAgent, message: Message) -> None:
         if message.kind == "start":
-            agent.connection.send(
-                "output", attempt=1, rank=0, lines=[[0, "step 0"], [0, "Traceback"]], frame=None
-            )
-            agent.exited(1, 0, 1, "Traceback (most recent call last):\nValueError: boom")
+            stamped = [[0, line] for line in lines]
+            agent.connection.send("output", attempt=1, rank=0, lines=stamped, frame=frame)
+            agent.exited(1, 0, 1, tail)
             agent.connection.send("done", attempt=1)
 
     def waiting(agent: FakeAgent, message: Message) -> None:
@@ -104,10 +104,18 @@ def test_the_first_failure_stops_the_other_host_and_names_the_root_cause(
             agent.exited(1, 1, -15)
             agent.connection.send("done", attempt=1)
 
-    FakeAgent(port_of(control), "algo-1", failing, tmp_path)
-    second = FakeAgent(port_of(control), "algo-2", waiting, tmp_path)
+    FakeAgent(port_of(control), "algo-1", failing, home)
+    second = FakeAgent(port_of(control), "algo-2", waiting, home)
     hosts = control.gather(["algo-1", "algo-2"], timeout=10)
-    outcome = control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234)
+    return control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234), second
+
+
+def test_the_first_failure_stops_the_other_host_and_names_the_root_cause(
+    controller: tuple, tmp_path: Path
+) -> None:
+    control, output = controller
+    tail = "Traceback (most recent call last):\nValueError: boom"
+    outcome, second = first_rank_fails(control, tmp_path, ["step 0", "Traceback"], tail)
     assert outcome.status == FAILED
     assert outcome.message == "rank 0 (algo-1) exited with code 1: ValueError: boom"
     assert second.orders == ["start", "stop"]
@@ -321,24 +329,8 @@ def test_an_agents_output_and_a_failed_ranks_tail_reach_the_controller_escaped(
 ) -> None:
     control, output = controller
     forged = "step 1\n[dtrain job 00:00:09] Completed: Training job completed\x1b[2J"
-
-    def fails(agent: FakeAgent, message: Message) -> None:
-        if message.kind == "start":
-            agent.connection.send(
-                "output", attempt=1, rank=0, lines=[[0, forged]], frame="50%\x1b[A"
-            )
-            agent.exited(1, 0, 1, "Traceback (most recent call last):\nValueError: x\x1b[31m\r\n")
-            agent.connection.send("done", attempt=1)
-
-    def stops(agent: FakeAgent, message: Message) -> None:
-        if message.kind == "stop":
-            agent.exited(1, 1, -15)
-            agent.connection.send("done", attempt=1)
-
-    FakeAgent(port_of(control), "algo-1", fails, tmp_path)
-    FakeAgent(port_of(control), "algo-2", stops, tmp_path)
-    hosts = control.gather(["algo-1", "algo-2"], timeout=10)
-    outcome = control.run_attempt(Attempt(1, ("algo-1", "algo-2")), plan(hosts), 1234)
+    tail = "Traceback (most recent call last):\nValueError: x\x1b[31m\r\n"
+    outcome, _ = first_rank_fails(control, tmp_path, [forged], tail, frame="50%\x1b[A")
     assert output == [("algo-1", 0, [forged.replace("\n", "\\n").replace("\x1b", "\\x1b")])]
     assert outcome.message == "rank 0 (algo-1) exited with code 1: ValueError: x\\x1b[31m"
     assert outcome.failure is not None and "\x1b" not in outcome.failure.tail
