@@ -58,6 +58,7 @@ PROTOCOL_VERSION = 5
 and the progress line being drawn. 4: hosts collect their TensorBoard events and report their
 channel copies. 5: the agent proves the secret in its first frame, over the time."""
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
+_ABORT_CHECK_INTERVAL = 1.0  # the longest a waiting send goes without looking for an abort
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
 """Largest frame part accepted from an admitted peer."""
@@ -327,8 +328,9 @@ class Connection:
     def __init__(self, sock: socket.socket, receives: Protocol) -> None:
         self.sock = sock
         self.receives = receives
-        self.stall_limit = SILENCE_LIMIT
-        """Seconds a send may wait for the peer to take another byte."""
+        self.stall_limit: float | None = SILENCE_LIMIT
+        """Seconds a send may wait for the peer to take another byte; None: as long as it
+        takes, until :meth:`abort` (whoever watches the peer's heartbeats ends it)."""
         self._send_lock = threading.Lock()
         self._sealing: _Cipher | None = None
         self._opening: _Cipher | None = None
@@ -402,11 +404,13 @@ class Connection:
                 left = self._deadline - now
                 if left <= 0:
                     raise self._late()
+            elif self.stall_limit is None:
+                left = _ABORT_CHECK_INTERVAL
             else:
                 left = last_progress + self.stall_limit - now
                 if left <= 0:
                     raise SendStalled(f"{self.peer} took no data for {self.stall_limit:g} s")
-            self._writable(left)
+            self._writable(min(left, _ABORT_CHECK_INTERVAL))
 
     def _writable(self, timeout: float) -> bool:
         """Whether the socket has room (or has failed: the send says how) within ``timeout``."""
