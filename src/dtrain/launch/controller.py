@@ -397,7 +397,7 @@ class Controller:
             raise DtrainError(f"{cannot}: its agent {error}") from None
         except ConnectionClosed as error:  # the reason the host was lost
             raise DtrainError(f"{cannot}: it was lost: {error}") from None
-        except (ProtocolError, tarfile.TarError) as error:
+        except (ProtocolError, tarfile.TarError, OSError) as error:  # OSError: a file not written
             raise DtrainError(f"{cannot}: {shown(error)}") from None
         finally:
             reader.abandon()
