@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DATA ?= $(CURDIR)/out/demo-data
 
-.PHONY: install demo test lint stress
+.PHONY: install demo test lint stress gpu-check gpu-wheels
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
 
 # Two workers, each taking whole files (a file's tests share module fixtures, such as the
 # network namespaces of test_clusters): the tests wait on processes and timers as much as they
@@ -34,3 +35,21 @@ test: lint
 
 stress: install
 	$(BIN)/python -m pytest -m stress
+
+# The tests marked gpu, on this machine's GPU, and a table of what passed (tests/gpu_check.py;
+# README: "On a GPU"). GPU_PYTHON must have torch with CUDA: .venv's is the CPU build pinned in
+# constraints.txt, so a GPU machine names its own (a .venv absent, python3). Without a GPU the
+# check says so and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	$(GPU_PYTHON) tests/gpu_check.py
+
+# The wheels a GPU machine without network lacks for dtrain (for its Python 3.12, x86-64), into
+# .whl/, which gpu-check installs from: run here, bring .whl/ along.
+gpu-wheels: install
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps \
+	    --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -c constraints.txt -d .whl google-re2 cryptography cffi pycparser

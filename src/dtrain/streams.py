@@ -11,7 +11,8 @@ The rules it follows (torch's "CUDA semantics": streams and the caching allocato
   :meth:`SideStream.wait_for_current` (an event recorded on the current stream, which the side
   stream waits for; the CPU does not wait);
 * the current stream uses what the side stream produced after :meth:`SideStream.join`, or the
-  CPU after :meth:`SideStream.synchronize`;
+  CPU after :meth:`SideStream.synchronize` (or after the event :meth:`SideStream.recorded`
+  gives, on a thread that may wait);
 * a tensor allocated on one stream and used on the other is recorded on that other stream
   (``record_stream``), so that its memory is not handed out again, once freed, before that use
   is done.
@@ -55,11 +56,18 @@ class SideStream:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
+    def recorded(self) -> torch.cuda.Event | None:
+        """An event after what the side stream holds now (None on the CPU)."""
+        if self.stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
     def synchronize(self) -> None:
         """The CPU waits for what the side stream holds now (not for work queued later)."""
-        if self.stream is not None:
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        done = self.recorded()
+        if done is not None:
             done.synchronize()
 
     def used_on_side(self, tensor: torch.Tensor) -> None:

@@ -266,7 +266,7 @@ class Topology:
     def table(self) -> str:
         """One line per rank with its host and group ranks, for logs and ``--dry-run`` output."""
         header = ("rank", "host", "local_rank", "pp", "tp", "rdp", "dp", "mp")
-        rows = [header]
+        rows: list[tuple[str, ...]] = [header]
         for rank in range(self.world_size):
             c = self.coords(rank)
             rows.append(

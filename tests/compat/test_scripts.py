@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("script", "layout", "expected"),
     [
-        ("smddp_v1.py", ["--instance-count", "2", "--processes-per-host", "2"], "smddp v1 ok"),
+        ("smddp_v1.py", ["--instance-count", "2"], "smddp v1 ok"),
         ("smddp_backend.py", ["--processes-per-host", "2"], "smddp backend ok"),
     ],
 )
@@ -29,8 +29,7 @@ def test_smddp_scripts_run_unmodified(
         "--distribution", distribution, *layout, home=dtrain_home,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    world = 4 if "--instance-count" in layout else 2
-    assert result.stdout.count(expected) == world
+    assert result.stdout.count(expected) == 2  # two ranks: on two hosts, or on one
 
 
 def test_shim_is_used_only_without_a_real_installation(

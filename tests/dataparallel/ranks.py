@@ -41,7 +41,7 @@ def run_pool(
     backend: str = "gloo",
     environment: Mapping[str, str] | None = None,
 ) -> list[dict[str, dict[str, Any]]]:
-    """Per rank: scenario name -> what the scenario returned on that rank.
+    """Per rank: scenario name -> what the scenario returned on that rank (tensors on the CPU).
 
     ``backend="nccl"`` puts rank r on GPU r; ``environment`` is added to every rank's."""
     env = {
@@ -70,7 +70,7 @@ def run_pool(
             if process.is_alive():
                 process.kill()
             process.join(10)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+    return [torch.load(out / f"rank{rank}.pt", map_location="cpu") for rank in range(world)]
 
 
 def _worker(

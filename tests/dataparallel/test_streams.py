@@ -81,15 +81,6 @@ class SpyWork:
         return self.work.is_completed()
 
 
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_collectives_go_to_the_side_stream_and_backward_waits_only_at_its_end(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -161,25 +161,29 @@ def on_host(job: str, host: str) -> list[int]:
     return found
 
 
-def check_data_parallel_job(cluster: Cluster, job: str, tmp_path: Path) -> None:
-    """The 2 x 2 data-parallel job trained as one process would, with each host's contract."""
+def check_data_parallel_job(cluster: Cluster, job: str, tmp_path: Path, per_host: int) -> None:
+    """The data-parallel job of 2 hosts x ``per_host`` ranks trained as one process would, with
+    each host's contract."""
     from tests.dataparallel.scenarios import reference_global
 
+    world = 2 * per_host
     info = cluster.describe(job)
     assert [(h["Name"], h["Address"], h["Interface"]) for h in info["Hosts"]] == [
         ("algo-1", cluster.a.address, cluster.a.interface),
         ("algo-2", cluster.b.address, cluster.b.interface),
     ]
     params = artifact(info, "params.pt", tmp_path)
-    for name, value in reference_global(4).items():
+    for name, value in reference_global(world).items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5)  # type: ignore[index]
     job_dir = Path(info["JobFolder"])
-    for rank, machine in enumerate((cluster.a, cluster.a, cluster.b, cluster.b)):
-        host = f"algo-{rank // 2 + 1}"
+    for rank in range(world):
+        machine = (cluster.a, cluster.b)[rank // per_host]
+        host = f"algo-{rank // per_host + 1}"
         folder = job_dir / "hosts" / host
         report = json.loads((folder / "output" / "data" / f"report-rank{rank}.json").read_text())
         env = report["env"]
-        assert report["hierarchical"] is True  # two hosts of two: reduce in the host first
+        # Two hosts of two: reduce in the host first; of one: nothing to reduce in the host.
+        assert report["hierarchical"] is (per_host > 1)
         assert env["SM_CURRENT_HOST"] == host and json.loads(env["SM_HOSTS"]) == [
             "algo-1", "algo-2",
         ]  # fmt: skip
@@ -190,8 +194,8 @@ def check_data_parallel_job(cluster: Cluster, job: str, tmp_path: Path) -> None:
         assert env["SM_CHANNEL_TRAINING"] == str(folder / "input" / "data" / "training")
         assert env["SM_MODULE_DIR"] == str(folder / "code")
         assert json.loads(env["SM_TRAINING_ENV"])["current_host"] == host
-    logs = dtrain("logs", job, "--rank", "3", home=cluster.home)
-    assert logs.stdout.strip().endswith("rank 3 done")
+    logs = dtrain("logs", job, "--rank", str(world - 1), home=cluster.home)
+    assert logs.stdout.strip().endswith(f"rank {world - 1} done")
     assert processes_of_job(job) == []
 
 
@@ -213,7 +217,7 @@ def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
     assert cluster.wait(controller) == 0, cluster.output("controller")[-3000:]
     assert (cluster.secret.stat().st_mode & 0o777) == 0o600
     assert cluster.describe("dp-joined")["Cluster"] == f"join://{cluster.join}"
-    check_data_parallel_job(cluster, "dp-joined", tmp_path)
+    check_data_parallel_job(cluster, "dp-joined", tmp_path, per_host=2)
 
 
 @pytest.fixture
@@ -228,15 +232,18 @@ def ray_head(cluster: Cluster) -> Iterator[str]:
         marker.split("=")[0]: marker.split("=")[1],
     }  # fmt: skip
     ray = str(Path(sys.executable).parent / "ray")
+    # Nothing the job does not use: no log forwarding (the controller connects with
+    # log_to_driver=False), no autoscaler.
     lean = [
         "--num-cpus", "1", "--object-store-memory", "200000000", "--disable-usage-stats",
-        "--block",
+        "--include-log-monitor", "false", "--block",
     ]  # fmt: skip
     gcs = f"{cluster.a.address}:{next(PORTS)}"
+    head = ["--head", "--port", gcs.split(":")[1], "--include-dashboard=false", "--no-monitor"]
     nodes = []
     try:
         for machine, role in (
-            (cluster.a, ["--head", "--port", gcs.split(":")[1], "--include-dashboard=false"]),
+            (cluster.a, head),
             (cluster.b, ["--address", gcs]),
         ):
             log = scratch / f"{machine.namespace}.log"
@@ -273,13 +280,14 @@ def ray_head(cluster: Cluster) -> Iterator[str]:
 def test_a_ray_cluster_runs_the_same_job_one_agent_per_node(
     cluster: Cluster, ray_head: str, tmp_path: Path
 ) -> None:
+    # One rank a host: the joined job above trains two a host; here what counts is the agents.
     controller = cluster.controller(
-        "dp_train.py", "dp-ray", "--processes-per-host", "2",
+        "dp_train.py", "dp-ray", "--processes-per-host", "1",
         "--channel", data_channel(tmp_path), cluster=ray_head,
     )  # fmt: skip
     assert cluster.wait(controller) == 0, cluster.output("controller")[-3000:]
     assert cluster.describe("dp-ray")["Cluster"] == ray_head
-    check_data_parallel_job(cluster, "dp-ray", tmp_path)
+    check_data_parallel_job(cluster, "dp-ray", tmp_path, per_host=1)
     too_big = cluster.start(
         cluster.a, "too-big", "run", "dp_train.py", "--source-dir", str(JOB_SCRIPTS),
         "--instance-count", "3", "--cluster", ray_head, "--job-name", "too-big",
@@ -315,20 +323,20 @@ def test_a_rank_raising_on_the_second_machine_fails_the_job_within_seconds(
     cluster: Cluster,
 ) -> None:
     controller = cluster.controller(
-        "raises.py", "raises-joined", "--processes-per-host", "2",
-        "--environment", "FAILING_RANK=3",
+        "raises.py", "raises-joined", "--processes-per-host", "1",
+        "--environment", "FAILING_RANK=1",
     )  # fmt: skip
     cluster.agents()
     assert cluster.wait(controller) == 1
     info = cluster.describe("raises-joined")
-    assert info["FailureReason"].startswith("rank 3 (algo-2) exited with code 1")
-    assert info["FailureReason"].endswith("ValueError: boom from rank 3")
-    logs = dtrain("logs", "raises-joined", "--rank", "3", home=cluster.home).stdout
+    assert info["FailureReason"].startswith("rank 1 (algo-2) exited with code 1")
+    assert info["FailureReason"].endswith("ValueError: boom from rank 1")
+    logs = dtrain("logs", "raises-joined", "--rank", "1", home=cluster.home).stdout
     raised_at = float(logs.split("raising at ")[1].split()[0])
     ended_at = datetime.fromisoformat(info["TrainingEndTime"]).timestamp()
     assert ended_at - raised_at < 5, ended_at - raised_at
     failure = Path(info["JobFolder"]) / "hosts" / "algo-2" / "output" / "failure"
-    assert "ValueError: boom from rank 3" in failure.read_text()
+    assert "ValueError: boom from rank 1" in failure.read_text()
     assert processes_of_job("raises-joined") == []
 
 
@@ -378,9 +386,9 @@ def test_a_retry_after_a_killed_rank_ends_as_an_uninterrupted_run(
 ) -> None:
     from tests.dataparallel.scenarios import reference_global
 
-    controller = cluster.controller(
-        "resumes.py", "retried-joined", "--processes-per-host", "2",
-        "--max-retry-attempts", "1", "--environment", "KILLED_RANK=3",
+    controller = cluster.controller(  # one rank a host: the retry crosses machines all the same
+        "resumes.py", "retried-joined", "--processes-per-host", "1",
+        "--max-retry-attempts", "1", "--environment", "KILLED_RANK=1",
         "--checkpoint-local-path", str(tmp_path / "checkpoints"),
     )  # fmt: skip
     cluster.agents()
@@ -389,7 +397,7 @@ def test_a_retry_after_a_killed_rank_ends_as_an_uninterrupted_run(
     statuses = [t["Status"] for t in info["SecondaryStatusTransitions"]]
     assert statuses.count("Training") == 2 and "Restarting" in statuses
     params = artifact(info, "params.pt", tmp_path)
-    for name, value in reference_global(4).items():
+    for name, value in reference_global(2).items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5)  # type: ignore[index]
     first = dtrain("logs", "retried-joined", "--attempt", "1", home=cluster.home).stdout
     second = dtrain("logs", "retried-joined", "--attempt", "2", home=cluster.home).stdout

@@ -86,17 +86,20 @@ def test_a_busy_join_address_is_rejected_before_launch(dtrain_home: Path, tmp_pa
     assert dtrain("describe", "busy", home=dtrain_home).returncode == 2
 
 
-def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
+def test_a_wrong_secret_and_a_stranger_are_refused_and_a_joined_agent_is_dismissed(
     dtrain_home: Path, tmp_path: Path
 ) -> None:
+    """The join timeout is never reached: the job is stopped once the agent joined, however long
+    the agents took to start."""
     port = free_port()
     secret, wrong = tmp_path / "secret", tmp_path / "wrong"
     wrong.write_text("x" * 64)
     wrong.chmod(0o600)
     flags = ["--cluster", f"join://127.0.0.1:{port}", "--secret-file", str(secret)]
+    log = tmp_path / "controller.log"
     controller = background(
-        dtrain_home, tmp_path / "controller.log",
-        *run_flags("never-complete", "--instance-count", "2", "--join-timeout", "8", *flags),
+        dtrain_home, log,
+        *run_flags("never-complete", "--instance-count", "2", "--join-timeout", "120", *flags),
     )  # fmt: skip
     try:
         wait_for_file(secret)
@@ -108,19 +111,33 @@ def test_a_wrong_secret_is_refused_and_a_missing_host_times_out(
         assert stranger.returncode == 1
         assert "refused this agent: host 'algo-7' is not a host of this job" in stranger.stderr
         agent = background(dtrain_home, tmp_path / "agent.log", *join, "--secret-file", str(secret))
-        assert controller.wait(timeout=60) == 1
+        deadline = time.monotonic() + 60
+        while "algo-1 joined" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        controller.send_signal(signal.SIGINT)
+        assert controller.wait(timeout=60) == 3
         assert agent.wait(timeout=20) == 0  # dismissed: the job ended
     finally:
         for process in (controller, locals().get("agent")):
             if process is not None and process.poll() is None:
                 process.kill()
-    output = (tmp_path / "controller.log").read_text()
+    output = log.read_text()
     assert "refused a connection from 127.0.0.1" in output and "wrong secret" in output
     journal = Path(describe(dtrain_home, "never-complete")["JobFolder"]) / "logs/controller.log"
     assert "refused a connection from 127.0.0.1" in journal.read_text()
     assert "algo-1 joined: 127.0.0.1 (lo)" in output
-    reason = describe(dtrain_home, "never-complete")["FailureReason"]
-    assert reason == "host(s) algo-2 did not join within 8 s"
+    assert describe(dtrain_home, "never-complete")["TrainingJobStatus"] == "Stopped"
+
+
+def test_hosts_that_never_join_fail_the_job_naming_them(dtrain_home: Path, tmp_path: Path) -> None:
+    flags = ["--cluster", f"join://127.0.0.1:{free_port()}", "--secret-file", str(tmp_path / "s")]
+    result = dtrain(
+        *run_flags("nobody-came", "--instance-count", "2", "--join-timeout", "1", *flags),
+        home=dtrain_home,
+    )
+    assert result.returncode == 1, result.stderr
+    reason = describe(dtrain_home, "nobody-came")["FailureReason"]
+    assert reason == "host(s) algo-1, algo-2 did not join within 1 s"
 
 
 def wait_for_file(path: Path) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.launch import wire
 from dtrain.launch.wire import (
     HANDSHAKE_LIMIT,
     HELLO_LIMIT,
@@ -243,7 +242,7 @@ def test_a_secret_file_is_created_private_and_a_readable_or_foreign_one_refused(
         read_secret(str(path))
     os.chmod(path, 0o600)
     owner = os.geteuid()
-    monkeypatch.setattr(wire.os, "geteuid", lambda: owner + 1)  # the file is another user's
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # the file is another user's
     with pytest.raises(ConfigError, match=f"a file of this user .*belongs to uid {owner}"):
         read_secret(str(path))
     monkeypatch.undo()

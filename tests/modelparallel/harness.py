@@ -123,7 +123,8 @@ def run_ranks(
 
 
 def _collect(out: Path, exitcodes: list[int | None], hung: list[int], timeout: float) -> list[Any]:
-    """Results in rank order; raises listing the failures, the earliest (likely the cause) first."""
+    """Results in rank order, their tensors on the CPU (a GPU rank's are compared with
+    references there); raises listing the failures, the earliest (likely the cause) first."""
     results: list[Any] = []
     problems: list[tuple[float, str]] = []
     for rank, exitcode in enumerate(exitcodes):
@@ -133,7 +134,7 @@ def _collect(out: Path, exitcodes: list[int | None], hung: list[int], timeout: f
             problems.append((math.inf, f"rank {rank}: {why}, no result (timeout {timeout:g} s)"))
             results.append(None)
             continue
-        ok, value = torch.load(file, weights_only=False)
+        ok, value = torch.load(file, weights_only=False, map_location="cpu")
         if not ok:
             problems.append((file.stat().st_mtime, f"rank {rank} raised:\n{value}"))
         results.append(value)

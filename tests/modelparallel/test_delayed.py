@@ -39,15 +39,19 @@ def _tensors(module: nn.Module) -> list[Tensor]:
     return list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
 
 
-def _assert_made_like_eager(build: Any) -> None:
-    eager = seeded(0, build)
-    lazy = _delayed(build)
+def _assert_made_like_eager(build: Any, where: str = "cpu") -> None:
+    """Made on ``where`` (the default device while the model is created): its random
+    initialisers draw from that device's generator, eagerly and recorded alike."""
+    device = torch.device(where)
+    with device:
+        eager = seeded(0, build)
+        lazy = _delayed(build)
     tensors = _tensors(lazy)
     assert tensors and all(t.is_meta for t in tensors)
     # Any order, any share: the second half first, then the rest.
-    deferred.materialize(tensors[len(tensors) // 2 :], torch.device("cpu"))
+    deferred.materialize(tensors[len(tensors) // 2 :], device)
     assert sum(t.is_meta for t in tensors) == len(tensors) // 2
-    deferred.materialize(tensors, torch.device("cpu"))
+    deferred.materialize(tensors, device)
     expected = eager.state_dict()
     for name, value in lazy.state_dict().items():
         assert value.dtype == expected[name].dtype, name
@@ -57,6 +61,12 @@ def _assert_made_like_eager(build: Any) -> None:
 @pytest.mark.parametrize("build", [ResidualTransformerLM, GroupedNet, SharedLayerLM])
 def test_our_models_are_made_with_their_eager_values(build: Any) -> None:
     _assert_made_like_eager(build)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [ResidualTransformerLM, GroupedNet])
+def test_models_created_on_the_gpu_are_made_with_their_eager_values(build: Any) -> None:
+    _assert_made_like_eager(build, "cuda:0")
 
 
 @pytest.mark.parametrize("case", ["gpt2", "llama", "bert"])

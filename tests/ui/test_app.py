@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import waitress
+import waitress.server
 from flask import Flask
 from flask.testing import FlaskClient
 
@@ -313,6 +313,7 @@ def test_bad_flags_are_refused_before_serving(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "short").write_text("abc\n")
+    (tmp_path / "short").chmod(0o600)
     assert main(["ui", *flags]) == 2
     assert expected in capsys.readouterr().err
 
@@ -346,7 +347,7 @@ def _serve(
     args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> tuple[str, FlaskClient]:
     """``dtrain ARGS`` with the server replaced: what it printed and a client of its app."""
-    monkeypatch.setattr(waitress, "create_server", _Server)
+    monkeypatch.setattr(waitress.server, "create_server", _Server)
     assert main(args) == 0
     return capsys.readouterr().out, _Server.apps[-1].test_client()
 
@@ -365,6 +366,29 @@ def test_beyond_loopback_a_token_is_made_and_required(
     assert client.get(f"/api/jobs?token={token.group(1)}").status_code == 200
 
 
+class _Sockets(waitress.server.MultiSocketServer):
+    """What waitress serves a name of several addresses with: one socket on each, each with a
+    port of its own when the port is 0, and no ``effective_port`` of its own."""
+
+    def run(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_name_of_several_addresses_prints_each(
+    dtrain_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def create_server(app: Flask, **options: object) -> _Sockets:
+        return _Sockets(effective_listen=[("::1", 8470), ("127.0.0.1", 8471)])
+
+    monkeypatch.setattr(waitress.server, "create_server", create_server)
+    assert main(["ui", "--host", "localhost", "--port", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "http://[::1]:8470/\n" in printed and "http://127.0.0.1:8471/\n" in printed, printed
+
+
 def test_a_given_token_is_required_on_loopback_too(
     dtrain_home: Path,
     tmp_path: Path,
@@ -372,6 +396,7 @@ def test_a_given_token_is_required_on_loopback_too(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "token").chmod(0o600)
     printed, client = _serve(["ui", "--token-file", str(tmp_path / "token")], monkeypatch, capsys)
     assert f"http://127.0.0.1:8470/?token={TOKEN}" in printed
     assert client.get("/api/jobs").status_code == 403

@@ -13,11 +13,15 @@ need a separate gloo group (SMDDP documents the same: it "can't be mixed with NC
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as BackendObject
 from torch._C._distributed_c10d import _DistributedBackendOptions
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName  # not in torch 2.6
 
 SMDDP = "smddp"
 
@@ -33,7 +37,7 @@ def register_smddp_backend() -> None:
     dist.Backend.register_backend(SMDDP, _create_backend, extended_api=True, devices=[device])
 
 
-def _create_backend(options: _DistributedBackendOptions, backend_options: Any) -> dist.Backend:
+def _create_backend(options: _DistributedBackendOptions, backend_options: Any) -> BackendObject:
     """torch's creator callback: the same backend object torch would build for nccl or gloo."""
     if torch.cuda.is_available():
         nccl_options = backend_options or dist.ProcessGroupNCCL.Options()
@@ -47,5 +51,5 @@ def _create_backend(options: _DistributedBackendOptions, backend_options: Any) -
         options.store, options.group_rank, options.group_size, options.timeout
     )
     gloo.options.global_ranks_in_group = options.global_ranks_in_group
-    gloo.options.group_name = options.group_id
+    gloo.options.group_name = cast("GroupName", options.group_id)
     return gloo

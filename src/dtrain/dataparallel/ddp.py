@@ -75,7 +75,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.device = _single_device(device_ids)
         self.broadcast_buffers = broadcast_buffers
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        world = dist.distributed_c10d._get_default_group()
+        self.process_group = process_group if process_group is not None else world
         self._require_sync = True
         _broadcast_from_root([*module.parameters(), *module.buffers()], self.process_group)
         strategy = self._transport(hierarchical, shared_memory, codec, [p for _, p in named])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dtrain.dataparallel.single import all_gather_single, reduce_scatter_single, started
 from dtrain.dataparallel.strategies import Transfer, own_group, private_buffers
 from dtrain.environment import switch
 from dtrain.topology import Topology
@@ -30,9 +31,6 @@ from dtrain.topology import Topology
 HIERARCHICAL_ENV = "DTRAIN_HIERARCHICAL_ALLREDUCE"
 """A switch (:mod:`dtrain.environment`) that forces hierarchical reduction on or off when the
 constructor leaves it None."""
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def wants_hierarchical(
@@ -80,11 +78,15 @@ class HierarchicalAllReduce:
     def launch(self, stage: int, transfer: Transfer) -> dist.Work:
         if stage == 0:
             transfer.scratch = transfer.wire.new_empty(transfer.wire.numel() // self.pad_multiple)
-            return _reduce_scatter(
-                transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
+            return started(
+                reduce_scatter_single(
+                    transfer.scratch, transfer.wire, group=self.scatter_group, async_op=True
+                )
             )
         shard = transfer.scratch
         assert shard is not None, "stage 0 allocates the shard"
         if stage == 1:
             return dist.all_reduce(shard, group=self.cross_host_group, async_op=True)
-        return _all_gather(transfer.wire, shard, group=self.gather_group, async_op=True)
+        return started(
+            all_gather_single(transfer.wire, shard, group=self.gather_group, async_op=True)
+        )

@@ -43,6 +43,8 @@ from dtrain.streams import SideStream
 class Reducer:
     """Owns the buckets of one DistributedDataParallel and the hooks that fill them."""
 
+    _in_backward: bool  # set by _reset
+
     def __init__(
         self,
         named_params: Sequence[tuple[str, nn.Parameter]],

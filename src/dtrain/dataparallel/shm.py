@@ -76,10 +76,14 @@ class SharedMemoryAllReduce:
     _chunks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        stages = [self._arrive, self._reduce, self._cross_host_done, self._gather]
+        self._stages: list[Callable[[torch.Tensor, Transfer], dist.Work]] = [
+            self._arrive,
+            self._reduce,
+            self._cross_host_done,
+            self._gather,
+        ]
         if self.cross_host is None:
-            stages.remove(self._cross_host_done)
-        self._stages: list[Callable[[torch.Tensor, Transfer], dist.Work]] = stages
+            self._stages.remove(self._cross_host_done)
 
     @classmethod
     def create(

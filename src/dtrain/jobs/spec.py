@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, overload
 
 SHARDING_TYPES = ("FullyReplicated", "ShardedByS3Key")
 
@@ -44,6 +44,9 @@ class JobSpec:
     checkpoint_local_path: str | None = None
     metric_definitions: tuple[dict[str, str], ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
+    hidden_environment: tuple[str, ...] = ()
+    """Variables whose values ``dtrain describe`` does not show: given by name or in a file
+    (``--environment NAME``, ``--environment-file``), never on a command line."""
     max_retry_attempts: int = 0
     cluster: str = "local"
     """Where the hosts are: ``local``, ``join://ADDR:PORT`` or ``ray://ADDR:PORT``."""
@@ -70,6 +73,7 @@ class JobSpec:
         data["channels"] = tuple(ChannelSpec(**c) for c in data.get("channels", ()))
         data["metric_definitions"] = tuple(data.get("metric_definitions", ()))
         data["script_args"] = tuple(data.get("script_args", ()))
+        data["hidden_environment"] = tuple(data.get("hidden_environment", ()))
         return cls(**data)
 
     def with_absolute_paths(self) -> JobSpec:
@@ -95,10 +99,11 @@ class JobSpec:
         )
 
 
-_Path = TypeVar("_Path", str, None)
-
-
-def _absolute(path: _Path) -> _Path:
+@overload
+def _absolute(path: str) -> str: ...
+@overload
+def _absolute(path: str | None) -> str | None: ...
+def _absolute(path: str | None) -> str | None:
     """A local path made absolute; URIs (``s3://``, ``file://``) and ``None`` stay as they are."""
     if path is None or "://" in path:
         return path

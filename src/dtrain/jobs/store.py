@@ -5,6 +5,7 @@ Several jobs and CLI calls share it safely.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sqlite3
@@ -256,7 +257,7 @@ class JobStore:
                 db.execute(f"DELETE FROM {table} WHERE job = ?", (name,))
             db.execute("COMMIT")
 
-    def transitions(self, name: str) -> list[Transition]:
+    def transitions(self, name: str) -> builtins.list[Transition]:
         with self._connect() as db:
             rows = db.execute(
                 "SELECT status, start_time, message FROM transitions WHERE job = ?"
@@ -275,7 +276,7 @@ class JobStore:
                 db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
                 db.execute("COMMIT")
 
-    def set_hosts(self, name: str, hosts: list[dict[str, Any]]) -> None:
+    def set_hosts(self, name: str, hosts: builtins.list[dict[str, Any]]) -> None:
         """The job's hosts as their agents reported them (name, address, interface, ...)."""
         with self._connect() as db:
             db.execute("DELETE FROM hosts WHERE job = ?", (name,))
@@ -284,14 +285,14 @@ class JobStore:
                 [(name, i, json.dumps(host, sort_keys=True)) for i, host in enumerate(hosts)],
             )
 
-    def hosts(self, name: str) -> list[dict[str, Any]]:
+    def hosts(self, name: str) -> builtins.list[dict[str, Any]]:
         with self._connect() as db:
             rows = db.execute(
                 "SELECT facts FROM hosts WHERE job = ? ORDER BY position", (name,)
             ).fetchall()
         return [json.loads(row["facts"]) for row in rows]
 
-    def metrics(self, name: str) -> list[MetricSample]:
+    def metrics(self, name: str) -> builtins.list[MetricSample]:
         with self._connect() as db:
             rows = db.execute(
                 "SELECT name, value, timestamp, step FROM metrics WHERE job = ?"
@@ -311,7 +312,7 @@ class JobStore:
             ).fetchall()
         return {row["name"]: row["value"] for row in rows}
 
-    def recent_metrics(self, name: str, count: int) -> list[MetricSample]:
+    def recent_metrics(self, name: str, count: int) -> builtins.list[MetricSample]:
         """The last ``count`` samples, in step order, of the job's metric logged most often:
         what ``dtrain jobs`` shows of a job (:func:`dtrain.jobs.live.latest`), read without its
         whole history."""

@@ -196,7 +196,7 @@ class Controller:
                     raise DtrainError(
                         f"{phase}: host {name} left: {shown(event.message['reason'])}"
                     )
-                if event.message.kind == kind and name in hosts:
+                if event.message.kind == kind and name is not None and name in hosts:
                     replies[name] = event.message
                 if event.message.kind == "copied" and self.on_copied is not None and name:
                     copied = event.message
@@ -318,12 +318,12 @@ class Controller:
         if message.kind == "exited":
             code = message["code"]
             tail = "\n".join(shown(line, None) for line in message["tail"].splitlines())
-            failure = (
+            failed = (
                 rank_failure(name, message["rank"], code, message["time"], tail)
                 if code != 0
                 else None
             )
-            return attempt.rank_exited(failure, message["stopped"])
+            return attempt.rank_exited(failed, message["stopped"])
         if message.kind == "done":
             attempt.host_done(name)
         return False

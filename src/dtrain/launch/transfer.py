@@ -48,7 +48,7 @@ class _ChunkWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: bytes) -> int:  # type: ignore[override]
+    def write(self, data: bytes) -> int:  # type: ignore[override]  # tarfile writes bytes
         self._buffer += data
         while len(self._buffer) >= CHUNK:
             self._check()
@@ -83,7 +83,7 @@ def send_folder(
     """Send every file under ``folder`` (names relative to it) as the tar stream ``stream``;
     ``check`` is called before each chunk and may raise to give up."""
     writer = _ChunkWriter(lambda data: connection.send("chunk", data, stream=stream), check)
-    with tarfile.open(fileobj=writer, mode="w|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=writer, mode="w|") as tar:
         if folder.is_dir():
             for path in files_under(folder, skip):
                 tar.add(path, arcname=path.relative_to(folder).as_posix(), recursive=False)
@@ -143,7 +143,7 @@ class ChunkReader(io.RawIOBase):
         while self.read(CHUNK):
             pass
 
-    def readinto(self, target: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, target: bytearray) -> int:  # type: ignore[override]  # read()'s bytearray
         while not self._current and not self._ended:
             self.check()
             try:
@@ -257,7 +257,7 @@ def repack(
     """Copy the regular files of tar stream ``source`` into ``target``, but names in ``seen``,
     without setuid, setgid or sticky bits: whoever unpacks the archive gets no program that
     runs as someone else."""
-    with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=source, mode="r|") as tar:
         for member in _regular_files(tar, skipped):
             name = member.name
             if name in seen:
@@ -270,7 +270,7 @@ def repack(
 def unpack_files(source: io.RawIOBase, folder: Path, skipped: Skipped) -> None:
     """Extract the regular files of tar stream ``source`` into ``folder`` (tarfile's ``data``
     filter), skipping and saying every other member."""
-    with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=source, mode="r|") as tar:
         for member in _regular_files(tar, skipped):
             tar.extract(member, folder, filter="data")
 
@@ -281,5 +281,5 @@ def unpack(source: io.RawIOBase, folder: Path) -> None:
     The filter refuses absolute names, ``..``, links that point out of ``folder`` and device
     files, and clears setuid, setgid and sticky bits and group and others' write bits.
     """
-    with tarfile.open(fileobj=source, mode="r|") as tar:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=source, mode="r|") as tar:
         tar.extractall(folder, filter="data")

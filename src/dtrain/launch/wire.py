@@ -29,19 +29,16 @@ import hashlib
 import hmac
 import ipaddress
 import json
-import os
 import re
 import reprlib
 import secrets
 import select
 import socket
-import stat
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -52,6 +49,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
+from dtrain.secretfile import create_secret_file, read_secret_file
 
 PROTOCOL_VERSION = 5
 """3: the start message names a module entry point (-m); rank output carries each line's time
@@ -692,37 +690,16 @@ def new_secret() -> bytes:
 def read_secret(path: str, create: bool = False) -> bytes:
     """The secret in ``path`` (``-``: standard input); ``create`` makes a new file, mode 0600.
 
-    A file other users can read or write, or that another user owns, is refused, as ssh refuses
-    such a key: whoever reads it can join the job and run code on every machine, and whoever
-    owns it can make it readable.
+    A file is read only if it passes :mod:`dtrain.secretfile`'s checks (as ssh refuses a key
+    others can read or replace): whoever reads it can join the job and run code on every
+    machine.
     """
     if path == "-":
         secret = sys.stdin.readline().strip().encode()
     else:
-        file = Path(path).expanduser()
-        if create and not file.exists():
-            file.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as handle:
-                handle.write(new_secret() + b"\n")
-        try:
-            status = file.stat()
-            secret = file.read_bytes().strip()
-        except OSError as error:
-            raise ConfigError("secret_file", path, f"a readable file ({error.strerror})") from None
-        if status.st_uid != os.geteuid():
-            raise ConfigError(
-                "secret_file",
-                path,
-                f"a file of this user (uid {os.geteuid()}; it belongs to uid {status.st_uid})",
-            )
-        if status.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                "secret_file",
-                path,
-                "a file only its owner can read "
-                f"(mode is {stat.S_IMODE(status.st_mode):04o}; chmod 600 it)",
-            )
+        if create:
+            create_secret_file(path, new_secret() + b"\n")
+        secret = read_secret_file("secret_file", path).strip()
     if len(secret) < 16:
         raise ConfigError("secret_file", path, "a secret of at least 16 characters")
     return secret

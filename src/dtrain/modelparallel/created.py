@@ -42,7 +42,7 @@ def watching(watcher: Watcher) -> Iterator[None]:
     global _open
     with _patch_lock:
         if _open == 0:
-            nn.Module.__init__ = _watched_init  # type: ignore[method-assign]
+            nn.Module.__init__ = _watched_init  # type: ignore[method-assign]  # every creation watched
         _open += 1
     _watchers().append(watcher)
     try:
@@ -52,4 +52,4 @@ def watching(watcher: Watcher) -> Iterator[None]:
         with _patch_lock:
             _open -= 1
             if _open == 0:
-                nn.Module.__init__ = _original_init  # type: ignore[method-assign]
+                nn.Module.__init__ = _original_init  # type: ignore[method-assign]  # torch's again

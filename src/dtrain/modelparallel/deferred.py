@@ -85,7 +85,7 @@ class _Ref:
             tensor.dtype,
             tuple(tensor.shape),
             tuple(tensor.stride()),
-            tensor.storage_offset(),
+            int(tensor.storage_offset()),  # an int here: recorded tensors have real shapes
         )
 
 

@@ -35,7 +35,7 @@ from dtrain.modelparallel.errors import (
 )
 from dtrain.modelparallel.options import RuntimeOptions
 from dtrain.sealed import Seals, job_key
-from dtrain.topology import Topology
+from dtrain.topology import GroupKind, Topology
 
 ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
 """Where SageMaker (and ``dtrain run``) put the job's model-parallel parameters, as JSON."""
@@ -43,7 +43,7 @@ ENV_PARAMETERS = "SM_HP_MP_PARAMETERS"
 WHERE = "mp_parameters"
 """How errors name the merged parameters (``mp_parameters.microbatches: got 0; ...``)."""
 
-GROUP_KINDS = ("pp", "dp", "mp", "tp", "rdp")
+GROUP_KINDS: tuple[GroupKind, ...] = ("pp", "dp", "mp", "tp", "rdp")
 
 RECEIVE_LIMIT = 7 * 24 * 3600.0
 """Timeout of the pipeline's messaging groups, where a receiver always waits for its peer's
@@ -532,7 +532,9 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         torch.cuda.set_device(device)  # the main thread's; pool and receiver threads set theirs
     maker = _GroupMaker(me, options.timeout)
     groups = {kind: maker.mine(topology.all_groups(kind), backend) for kind in GROUP_KINDS}
-    objects = {kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS}
+    objects: dict[str, dist.ProcessGroup] = {
+        kind: maker.mine(topology.all_groups(kind), "gloo") for kind in GROUP_KINDS
+    }
     objects["world"] = maker.mine([list(range(world))], "gloo")
     pipelines = topology.all_groups("pp")
     messaging = maker.mine(pipelines, "gloo", fresh=True, idle=True)
@@ -567,7 +569,7 @@ def _build(values: dict[str, Any], options: RuntimeOptions, owns_world: bool) ->
         mp_group=members["mp"],
         tp_group=members["tp"],
         rdp_group=members["rdp"],
-        world_process_group=dist.group.WORLD,
+        world_process_group=dist.distributed_c10d._get_default_group(),
         pp_process_group=groups["pp"],
         dp_process_group=groups["dp"],
         mp_process_group=groups["mp"],

@@ -69,14 +69,21 @@ def file_in_job(record: JobRecord, relative: str) -> Path | None:
     """The file ``relative`` names inside the job's folder, or ``None`` when it is not one.
 
     Absolute paths, ``..`` and symbolic links whose target lies outside the folder are refused,
-    and so are the hidden files and the channel copies.
+    and so are the hidden files and the channel copies. So is whatever the file system cannot
+    look up (a NUL byte, a name too long, a loop of links): a request's path is not found, never
+    an error of the server.
     """
     root = Path(record.folder).resolve()
     requested = PurePosixPath(relative)
-    if requested.is_absolute() or ".." in requested.parts or "\\" in relative or not relative:
+    if not relative or "\0" in relative or "\\" in relative:
         return None
-    path = (root / requested).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
+    if requested.is_absolute() or ".." in requested.parts:
+        return None
+    try:
+        path = (root / requested).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            return None
+    except (OSError, RuntimeError):  # RuntimeError: a loop of links (Python < 3.13)
         return None
     inside = PurePosixPath(path.relative_to(root).as_posix())
     if str(inside) in HIDDEN_FILES or _channel_copies(inside):
@@ -160,7 +167,7 @@ def job_detail(store: JobStore, name: str) -> dict[str, Any]:
     # Names only: values are often credentials, and the page may be seen by others.
     description["Environment"] = sorted(description["Environment"])
     logs, host_ranks = _ranks(record, spec)
-    found = []
+    found: list[tuple[bool, str, os.stat_result]] = []
     for relative, info in _job_files(Path(record.folder)):
         if len(found) == MAX_LISTED_FILES * 10:
             break
@@ -230,8 +237,8 @@ def find_views(record: JobRecord) -> list[dict[str, Any]]:
     for _, _, path in rank_logs(JobFolder(root).logs_dir):
         text = _plan_in_log(path)
         if text is not None:
-            relative = path.relative_to(root).as_posix()
-            views.append({"kind": "plan-text", "path": relative, "text": text})
+            log = path.relative_to(root).as_posix()
+            views.append({"kind": "plan-text", "path": log, "text": text})
     return views
 
 
@@ -240,12 +247,12 @@ def read_view(record: JobRecord, relative: str) -> dict[str, Any] | None:
     path = file_in_job(record, relative)
     if path is None:
         return None
-    kind = _json_kind(path, path.stat().st_size)
-    if kind is None:
-        return None
-    try:
+    try:  # the job may remove or replace it meanwhile: then it is not found
+        kind = _json_kind(path, path.stat().st_size)
+        if kind is None:
+            return None
         content = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     if not isinstance(content, dict):
         return None

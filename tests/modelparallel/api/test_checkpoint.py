@@ -19,7 +19,7 @@ import torch
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api.checkpoint import OPTIMIZER_SHARDS_KEY
-from dtrain.modelparallel.api.model import DEGREES_KEY
+from dtrain.modelparallel.api.state_dicts import DEGREES_KEY
 from dtrain.modelparallel.errors import ModelParallelError, NotInitializedError
 from tests.modelparallel.harness import run_ranks, single_process
 

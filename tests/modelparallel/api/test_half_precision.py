@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from tests.modelparallel.harness import run_ranks
+from tests.modelparallel.harness import first_visible_gpu, run_ranks
 from tests.modelparallel.hf_cases import HF_ENV
 from tests.modelparallel.hf_cases import build as build_hf
 from tests.modelparallel.models import ResidualTransformerLM
@@ -96,6 +96,8 @@ class Recipe:
     clip_master_grads: bool = False
     """Sharded: clip to ``clip`` by ``optimizer.clip_master_grads`` (``sdp_gradient_clipping``
     0), not in ``optimizer.step()``."""
+    device: str = "cpu"
+    """Where the reference computes: the ranks' device (theirs is the one ``smp.init`` picks)."""
 
 
 def _rows(batch: Batch, index: int, parts: int) -> Batch:
@@ -111,7 +113,7 @@ def reference(recipe: Recipe, case: Case | None = None) -> dict[str, Any]:
     """The recipe in one process (static loss scale only), on ``case`` (default: the
     recipe's)."""
     case = case or CASES[recipe.case]
-    model = case.build()
+    model = case.build().to(recipe.device)
     named = dict(model.named_parameters())
     masters = {n: nn.Parameter(p.detach().clone()) for n, p in named.items()}
     model.to(DTYPES[recipe.dtype])
@@ -119,7 +121,7 @@ def reference(recipe: Recipe, case: Case | None = None) -> dict[str, Any]:
     scale = recipe.static_loss_scale
     losses, norms, scales = [], [], []
     for step in range(recipe.steps):
-        batch = case.batch(step)
+        batch = {key: value.to(recipe.device) for key, value in case.batch(step).items()}
         for master in masters.values():
             master.grad = None
         replica_losses = []
@@ -158,8 +160,8 @@ def reference(recipe: Recipe, case: Case | None = None) -> dict[str, Any]:
     return {
         "losses": losses,
         "scales": scales,
-        "masters": {n: m.detach() for n, m in masters.items()},
-        "model": {n: p.detach() for n, p in named.items()},
+        "masters": {n: m.detach().cpu() for n, m in masters.items()},
+        "model": {n: p.detach().cpu() for n, p in named.items()},
         "norms": norms,
     }
 
@@ -307,6 +309,19 @@ def test_bf16_pipeline_trains_like_one_process_with_fp32_masters() -> None:
         assert got["master_bytes"] == 2 * got["local_bytes"] > 0
 
 
+@pytest.mark.gpu
+def test_fp16_pipeline_on_one_gpu_trains_like_one_process_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both partitions on one GPU (a gloo world), fp16 parameters with a dynamic loss scale that
+    one huge loss overflows (the step skipped on both ranks), fp32 masters."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    recipe = Recipe(
+        "lm", "fp16", static_loss_scale=1024.0, dynamic=True, huge_loss_at=1, device="cuda"
+    )
+    _check(run_ranks(2, _train, recipe, timeout=180.0), recipe)
+
+
 def test_bf16_delayed_initialisation_casts_each_rank_share_once_made() -> None:
     recipe = Recipe("lm", "bf16", steps=2, delayed=True)
     _check(run_ranks(2, _train, recipe), recipe)
@@ -421,6 +436,17 @@ def _check_sharded(results: list[dict[str, Any]], recipe: Recipe) -> None:
 def test_bf16_sharded_trains_like_one_process_with_fp32_shards_as_masters() -> None:
     recipe = Recipe("lm", "bf16", dp=2, clip=0.5, sdp=2)
     _check_sharded(run_ranks(2, _train_sharded, recipe), recipe)
+
+
+@pytest.mark.gpu
+def test_bf16_sharded_on_one_gpu_trains_like_one_process_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FSDP2 over two ranks sharing one GPU (a gloo world): DTensor shards on the GPU,
+    gathered in bf16, reduce-scattered in fp32, clipped by the optimizer's step."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    recipe = Recipe("lm", "bf16", dp=2, clip=0.5, sdp=2, device="cuda")
+    _check_sharded(run_ranks(2, _train_sharded, recipe, timeout=180.0), recipe)
 
 
 def test_bf16_hybrid_sharding_reduces_across_groups_in_fp32() -> None:

@@ -484,14 +484,48 @@ def test_marks_that_cannot_be_honoured_fail_before_training(case: str, match: st
 # --- offloading (GPUs only) -------------------------------------------------------------------
 
 
+def test_offloading_leaves_what_is_not_on_a_gpu_where_it_is() -> None:
+    """On the CPU there is nothing to offload: what the checkpoint saves stays as it is."""
+    x = torch.randn(2, DIM, requires_grad=True)
+    assert activations._to_host(x) is x and activations._to_device(x) is x
+
+
 @pytest.mark.gpu
-def test_an_offloaded_input_waits_in_pinned_host_memory_and_its_gradient_returns() -> None:
-    x = torch.randn(4, DIM, device="cuda", requires_grad=True)
-    host = activations._ToHost.apply(x)
-    assert (host.device.type, host.is_pinned()) == ("cpu", True)
-    (host * 2).sum().backward()
-    assert x.grad is not None and x.grad.device == x.device
-    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+def test_an_offloaded_region_recomputes_its_dropout_masks_and_keeps_gradients_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checkpoint is given the GPU inputs themselves: it restores their GPU's random state
+    for the recomputation, so dropout draws the masks the forward drew and the gradients are
+    those of the module run plainly; the input it saved waited in pinned host memory, and the
+    input's gradient is made on the GPU."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(DIM, DIM), nn.Dropout(0.5), nn.Linear(DIM, DIM)).cuda()
+    x = torch.randn(16, DIM, device="cuda")
+    offloaded: list[Any] = []
+    to_host = activations._to_host
+
+    def recorded(tensor: Tensor) -> Any:
+        offloaded.append(to_host(tensor))
+        return offloaded[-1]
+
+    monkeypatch.setattr(activations, "_to_host", recorded)
+
+    def gradients(run: Any) -> list[Tensor]:
+        block.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        torch.cuda.manual_seed(1)
+        run(inputs).square().sum().backward()
+        assert inputs.grad is not None
+        return [inputs.grad, *(p.grad for p in block.parameters() if p.grad is not None)]
+
+    spec = activations.CheckpointSpec()
+    got = gradients(lambda h: activations._offloaded_call(block, spec, (h,), {}))
+    expected = gradients(block)
+    host = [saved.host for saved in offloaded if isinstance(saved, activations._HostCopy)]
+    assert [(t.device.type, t.is_pinned()) for t in host] == [("cpu", True)]
+    assert got[0].device == x.device
+    for mine, plain in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, plain, rtol=0, atol=0)
 
 
 def _offloading(offload: bool) -> dict[str, Any]:
@@ -506,14 +540,15 @@ def _offloading(offload: bool) -> dict[str, Any]:
         }
     )
     offloaded = 0
-    to_host = activations._ToHost.apply
+    to_host = activations._to_host
 
-    def counting(tensor: Tensor) -> Tensor:
+    def counting(tensor: Tensor) -> Any:
         nonlocal offloaded
-        offloaded += 1
-        return to_host(tensor)
+        saved = to_host(tensor)
+        offloaded += isinstance(saved, activations._HostCopy)
+        return saved
 
-    activations._ToHost.apply = counting  # type: ignore[method-assign]
+    activations._to_host = counting  # type: ignore[assignment]
     module = _Net(Setup())
     for name in SPLIT:
         smp.set_partition(module.get_submodule(name), 1)

@@ -8,6 +8,8 @@ tasks as their threads would."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch
 from dtrain.modelparallel.modules.generators import ForkedGenerators, forked
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.tensor import module
 
 ORDERS = {
     # F0, F1, 2:F0, 2:F1: A's region (an LM head's) ends on its second visit, after B's began.
@@ -101,3 +104,52 @@ def test_a_fork_outside_tasks_is_a_plain_fork() -> None:
     assert isinstance(generators, ForkedGenerators) and generators.away
     assert inside == _draw(torch.Generator().manual_seed(9))
     assert after == _draw(torch.Generator().manual_seed(3))
+
+
+def test_forks_seed_the_cpu_and_their_own_gpus_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.manual_seed`` seeds every GPU too (queued until CUDA starts, where it has not),
+    which a fork restores only for the GPUs it names: a region's or a distributed module's
+    seed would then be every rank's GPU stream, and replicas seeded apart would draw the same
+    dropout masks. On a CPU rank no GPU generator is touched."""
+    gpus_seeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", gpus_seeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", gpus_seeded.append)
+    rank = SimpleNamespace(config={"tensor_parallel_seed": 5}, device=torch.device("cpu"))
+    monkeypatch.setattr(module.state, "current", lambda what=None: rank)
+    monkeypatch.setattr(module, "_created", itertools.count())  # this module is the first
+    saved = torch.get_rng_state()
+    try:
+        torch.manual_seed(3)
+        gpus_seeded.clear()  # the script's own seed, for every device
+        with forked(9):
+            in_region = _draw()
+        with module.seeded("smp.nn.DistributedLinear"):
+            creating = _draw()
+        after = _draw()
+    finally:
+        torch.set_rng_state(saved)
+    assert gpus_seeded == []
+    assert in_region == _draw(torch.Generator().manual_seed(9))
+    assert creating == _draw(torch.Generator().manual_seed(5))
+    assert after == _draw(torch.Generator().manual_seed(3))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_rank_a_modules_seed_is_forked_on_its_gpu_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A distributed module created on the GPU draws from the seed there; afterwards the GPU's
+    stream goes on as if the module had not been made."""
+    gpu = torch.device("cuda", 0)
+    rank = SimpleNamespace(config={"tensor_parallel_seed": 5}, device=gpu)
+    monkeypatch.setattr(module.state, "current", lambda what=None: rank)
+    monkeypatch.setattr(module, "_created", itertools.count())
+    torch.cuda.manual_seed(3)
+    with module.seeded("smp.nn.DistributedLinear"):
+        creating = torch.rand(3, device=gpu)
+    after = torch.rand(3, device=gpu)
+    assert torch.equal(
+        creating, torch.rand(3, device=gpu, generator=torch.Generator(gpu).manual_seed(5))
+    )
+    torch.cuda.manual_seed(3)
+    assert torch.equal(after, torch.rand(3, device=gpu))

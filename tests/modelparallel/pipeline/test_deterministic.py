@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
-from dtrain.modelparallel.api.model import check_own_code_placement, with_own_code
+from dtrain.modelparallel.api.partitioning import check_own_code_placement, with_own_code
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.executor import Executor, Task
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import dtrain.modelparallel as smp
 from dtrain.errors import ConfigError
-from dtrain.modelparallel.api.model import trace_device_of
+from dtrain.modelparallel.api.partitioning import trace_device_of
 from dtrain.modelparallel.errors import (
     ModelParallelError,
     MultipleDistributedModelError,

@@ -254,16 +254,20 @@ def test_a_model_that_fits_nowhere_says_by_how_much() -> None:
 # --- the job's check against its GPU ----------------------------------------------------------
 
 
-def job_state(device: str, **parameters: Any) -> Any:
+def job_state(device: str, local_size: int = 2, **parameters: Any) -> Any:
     config = validate_mp_parameters({"partitions": 2, **parameters})
-    return SimpleNamespace(config=config, device=torch.device(device), options=RuntimeOptions())
+    return SimpleNamespace(
+        config=config, device=torch.device(device), options=RuntimeOptions(), local_size=local_size
+    )
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """A GPU of 80 GiB whose free memory the test sets."""
-    figures = {"free": 0}
+    """The host's GPUs (two) of 80 GiB, whose free memory and cuBLAS workspace the test sets."""
+    figures = {"free": 0, "gpus": 2, "workspace": 0}
     monkeypatch.setattr(fit, "available_device_memory", lambda device, module: figures["free"])
+    monkeypatch.setattr(fit, "cublas_workspace_bytes", lambda device: figures["workspace"])
+    monkeypatch.setattr(fit.state, "visible_gpus", lambda: figures["gpus"])
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
@@ -284,7 +288,9 @@ def test_a_job_on_a_gpu_that_is_too_small_fails_before_its_first_step(
     with pytest.raises(MemoryLimitError) as error:
         fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {}, ())
     message = str(error.value)
-    assert "more than the 39.1 KiB free on GPU cuda:0 (of 80.0 GiB)" in message
+    assert (
+        "more than the 39.1 KiB left on GPU cuda:0 (of 80.0 GiB; its free memory, less" in message
+    )
     assert "A layout that fits: partitions 2 -> 4" in message
     fake_gpu["free"] = 1 << 30
     checked = fit.check_device_memory(plan, profile, st, nn.Linear(1, 1), {}, ())
@@ -296,6 +302,45 @@ def test_a_job_on_a_gpu_that_is_too_small_fails_before_its_first_step(
     monkeypatch.setattr(fit.state, "current_optimizer", lambda: None)
     on_cpu = fit.check_device_memory(plan, profile, job_state("cpu"), nn.Linear(1, 1), {}, ())
     assert on_cpu.peak_memory[0].optimizer == 0  # no optimizer registered: none counted
+
+
+def test_ranks_sharing_a_gpu_share_its_memory_and_each_thread_keeps_a_cublas_workspace(
+    fake_gpu: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp=2 on two GPUs, then on one: a partition may take the free memory, then half of it,
+    less a cuBLAS workspace for the main thread and each microbatch in flight (interleaved, 2
+    partitions: 4)."""
+    profile = layers(8, PARAMS, activation_bytes=8)
+    plan = auto_plan(profile, 2, memory_weight=0.2).with_memory(MemorySettings(microbatches=8))
+    st = job_state("cuda:0", local_size=2, microbatches=8)
+    fake_gpu.update(free=10 << 30, workspace=32 << 20)
+    assert fit.device_limit(plan, st, nn.Linear(1, 1)) == (
+        (10 << 30) - 5 * (32 << 20),
+        "left on GPU cuda:0 (of 80.0 GiB; its free memory, less 160.0 MiB of cuBLAS workspaces "
+        "for 5 threads)",
+    )
+    fake_gpu["gpus"] = 1
+    limit, name = fit.device_limit(plan, st, nn.Linear(1, 1))
+    assert limit == (5 << 30) - 5 * (32 << 20)
+    assert "its free memory over the 2 ranks that share it, less 160.0 MiB" in name
+    fake_gpu["workspace"] = 8 << 30  # more than a share: nothing left, not a negative limit
+    assert fit.device_limit(plan, st, nn.Linear(1, 1))[0] == 0
+
+
+def test_a_cublas_workspace_is_torchs_figure_or_its_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch._C, "_cuda_getCublasWorkspaceSize", raising=False)
+    hopper = SimpleNamespace(major=9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: hopper)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert fit.cublas_workspace_bytes(torch.device("cuda:0")) == 32 << 20
+    hopper.major = 8
+    assert fit.cublas_workspace_bytes(torch.device("cuda:0")) == (4096 * 2 + 16 * 8) << 10
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert fit.cublas_workspace_bytes(torch.device("cuda:0")) == 32 << 20
+    monkeypatch.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 5, raising=False)
+    assert fit.cublas_workspace_bytes(torch.device("cuda:0")) == 5
 
 
 def test_free_memory_counts_the_cache_and_the_model_already_there(

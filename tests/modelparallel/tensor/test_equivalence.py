@@ -323,17 +323,21 @@ def test_earlier_gradients_are_multiplied_only_where_their_average_divides_by_tp
     divisor is the number of batches the rdp group holds), so only its gradient is multiplied
     by it first, in place, and comes out of the average as it was: rdp ranks holding ``e``
     alike and ``n_r`` of their own give ``e + sum(n_r) / (rdp * tp)``."""
-    from dtrain.modelparallel.tensor import shards
+    from dtrain.modelparallel.tensor import averages
 
     rdp = 2
     st: Any = SimpleNamespace(tp_size=tp, rdp_size=rdp, config={"prescaled_batch": prescaled})
-    assert shards.tp_batches(st) == factor
-    earlier = [torch.full((3,), 0.5) for _ in range(rdp)]
+    assert averages.tp_batches(st) == factor
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(rdp)]
+    for param in params:
+        param.grad = torch.full((3,), 0.5)
+        setattr(param, averages.SCALED_BATCH, True)
+    earlier = [param.grad for param in params]
     memory = [grad.data_ptr() for grad in earlier]
     new = [torch.arange(3.0) + rank for rank in range(rdp)]
-    for grad in earlier:
-        shards.carry_earlier([grad], shards.tp_batches(st))
-    assert [grad.data_ptr() for grad in earlier] == memory
+    for param in params:
+        averages.carry_earlier([param], st)
+    assert [param.grad.data_ptr() for param in params] == memory
     assert all(torch.equal(grad, torch.full((3,), 0.5 * factor)) for grad in earlier)
     averaged = sum(e + n for e, n in zip(earlier, new, strict=True)) / (rdp * factor)
     torch.testing.assert_close(averaged, 0.5 + sum(new) / (rdp * factor))

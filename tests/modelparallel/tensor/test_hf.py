@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.averages import is_scaled_batch
 from dtrain.modelparallel.tensor.huggingface import inplace
 from tests.modelparallel import hf_cases
 from tests.modelparallel.harness import run_ranks, single_process
@@ -170,7 +170,7 @@ def _train(name: str, **changes: Any) -> dict[str, Any]:
     unmade = sorted(n for n, p in module.named_parameters() if p.is_meta)
     losses = hf_cases.train_wrapped(model, spec.batches, STEPS)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
-    rows = sorted(n for n, p in module.named_parameters() if not shards.is_scaled_batch(p))
+    rows = sorted(n for n, p in module.named_parameters() if not is_scaled_batch(p))
     trained = {key: value.clone() for key, value in model.state_dict().items()}
     model.load_state_dict(spec.build().state_dict())  # the plain model's, back in
     reloaded = model.state_dict()

@@ -16,7 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import swap
-from dtrain.modelparallel.tensor.shards import whole
+from dtrain.modelparallel.tensor.dtensors import whole
 from tests.modelparallel.harness import run_ranks, single_process
 
 LM = {

@@ -17,7 +17,7 @@ from torch import nn
 import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules import activations
-from tests.modelparallel.harness import run_ranks, single_process
+from tests.modelparallel.harness import first_visible_gpu, run_ranks, single_process
 from tests.modelparallel.tensor.test_equivalence import LM as EQUIVALENCE_LM
 from tests.modelparallel.tensor.test_hf import MODELS
 
@@ -35,20 +35,20 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     with single_process({}):
         torch.manual_seed(SEED)
-        model = smp.nn.DistributedTransformerLMHead(**LM)
+        model = smp.nn.DistributedTransformerLMHead(**LM).to(device)
         optimizer = _optimizer(model.parameters())
         losses = []
         for step in range(STEPS):
             optimizer.zero_grad()
-            ids = _batch(step)
+            ids = _batch(step).to(device)
             loss, _ = model((ids, None, None, None, ids))
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        return losses, model.state_dict()
+        return losses, {key: value.cpu() for key, value in model.state_dict().items()}
 
 
 def _train(checkpointed: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -162,20 +162,42 @@ def _on_ranks(prescaled: bool) -> dict[str, Any]:
     return out
 
 
+def _trained_on_ranks() -> tuple[list[float], dict[str, torch.Tensor]]:
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    return _train("layers")
+
+
+@pytest.mark.gpu
+def test_a_tp_region_on_one_gpu_trains_as_one_process_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tp=2 on two ranks sharing one GPU (a gloo world: DTensor's and the region's collectives
+    on GPU tensors), dropout drawn on the GPU from the group's seed, layers checkpointed."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", first_visible_gpu())
+    _assert_trained_as_one_process(run_ranks(2, _trained_on_ranks, timeout=180), "cuda")
+
+
+def _assert_trained_as_one_process(
+    ranks: list[tuple[list[float], dict[str, torch.Tensor]]], device: str, prescaled: bool = False
+) -> None:
+    """The parameters one process trains, on every rank; the losses of the ranks' rows average
+    to one process's (with prescaled_batch each rank's is the whole batch's)."""
+    losses, params = _one_process(device)
+    for trained_losses, trained in ranks:
+        if prescaled:
+            assert trained_losses == pytest.approx(losses, rel=1e-5)
+        for key, value in params.items():
+            torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    mean = [sum(rank[0][step] for rank in ranks) / 2 for step in range(STEPS)]
+    assert mean == pytest.approx(losses, rel=1e-5)
+
+
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_dropout_and_checkpointing_inside_the_region_train_as_one_process(
     prescaled: bool,
 ) -> None:
     ranks = run_ranks(2, _on_ranks, prescaled, timeout=180)
-    losses, params = _one_process()
-    for rank in ranks:
-        trained_losses, trained = rank["trained"]
-        if prescaled:  # each rank the whole batch's loss
-            assert trained_losses == pytest.approx(losses, rel=1e-5)
-        for key, value in params.items():
-            torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-6)
-    mean = [sum(rank["trained"][0][step] for rank in ranks) / 2 for step in range(STEPS)]
-    assert mean == pytest.approx(losses, rel=1e-5)
+    _assert_trained_as_one_process([rank["trained"] for rank in ranks], "cpu", prescaled)
     if prescaled:
         rule = (
             "with prescaled_batch=True every rank of tensor-parallel group [0, 1] must bring the "

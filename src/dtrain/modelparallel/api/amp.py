@@ -11,10 +11,9 @@ tensor-parallel model's DTensor gradients are checked and unscaled on each rank'
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from dtrain.modelparallel import state
-from dtrain.modelparallel.api.precision import local_part
+from dtrain.modelparallel.api.precision import overflowed
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -51,10 +50,11 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        """torch's unscaling, on this rank's part of each gradient: torch's groups a tensor
+        """torch's unscaling, on this rank's part of each gradient (torch's groups a tensor
         parallel model's DTensor gradients with plain ones of the same device and dtype, which
-        its kernel refuses. Each rank checks what it holds; the flag is then agreed."""
-        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        its kernel refuses), the flag agreed over the world (:func:`.precision.overflowed`):
+        one flag, on the scale's device, which ``step`` and ``update`` read."""
+        grads = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -67,19 +67,6 @@ class GradScaler(torch.amp.GradScaler):
                         if grad.dtype == torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
-                    grad = local_part(grad)
-                    grads.setdefault((grad.device, grad.dtype), []).append(grad)
-            per_device: dict[torch.device, torch.Tensor] = {}
-            for (device, _), same in grads.items():
-                flag = per_device.setdefault(device, found_inf.to(device, copy=True))
-                torch._amp_foreach_non_finite_check_and_unscale_(same, flag, inv_scale.to(device))
-        seen = torch.zeros((), dtype=torch.float32, device=found_inf.device)
-        for flag in per_device.values():
-            seen += flag.to(seen.device)
-        dist.all_reduce(seen, group=self._world)
-        agreed = (seen > 0).float()
-        # A rank without gradients still reports the agreed flag (step/update require one).
-        per_device = per_device or {found_inf.device: found_inf}
-        for flag in per_device.values():
-            flag.copy_(agreed.to(flag.device))
-        return per_device
+                    grads.append(grad)
+            found_inf.copy_(overflowed(grads, inv_scale, found_inf.device, self._world))
+        return {found_inf.device: found_inf}

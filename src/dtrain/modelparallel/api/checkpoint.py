@@ -46,8 +46,9 @@ import torch
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.api import comm
-from dtrain.modelparallel.api.model import DEGREES_KEY, DistributedModel, check_degrees
+from dtrain.modelparallel.api.model import DistributedModel
 from dtrain.modelparallel.api.precision import FP16_STATES
+from dtrain.modelparallel.api.state_dicts import DEGREES_KEY, check_degrees
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
 from dtrain.modelparallel.tensor import translated
@@ -492,7 +493,7 @@ def _numpy_classes() -> list[Any]:
         for name in dir(np.dtypes)
         if name.endswith("DType") and name not in ("ObjectDType", "VoidDType")
     ]
-    multiarray = np._core.multiarray
+    multiarray = np._core.multiarray  # type: ignore[attr-defined]  # numpy 2's, not in its stubs
     return [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
 
 

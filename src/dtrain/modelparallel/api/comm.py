@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.dataparallel.single import started
 from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
 from dtrain.modelparallel.state import MPState, current
 from dtrain.sealed import SEAL_BYTES, all_gather_objects, pickled
@@ -134,7 +135,7 @@ def _send_to(st: MPState, obj: Any, peers: list[int]) -> None:
     size = torch.tensor([SEAL_BYTES + len(payload)], dtype=torch.int64)
     for parts in ([size] * len(peers), sealed):  # all sizes before any data: parts stay in order
         works = [
-            dist.isend(part, peer, group=group, tag=_TAG)
+            started(dist.isend(part, peer, group=group, tag=_TAG))
             for part, peer in zip(parts, peers, strict=True)
         ]
         for work in works:

@@ -26,18 +26,18 @@ rank's GPU, so the first ``step()`` places every state again beside its paramete
 
 from __future__ import annotations
 
-import functools
 import types
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dtrain.modelparallel import state
-from dtrain.modelparallel.api.model import PARTIAL_KEY, DistributedModel
-from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler, clip_gradients
+from dtrain.modelparallel.api.model import DistributedModel
+from dtrain.modelparallel.api.precision import FP16_STATES, MASTERS, LossScaler
+from dtrain.modelparallel.api.state_dicts import PARTIAL_KEY
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.tensor import dtensors
 from dtrain.sealed import all_gather_objects
 
 if TYPE_CHECKING:
@@ -76,39 +76,26 @@ def DistributedOptimizer(
                 )
     adapter = _Adapter(optimizer, model, names)
     original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
-    half = model.half_precision
+    engine = model.engine
     if model.loss_scaling is not None:
         model.loss_scaling.scaler = scaler
 
     def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         adapter.prune()
         run = original_step if adapter.zero is None else adapter.zero_step
-        if model.sharding is not None:  # sdp_gradient_clipping and fp16, as SMP's sharded step
-            result = model.sharding.step(lambda: run(*args, **kwargs))
-            self._global_grad_norm = model.sharding.grad_norm
-        elif half is None:
-            return run(*args, **kwargs)
-        else:
-            result = half.step(lambda: run(*args, **kwargs))
-        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped
+        result = engine.optimizer_step(self, lambda: run(*args, **kwargs))
+        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped  # type: ignore[attr-defined]
         return result
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         original_zero_grad(set_to_none)
         adapter.zero_distributed_grads(set_to_none)
-        if half is not None:
-            half.zero_grad()
-        if model.sharding is not None:
-            model.sharding.zero_grad()
+        engine.zero_grad()
 
     optimizer.overflow = False  # type: ignore[attr-defined]
     """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some
     rank (AWS's scripts then leave the learning rate where it was)."""
-    if model.sharding is not None:
-        # What AWS's sharded scripts read of SMP's sharded (DeepSpeed) optimizer: the model's
-        # parameters by param group (their shapes are the whole ones), the last step's norm.
-        optimizer.fp16_groups = [list(g["params"]) for g in optimizer.param_groups]  # type: ignore[attr-defined]
-        optimizer._global_grad_norm = 0.0  # type: ignore[attr-defined]
+    engine.adapt_optimizer(optimizer)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]
@@ -146,27 +133,23 @@ class _Adapter:
         is partitioned, with their state where partitioning put them."""
         if self.pruned or not self.model.partitioned:
             return
-        half = self.model.half_precision
-        stepped = {
-            id(p): p if half is None else half.master(p) for p in self.model.local_parameters()
-        }
+        stepped = {id(p): self.model.engine.master(p) for p in self.model.local_parameters()}
         for param in self.model.local_parameters():
             self.names[id(stepped[id(param)])] = self.names[id(param)]
         states = self.optimizer.state
         for group in self.optimizer.param_groups:
             group["params"] = [stepped[id(p)] for p in group["params"] if id(p) in stepped]
-        for param in list(states):
-            values = states.pop(param)
-            if id(param) in stepped:
-                states[stepped[id(param)]] = values
+        for key in list(states):
+            values = states.pop(key)
+            if id(key) in stepped:
+                states[stepped[id(key)]] = values
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 if param in states:
                     states[param] = placed(param, states[param], group)
         self.pruned = True
-        if half is not None and self.pending_fp16 is not None:
-            fp16, partial = self.pending_fp16
-            half.load_masters(fp16, self.names, self._loaded(partial))
+        if self.pending_fp16 is not None:
+            self._load_masters(*self.pending_fp16)
             self.pending_fp16 = None
         st = state.current()
         if st.config["shard_optimizer_state"] and st.rdp_size > 1:
@@ -187,17 +170,15 @@ class _Adapter:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = self.optimizer
-        tensor = self.model.tensor_shards
-        if tensor is not None:
-            for options in optimizer.param_groups:
-                options["params"] = [self._proxy(p) for p in options["params"]]
-            for param in list(optimizer.state):
-                if tensor.is_distributed(param):
-                    values = optimizer.state.pop(param)
-                    optimizer.state[self._proxy(param)] = {
-                        k: tensor.local(v) if isinstance(v, torch.Tensor) else v
-                        for k, v in values.items()
-                    }
+        for options in optimizer.param_groups:
+            options["params"] = [self._proxy(p) for p in options["params"]]
+        for param in list(optimizer.state):
+            if dtensors.is_distributed(param):
+                values = optimizer.state.pop(param)
+                optimizer.state[self._proxy(param)] = {
+                    k: dtensors.local(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in values.items()
+                }
         first, *others = optimizer.param_groups
         options = {key: first[key] for key in optimizer.defaults if key in first}
         zero = ZeroRedundancyOptimizer(
@@ -215,12 +196,11 @@ class _Adapter:
 
     def _proxy(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor ZeRO steps for ``param``: itself, or a DTensor's proxy (made once)."""
-        tensor = self.model.tensor_shards
-        if not tensor.is_distributed(param):
+        if not dtensors.is_distributed(param):
             return param
         proxy = self._proxy_of.get(id(param))
         if proxy is None:
-            proxy = tensor.local(param).detach().requires_grad_(param.requires_grad)
+            proxy = dtensors.local(param).detach().requires_grad_(param.requires_grad)
             self.proxies[id(proxy)] = (param, proxy)
             self._proxy_of[id(param)] = proxy
             self.names[id(proxy)] = self.names[id(param)]
@@ -231,7 +211,7 @@ class _Adapter:
         assert self.zero is not None
         for distributed, proxy in self.proxies.values():
             grad = distributed.grad
-            proxy.grad = None if grad is None else self.model.tensor_shards.local(grad)
+            proxy.grad = None if grad is None else dtensors.local(grad)
         return self.zero.step(*args, **kwargs)
 
     def zero_distributed_grads(self, set_to_none: bool) -> None:
@@ -259,16 +239,7 @@ class _Adapter:
         one's; returns that norm (-1 after an fp16 overflow: the step will be skipped). Every
         rank calls it, after the step function."""
         self.prune()
-        if self.model.sharding is not None:  # the masters are the fp32 shards
-            return self.model.sharding.clip_master_grads(max_norm, norm_type)
-        st = state.current()
-        group = st.pp_process_group if st.pp_size > 1 else None
-        half = self.model.half_precision
-        if half is None:
-            return clip_gradients(
-                self.model.local_parameters(), max_norm, norm_type, group, st.device
-            )
-        return half.clip_master_grads(max_norm, norm_type, group)
+        return self.model.engine.clip_master_grads(max_norm, norm_type)
 
     def local_fp16_state_dict(self, full: bool = False) -> dict[str, Any]:
         """This rank's fp32 masters by parameter name (a sharded model's are its parameters;
@@ -278,18 +249,19 @@ class _Adapter:
         scaling = self.model.loss_scaling
         if scaling is None:
             return {}
-        tensor = self.model.tensor_shards
-        if tensor is None:
-            return scaling.state_dict(self.names)
-        return scaling.state_dict(self.names, tensor.whole if full else tensor.local)
+        return scaling.state_dict(self.names, dtensors.whole if full else dtensors.local)
 
-    def _loaded(self, partial: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """How a saved master is copied into this rank's: a distributed module's is cut from
-        its whole value, or (``partial``) wrapped as this rank's part."""
-        tensor = self.model.tensor_shards
-        if tensor is None:
-            return lambda master, value: master.copy_(value)
-        return functools.partial(tensor.load_into, whole_value=not partial)
+    def _load_masters(self, fp16: dict[str, Any], partial: bool) -> None:
+        """Copy saved masters into this rank's (none kept apart: nothing): a distributed
+        module's is cut from its whole value, or (``partial``) taken as this rank's part."""
+        scaling = self.model.loss_scaling
+        assert scaling is not None
+
+        def load(master: torch.Tensor, value: torch.Tensor) -> None:
+            what = "optimizer load_state_dict: a master of the fp16 states"
+            dtensors.load_into(what, master, value, whole_value=not partial)
+
+        scaling.load_masters(fp16, self.names, load)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, with its fp16 states if any."""
@@ -300,6 +272,11 @@ class _Adapter:
 
     def local_optimizer_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state, by parameter name."""
+        return self._optimizer_state(full=False)
+
+    def _optimizer_state(self, full: bool) -> dict[str, Any]:
+        """This rank's optimizer state, by parameter name; a sharded parameter's its shard, or
+        (``full``) its whole state, gathered (every rank calls it)."""
         self.prune()
         local = self._stepped_ids()
         groups = []
@@ -307,26 +284,25 @@ class _Adapter:
             options = {k: v for k, v in group.items() if k != "params"}
             options["params"] = [self.names[id(p)] for p in group["params"] if id(p) in local]
             groups.append(options)
-        return {"state": self._states(full=False), "param_groups": groups, PARTIAL_KEY: True}
+        return {"state": self._states(full), "param_groups": groups, PARTIAL_KEY: True}
 
     def _states(self, full: bool) -> dict[str, dict[str, Any]]:
         """This rank's parameters' states by name, on the CPU; of a sharded parameter its
         shard, or (``full``) the whole state, gathered (every rank calls it)."""
         local = self._stepped_ids()
         holder = self._holder
-        sharding, tensor = self.model.sharding, self.model.tensor_shards
-        saved = _on_cpu if sharding is None else functools.partial(sharding.saved, full=full)
-        if tensor is not None:  # a DTensor parameter's state: its whole value, or this rank's
-            saved = functools.partial(_picked, pick=tensor.whole if full else tensor.local)
 
         def value(p: torch.Tensor, key: str, v: Any) -> Any:
             """A proxy's state laid out as its DTensor's."""
             if id(p) in self.proxies and _is_state_tensor(key, v):
-                return tensor.laid_out_as(self._distributed(p), v, whole_value=False)
+                what = f"the optimizer state of {self.names[id(p)]!r}"
+                return dtensors.laid_out_as(what, self._distributed(p), v, whole_value=False)
             return v
 
         return {
-            self.names[id(p)]: {k: saved(value(p, k, v)) for k, v in holder.state[p].items()}
+            self.names[id(p)]: {
+                k: dtensors.saved(value(p, k, v), full) for k, v in holder.state[p].items()
+            }
             for group in holder.param_groups
             for p in group["params"]
             if id(p) in local and p in holder.state
@@ -335,12 +311,10 @@ class _Adapter:
     def state_dict(self) -> dict[str, Any]:
         """The whole model's optimizer state, gathered; every pipeline rank (every rank, with
         ``shard_optimizer_state``) must call it."""
-        local = self.local_state_dict()
-        st = state.current()
-        if self.model.sharding is not None or self.model.tensor_shards is not None:
-            local["state"] = self._states(full=True)
-        if self.model.tensor_shards is not None and FP16_STATES in local:
+        local = self._optimizer_state(full=True)
+        if self.model.loss_scaling is not None:
             local[FP16_STATES] = self.local_fp16_state_dict(full=True)
+        st = state.current()
         parts = [local]
         if self.zero is not None:
             parts = all_gather_objects(local, st.object_groups["world"], st.seals)
@@ -379,37 +353,28 @@ class _Adapter:
         for name, saved_state in state_dict["state"].items():
             if name in by_name and id(by_name[name][0]) in stepped:
                 param, group = by_name[name]
-                if self.model.sharding is not None:
-                    as_shard = self.model.sharding.as_shard
-                    saved_state = {
-                        k: as_shard(param, name, v, partial) if _is_state_tensor(k, v) else v
-                        for k, v in saved_state.items()
-                    }
-                elif self.model.tensor_shards is not None:
-                    shards = self.model.tensor_shards
-                    distributed = self._distributed(param)  # a proxy's state is local
-                    pick = shards.local if distributed is not param else (lambda v: v)
-                    saved_state = {
-                        k: pick(shards.laid_out_as(distributed, v, not partial))
-                        if _is_state_tensor(k, v)
-                        else v
-                        for k, v in saved_state.items()
-                    }
+                distributed = self._distributed(param)  # a proxy's state is its local part
+                pick = dtensors.local if distributed is not param else _as_it_is
+                what = f"optimizer load_state_dict: state of {name!r}"
+                saved_state = {
+                    k: pick(dtensors.laid_out_as(what, distributed, v, not partial))
+                    if _is_state_tensor(k, v)
+                    else v
+                    for k, v in saved_state.items()
+                }
                 holder.state[param] = placed(param, saved_state, group)
         fp16 = state_dict.get(FP16_STATES)
-        scaling, half = self.model.loss_scaling, self.model.half_precision
+        scaling = self.model.loss_scaling
         if fp16 is not None and scaling is not None:
             scaling.scaler.load_state_dict(fp16["loss_scaler"])
-        if fp16 is not None and half is not None:  # a sharded model's masters are its shards
             if self.pruned:
-                half.load_masters(fp16, self.names, self._loaded(partial))
+                self._load_masters(fp16, partial)
             else:  # the masters are made at partitioning
                 self.pending_fp16 = (fp16, partial)
 
     def _stepped_ids(self) -> set[int]:
         """ids of the tensors the optimizer steps for this rank's parameters."""
-        half = self.model.half_precision
-        stepped = [p if half is None else half.master(p) for p in self.model.local_parameters()]
+        stepped = [self.model.engine.master(p) for p in self.model.local_parameters()]
         return {id(self._proxy_of.get(id(p), p)) for p in stepped}
 
 
@@ -432,12 +397,8 @@ def placed(param: torch.Tensor, values: dict[str, Any], group: dict[str, Any]) -
     return result
 
 
-def _picked(value: Any, pick: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    return _on_cpu(pick(value) if isinstance(value, torch.Tensor) else value)
-
-
-def _on_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+def _as_it_is(value: Any) -> Any:
+    return value
 
 
 def _is_state_tensor(key: str, value: Any) -> bool:

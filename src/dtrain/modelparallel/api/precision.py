@@ -14,8 +14,9 @@ scale, so what the optimizer, clipping and state dicts see is the true gradient)
 averaged over the data-parallel group in fp32. fp16 needs the loss scaled so that small
 gradients do not vanish: ``model.backward(loss)`` multiplies by :class:`LossScaler`'s scale, an
 inf/NaN in any rank's gradients makes every rank skip that optimizer step (the flag is agreed over
-the world, as :mod:`.amp` does), and a dynamic scale backs off on it and grows after
-``scale_window`` clean steps. bf16 has fp32's range and is not scaled.
+the world by :func:`overflowed`, as the sharded model's and :mod:`.amp`'s are), and a dynamic
+scale backs off on it and grows after ``scale_window`` clean steps. bf16 has fp32's range and is
+not scaled.
 
 With tensor parallelism the parameters of distributed modules are DTensors, and so are their
 masters (a master is made as its parameter is, and carries its marks); the step, the rounding
@@ -41,7 +42,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dtrain.dataparallel.collectives import ReduceOp, all_reduce
 from dtrain.errors import ConfigError, did_you_mean
-from dtrain.modelparallel.pipeline.remote import RemoteValue
+from dtrain.modelparallel.modules.unfetched import Unfetched
+from dtrain.modelparallel.tensor.dtensors import local, whole
 from dtrain.modelparallel.transport.structure import map_leaves
 
 Saved = Callable[[torch.Tensor], torch.Tensor]
@@ -49,14 +51,6 @@ Saved = Callable[[torch.Tensor], torch.Tensor]
 
 Loaded = Callable[[torch.Tensor, torch.Tensor], None]
 """How a saved value is copied into a master: as it is, or (tensor parallelism) cut or wrapped."""
-
-
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
-
-
-def _copied(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    tensor.copy_(value)
 
 
 def _by_type(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -91,25 +85,15 @@ def convert(tensor: torch.Tensor, dtype: torch.dtype) -> None:
         tensor.data = converted
 
 
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor, a plain tensor as it is. Duck-typed: DTensor takes a
-    second to import, and only tensor-parallel models hold them."""
-    to_local = getattr(tensor, "to_local", None)
-    return tensor if to_local is None else to_local()
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor result (a partial sum, a shard's norm) as its whole value, on every rank of its
-    mesh; a plain tensor as it is. Duck-typed: DTensor takes a second to import."""
-    full = getattr(value, "full_tensor", None)
-    return value if full is None else full()
-
-
 def average_in_place(
-    grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int | None = None
+    grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int | None = None
 ) -> None:
     """``grads`` (one dtype and device) reduced in one collective over ``group``: their mean,
-    or (``divisor``) their sum divided by that."""
+    or (``divisor``) their sum divided by that; with no ``group``, divided only."""
+    if group is None:
+        assert divisor is not None, "a mean needs a group"
+        torch._foreach_div_(grads, divisor)
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     if divisor is None:
         all_reduce(flat, ReduceOp.AVERAGE, group=group)
@@ -139,7 +123,7 @@ def clip_gradients(
     norm_type = float(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for kind in _by_type(grads):
-        norms = _whole(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in kind]))
+        norms = whole(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in kind]))
         if norm_type == math.inf:
             total = torch.maximum(total, norms.max().to(total.device))
         else:
@@ -155,6 +139,34 @@ def clip_gradients(
             for grad in grads:
                 grad.mul_(coefficient)
     return float(total)
+
+
+def overflowed(
+    grads: Iterable[torch.Tensor],
+    inverse: torch.Tensor | float,
+    device: torch.device,
+    world: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Multiply ``grads`` (this rank's parts of them) by ``inverse`` in place, and agree over
+    ``world`` (every rank calls it, whatever it holds; ``None``: this rank alone) whether any
+    rank's held an inf or a NaN: a float flag on ``device``, 1 for yes, the same on every rank.
+    Each rank checks what it holds with torch's ``GradScaler`` kernel, by device and dtype as
+    the kernel takes them: shards and partitions differ, and one rank's overflow must make
+    every rank skip the step and back the scale off together, or their parameters and scales
+    drift apart."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        part = local(grad)
+        kinds.setdefault((part.device, part.dtype), []).append(part)
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    for (where, _), same in kinds.items():
+        flag = torch.zeros((), dtype=torch.float32, device=where)
+        scale = torch.as_tensor(inverse, dtype=torch.float32, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(same, flag, scale)
+        found += flag.to(device)
+    if world is not None:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=world)
+    return (found > 0).float()
 
 
 HALF_KEYS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -297,11 +309,16 @@ class LossScaling:
             self.scaler.update(overflow)
         return None if overflow else step()
 
-    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
+    def state_dict(self, names: dict[int, str], saved: Saved) -> dict[str, Any]:
         """What a checkpoint keeps under ``"fp16_states"`` (``names``: id of a model parameter
         → its name, ``saved``: how a tensor is saved, for the masters a subclass keeps): the
         loss scaler."""
         return {"loss_scaler": self.scaler.state_dict()}
+
+    def load_masters(self, values: dict[str, Any], names: dict[int, str], load: Loaded) -> None:
+        """Load the masters kept apart from :meth:`state_dict`'s ``values``: none here (a
+        sharded model's parameters are their own masters; :class:`HalfParameters` keeps
+        some)."""
 
 
 class HalfParameters(LossScaling):
@@ -359,9 +376,9 @@ class HalfParameters(LossScaling):
         """The model's floating outputs in fp32 (a deferred value is fetched to convert it)."""
 
         def to_float(value: Any) -> Any:
-            if isinstance(value, RemoteValue) or (
-                isinstance(value, torch.Tensor) and value.is_floating_point()
-            ):
+            if isinstance(value, Unfetched):
+                value = value.fetch()
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return value.float()
             return value
 
@@ -386,13 +403,8 @@ class HalfParameters(LossScaling):
         if not self.scaled:
             return
         grads = [m.grad for m in self.masters() if m.grad is not None]
-        found = torch.zeros((), dtype=torch.float32, device=self._device)
-        one = torch.ones((), dtype=torch.float32, device=self._device)
-        for group in _by_type(grads):  # torch's GradScaler kernel, unscaling by 1
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-        if self._world is not None:
-            dist.all_reduce(found, group=self._world)
-        self.overflow = self.overflow or bool(found.item() > 0)
+        found = overflowed(grads, 1.0, self._device, self._world)  # unscaled already
+        self.overflow = self.overflow or bool(found.item())
 
     def step(self, step: Callable[[], Any]) -> Any:
         """The optimizer's step on the masters, rounded back into the model; skipped on every
@@ -427,18 +439,16 @@ class HalfParameters(LossScaling):
 
     # --- state dicts ---------------------------------------------------------------------------
 
-    def state_dict(self, names: dict[int, str], saved: Saved = _detached) -> dict[str, Any]:
+    def state_dict(self, names: dict[int, str], saved: Saved) -> dict[str, Any]:
         """The masters by parameter name, each as ``saved`` gives it, on the CPU, and the loss
         scaler."""
         masters = {
             names[id(param)]: saved(master.detach()).cpu()
             for param, master in self._masters.values()
         }
-        return {MASTERS: masters, **super().state_dict(names)}
+        return {MASTERS: masters, **super().state_dict(names, saved)}
 
-    def load_masters(
-        self, values: dict[str, Any], names: dict[int, str], load: Loaded = _copied
-    ) -> None:
+    def load_masters(self, values: dict[str, Any], names: dict[int, str], load: Loaded) -> None:
         """Load the masters this rank owns from :meth:`state_dict`'s ``values`` (each copied
         in by ``load``) and round them into the model (the loss scaler is loaded at once: the
         next backward uses it)."""

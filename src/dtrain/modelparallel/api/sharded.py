@@ -27,10 +27,10 @@ timeout (``DTRAIN_MP_TIMEOUT``).
 (split when the model is wrapped, on ``MPState.tensor_mesh``, which ``smp.init`` slices from
 the same mesh as the sharding one, as FSDP2 requires) are sharded again over the shard group:
 each rank holds its shard of its tp slice. Gradients are completed to tensor parallelism's
-averages after each step (:meth:`ShardedModel._average_over_tp_group`).
+averages after each step, by the pipelines' rule (:func:`.tensor.averages.averages`).
 
 **Activation checkpointing.** ``smp.set_activation_checkpointing``'s marks, made before or
-after wrapping, are applied at the first step (:meth:`ShardedModel._checkpoint_marked`): a
+after wrapping, are applied at the first step (:meth:`ShardedEngine._checkpoint_marked`): a
 marked module's forward runs under torch's non-reentrant checkpoint inside its FSDP2 hooks.
 
 **fp16 and bf16.** SMP's half-precision model (:mod:`.precision`: half parameters and buffers,
@@ -43,7 +43,7 @@ loss (``model.backward``) by the optimizer's loss scaler, so the sharded fp32 gr
 scaled values, summed over microbatches and steps under one scale; ``optimizer.step()`` (or
 ``optimizer.clip_master_grads`` before it; a step body after that scales them back first)
 unscales them and checks them for inf/NaN
-(:meth:`ShardedModel.step`), and an overflow on any rank skips the step on every rank and
+(:meth:`ShardedEngine.optimizer_step`), and an overflow on any rank skips the step on every rank and
 backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 (``GradScaler``'s kernel): SMP's dynamic scale has Megatron's hysteresis and minimum, which
 ``torch.amp.GradScaler`` lacks.
@@ -52,8 +52,8 @@ backs the scale off (:class:`.precision.LossScaling`). Only the check is torch's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,19 +66,29 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtrain.modelparallel import deferred
+from dtrain.modelparallel.api import initial
+from dtrain.modelparallel.api.engine import MakeBody
 from dtrain.modelparallel.api.precision import (
+    HalfParameters,
     LossScaling,
     average_in_place,
     clip_gradients,
     convert,
     half_dtype,
+    overflowed,
 )
+from dtrain.modelparallel.api.state_dicts import check_keys
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.modules import activations
 from dtrain.modelparallel.modules.stubs import install_stub
 from dtrain.modelparallel.modules.tasks import MicrobatchResult
+from dtrain.modelparallel.pipeline.split_backward import scaled_grads
+from dtrain.modelparallel.plan.partition import PartitionPlan
+from dtrain.modelparallel.scheduling.route import RouteSchedule
+from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.state import MPState
-from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor import averages, dtensors, translated
+from dtrain.modelparallel.timeline import TimelineEvent, write_chrome_trace
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -155,30 +165,30 @@ def mixed_precision(dtype: torch.dtype | None, root: bool) -> MixedPrecisionPoli
     )
 
 
-class ShardedModel:
-    """The sharded side of a ``DistributedModel``: shards the module, runs steps, clips
-    gradients and converts state dicts between full, partial and sharded."""
+class ShardedEngine:
+    """The sharded side of a ``DistributedModel``: shards the module when it is wrapped, runs
+    steps, clips gradients and converts state dicts between full, partial and sharded."""
+
+    half_precision: HalfParameters | None = None
+    """The fp32 shards are the masters: none kept apart."""
 
     def __init__(
         self,
         module: nn.Module,
         st: MPState,
-        named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor, bool]]],
-        from_rank_zero: bool = False,
+        from_rank_zero: bool,
+        partitioned: Callable[[], None],
     ) -> None:
         mesh = st.sharding_mesh
         assert mesh is not None, "smp.init builds the mesh when the degree is above 1"
         self.module = module
-        self._named_tensors = named_tensors
-        """The module's persistent parameters and buffers, ``(name, tensor, is_parameter)``
-        under every ``state_dict()`` name (``DistributedModel``'s walk of the modules).
-        Partial state dicts go by these, not by ``module.state_dict()``, whose hooks may
-        replace a value: ``smp.nn`` modules' hooks gather a DTensor whole, which is then no shard
-        to save and, loaded into, a copy that the parameter never sees."""
+        self._state = st
         self.device = st.device
         self._from_rank_zero = from_rank_zero
         """Whether every rank holds rank 0's values already (broadcast when a tensor-parallel
         model was wrapped, before its modules were split): :meth:`_prepare` broadcasts none."""
+        self._on_partitioned = partitioned
+        """The model's post-partition hooks, run before the first step (it is sharded now)."""
         self._mesh = mesh
         self.max_grad_norm = float(st.config["sdp_gradient_clipping"])
         self._world = st.world_process_group
@@ -192,26 +202,36 @@ class ShardedModel:
         took, before clipping (DeepSpeed's ``_global_grad_norm``, which SMP's sharded
         optimizer exposes); a skipped step leaves it."""
         self.stepped = False
-        """Whether a step has begun (``DistributedModel`` runs post-partition hooks before)."""
+        """Whether a step has begun (the post-partition hooks have run then)."""
         self.dtype = half_dtype(st.config)
         """The compute dtype of ``fp16``/``bf16``; ``None``: fp32."""
-        self.scaling = LossScaling(self.dtype) if self.dtype == torch.float16 else None
+        self._scaling = LossScaling(self.dtype) if self.dtype == torch.float16 else None
         """fp16's loss scale and overflow flag (``smp.DistributedOptimizer`` sets the scaler);
         bf16 and fp32 scale nothing."""
-        self._tensor_group = st.tp_process_group if st.tp_size > 1 else None
-        """With tensor parallelism, the tp group, over which :meth:`_average_over_tp_group`
-        completes FSDP2's averaging over the rdp ranks."""
-        self._tp_batches = shards.tp_batches(st)
-        """What a scaled-batch gradient is divided by after FSDP2's mean over the rdp ranks."""
-        scaled = {name for name, p in module.named_parameters() if shards.is_scaled_batch(p)}
+        initial.sync_random_states([*module.parameters(), *module.buffers()], st)
         claimed: set[int] = set()
         for unit in shard_units(module, st.config["sdp_param_persistence_threshold"]):
             self._shard(unit, claimed, mixed_precision(self.dtype, root=False))
         self._shard(module, claimed, mixed_precision(self.dtype, root=True))
-        self._scaled_batch = [(p, name in scaled) for name, p in module.named_parameters()]
-        """Every sharded parameter, and whether it saw the tp group's combined batch (a
-        parameter of a distributed module: :func:`.tensor.shards.is_scaled_batch`; FSDP2's
-        shards lose the mark)."""
+        averages.restore_marks(module)  # onto FSDP2's shards: they lose the parameters' marks
+        self._params = list(module.parameters())
+        """Every sharded parameter: FSDP2 leaves their gradients the mean over the rdp ranks."""
+
+    @property
+    def loss_scaling(self) -> LossScaling | None:
+        return self._scaling
+
+    @property
+    def partitioned(self) -> bool:
+        return True
+
+    @property
+    def forwards_set_up(self) -> bool:
+        return self.stepped
+
+    def owns(self, module: nn.Module) -> bool:
+        """Every rank holds its shards of every module."""
+        return True
 
     def _shard(self, unit: nn.Module, claimed: set[int], policy: MixedPrecisionPolicy) -> None:
         """Make ``unit``'s tensors outside the units sharded before it (``claimed``) and shard
@@ -262,26 +282,37 @@ class ShardedModel:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def require_step(self, what: str) -> None:
+    def _require_step(self, what: str) -> None:
         if not self._stepping:
             raise NotInStepError.used(what)
 
-    def run_step(
-        self, count: int, make_body: Callable[[torch.device], Callable[[int], Any]]
-    ) -> list[MicrobatchResult]:
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._require_step("the model")
+        return self.module(*args, **kwargs)
+
+    def backward(
+        self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
+    ) -> None:
+        self._require_step("model.backward")
+        torch.autograd.backward(outputs, scaled_grads(outputs, grads, scale))
+
+    def run_step(self, count: int, make_body: MakeBody) -> list[MicrobatchResult]:
         """The step body for each microbatch in turn, on this rank's device."""
+        st = self._state
         if not self.stepped:
+            self._on_partitioned()
             self._checkpoint_marked()
         body = make_body(self.device)
         self._rescale()
         self._measured = None  # a norm clip_master_grads took misses this body's gradients
         self.stepped = self._stepping = True
-        if self._tensor_group is not None:  # FSDP2 adds this step's to them; divided after
-            earlier = [p.grad for p, scaled in self._scaled_batch if scaled and p.grad is not None]
-            shards.carry_earlier(earlier, self._tp_batches)
+        if st.tp_size > 1:  # put back where a conversion swapped them away
+            averages.restore_marks(self.module)
+        averages.carry_earlier(self._params, st)  # FSDP2 adds this step's to them; divided after
         try:
             results: list[MicrobatchResult] = [(True, body(mb)) for mb in range(count)]
-            self._average_over_tp_group()
+            for average in averages.averages(self._params, st, rdp_mean_taken=True):
+                average_in_place(average.grads, average.group, average.divisor)
             return results
         except BaseException:
             root = self.module
@@ -290,24 +321,6 @@ class ShardedModel:
             raise
         finally:
             self._stepping = False
-
-    def _average_over_tp_group(self) -> None:
-        """Complete FSDP2's mean over the rdp ranks to SMP's averages with tensor parallelism
-        (those of :func:`.tensor.shards.gradient_groups`): a plain parameter saw its rank's
-        batch, so its gradient is the mean over the tp group too (whose ranks shard it alike);
-        a distributed module's holds the sum over :func:`.tensor.shards.tp_batches` batches,
-        so it is divided by that (the earlier steps' were multiplied by it:
-        :func:`.tensor.shards.carry_earlier`)."""
-        if self._tensor_group is None:
-            return
-        plain = [
-            _local(p.grad) for p, scaled in self._scaled_batch if not scaled and p.grad is not None
-        ]
-        if plain:
-            average_in_place(plain, self._tensor_group)
-        scaled = [_local(p.grad) for p, s in self._scaled_batch if s and p.grad is not None]
-        if scaled and self._tp_batches > 1:
-            torch._foreach_div_(scaled, self._tp_batches)
 
     def _checkpoint_marked(self) -> None:
         """Checkpoint the modules ``smp.set_activation_checkpointing`` marked (before or after
@@ -322,15 +335,23 @@ class ShardedModel:
             if plan.changes(name):
                 install_stub(module, plan.forward_of(name, module))
 
-    def backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        self.require_step("model.backward")
-        torch.autograd.backward(outputs, grads)
+    # --- what the optimizer steps ------------------------------------------------------------
 
-    def step(self, step: Callable[[], Any]) -> Any:
+    def master(self, param: nn.Parameter) -> torch.Tensor:
+        return param
+
+    def adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """What AWS's sharded scripts read of SMP's sharded (DeepSpeed) optimizer: the model's
+        parameters by param group (their shapes are the whole ones), the last step's norm."""
+        optimizer.fp16_groups = [list(g["params"]) for g in optimizer.param_groups]  # type: ignore[attr-defined]
+        optimizer._global_grad_norm = 0.0  # type: ignore[attr-defined]
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
         are unscaled and checked first (unless ``clip_master_grads`` did it), and an overflow
         on any rank skips the step (returning ``None``) on every rank; then they are clipped
-        to ``sdp_gradient_clipping``, their norm before any clipping kept (:attr:`grad_norm`)."""
+        to ``sdp_gradient_clipping``, their norm before any clipping kept (:attr:`grad_norm`,
+        the optimizer's ``_global_grad_norm``)."""
 
         def clipped() -> Any:
             norm = self.clip_gradients(self.max_grad_norm or math.inf)  # inf: measures only
@@ -338,13 +359,16 @@ class ShardedModel:
             return step()
 
         try:
-            if self.scaling is None:
-                return clipped()
-            self._unscale()
-            return self.scaling.step(clipped)
+            if self._scaling is None:
+                result = clipped()
+            else:
+                self._unscale()
+                result = self._scaling.step(clipped)
         finally:
             self._unscaled = False
             self._measured = None
+        optimizer._global_grad_norm = self.grad_norm  # type: ignore[attr-defined]
+        return result
 
     def clip_master_grads(self, max_norm: float, norm_type: float) -> float:
         """``optimizer.clip_master_grads``: the gradients unscaled first (fp16), then clipped to
@@ -352,9 +376,9 @@ class ShardedModel:
         an fp16 overflow on any rank (apex's: the step will be skipped). Every rank calls it,
         between the step function and ``optimizer.step()``, which clips to
         ``sdp_gradient_clipping`` as well."""
-        if self.scaling is not None:
+        if self._scaling is not None:
             self._unscale()
-            if self.scaling.overflow:
+            if self._scaling.overflow:
                 return -1.0
         norm = self.clip_gradients(max_norm, norm_type)
         if self._measured is None and norm_type == 2:
@@ -373,27 +397,22 @@ class ShardedModel:
         the scale is a power of two, as dynamic ones are; an inf stays inf)."""
         if not self._unscaled:
             return
-        assert self.scaling is not None
-        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        assert self._scaling is not None
+        grads = [dtensors.local(p.grad) for p in self.module.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, self.scaling.loss_scale)
+            torch._foreach_mul_(grads, self._scaling.loss_scale)
         self._unscaled = False
 
     def _unscale(self) -> None:
         """Divide the sharded gradients by the loss scale, once per optimizer step, and set
-        the overflow flag: whether any rank's hold an inf or a NaN. Each rank checks its shards
-        with torch's ``GradScaler`` kernel, then the flag is agreed over the world: shards
-        differ, and every rank calls this once whatever it holds."""
-        assert self.scaling is not None
+        the overflow flag: whether any rank's hold an inf or a NaN (agreed over the world:
+        shards differ, and every rank calls this once whatever it holds)."""
+        assert self._scaling is not None
         if self._unscaled:
             return
-        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        found = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            inverse = torch.full_like(found, 1.0 / self.scaling.loss_scale)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._world)
-        self.scaling.overflow = bool(found.item() > 0)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        inverse = 1.0 / self._scaling.loss_scale
+        self._scaling.overflow = bool(overflowed(grads, inverse, self.device, self._world).item())
         self._unscaled = True
 
     def clip_gradients(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -406,109 +425,65 @@ class ShardedModel:
 
     # --- state dicts -------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (gathered: every rank must call it)."""
-        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True)
+        full = cast(dict[str, torch.Tensor], get_model_state_dict(self.module, options=options))
         return {name: value.detach().cpu() for name, value in full.items()}
 
     def _registered(self) -> dict[str, torch.Tensor]:
         """The module's persistent tensors by name, each unit's parameters its shards (as
         DTensors): a forward without backward leaves the root's gathered, which resharding
-        undoes, as ``state_dict()``'s FSDP2 pre-hooks would."""
+        undoes, as ``state_dict()``'s FSDP2 pre-hooks would. Not ``module.state_dict()``,
+        whose hooks may replace a value: ``smp.nn`` modules' hooks gather a DTensor whole,
+        which is then no shard to save and, loaded into, a copy that the parameter never
+        sees."""
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        return {name: tensor for name, tensor, _ in self._named_tensors()}
+        return {name: tensor for name, tensor, _ in translated.named_state(self.module)}
 
-    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    def local_state_dict(self, cast_to_cpu: bool) -> dict[str, torch.Tensor]:
         """This rank's shards of the parameters (and every buffer), by their full names."""
         result = {}
         for name, value in self._registered().items():
-            local = _local(value).detach()
+            local = dtensors.local(value).detach()
             result[name] = local.cpu() if cast_to_cpu else local
         return result
 
-    def load(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
+    def load_state_dict(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
         """Load a full state dict (every rank keeps its shards of it) or this rank's partial
         one, saved by :meth:`local_state_dict` with the same degrees."""
         mine = self._registered()
-        missing = sorted(set(mine) - set(values))
-        unexpected = sorted(set(values) - set(mine))
-        if strict and (missing or unexpected):
-            raise ModelParallelError(
-                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
-            )
+        if strict:
+            check_keys(values, mine, mine)
         with torch.no_grad():
             for name, tensor in mine.items():
                 if name in values:
-                    local, value = _local(tensor), values[name]
-                    if not partial:
-                        value = shard_of_whole(f"load_state_dict: {name!r}", tensor, value)
-                    local.copy_(_same_shape(name, local, value))
+                    what = f"load_state_dict: {name!r}"
+                    dtensors.load_into(what, tensor, values[name], whole_value=not partial)
 
-    @staticmethod
-    def as_shard(param: DTensor, name: str, value: torch.Tensor, partial: bool) -> DTensor:
-        """An optimizer state tensor for sharded ``param``: ``value`` is this rank's shard
-        (``partial``) or the whole tensor, of which this rank keeps its shard."""
-        if isinstance(value, DTensor):
-            return value.to(param.dtype) if value.is_floating_point() else value
-        value = value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
-        if partial:
-            local = _same_shape(name, param.to_local(), value)
-        else:
-            local = shard_of_whole(f"optimizer load_state_dict: state of {name!r}", param, value)
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
+    # --- the pipeline: none ------------------------------------------------------------------
 
-    @staticmethod
-    def saved(value: Any, full: bool) -> Any:
-        """A state value as saved: a sharded tensor's shard, or (``full``, a collective: every
-        rank calls it in the same order) the whole tensor; on the CPU."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, DTensor):
-            value = value.full_tensor() if full else value.to_local()
-        return value.detach().cpu()
+    def partition_plan(self) -> PartitionPlan:
+        raise _no_pipeline("partition_plan")
+
+    def pipeline_schedule(self) -> Schedule | RouteSchedule:
+        raise _no_pipeline("pipeline_schedule")
+
+    def timeline(self, communication: bool) -> list[TimelineEvent]:
+        """Nothing: the pipeline's timeline records its partitions' work."""
+        return []
+
+    def export_timeline(self, path: str) -> None:
+        write_chrome_trace(self.timeline(communication=True), path)
+
+    def close(self) -> None:
+        """Nothing runs between steps."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its shard if sharded."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def shard_of_whole(what: str, tensor: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole``, the full value of ``tensor`` (itself when not sharded),
-    cut as FSDP2 cut it: for a DTensor, along its mesh's dimensions from the last (a tp
-    dimension) to the first, each ``torch.chunk``'s piece of this rank's coordinate (none for a
-    rank beyond the pieces). By hand, as ``distribute_tensor`` refuses a tp shard that the
-    shard group splits unevenly (FSDP2's ``_StridedShard``), which FSDP2 itself allows."""
-    if whole.shape != tensor.shape:
-        raise ModelParallelError(
-            f"{what} has shape {tuple(whole.shape)} in the full state dict, the parameter "
-            f"{tuple(tensor.shape)}"
-        )
-    if not isinstance(tensor, DTensor):
-        return whole
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "every rank is on the mesh of its parameters"
-    part = whole
-    for dim in reversed(range(mesh.ndim)):
-        cut = getattr(tensor.placements[dim], "dim", None)  # Shard's and _StridedShard's
-        if cut is not None:
-            pieces = torch.chunk(part, mesh.size(dim), dim=cut)
-            index = coordinate[dim]
-            part = pieces[index] if index < len(pieces) else part.narrow(cut, 0, 0)
-    return part
-
-
-def _same_shape(name: str, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    if value.shape != local.shape:
-        raise ModelParallelError(
-            f"load_state_dict: {name!r} has shape {tuple(value.shape)} in the partial state "
-            f"dict but this rank's shard has shape {tuple(local.shape)}: partial states load "
-            "only with the sharded_data_parallel_degree they were saved with; save a full "
-            "one (partial=False) to change it"
-        )
-    return value
+def _no_pipeline(what: str) -> ModelParallelError:
+    return ModelParallelError(
+        f"model.{what}(): a sharded model (sharded_data_parallel_degree above 1) runs no "
+        "pipeline, so it has no partition plan or pipeline schedule"
+    )

@@ -102,7 +102,8 @@ def split_value(
         parts_by_key = {
             k: split_value(v, count, axis, f"{where}[{k!r}]", device) for k, v in value.items()
         }
-        return [type(value)((k, p[mb]) for k, p in parts_by_key.items()) for mb in range(count)]
+        mapping: Any = type(value)  # the script's mapping class, made from pairs as dict is
+        return [mapping((k, p[mb]) for k, p in parts_by_key.items()) for mb in range(count)]
     return [value] * count
 
 
@@ -182,7 +183,7 @@ def step(
     Usable bare (``@smp.step``) or called (``@smp.step(non_split_inputs=["mask"])``).
     """
     if func is None:
-        return functools.partial(  # type: ignore[return-value]
+        return functools.partial(
             step,
             non_split_inputs=non_split_inputs,
             input_split_axes=input_split_axes,
@@ -218,4 +219,4 @@ def step(
                 raise value
         return assemble([value for _, value in outcomes], detach_outputs)
 
-    return run  # type: ignore[return-value]
+    return run

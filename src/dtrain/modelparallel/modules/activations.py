@@ -17,7 +17,7 @@ partition and wraps the forwards at its first step too (:mod:`..api.sharded`).
 
 Offloading (``offload_activations``, GPUs only): a checkpointed module's inputs, the only
 activations it keeps, are copied to pinned host memory in its forward; its recomputation copies
-them back to the device first. On a CPU there is nothing to offload.
+them back to the device first (:func:`_offloaded_call`). On a CPU there is nothing to offload.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -380,8 +381,13 @@ class _Recomputation(AbstractContextManager[None]):
         for restorer in self.restorers:
             self.stack.enter_context(restorer())
 
-    def __exit__(self, *exc: object) -> bool | None:
-        return self.stack.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        return self.stack.__exit__(exc_type, exc, traceback)
 
 
 def _contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
@@ -412,18 +418,33 @@ def checkpointed(forward: Callable[..., Any], spec: CheckpointSpec) -> Callable[
     return run
 
 
-class _ToHost(torch.autograd.Function):
-    """A device tensor copied to pinned host memory; its gradient goes back to the device."""
+class _HostCopy(NamedTuple):
+    """A checkpoint's input waiting in pinned host memory for its recomputation."""
 
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.device = tensor.device
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+    device: torch.device
+    host: torch.Tensor
+    copied: torch.cuda.Event
+    """Recorded after the copy to the host: the copy back waits for it, not the CPU."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad.to(ctx.device, non_blocking=True)
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor | _HostCopy:
+    """A tensor the checkpoint saves (one of its inputs): a GPU tensor is copied to pinned
+    host memory, without waiting for the copy; the others stay as they are."""
+    if tensor.device.type != "cuda" or tensor.layout != torch.strided:
+        return tensor
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(tensor.device))
+    return _HostCopy(tensor.device, host, copied)
+
+
+def _to_device(saved: torch.Tensor | _HostCopy) -> torch.Tensor:
+    """A saved input back where it was, for the recomputation."""
+    if not isinstance(saved, _HostCopy):
+        return saved
+    torch.cuda.current_stream(saved.device).wait_event(saved.copied)
+    return saved.host.to(saved.device, non_blocking=True)
 
 
 def _offloaded_call(
@@ -432,22 +453,24 @@ def _offloaded_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """Checkpoint with the region's device tensor inputs held in pinned host memory: the
-    copies back to the device are part of the region, so backward's recomputation reloads
-    them (``activation_loading_horizon`` does not move that earlier, see the docs)."""
+    """Checkpoint with the region's GPU inputs kept in pinned host memory: the checkpoint is
+    given the inputs themselves (flattened, so that those passed by keyword are kept as it
+    keeps the others), so it restores the random state of their GPU for the recomputation
+    (dropout draws the same masks) and their gradients stay on the GPU; only what it saves of
+    them goes to the host (saved-tensor hooks around its saving of the inputs), and comes back
+    when backward's recomputation unpacks them (``activation_loading_horizon`` does not move
+    that earlier, see the docs)."""
     structure, leaves = flatten((args, kwargs))
-    devices = [t.device for t in leaves]
-    host = [_ToHost.apply(t) if t.device.type == "cuda" else t for t in leaves]
 
     def region(*values: torch.Tensor) -> Any:
-        back = [v.to(d, non_blocking=True) for v, d in zip(values, devices, strict=True)]
-        call_args, call_kwargs = unflatten(structure, back)
+        call_args, call_kwargs = unflatten(structure, list(values))
         return forward(*call_args, **call_kwargs)
 
-    return torch.utils.checkpoint.checkpoint(
-        region,
-        *host,
-        use_reentrant=False,
-        preserve_rng_state=spec.preserve_rng_state,
-        context_fn=_contexts,
-    )
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
+        return torch.utils.checkpoint.checkpoint(
+            region,
+            *leaves,
+            use_reentrant=False,
+            preserve_rng_state=spec.preserve_rng_state,
+            context_fn=_contexts,
+        )

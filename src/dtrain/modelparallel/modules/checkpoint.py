@@ -22,6 +22,7 @@ import contextvars
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -123,11 +124,11 @@ _REENTRANT_CODES = (
 def inside_reentrant_checkpoint() -> bool:
     """Whether the caller runs inside reentrant ``torch.utils.checkpoint`` (its forward, or
     its recomputation in backward)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _REENTRANT_CODES:
             return True
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return False
 
 

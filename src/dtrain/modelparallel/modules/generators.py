@@ -32,15 +32,22 @@ from dtrain.modelparallel.modules.tasks import running_task
 
 class ForkedGenerators:
     """The CPU generator and those of ``devices`` (CUDA), forked and seeded with ``seed``, as
-    ``fork_rng(devices=devices)`` with ``torch.manual_seed(seed)`` inside, but switched in and
-    out with the token by :meth:`leave` and :meth:`resume`."""
+    ``fork_rng(devices=devices)`` with the seed set inside, but switched in and out with the
+    token by :meth:`leave` and :meth:`resume`.
+
+    Only those generators are seeded: ``torch.manual_seed`` would seed every CUDA device too
+    (queued until CUDA starts, if it has not), which the fork does not restore, so a rank's
+    GPU would draw from the block's seed ever after, as every rank whose blocks share it."""
 
     def __init__(self, seed: int, devices: Sequence[torch.device] = ()) -> None:
         self.devices = tuple(devices)
         self._aside = self._states()
         """The process's states while the block's are installed; the block's while away."""
         self.away = False
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+        for device in self.devices:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
 
     def _states(self) -> list[torch.Tensor]:
         return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self.devices)]

@@ -41,5 +41,5 @@ def drop_local_hooks(module: nn.Module) -> None:
 def replayed(hooks: dict[int, Any], module: nn.Module) -> list[tuple[int, Any]]:
     """``hooks`` (one of ``module``'s hook tables) without those :func:`run_where_computed`
     marked: the ones that run where they were registered."""
-    local = getattr(module, LOCAL_HOOKS, frozenset())
+    local: frozenset[int] = getattr(module, LOCAL_HOOKS, frozenset())
     return [(key, hook) for key, hook in hooks.items() if key not in local]

@@ -110,7 +110,7 @@ class _RecordedValue(torch.autograd.Function):
     """A recorded tensor that required grad: differentiable in form, refusing a gradient."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, where: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, where: str) -> torch.Tensor:
         del anchor
         ctx.where = where
         return value.clone()

@@ -175,7 +175,7 @@ class RemoteFetch(torch.autograd.Function):
     Python's collector does not see, keeping the outputs alive after the step."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         fetch: _FetchContext,
         outputs: list[tuple[torch.Tensor, TensorMeta]],

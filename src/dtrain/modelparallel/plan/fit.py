@@ -13,6 +13,8 @@ different schedule or a finer split of the batch do not.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -213,6 +215,44 @@ def available_device_memory(device: torch.device, module: nn.Module) -> int:
     return free + cached + own
 
 
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """One cuBLAS workspace on ``device``, as torch sizes it: its own figure where it has one
+    (torch 2.13), else ``CUBLAS_WORKSPACE_CONFIG``'s sizes (KiB) times counts, else its default
+    (32 MiB on Hopper, ``:4096:2:16:8`` elsewhere)."""
+    size = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
+    if size is not None:
+        return int(size())
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(kib) * int(count) for kib, count in pairs) << 10
+    if torch.cuda.get_device_properties(device).major == 9:
+        return 32 << 20
+    return (4096 * 2 + 16 * 8) << 10
+
+
+def device_limit(plan: PartitionPlan, st: MPState, module: nn.Module) -> tuple[int, str]:
+    """Bytes a partition's peak may take on the rank's GPU, and the limit in words.
+
+    The GPU's memory (:func:`available_device_memory`) is shared evenly by the ranks that
+    compute on it (a host running more processes than it has GPUs), and each rank keeps a
+    cuBLAS workspace for every thread that multiplies matrices (torch keeps one per thread and
+    stream, allocated and never freed): the main thread and one per microbatch in flight (the
+    pipeline's pooled threads), an estimate from below like the plan's figures."""
+    total = torch.cuda.get_device_properties(st.device).total_memory
+    sharing = -(-st.local_size // max(state.visible_gpus(), 1))
+    settings = plan.memory_settings
+    assert settings is not None
+    threads = settings.policy(plan.partitions).active + 1
+    workspaces = threads * cublas_workspace_bytes(st.device)
+    limit = max(available_device_memory(st.device, module) // sharing - workspaces, 0)
+    share = f" over the {sharing} ranks that share it" if sharing > 1 else ""
+    name = (
+        f"left on GPU {st.device} (of {format_size(total)}; its free memory{share}, less "
+        f"{format_size(workspaces)} of cuBLAS workspaces for {threads} threads)"
+    )
+    return limit, name
+
+
 def check_device_memory(
     plan: PartitionPlan,
     profile: ModelProfile,
@@ -223,21 +263,21 @@ def check_device_memory(
 ) -> PartitionPlan:
     """A job's plan with its memory, for its config and the optimizer it registered (see
     :meth:`MemorySettings.of_job`); on a GPU, checked against the memory free on the rank's
-    device before the first step (:func:`check_memory`). Rank 0 checks on its own GPU for
-    every rank: a job's GPUs are alike."""
+    device before the first step (:func:`check_memory`, :func:`device_limit`). Rank 0 checks
+    on its own GPU for every rank: a job's GPUs are alike."""
     settings = MemorySettings.of_job(
         st.config, state.current_optimizer(), st.options.split_backward
     )
     plan = plan.with_memory(settings)
     if st.device.type == "cuda":
-        total = torch.cuda.get_device_properties(st.device).total_memory
+        limit, name = device_limit(plan, st, module)
         check_memory(
             plan,
             profile,
-            available_device_memory(st.device, module),
+            limit,
             memory_weight=st.config["memory_weight"],
             fixed=fixed,
             whole=whole,
-            limit_name=f"free on GPU {st.device} (of {format_size(total)})",
+            limit_name=name,
         )
     return plan

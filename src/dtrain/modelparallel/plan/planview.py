@@ -138,7 +138,7 @@ def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
     work.set_yticks(ys, labels, fontsize=8)
     work.invert_yaxis()  # partition 0 on top
     work.margins(x=0.25)
-    left = [0] * rows
+    left: list[float] = [0] * rows
     kinds = list(data.bars[0].memory) if data.bars else []
     for kind, colour in zip(kinds, _MEMORY_COLOURS, strict=False):
         widths = [bar.memory[kind] / 2**20 for bar in data.bars]

@@ -400,7 +400,7 @@ def synchronizer(devices: Iterable[torch.device]) -> Callable[[], None]:
 
 def _sequence_number() -> int:
     """Sequence number the next autograd node will get (nodes are numbered per thread)."""
-    return torch.autograd._get_sequence_nr()  # type: ignore[attr-defined]
+    return torch.autograd._get_sequence_nr()
 
 
 @contextmanager
@@ -709,8 +709,8 @@ class _Recorder:
         """``id(parameter) -> first call`` of its owner, or of the nearest ancestor that ran
         (a module that never runs has its parameters used by other code, usually its parent's)."""
         first_call: dict[str, int] = {}
-        for index, (name, _) in enumerate(self._timed):
-            first_call.setdefault(name, index)
+        for index, (timed, _) in enumerate(self._timed):
+            first_call.setdefault(timed, index)
         modules = self.profile.modules
         calls: dict[int, int] = {}
         for param_id, owner in self._param_owners.items():

@@ -8,6 +8,7 @@ plan's figure is drawn by :mod:`.planview`.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 from dtrain.modelparallel.plan.memory import MemorySettings, StageMemory, format_size
 from dtrain.modelparallel.plan.profile import within
@@ -80,12 +81,12 @@ class PlanText(abc.ABC):
             ("partition", "modules", "compute ms", "comm ms", "time ms", "memory", "cost")
         ]
         for k, stage in enumerate(self.stages):
-            members = sum(1 for owner in self.owners.values() if owner == k)
+            placed = sum(1 for owner in self.owners.values() if owner == k)
             known = self.profiled
             stage_rows.append(
                 (
                     str(k),
-                    str(members),
+                    str(placed),
                     f"{stage.compute_time * 1e3:.3f}" if known else "-",
                     f"{stage.comm_time * 1e3:.3f}" if known else "-",
                     f"{stage.time * 1e3:.3f}" if known else "-",
@@ -248,7 +249,7 @@ def _describe_step(step: CutStep) -> str:
     return f"exactly the least largest partition cost ({step.least:.3f})"
 
 
-def _columns(rows: list[tuple[str, ...]], left: int) -> list[str]:
+def _columns(rows: Sequence[tuple[str, ...]], left: int) -> list[str]:
     """Rows as aligned text: the first ``left`` columns flush left, the others flush right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [

@@ -46,13 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.dataparallel.single import all_gather_single
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules import generators, hooks, modes
 from dtrain.modelparallel.modules.activations import restore_on_recompute
 from dtrain.modelparallel.modules.unfetched import materialize
 
-T = TypeVar("T", torch.Tensor, None)
+T = TypeVar("T", bound=torch.Tensor | None)
 
 _inside = threading.local()
 
@@ -60,7 +61,7 @@ _inside = threading.local()
 def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The ranks' ``local`` tensors, concatenated along the first dimension in group order."""
     combined = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
-    dist.all_gather_single(combined, local.contiguous(), group=group)
+    all_gather_single(combined, local.contiguous(), group=group)
     return combined
 
 

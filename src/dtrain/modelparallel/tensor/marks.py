@@ -137,8 +137,8 @@ def _record_init_args(module_cls: type[nn.Module]) -> None:
         if type(self) is module_cls:
             _init_args[self] = (args, kwargs)
 
-    module_cls.__init__ = init  # type: ignore[method-assign]
-    module_cls._dtrain_records_args = True  # type: ignore[attr-defined]
+    module_cls.__init__ = init  # type: ignore[method-assign]  # keeps instances' arguments
+    module_cls._dtrain_records_args = True  # type: ignore[attr-defined]  # marks it wrapped
 
 
 def registered() -> dict[type[nn.Module], Registration]:

@@ -8,11 +8,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
+from dtrain.modelparallel.modules import generators
 from dtrain.modelparallel.tensor import shards
 
 TUNING_ARGUMENTS = frozenset(
@@ -117,11 +117,13 @@ def check_speed_layout(what: str) -> None:
 def seeded(what: str) -> Iterator[None]:
     """Create a distributed module's parameters from ``tensor_parallel_seed`` and the module's
     creation number: the same values on every rank and at every tp degree, so a module split
-    over two ranks starts as its single-process equivalent does (the rank's own generator is
-    left as it was)."""
-    seed = state.current(what).config["tensor_parallel_seed"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + (next(_created) << 32))
+    over two ranks starts as its single-process equivalent does. The CPU generator and the
+    rank's GPU's (where a module created on it draws) are forked, no other: the rank's own
+    streams go on as they were, so data-parallel replicas seeded apart still draw their own
+    dropout masks."""
+    st = state.current(what)
+    devices = [st.device] if st.device.type == "cuda" else []
+    with generators.forked(st.config["tensor_parallel_seed"] + (next(_created) << 32), devices):
         yield
 
 

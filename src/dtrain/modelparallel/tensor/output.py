@@ -3,6 +3,7 @@ dimension split over the tp group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from dtrain.modelparallel.tensor.module import (
     split,
 )
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "relu": F.relu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # dtrain's, for HF GPT-2

@@ -3,10 +3,11 @@
 A distributed module is built whole, as its plain equivalent, then its layers are split with
 torch's parallel styles (``parallelize_module``), which cut every rank's shard from the weights
 of the group's first rank (created without memory, it is made and split when the model is
-wrapped: :func:`split_delayed`). What the rest of dtrain needs to know about such parameters lives
-here: the whole value behind a shard (state dicts hold whole tensors, as SMP's ``state_dict``
-does), the shard of a whole value (loading), and which parameters saw the group's combined batch
-(:mod:`.batch`), whose gradients average differently.
+wrapped: :func:`split_delayed`). Which blocks were split (each stays on one pipeline partition)
+and a distributed module's own state dicts (whole tensors, as SMP's ``state_dict`` holds) live
+here; the whole value behind a shard and the shard of a whole value are :mod:`.dtensors`', and
+which parameters saw the group's combined batch (:mod:`.batch`), whose gradients average
+differently, :mod:`.averages`'s.
 """
 
 from __future__ import annotations
@@ -15,28 +16,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules import hooks
+from dtrain.modelparallel.tensor.averages import mark_scaled_batch
+from dtrain.modelparallel.tensor.dtensors import laid_out_as, whole
 
 PENDING = "_dtrain_pending_split"
 """The attribute holding the plan of a module created without memory, split once made."""
-
-SCALED_BATCH = "_dtrain_scaled_batch"
-"""The attribute marking a parameter of a distributed module (set on the parameter itself: a
-set of tensors would compare them by value)."""
-
-SCALED_NAMES = "_dtrain_scaled_batch_names"
-"""The attribute of a module recording which of its own parameters carry :data:`SCALED_BATCH`
-(name to mark): torch's conversions (``Module.to``, ``.cuda()``, ``.half()``) swap a DTensor
-parameter with its converted copy, ``__dict__`` included, which drops the mark; the module
-keeps it, and :func:`restore_marks` puts it back (``DistributedModel`` does when wrapping and
-at every step)."""
 
 SPLIT_BLOCK = "_dtrain_split_block"
 """The attribute marking a module whose layers ``parallelize`` split. Its forward computes on
@@ -69,26 +60,6 @@ def mark_block(module: nn.Module) -> None:
     combined batch (a block whose layers are split one by one is marked as a whole here)."""
     setattr(module, SPLIT_BLOCK, True)
     mark_scaled_batch(module, True)  # marked again once split, when made
-
-
-def mark_scaled_batch(module: nn.Module, scaled: bool) -> None:
-    """Mark every parameter of ``module`` as one that sees the group's combined batch, or (not
-    ``scaled``) its rank's own rows, on the parameter and in its module's record."""
-    for sub in module.modules():
-        names = sub.__dict__.setdefault(SCALED_NAMES, {})
-        for name, param in sub.named_parameters(recurse=False):
-            names[name] = scaled
-            setattr(param, SCALED_BATCH, scaled)
-
-
-def restore_marks(root: nn.Module) -> None:
-    """Put the marks of :func:`mark_scaled_batch` back on the parameters of ``root`` from their
-    modules' records (after a conversion swapped them away)."""
-    for sub in root.modules():
-        for name, scaled in getattr(sub, SCALED_NAMES, {}).items():
-            param = sub._parameters.get(name)
-            if param is not None:
-                setattr(param, SCALED_BATCH, scaled)
 
 
 def split_delayed(root: nn.Module, device: torch.device) -> None:
@@ -128,27 +99,6 @@ def check_partition(root: nn.Module, owner: Callable[[str], int]) -> None:
                 )
 
 
-def is_scaled_batch(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a parameter of a distributed module (SMP's "scaled batch"
-    parameters): its gradient covers the batches of the whole tp group."""
-    return getattr(tensor, SCALED_BATCH, False)
-
-
-def is_distributed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is held as a DTensor (a shard, or a replica kept by the tp group)."""
-    return isinstance(tensor, DTensor)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full value of ``tensor`` (a collective over the tp group for a DTensor)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``, a plain tensor sharing its memory."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def shared_input(tensor: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``tensor`` as the replicated DTensor input of column-split ``layer`` (``tensor`` itself
     when ``layer`` is not split). Layers given one such input (query, key, value) add their
@@ -164,81 +114,14 @@ def shared_input(tensor: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return DTensor.from_local(tensor, weight.device_mesh, [Replicate()], run_check=False)
 
 
-def shard_of(like: DTensor, value: torch.Tensor) -> DTensor:
-    """``value``, a whole tensor every rank holds, laid out as ``like`` (cut locally)."""
-    value = value.to(device=like.device, dtype=like.dtype)
-    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
-
-
-def laid_out_as(param: torch.Tensor, value: torch.Tensor, whole_value: bool) -> torch.Tensor:
-    """A saved tensor shaped like ``param`` (an optimizer state) laid out as ``param``: a whole
-    value cut into this rank's shard, or this rank's saved part wrapped as one."""
-    if not isinstance(param, DTensor):
-        return value
-    if whole_value:
-        return shard_of(param, value)
-    value = value.to(device=param.device)
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
-
-
-def load_into(tensor: torch.Tensor, value: torch.Tensor, whole_value: bool) -> None:
-    """Copy ``value`` into ``tensor``: a whole value, or (``whole_value`` false) this rank's
-    part of it, as ``local_state_dict`` saved it."""
-    if not isinstance(tensor, DTensor):
-        tensor.copy_(value)
-    elif whole_value:
-        tensor.copy_(shard_of(tensor, value))
-    else:
-        tensor.to_local().copy_(value)
-
-
-def tp_batches(st: state.MPState) -> int:
-    """How many batches a scaled-batch parameter's gradient sums on one rank: the tp group's
-    (its ranks' batches, combined), or one with ``prescaled_batch`` (the group shares one). Its
-    average divides by this beside the rdp degree; a plain parameter's is a mean."""
-    return 1 if st.config["prescaled_batch"] else st.tp_size
-
-
-def gradient_groups(
-    params: list[torch.Tensor], st: state.MPState
-) -> list[tuple[dist.ProcessGroup, int | None, list[torch.Tensor]]]:
-    """How the gradients of ``params`` average: ``(group, divisor, local gradients)``, a
-    ``None`` divisor meaning the group's mean.
-
-    A plain parameter saw its rank's batch: the mean over the dp group. A scaled-batch one
-    holds the sum over :func:`tp_batches` batches: summed over the rdp group and divided by the
-    number of distinct batches (``dp_size``, ``rdp_size`` when prescaled)."""
-    plain = [local(p.grad) for p in params if p.grad is not None and not is_scaled_batch(p)]
-    scaled = [local(p.grad) for p in params if p.grad is not None and is_scaled_batch(p)]
-    groups: list[tuple[dist.ProcessGroup, int | None, list[torch.Tensor]]] = []
-    if plain:
-        groups.append((st.dp_process_group, None, plain))
-    if scaled:
-        groups.append((st.rdp_process_group, st.rdp_size * tp_batches(st), scaled))
-    return groups
-
-
-def carry_earlier(grads: list[torch.Tensor], factor: int) -> None:
-    """Ready the scaled-batch gradients of earlier steps (accumulating before one optimizer
-    step, averaged by their own steps, so alike on every rank that averages them) for a step
-    that averages them again with this step's: multiplied in place by ``factor``, the
-    :func:`tp_batches` the average divides by, so that it leaves them as they were
-    (``sum_rdp(t*e + n) / (rdp*t) = e + sum_rdp(n) / (rdp*t)``). No second buffer: a plain
-    gradient's mean is linear (``mean(e + n) = e + mean(n)``) and so is a prescaled one's, so
-    nothing else is touched. A step that fails leaves them multiplied beside its partial
-    gradients: the script zeroes them."""
-    if factor > 1 and grads:
-        torch._foreach_mul_([local(g) for g in grads], factor)
-
-
 def whole_state_dict_hook(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     """``state_dict()`` of a distributed module holds whole tensors, loadable into its plain
     equivalent (every rank of the tp group must call it)."""
     for key, value in list(state_dict.items()):
-        if key.startswith(prefix) and isinstance(value, DTensor):
-            state_dict[key] = value.full_tensor()
+        if key.startswith(prefix) and isinstance(value, torch.Tensor):
+            state_dict[key] = whole(value)
 
 
 def shard_load_hook(
@@ -249,6 +132,7 @@ def shard_load_hook(
     tensors = [*module.named_parameters(prefix[:-1]), *module.named_buffers(prefix[:-1])]
     for key, tensor in tensors:
         value = state_dict.get(key)
-        plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-        if isinstance(tensor, DTensor) and plain and value.shape == tensor.shape:
-            state_dict[key] = shard_of(tensor, value)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if isinstance(tensor, DTensor) and value.shape == tensor.shape:
+            state_dict[key] = laid_out_as(f"load_state_dict: {key!r}", tensor, value, True)

@@ -25,7 +25,8 @@ from torch import nn
 from dtrain.modelparallel import deferred, state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules import activations
-from dtrain.modelparallel.tensor import marks, shards, translated
+from dtrain.modelparallel.tensor import marks, translated
+from dtrain.modelparallel.tensor.averages import is_scaled_batch
 from dtrain.modelparallel.tensor.embedding import DistributedEmbedding
 from dtrain.modelparallel.tensor.huggingface import inplace
 from dtrain.modelparallel.tensor.linear import DistributedLinear
@@ -117,7 +118,7 @@ def distribute(root: nn.Module) -> nn.Module:
 
     root = visit(root, "")
     degree = state.current("smp.DistributedModel").tp_size
-    if degree > 1 and not any(shards.is_scaled_batch(p) for p in root.parameters()):
+    if degree > 1 and not any(is_scaled_batch(p) for p in root.parameters()):
         warnings.warn(
             f"smp.DistributedModel: tensor_parallel_degree={degree}, but no module of the model "
             "is distributed (none was created inside smp.tensor_parallelism() or marked with "

@@ -33,19 +33,23 @@ thread, whatever the other threads send), and ranks that share one GPU (a gloo w
 as ranks on several GPUs do.
 
 Those copies go through pinned host memory, on copy streams (:mod:`dtrain.streams`): the
-sender's after the compute stream's work so far (its tensors' producers), each receiver's
-beside it, so that neither waits for the compute queued meanwhile nor holds it up. A stream
-holding GPU bytes is pinned memory from torch's caching host allocator, which hands it out again
-to a later stream of its size; a receiver's buffer for first sends is pinned once, on a GPU
-rank. The CPU waits for the copies' event (gloo reads and writes the host memory itself), and a
-received tensor, made on the copy stream, is recorded on the stream that computes with it: the
-runtime's threads all compute on their device's default stream.
+sender's after the compute stream's work so far (its tensors' producers), with the compute
+queued after the send waiting for them on the GPU (it may write the tensors in place), each
+receiver's beside the compute, so that it neither waits for the compute queued meanwhile nor
+holds it up. A stream holding GPU bytes is pinned memory from torch's caching host allocator,
+which hands it out again to a later stream of its size; a receiver's buffer for first sends is
+pinned once, on a GPU rank. gloo reads and writes the host memory itself, so a stream leaves
+only once its copies are done: the sender does not wait for them, a thread of the transport's
+own does and posts it, in the order the streams were sent (:mod:`.posting`); the receiver's CPU
+waits for its copies before it reuses its buffer. A received tensor, made on the copy stream, is
+recorded on the stream that computes with it: the runtime's threads all compute on their
+device's default stream.
 
-A send lock keeps one message's parts together; the receiver reads a whole message before the
-next, so parts never interleave. A stream's sends are waited for (and its buffers kept) until
-the next stream to the same peer is sent, or the transport closes: the receiver reposts its
-receive as soon as it has read a stream, so that wait rarely blocks, and no extra thread has to
-wake up for every send.
+Streams are posted one at a time, which keeps one message's parts together; the receiver reads
+a whole message before the next, so parts never interleave. A stream's sends are waited for
+(and its buffers kept) until the next stream to the same peer is sent, or the transport closes:
+the receiver reposts its receive as soon as it has read a stream, so that wait rarely blocks,
+and no extra thread has to wake up to finish a send.
 
 Requests are matched to replies by call id through :class:`Pending` futures. Every wait has a
 timeout whose error names the peer and the request. ``close`` sends a stop message to every peer
@@ -66,6 +70,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtrain.dataparallel.single import started
 from dtrain.modelparallel.errors import (
     CommunicationTimeoutError,
     ModelParallelError,
@@ -82,6 +87,7 @@ from dtrain.modelparallel.transport.message import (
     error_body,
     rebuilt_device,
 )
+from dtrain.modelparallel.transport.posting import Poster
 from dtrain.sealed import SEAL_BYTES, ForgedMessageError, Seals, job_key, pickled
 from dtrain.streams import SideStream
 
@@ -92,6 +98,20 @@ in one more."""
 _LENGTH_BYTES = 8
 _ALIGN = 64
 _TAG_HEADER, _TAG_OVERFLOW = 1, 2
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A stream ready to leave once its bytes are in host memory."""
+
+    dst: int
+    messages: list[Message]
+    payload: bytes
+    stream: torch.Tensor
+    parts: list[tuple[torch.Tensor, int]]
+    sources: list[torch.Tensor]
+    """The GPU tensors its copies read: kept until the copies are done, so that their memory
+    is not handed out again before."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +155,7 @@ class Transport:
         """Gets the messages of a stream that are not replies, together, in order."""
         self._first_bytes = first_send_bytes
         self._seals = Seals(job_key() if key is None else key, rank)
-        self._send_lock = threading.Lock()
+        self._posting: Poster[_Outgoing] = Poster(self._post, self.fail, f"dtrain-mp-poster-{rank}")
         self._send_copies = SideStream(device)
         self._unfinished: dict[int, _Sent] = {}
         """The last stream sent to each peer, until its sends are known to be complete."""
@@ -215,22 +235,34 @@ class Transport:
                 if tensor.numel():
                     part = data[offset : offset + _nbytes(meta)]
                     part.copy_(_as_bytes(tensor), non_blocking=True)
-        if from_gpu:  # gloo reads the bytes; the tensors outlive the copies: no record_stream
-            self._send_copies.synchronize()
+        if from_gpu:  # compute queued later (it may write the tensors in place) waits for them
+            self._send_copies.join()
         parts = [(stream[: min(end, self._first_bytes)], _TAG_HEADER)]
         if end > self._first_bytes:
             parts.append((stream[self._first_bytes : end], _TAG_OVERFLOW))
-        with self._send_lock:  # stamped in the order the streams leave
-            seal = self._seals.stamp(payload, self._group, dst)
-            stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + SEAL_BYTES] = torch.frombuffer(
-                bytearray(seal), dtype=torch.uint8
-            )
-            previous = self._unfinished.pop(dst, None)
-            if previous is not None:
-                self._finish(previous)
-            works = [dist.isend(part, dst=dst, group=self._group, tag=tag) for part, tag in parts]
-            self._unfinished[dst] = _Sent(dst, messages[0], works, [part for part, _ in parts])
+        sources = [tensor for tensor, _ in distinct if tensor.is_cuda] if from_gpu else []
+        outgoing = _Outgoing(dst, messages, payload, stream, parts, sources)
+        # gloo reads the bytes once the copies are done: the poster waits for them, not we.
+        self._posting.submit(outgoing, self._send_copies.recorded() if from_gpu else None)
         self._record("SEND", messages, started, dst, end, "to")
+
+    def _post(self, outgoing: _Outgoing) -> None:
+        """Seal a stream as the next to its peer and start its sends, once the previous
+        stream's sends are done (under the poster's lock: in the order the streams leave)."""
+        dst, stream = outgoing.dst, outgoing.stream
+        previous = self._unfinished.pop(dst, None)
+        if previous is not None:
+            self._finish(previous)
+        seal = self._seals.stamp(outgoing.payload, self._group, dst)
+        stream[2 * _LENGTH_BYTES : 2 * _LENGTH_BYTES + SEAL_BYTES] = torch.frombuffer(
+            bytearray(seal), dtype=torch.uint8
+        )
+        works = [
+            started(dist.isend(part, dst=dst, group=self._group, tag=tag))
+            for part, tag in outgoing.parts
+        ]
+        buffers = [part for part, _ in outgoing.parts]
+        self._unfinished[dst] = _Sent(dst, outgoing.messages[0], works, buffers)
 
     def _finish(self, sent: _Sent) -> None:
         """Wait for a stream's sends; a failed or overdue one fails the transport (and raises)."""
@@ -403,7 +435,9 @@ class Transport:
         for peer in self.peers:
             with contextlib.suppress(BaseException):  # a peer that is gone sends no stop either
                 self._send_now(peer, [(Message(STOP, 0), [])])
-        with self._send_lock:
+        self._posting.drain(timeout)
+        self._posting.close()
+        with self._posting.lock:
             unfinished, self._unfinished = list(self._unfinished.values()), {}
         for sent in unfinished:
             with contextlib.suppress(BaseException):

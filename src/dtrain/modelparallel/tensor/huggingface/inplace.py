@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import shards
+from dtrain.modelparallel.tensor.averages import mark_scaled_batch
 from dtrain.modelparallel.tensor.batch import ScaledBatch, scaled_batch
 from dtrain.modelparallel.tensor.module import (
     UNSUPPORTED_EXTRAS,
@@ -50,6 +51,9 @@ from dtrain.modelparallel.tensor.module import (
     split,
     whole_state_dicts,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # imported only with a model of its own
 
 FAMILIES = {
     "transformers.models.gpt_neox.modeling_gpt_neox": "gptneox",
@@ -213,7 +217,7 @@ def parallelize(model: nn.Module, family: Family, options: Mapping[str, Any]) ->
 
 def _split_base(
     model: nn.Module,
-    base: nn.Module,
+    base: PreTrainedModel,
     family: Family,
     rank: int,
     degree: int,
@@ -237,7 +241,7 @@ def _split_base(
             _per_head(layer, rank, degree, family.what, dim=-1)
     shards.mark_block(base)
     if embedding is not None:
-        shards.mark_scaled_batch(embedding, False)  # the rank's own rows, before the region
+        mark_scaled_batch(embedding, False)  # the rank's own rows, before the region
     whole_state_dicts(base)
     base.forward = _region(base, embedding, family)
 

@@ -7,16 +7,21 @@ derives the positions from them first, as the model would. SMP's translation fun
 their input: the model keeps HF's names.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from dtrain.modelparallel.tensor.huggingface import bert
 from dtrain.modelparallel.tensor.huggingface.inplace import hooks_refused, in_place, same_names
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def positions(base: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+
+def positions(base: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     embeddings = base.embeddings
     return embeddings.create_position_ids_from_input_ids(input_ids, embeddings.padding_idx)
 
