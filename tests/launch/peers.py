@@ -11,14 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtrain.launch.handshake import (
+    admit_agent,
+    join_controller,
+)
 from dtrain.launch.wire import (
     FROM_AGENT,
     FROM_CONTROLLER,
     Connection,
     ConnectionClosed,
     Message,
-    admit_agent,
-    join_controller,
 )
 
 SECRET = b"k" * 64

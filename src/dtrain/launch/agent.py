@@ -45,6 +45,10 @@ from dtrain.jobs.channels import materialize_channel
 from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch import entry
+from dtrain.launch.handshake import (
+    AuthenticationError,
+    join_controller,
+)
 from dtrain.launch.machine import host_facts
 from dtrain.launch.netif import format_endpoint, interface_of, parse_endpoint
 from dtrain.launch.processes import become_subreaper
@@ -55,11 +59,9 @@ from dtrain.launch.wire import (
     FROM_CONTROLLER,
     HEARTBEAT_INTERVAL,
     SILENCE_LIMIT,
-    AuthenticationError,
     Connection,
     ConnectionClosed,
     ProtocolError,
-    join_controller,
     read_secret,
     shown,
 )

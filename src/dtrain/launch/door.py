@@ -1,15 +1,15 @@
 """The controller's door: every new connection until its first frame proved the job's secret.
 
-An agent sends its hello, which proves the secret (:func:`wire.prove_hello`), at once on
-connecting, so one thread reads the first frames of every new connection without blocking on any,
-and a connection costs the controller a descriptor and a few hundred bytes until then, no thread.
-Whatever is not a fresh hello that proves the secret is dropped as soon as it is seen; a connection
-that sent nothing within :data:`~dtrain.launch.wire.HELLO_TIMEOUT` is dropped; at most
-:data:`MAX_PENDING` connections wait at once, :data:`PER_SOURCE` of them from one address, and a
-new one pushes out the oldest (of its address first). So strangers that connect again as soon as
-they are dropped hold nothing for long, and an agent, whose hello is usually there when its
-connection is accepted, gets in however many they are. A connection whose hello passed goes to
-``admit`` (off this thread) to finish the handshake.
+An agent sends its hello, which proves the secret (:func:`~dtrain.launch.handshake.prove_hello`),
+at once on connecting, so one thread reads the first frames of every new connection without
+blocking on any, and a connection costs the controller a descriptor and a few hundred bytes until
+then, no thread. Whatever is not a fresh hello that proves the secret is dropped as soon as it is
+seen; a connection that sent nothing within :data:`~dtrain.launch.handshake.HELLO_TIMEOUT` is
+dropped; at most :data:`MAX_PENDING` connections wait at once, :data:`PER_SOURCE` of them from one
+address, and a new one pushes out the oldest (of its address first). So strangers that connect
+again as soon as they are dropped hold nothing for long, and an agent, whose hello is usually
+there when its connection is accepted, gets in however many they are. A connection whose hello
+passed goes to ``admit`` (off this thread) to finish the handshake.
 """
 
 from __future__ import annotations
@@ -22,18 +22,20 @@ import threading
 import time
 from collections.abc import Callable
 
-from dtrain.launch.wire import (
-    FROM_AGENT,
+from dtrain.launch.handshake import (
     HELLO_TIMEOUT,
     AuthenticationError,
+    HelloCheck,
+    refuse,
+    send_challenge,
+)
+from dtrain.launch.wire import (
+    FROM_AGENT,
     Connection,
     ConnectionClosed,
-    HelloCheck,
     Message,
     ProtocolError,
     first_frame,
-    refuse,
-    send_challenge,
     shown,
 )
 
@@ -103,7 +105,7 @@ class Door:
                     if key.fileobj is self.listener:
                         accepting = True
                     elif key.fileobj in self._pending:
-                        self._read(self._pending[key.fileobj])  # type: ignore[index]
+                        self._read(self._pending[key.fileobj])
                 if accepting and not self._closed.is_set():
                     self._accept()
                 self._expire()

@@ -587,7 +587,7 @@ class JobRun:
         controller: Controller,
         plan: LaunchPlan,
         start: Callable[[list[str]], None],
-        code: Callable[[Connection], None],
+        code: Callable[[Connection, Callable[[], None]], None],
     ) -> tuple[Outcome, LaunchPlan]:
         """Every attempt, each on a fresh rendezvous; lost hosts are replaced before a retry."""
         spec = self.job.spec

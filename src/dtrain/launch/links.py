@@ -27,21 +27,23 @@ from collections.abc import Callable
 from typing import Any
 
 from dtrain.launch.door import Door
+from dtrain.launch.handshake import (
+    HANDSHAKE_TIMEOUT,
+    HELLO_TIMEOUT,
+    HelloCheck,
+    welcome_agent,
+)
 from dtrain.launch.outcome import Failure
 from dtrain.launch.transfer import Streams
 from dtrain.launch.wire import (
-    HANDSHAKE_TIMEOUT,
     HEARTBEAT_INTERVAL,
-    HELLO_TIMEOUT,
     SILENCE_LIMIT,
     Connection,
     ConnectionClosed,
-    HelloCheck,
     Message,
     ProtocolError,
     SendStalled,
     shown,
-    welcome_agent,
 )
 
 MAX_HANDSHAKES = 32

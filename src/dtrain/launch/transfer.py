@@ -40,7 +40,7 @@ class _ChunkWriter(io.RawIOBase):
     """A write-only file whose bytes leave as ``chunk`` messages of :data:`CHUNK` bytes;
     ``check`` is called before each and may raise to give up (a stop request)."""
 
-    def __init__(self, send: Callable[[bytes], None], check: Callable[[], None]) -> None:
+    def __init__(self, send: Callable[[bytes], object], check: Callable[[], None]) -> None:
         self._send = send
         self._check = check
         self._buffer = bytearray()
