@@ -11,17 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dtrain.launch.handshake import (
-    admit_agent,
-    join_controller,
-)
-from dtrain.launch.wire import (
-    FROM_AGENT,
-    FROM_CONTROLLER,
-    Connection,
-    ConnectionClosed,
-    Message,
-)
+from dtrain.launch.handshake import admit_agent, join_controller
+from dtrain.launch.wire import FROM_AGENT, FROM_CONTROLLER, Connection, ConnectionClosed, Message
 
 SECRET = b"k" * 64
 

@@ -13,13 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from dtrain.launch.agent import join
-from dtrain.launch.handshake import (
-    prove_hello,
-)
+from dtrain.launch.handshake import prove_hello
 from dtrain.launch.links import Joined, Links
-from dtrain.launch.wire import (
-    PROTOCOL_VERSION,
-)
+from dtrain.launch.wire import PROTOCOL_VERSION
 from tests.launch.peers import SECRET, raw_frame, read_frame
 
 pytestmark = pytest.mark.timeout(60)

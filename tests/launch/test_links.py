@@ -15,15 +15,9 @@ from typing import Any
 import pytest
 
 from dtrain.launch.agent import join
-from dtrain.launch.handshake import (
-    join_controller,
-)
+from dtrain.launch.handshake import join_controller
 from dtrain.launch.links import Event, Joined, Links, Lost
-from dtrain.launch.wire import (
-    FROM_CONTROLLER,
-    PROTOCOL_VERSION,
-    Connection,
-)
+from dtrain.launch.wire import FROM_CONTROLLER, PROTOCOL_VERSION, Connection
 from tests.launch.peers import SECRET, facts, raw_frame
 
 pytestmark = pytest.mark.timeout(60)

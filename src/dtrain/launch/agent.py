@@ -45,10 +45,7 @@ from dtrain.jobs.channels import materialize_channel
 from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch import entry
-from dtrain.launch.handshake import (
-    AuthenticationError,
-    join_controller,
-)
+from dtrain.launch.handshake import AuthenticationError, join_controller
 from dtrain.launch.machine import host_facts
 from dtrain.launch.netif import format_endpoint, interface_of, parse_endpoint
 from dtrain.launch.processes import become_subreaper

@@ -93,9 +93,14 @@ class Controller:
         if stop is not None:
             raise JobStopped(*stop)
 
-    def _lost(self, link: Link, error: Exception) -> Failure:
+    @staticmethod
+    def _lost(link: Link, error: Exception) -> Failure:
         """``link``'s host, whose connection failed with ``error``, marked lost."""
         return Links.mark_lost(Lost(link, lost_reason(link, error), time.time()))
+
+    @staticmethod
+    def _failed(phase: str, lost: Failure) -> DtrainError:
+        return DtrainError(f"{phase}: host {lost.host} {lost.how}")
 
     def _order(self, name: str, phase: str, kind: str, **fields: Any) -> None:
         """Send ``kind`` to host ``name``; a host that cannot take it is lost, failing ``phase``."""
@@ -103,8 +108,7 @@ class Controller:
         try:
             link.connection.send(kind, **fields)
         except ConnectionClosed as error:
-            failure = self._lost(link, error)
-            raise DtrainError(f"{phase}: host {failure.host} {failure.how}") from None
+            raise self._failed(phase, self._lost(link, error)) from None
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -186,8 +190,7 @@ class Controller:
             self._check_stop()
             event = self._next()
             if isinstance(event, Lost):
-                failure = Links.mark_lost(event)
-                raise DtrainError(f"{phase}: host {failure.host} {failure.how}")
+                raise self._failed(phase, Links.mark_lost(event))
             if isinstance(event, Received):
                 name = event.link.name
                 if event.message.kind == "error":
@@ -244,8 +247,7 @@ class Controller:
             try:
                 code(link.connection, self._check_stop)
             except ConnectionClosed as error:
-                failure = self._lost(link, error)
-                raise DtrainError(f"{phase}: host {failure.host} {failure.how}") from None
+                raise self._failed(phase, self._lost(link, error)) from None
         self._await("prepared", names, phase)
 
     def open_store(self, attempt: int, host: str) -> int:

@@ -27,12 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtrain.launch.door import Door
-from dtrain.launch.handshake import (
-    HANDSHAKE_TIMEOUT,
-    HELLO_TIMEOUT,
-    HelloCheck,
-    welcome_agent,
-)
+from dtrain.launch.handshake import HANDSHAKE_TIMEOUT, HELLO_TIMEOUT, HelloCheck, welcome_agent
 from dtrain.launch.outcome import Failure
 from dtrain.launch.transfer import Streams
 from dtrain.launch.wire import (
