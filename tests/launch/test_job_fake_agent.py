@@ -19,6 +19,7 @@ import pytest
 from dtrain.jobs.folder import JobFolder
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import FAILED, STOPPED, JobRecord, JobStore
+from dtrain.launch import controller as controller_module
 from dtrain.launch.job import run_job
 from dtrain.launch.transfer import send_folder
 from dtrain.launch.wire import ConnectionClosed, Message
@@ -159,3 +160,17 @@ def test_what_an_agent_tells_is_shown_escaped_everywhere(fake_job: Any) -> None:
     assert f"[algo-1,0]: loss 1\\n{forged}\n" in console
     assert len(rank_log.splitlines()) == 2
     assert "ValueError: bad\\x1b[31m red" in (folder.host(0).failure_file.read_text())
+
+
+def test_a_host_that_never_sends_its_folders_fails_the_upload_naming_it(
+    fake_job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(controller_module, "SILENCE_LIMIT", 0.5)
+    job = fake_job(obliging(sends=False))
+    record = job.end()
+    assert record.status == FAILED
+    assert record.failure_reason == "cannot collect model/ from algo-1: its agent sent nothing " + (
+        "of it for 0.5 s"
+    )
+    said = job.console.getvalue()
+    assert "TensorBoard events not collected: cannot collect tensorboard/ from algo-1: its " in said
