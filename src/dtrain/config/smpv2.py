@@ -32,10 +32,10 @@ PARAMETERS: tuple[ParameterSpec, ...] = (
         "hybrid_shard_degree",
         int,
         0,
-        "Ranks each parameter is sharded over (FSDP's shard group: the context-parallel ranks "
-        "of one tensor slice and their neighbours); the groups replicate one another (hybrid "
-        "sharding). 0: world / tensor_parallel_degree when tensor or context parallelism is "
-        "on, else the script's FSDP as torch has it; 1: no sharding.",
+        "Ranks each parameter is sharded over (one FSDP shard group, made of whole "
+        "context-parallel groups); the shard groups replicate one another (hybrid sharding). "
+        "0: world / tensor_parallel_degree with tensor or context parallelism, else the "
+        "script's FSDP as torch has it; 1: no sharding.",
         minimum=0,
     ),
     ParameterSpec(

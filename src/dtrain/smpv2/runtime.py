@@ -194,6 +194,14 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         raise
     object.__setattr__(state, "_running", running)
     state._assigned.clear()
+    if running.hybrid_shard_degree:
+        warnings.warn(
+            f"tsm.init: the script's FSDP does not shard over these groups by itself yet in "
+            f"dtrain (hybrid_shard_degree {running.hybrid_shard_degree}, tensor_parallel_degree "
+            f"{running.tp_size}): an FSDP built without them shards as torch's does; pass "
+            'tsm.state.mesh("replicate", "hybrid_shard") to it',
+            stacklevel=2,
+        )
 
 
 def is_initialized() -> bool:
