@@ -87,6 +87,16 @@ def test_a_fresh_interpreter_imports_it_first_and_never_shadows_a_real_one(
     assert shadowed.returncode == 0 and shadowed.stdout.strip() == "True", shadowed.stderr
 
 
-def test_without_torchs_autoloading_there_is_no_torch_sagemaker(tmp_path: Path) -> None:
-    off = fresh_python("import torch.sagemaker", tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    assert off.returncode == 1 and "No module named 'torch.sagemaker'" in off.stderr
+def test_without_torchs_autoloading_only_the_rank_runner_gives_it(tmp_path: Path) -> None:
+    """As where dtrain runs from its source tree, which declares no entry point for torch."""
+    off = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    plain = fresh_python("import torch.sagemaker", tmp_path, **off)
+    assert plain.returncode == 1 and "No module named 'torch.sagemaker'" in plain.stderr
+    (tmp_path / "train.py").write_text(
+        "import torch.sagemaker as tsm\nprint(tsm.is_initialized())\n"
+    )
+    runner = subprocess.run(
+        [sys.executable, "-m", "dtrain.launch.entry", "train.py"], cwd=tmp_path,
+        env={**os.environ, **off}, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert runner.returncode == 0 and runner.stdout.strip() == "False", runner.stderr

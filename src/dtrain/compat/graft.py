@@ -14,6 +14,8 @@ extensions, pytorch/pytorch#122468; dtrain declares its entry point in ``pyproje
 the ranks of a job, ``torchrun train.py`` with no wrapper, processes a script spawns, and a script
 whose first import is ``torch.sagemaker`` (which imports torch first). With
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` torch autoloads nothing, and ``torch.sagemaker`` is missing.
+Where dtrain runs from its source tree (``PYTHONPATH=src``), no entry point is declared: there
+the rank runner (:mod:`dtrain.launch.entry`) installs the finder for the script it runs.
 This module imports nothing but the standard library: it runs inside every ``import torch``.
 """
 

@@ -2,12 +2,14 @@
 parameters (``dtrain.config.modelparallel``, ``dtrain.config.smpv2``) are each one such table.
 
 Every error names the dotted key, the value given and what is allowed, in the words the docs'
-tables use (:func:`describe`), so a message and the docs cannot disagree.
+tables use (:func:`describe`), so a message and the docs cannot disagree. A job's parameters
+reach its processes in the environment (:func:`job_parameters`) and win over a script's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -156,20 +158,39 @@ def warn_without_effect(
             )
 
 
-def merge_job_values(
-    script: Mapping[str, Any], job: Mapping[str, Any], caller: str, where: str, source: str
-) -> dict[str, Any]:
-    """The script's parameters under the job's: where both set one differently, the job's value
-    wins, with a warning naming both (as on SageMaker, where the job's parameters override what
-    a script passes to ``init``). ``caller`` names the script's call, ``source`` the job's."""
+def job_parameters(variable: str, what: str) -> dict[str, Any]:
+    """The job's parameters, as SageMaker passes them to each process: a JSON object in the
+    environment ``variable`` (``SM_HP_MP_PARAMETERS``); ``{}`` where it is unset or blank."""
+    raw = os.environ.get(variable)
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(variable, raw, f"a JSON object of {what}")
+    return value
+
+
+def warn_overridden(
+    script: Mapping[str, Any],
+    job: Mapping[str, Any],
+    caller: str,
+    where: str,
+    source: str,
+    stacklevel: int,
+) -> None:
+    """Warn about each parameter the script sets otherwise than the job, whose value wins (as on
+    SageMaker, where the job's parameters override what a script passes to ``init``).
+    ``caller`` names the script's call, ``source`` where the job's values come from."""
     for name in sorted(script.keys() & job.keys()):
         if script[name] != job[name]:
             warnings.warn(
                 f"{caller}: {where}.{name} is {job[name]!r}, the job's value ({source}), "
                 f"not the script's {script[name]!r}",
-                stacklevel=3,
+                stacklevel=stacklevel + 1,
             )
-    return {**script, **job}
 
 
 def table_markdown(

@@ -48,7 +48,7 @@ import types
 from importlib.machinery import SourceFileLoader
 from typing import NoReturn
 
-from dtrain.compat import add_shim_to_path
+from dtrain.compat import add_shim_to_path, graft
 from dtrain.jobkey import take_key
 
 USAGE = "usage: python -m dtrain.launch.entry (script.py | -m module) [args...]"
@@ -196,10 +196,13 @@ def _wrapped(obj: object) -> list[object]:
 
 def _prepare_job() -> None:
     """What a SageMaker container provides before the script runs: the ``smdistributed``
-    libraries (a job's ranks have the shim on ``PYTHONPATH``; torchrun's do not), and ``smddp``
-    in a data-parallel job (AWS's PyTorch has the backend built in; scripts use it without
+    libraries (a job's ranks have the shim on ``PYTHONPATH``; torchrun's do not), SMP v2's
+    ``torch.sagemaker`` (torch installs it on import where dtrain is installed; here also where
+    dtrain runs from its source tree, without the entry point torch looks for), and ``smddp`` in
+    a data-parallel job (AWS's PyTorch has the backend built in; scripts use it without
     importing anything)."""
     add_shim_to_path()
+    graft.install()
     parameters = json.loads(os.environ.get("SM_FRAMEWORK_PARAMS") or "{}")
     if parameters.get("sagemaker_distributed_dataparallel_enabled") is True:
         from dtrain.dataparallel.backend import register_smddp_backend

@@ -22,8 +22,6 @@ tensors placed on the destroyed groups of the first one.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -33,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrain.config.schema import coerce, merge_job_values
+from dtrain.config.schema import coerce, job_parameters, warn_overridden
 from dtrain.config.smpv2 import (
     SPECS,
     hybrid_shard_extent,
@@ -182,7 +180,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     if state._running is not None:
         _check_running(script, state._running)
         return
-    parameters = merge_job_values(script, _job_parameters(), "tsm.init", WHERE, ENV_PARAMETERS)
+    job = job_parameters(ENV_PARAMETERS, "SMP v2 parameters")
+    warn_overridden(script, job, "tsm.init", WHERE, ENV_PARAMETERS, stacklevel=2)
+    parameters = {**script, **job}
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_smp_v2_parameters(parameters, where=WHERE)
     owns_world = _join_world()
@@ -234,19 +234,6 @@ def _script_config(config: Mapping[str, Any]) -> dict[str, Any]:
                 f"{assigned[name]!r}, the value the script set on tsm.state.{name}: give one",
             )
     return {**assigned, **config}
-
-
-def _job_parameters() -> dict[str, Any]:
-    raw = os.environ.get(ENV_PARAMETERS)
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise ConfigError(ENV_PARAMETERS, raw, "a JSON object of SMP v2 parameters")
-    return value
 
 
 def _check_running(script: Mapping[str, Any], running: Running) -> None:
