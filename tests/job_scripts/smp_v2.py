@@ -1,7 +1,7 @@
 """The start of an SMP v2 script, in the order of AWS's shared-scripts/train_lib.py: the smddp
 backend, ``tsm.init()``, ``tsm.state``; then one FSDP step over smddp's all-gather and
-reduce-scatter, with FSDP1 as AWS's scripts wrap models and with FSDP2 on ``tsm.state``'s mesh,
-each checked against one process's step on the whole batch.
+reduce-scatter, with FSDP1 as AWS's scripts wrap models (hybrid sharding) and with FSDP2, both on
+``tsm.state``'s mesh, each checked against one process's step on the whole batch.
 
 Prints ``STATE <json>`` (what the script reads from ``tsm.state``, and the names of the launcher's
 variables it got) and ``FSDP OK`` per rank.
@@ -65,7 +65,8 @@ train_step(expected, inputs, targets)  # one process, the whole batch
 
 fsdp1 = FullyShardedDataParallel(
     copy.deepcopy(reference),
-    sharding_strategy=ShardingStrategy.FULL_SHARD,
+    sharding_strategy=ShardingStrategy.HYBRID_SHARD,  # AWS's scripts' default
+    device_mesh=state.mesh("replicate", "hybrid_shard"),
     use_orig_params=True,
     device_id=torch.device("cpu"),  # AWS's scripts: torch.cuda.current_device()
 )
