@@ -47,7 +47,7 @@ LONGEST_FIRST = (
     "launch/test_clusters.py", "test_jobs_integration.py", "modelparallel/api/test_sharded.py",
     "modelparallel/test_delayed.py", "modelparallel/test_job.py",
     "modelparallel/api/test_half_precision.py", "launch/test_join.py", "launch/test_entry.py",
-    "compat/test_scripts.py", "modelparallel/test_hf_models.py",
+    "compat/test_scripts.py", "smpv2/test_jobs.py", "modelparallel/test_hf_models.py",
     "modelparallel/modules/test_activation_checkpointing.py",
     "modelparallel/pipeline/test_stall.py", "modelparallel/test_equivalence.py",
     "modelparallel/tensor/test_mixed.py", "modelparallel/api/test_sharded_tensor.py",

@@ -133,6 +133,28 @@ def test_torch_distributed() -> None:
     }
 
 
+def test_smp_v2_pairs_modelparallel_with_torch_distributed() -> None:
+    """AWS's notebooks' distribution (GPT-NeoX, Llama): torchrun with SMP v2's parameters."""
+    parameters = {
+        "activation_loading_horizon": 2,
+        "hybrid_shard_degree": 4,
+        "sm_activation_offloading": True,
+        "tensor_parallel_degree": 2,
+    }
+    plan = resolve(smp_v2(parameters), instance_count=2, default=4, instance_type="ml.p4d.24xlarge")
+    assert plan.strategy == "torch_distributed"
+    assert plan.world_size == 8
+    assert plan.mp_parameters is not None
+    assert plan.mp_parameters["hybrid_shard_degree"] == 4
+    assert plan.mp_parameters["context_parallel_degree"] == 1  # defaults filled in
+    assert plan.framework_hyperparameters == {
+        "sagemaker_torch_distributed_enabled": True,
+        "sagemaker_instance_type": "ml.p4d.24xlarge",
+        "sagemaker_distributed_dataparallel_enabled": False,
+        "mp_parameters": parameters,
+    }
+
+
 def test_smp_v1_canonical_launch() -> None:
     plan = resolve(SMP_V1, instance_count=2, instance_type="ml.p3.16xlarge")
     assert plan.strategy == "smdistributed.modelparallel"
@@ -199,6 +221,14 @@ def smp(parameters: Any, mpi: Any = None) -> dict[str, Any]:
     return {
         "smdistributed": {"modelparallel": {"enabled": True, "parameters": parameters}},
         "mpi": {"enabled": True, "processes_per_host": 2} if mpi is None else mpi,
+    }
+
+
+def smp_v2(parameters: Any) -> dict[str, Any]:
+    """An SMP v2 distribution (modelparallel under torchrun) with these parameters."""
+    return {
+        "smdistributed": {"modelparallel": {"enabled": True, "parameters": parameters}},
+        "torch_distributed": {"enabled": True},
     }
 
 
@@ -282,16 +312,41 @@ BAD: list[tuple[Any, dict[str, Any], type[ConfigError], tuple[str, ...]]] = [
         smp({}, mpi={"enabled": False}),
         {},
         ConfigError,
-        ("distribution.mpi", "{'enabled': False}", "runs under MPI"),
+        ("distribution.mpi", "{'enabled': False}", "for SMP v1", '"torch_distributed"', "SMP v2"),
     ),
     (
-        {
-            "smdistributed": {"modelparallel": {"enabled": True, "parameters": {}}},
-            "torch_distributed": {"enabled": True},
-        },
+        {**smp({}), "torch_distributed": {"enabled": True}},
         {},
         ConfigError,
-        ("distribution.torch_distributed", "SMP v2", "SMP v1", '"mpi": {"enabled": true}'),
+        (
+            "distribution.torch_distributed",
+            "mpi and torch_distributed",
+            "torch_distributed for SMP",
+        ),
+    ),
+    (
+        smp({"hybrid_shard_degree": 2}),
+        {},
+        ConfigError,
+        (f"{MP}.parameters.hybrid_shard_degree", "SMP v2's", '"torch_distributed": {"enabled"'),
+    ),
+    (
+        smp_v2({"partitions": 2}),
+        {},
+        ConfigError,
+        (f"{MP}.parameters.partitions", "SMP v1's", '"mpi": {"enabled": true}'),
+    ),
+    (
+        smp_v2({"hybrid_shard_degre": 2}),
+        {},
+        UnknownKeyError,
+        (f"{MP}.parameters.hybrid_shard_degre", "'hybrid_shard_degree'"),
+    ),
+    (
+        smp_v2({"hybrid_shard_degree": 3}),
+        {"instance_count": 2, "processes_per_host": 2},
+        ConfigError,
+        (f"{MP}.parameters.hybrid_shard_degree", "got 3", "world / tensor_parallel_degree = 4"),
     ),
     (
         {

@@ -40,6 +40,7 @@ def test_rank_environment_follows_each_hosts_address_interface_and_cores() -> No
     )
     assert plan.defaults(1) == {
         "GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "4",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }  # fmt: skip
     shared = LaunchPlan(spec, distribution, (host("algo-1", "m"), host("algo-2", "m")))
     assert shared.defaults(0)["OMP_NUM_THREADS"] == "2"  # 8 cores, 4 ranks on the machine

@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
-    from dtrain.compat import shim_pythonpath_entry
+    from dtrain.compat import add_shim_to_path
 
     if path.suffix != ".py" or not path.is_file():
         raise ConfigError(flag, spec, f"FILE:FUNCTION naming an existing Python file ({path})")
@@ -117,9 +117,7 @@ def _import_file(flag: str, spec: str, path: Path) -> ModuleType:
     sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
     folder = str(path.parent.resolve())
     sys.path.insert(0, folder)  # so the file can import its neighbours
-    shim = shim_pythonpath_entry()
-    if shim is not None and shim not in sys.path:
-        sys.path.append(shim)  # `import smdistributed...` works as it does in a job; stays
+    add_shim_to_path()  # `import smdistributed...` works as it does in a job; stays
     try:
         module_spec.loader.exec_module(module)
     finally:

@@ -6,7 +6,9 @@ only where SageMaker would silently mishandle a configuration:
 * unknown keys are errors (the SDK ignores a misspelled ``process_per_host``);
 * a strategy section with settings but no ``enabled`` key is an error (the SDK ignores the section);
 * at most one launcher may be enabled: ``mpi``, ``smdistributed.dataparallel`` (which starts its
-  own MPI job) or ``torch_distributed``, except that SMP v1 model parallelism runs under ``mpi``.
+  own MPI job) or ``torch_distributed``; model parallelism runs under one of two: ``mpi`` is SMP
+  v1 (``smdistributed.modelparallel``), ``torch_distributed`` is SMP v2 (``torch.sagemaker``),
+  each with its own parameters (a parameter of the other names the other pairing).
 
 Processes per host default to ``default_processes_per_host`` (the launcher passes the GPUs per
 host, else 1) for every strategy, including none, as ``dtrain run --processes-per-host`` documents.
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.config.modelparallel import validate_mp_parameters
+from dtrain.config.smpv2 import V2_ONLY_NAMES, V2_PAIRING, validate_smp_v2_parameters
 from dtrain.errors import ConfigError, UnknownKeyError
 
 SECTION_KEYS: dict[str, tuple[str, ...]] = {
@@ -52,7 +55,8 @@ class DistributionPlan:
     """How a job runs: which launcher, how many processes, and the hyperparameters SageMaker adds.
 
     ``strategy`` is one of ``none``, ``mpi``, ``smdistributed.dataparallel``,
-    ``smdistributed.modelparallel`` or ``torch_distributed``.
+    ``smdistributed.modelparallel`` (SMP v1, under MPI) or ``torch_distributed`` (torchrun's;
+    SMP v2 when ``mp_parameters`` is set).
     """
 
     strategy: str
@@ -195,7 +199,8 @@ def _load_mp_parameters(section: Mapping[str, Any], where: str) -> dict[str, Any
 def _choose_strategy(
     mpi: Mapping[str, Any] | None, mpi_on: bool, data: bool, model: bool, torch_distributed: bool
 ) -> str:
-    """The one strategy the enabled sections describe; combinations SMP v1 cannot run are errors."""
+    """The one strategy the enabled sections describe; model parallelism is SMP v1 under MPI,
+    SMP v2 under torch_distributed."""
     sm = f"{WHERE}.smdistributed"
     if data and model:
         raise ConfigError(
@@ -203,22 +208,14 @@ def _choose_strategy(
             "dataparallel and modelparallel",
             "only one smdistributed strategy enabled at a time",
         )
-    if model and torch_distributed:
-        raise ConfigError(
-            f"{WHERE}.torch_distributed",
-            {"enabled": True},
-            "not with smdistributed.modelparallel: that pairing is SMP v2, and dtrain implements "
-            'SMP v1, which runs under MPI; replace torch_distributed with "mpi": {"enabled": true}',
-        )
-    if model and not mpi_on:
+    if model and not (mpi_on or torch_distributed):
         raise ConfigError(
             f"{WHERE}.mpi",
             mpi,
-            "SMP v1 model parallelism runs under MPI: add "
-            '"mpi": {"enabled": true, "processes_per_host": N}',
+            'a launcher for model parallelism: "mpi": {"enabled": true, "processes_per_host": N} '
+            'for SMP v1 (smdistributed.modelparallel), or "torch_distributed": {"enabled": true} '
+            "for SMP v2 (torch.sagemaker)",
         )
-    if model:
-        return "smdistributed.modelparallel"
     enabled = [
         name
         for name, on in (
@@ -232,9 +229,27 @@ def _choose_strategy(
         raise ConfigError(
             f"{WHERE}.{enabled[1]}",
             {"enabled": True},
-            f"one launcher at a time: {' and '.join(enabled)} are both enabled; keep one",
+            f"one launcher at a time: {' and '.join(enabled)} are both enabled; keep one"
+            + (" (mpi for SMP v1, torch_distributed for SMP v2)" if model else ""),
         )
+    if model and mpi_on:
+        return "smdistributed.modelparallel"
     return enabled[0] if enabled else "none"
+
+
+def _smp_v1_parameters(
+    parameters: Mapping[str, Any], world_size: int, where: str
+) -> dict[str, Any]:
+    """SMP v1's parameters (modelparallel under mpi); one of SMP v2's names the v2 pairing."""
+    for key in parameters:
+        if key in V2_ONLY_NAMES:
+            raise ConfigError(
+                f"{where}.{key}",
+                parameters[key],
+                f"an SMP v1 parameter under mpi; {key} is SMP v2's, whose jobs pair "
+                f"modelparallel with {V2_PAIRING}",
+            )
+    return validate_mp_parameters(parameters, world_size=world_size, where=where)
 
 
 def _processes_per_host(
@@ -319,6 +334,8 @@ def resolve_distribution(
     if strategy == "torch_distributed":
         hyperparameters["sagemaker_torch_distributed_enabled"] = True
         hyperparameters["sagemaker_instance_type"] = instance_type
+        if model_enabled:  # as the SDK adds it for any smdistributed section
+            hyperparameters["sagemaker_distributed_dataparallel_enabled"] = False
     else:
         if "mpi" in distribution:
             hyperparameters["sagemaker_mpi_enabled"] = mpi_enabled
@@ -332,10 +349,15 @@ def resolve_distribution(
                 hyperparameters["sagemaker_distributed_dataparallel_custom_mpi_options"] = (
                     data_options
                 )
-    if strategy == "smdistributed.modelparallel":
+    if model_enabled:
         params_where = f"{mp_where}.parameters"
         user_parameters = _load_mp_parameters(model, params_where)
-        mp_parameters = validate_mp_parameters(
+        validate = (
+            _smp_v1_parameters
+            if strategy == "smdistributed.modelparallel"
+            else validate_smp_v2_parameters
+        )
+        mp_parameters = validate(
             user_parameters, world_size=instance_count * ppn, where=params_where
         )
         hyperparameters["mp_parameters"] = user_parameters

@@ -15,46 +15,21 @@ and the library disagree, dtrain follows the library's behaviour and says so in 
 
 from __future__ import annotations
 
-import json
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from dtrain.errors import ConfigError, UnknownKeyError, did_you_mean
-
-
-@dataclass(frozen=True)
-class Derived:
-    """A default computed from other (already normalized) parameters."""
-
-    description: str
-    compute: Callable[[Mapping[str, Any]], Any]
-
-
-@dataclass(frozen=True)
-class ParameterSpec:
-    """One parameter: its type, default, allowed values, and what it needs from the others.
-
-    ``requires`` pairs ``(other, value)`` must hold whenever this parameter is set away from its
-    default (e.g. ``ddp_port`` needs ``ddp`` true).
-    """
-
-    name: str
-    kind: type
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    requires: tuple[tuple[str, Any], ...] = ()
-    nullable: bool = False
-    limitation: str | None = None
-    """Why dtrain allows less than SMP does (said wherever the allowed values are)."""
-    without_effect: str | None = None
-    """What dtrain does instead, for a parameter it accepts but does not act on: set away from
-    its default, it warns, naming both."""
-
+from dtrain.config.schema import (
+    Derived,
+    ParameterSpec,
+    check_requires,
+    coerce,
+    table_markdown,
+    warn_without_effect,
+    with_defaults,
+    without_effect_table,
+)
+from dtrain.errors import ConfigError, UnknownKeyError
 
 PLACEMENT_PERMUTATIONS = ("DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
 
@@ -301,67 +276,6 @@ SMP_INTERNAL_PARAMETERS: tuple[str, ...] = (
 accepted and ignored, with a warning, since they tune SMP's implementation, not dtrain's."""
 
 
-def _show(value: Any) -> str:
-    """Values as the user writes them in JSON (``true``, ``"speed"``)."""
-    return json.dumps(value)
-
-
-def _describe(spec: ParameterSpec) -> str:
-    """What ``spec`` allows, in words, for error messages and the docs table."""
-    if spec.kind is bool:
-        text = "true or false"
-    elif spec.choices is not None:
-        text = "one of " + ", ".join(_show(c) for c in spec.choices)
-    else:
-        noun = "an integer" if spec.kind is int else "a number"
-        low, high = spec.minimum, spec.maximum
-        if low is not None and low == high:
-            text = f"exactly {low:g}"
-        elif low is not None and high is not None:
-            text = f"{noun} from {low:g} to {high:g}"
-        elif low is not None:
-            text = f"{noun} >= {low:g}"
-        else:
-            text = noun
-    text = f"{text} or null" if spec.nullable else text
-    return f"{text} ({spec.limitation})" if spec.limitation else text
-
-
-def _suggest(value: str, choices: tuple[str, ...]) -> str | None:
-    """Closest choice, ignoring case so ``dpt`` finds ``DPT``."""
-    by_lower = {c.lower(): c for c in choices}
-    match = did_you_mean(value.lower(), by_lower)
-    return by_lower[match] if match else None
-
-
-def _coerce(spec: ParameterSpec, value: Any, key: str) -> Any:
-    """``value`` checked against ``spec``; bools may arrive as "true"/"false" strings."""
-    if value is None and spec.nullable:
-        return None
-    if spec.kind is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, _describe(spec))
-        return value
-    if spec.kind is str:
-        if not isinstance(value, str) or value not in (spec.choices or ()):
-            hint = _suggest(value, spec.choices or ()) if isinstance(value, str) else None
-            raise ConfigError(key, value, _describe(spec), hint)
-        return value
-    # JSON writes 5e8 as a float: accept whole-number floats where an integer is expected.
-    if spec.kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    numeric = int if spec.kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, numeric):
-        raise ConfigError(key, value, _describe(spec))
-    if (spec.minimum is not None and value < spec.minimum) or (
-        spec.maximum is not None and value > spec.maximum
-    ):
-        raise ConfigError(key, value, _describe(spec))
-    return spec.kind(value)
-
-
 def _given_values(params: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The user's parameters, each checked on its own, with ``partitions`` folded into its name."""
     if not isinstance(params, Mapping):
@@ -376,7 +290,7 @@ def _given_values(params: Mapping[str, Any], where: str) -> dict[str, Any]:
         elif key not in known:
             raise UnknownKeyError(where, str(key), known)
     given = {
-        key: _coerce(SPECS[MP_PARAMETER_ALIASES.get(key, key)], value, f"{where}.{key}")
+        key: coerce(SPECS[MP_PARAMETER_ALIASES.get(key, key)], value, f"{where}.{key}")
         for key, value in params.items()
         if key not in SMP_INTERNAL_PARAMETERS
     }
@@ -392,21 +306,6 @@ def _given_values(params: Mapping[str, Any], where: str) -> dict[str, Any]:
             )
         given[name] = value
     return given
-
-
-def _check_requires(values: Mapping[str, Any], where: str) -> None:
-    for spec in PARAMETERS:
-        value = values[spec.name]
-        if value == spec.default or value is None:
-            continue
-        for other, needed in spec.requires:
-            if values[other] != needed:
-                raise ConfigError(
-                    f"{where}.{spec.name}",
-                    value,
-                    f"only together with {other}={_show(needed)} "
-                    f"(here {other}={_show(values[other])})",
-                )
 
 
 def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
@@ -426,18 +325,6 @@ def _check_partitioning(values: Mapping[str, Any], where: str) -> None:
             active,
             f"an integer from 1 to microbatches ({values['microbatches']})",
         )
-
-
-def _warn_without_effect(values: Mapping[str, Any], where: str) -> None:
-    """One warning for each parameter set that dtrain accepts without acting on it (Python's
-    default warning filter shows each once)."""
-    for spec in PARAMETERS:
-        if spec.without_effect is not None and values[spec.name] != spec.default:
-            warnings.warn(
-                f"{where}.{spec.name}={_show(values[spec.name])} is accepted without effect: "
-                f"{spec.without_effect}",
-                stacklevel=3,
-            )
 
 
 def check_world_size(values: Mapping[str, Any], world_size: int, where: str) -> None:
@@ -479,20 +366,10 @@ def validate_mp_parameters(
     Errors name the dotted key under ``where``, the bad value and what is allowed. With
     ``world_size``, also checks that the parallel degrees fit that many processes.
     """
-    given = _given_values(params, where)
-    values: dict[str, Any] = {}
-    for spec in PARAMETERS:
-        if spec.name in given:
-            values[spec.name] = given[spec.name]
-        elif not isinstance(spec.default, Derived):
-            values[spec.name] = spec.default
-    for spec in PARAMETERS:
-        if isinstance(spec.default, Derived) and spec.name not in values:
-            values[spec.name] = spec.default.compute(values)
-    values = {name: values[name] for name in MP_PARAMETER_NAMES}
-    _check_requires(values, where)
+    values = with_defaults(PARAMETERS, _given_values(params, where))
+    check_requires(PARAMETERS, values, where)
     _check_partitioning(values, where)
-    _warn_without_effect(values, where)
+    warn_without_effect(PARAMETERS, values, where)
     if values["fp16_params"]:
         values["fp16"] = True
     if world_size is not None:
@@ -502,32 +379,9 @@ def validate_mp_parameters(
 
 def schema_markdown() -> str:
     """The parameter table for the docs, generated so it cannot drift from the validator."""
-    rows = [
-        "| parameter | allowed | default | requires | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    aliases = {name: alias for alias, name in MP_PARAMETER_ALIASES.items()}
-    for spec in PARAMETERS:
-        name = f"`{spec.name}`" + (
-            f" (alias `{aliases[spec.name]}`)" if spec.name in aliases else ""
-        )
-        default = (
-            spec.default.description if isinstance(spec.default, Derived) else _show(spec.default)
-        )
-        requires = ", ".join(f"`{other}={_show(value)}`" for other, value in spec.requires)
-        meaning = spec.help
-        if spec.without_effect is not None:
-            meaning += f" Accepted without effect: {spec.without_effect}."
-        rows.append(f"| {name} | {_describe(spec)} | {default} | {requires} | {meaning} |")
-    return "\n".join(rows) + "\n"
+    return table_markdown(PARAMETERS, MP_PARAMETER_ALIASES)
 
 
 def without_effect_markdown() -> str:
     """The parameters dtrain accepts without effect, and what it does instead, for the docs."""
-    rows = ["| parameter | SMP | dtrain |", "|---|---|---|"]
-    rows += [
-        f"| `{spec.name}` | {spec.help} | {spec.without_effect} |"
-        for spec in PARAMETERS
-        if spec.without_effect is not None
-    ]
-    return "\n".join(rows) + "\n"
+    return without_effect_table(PARAMETERS)

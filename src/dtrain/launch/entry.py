@@ -25,7 +25,8 @@ The job's key (:mod:`dtrain.jobkey`) leaves the environment before the script ru
 the script starts inherits it. In a SageMaker data-parallel job (``SM_FRAMEWORK_PARAMS``), the
 ``smddp`` backend is registered before the script runs, as AWS's PyTorch has it built in.
 
-Under torchrun, the same guarantee: ``torchrun ... -m dtrain.launch.entry script.py args``.
+Under torchrun, the same guarantee: ``torchrun ... -m dtrain.launch.entry script.py args``; the
+script can ``import smdistributed...`` there too, as in a job (the shim goes last on its path).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import types
 from importlib.machinery import SourceFileLoader
 from typing import NoReturn
 
+from dtrain.compat import add_shim_to_path, graft
 from dtrain.jobkey import take_key
 
 USAGE = "usage: python -m dtrain.launch.entry (script.py | -m module) [args...]"
@@ -193,8 +195,14 @@ def _wrapped(obj: object) -> list[object]:
 
 
 def _prepare_job() -> None:
-    """What a SageMaker container provides before the script runs: ``smddp`` in a data-parallel
-    job (AWS's PyTorch has the backend built in; scripts use it without importing anything)."""
+    """What a SageMaker container provides before the script runs: the ``smdistributed``
+    libraries (a job's ranks have the shim on ``PYTHONPATH``; torchrun's do not), SMP v2's
+    ``torch.sagemaker`` (torch installs it on import where dtrain is installed; here also where
+    dtrain runs from its source tree, without the entry point torch looks for), and ``smddp`` in
+    a data-parallel job (AWS's PyTorch has the backend built in; scripts use it without
+    importing anything)."""
+    add_shim_to_path()
+    graft.install()
     parameters = json.loads(os.environ.get("SM_FRAMEWORK_PARAMS") or "{}")
     if parameters.get("sagemaker_distributed_dataparallel_enabled") is True:
         from dtrain.dataparallel.backend import register_smddp_backend

@@ -222,12 +222,19 @@ class LaunchPlan:
             "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(self.processes_per_host),
             "GROUP_RANK": str(host_index),
+            "GROUP_WORLD_SIZE": str(len(self.hosts)),
             "NODE_RANK": str(host_index),
+            # torchrun's one role, "default", holds every rank
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": world,
             "MASTER_ADDR": self.hosts[0].address,
             "MASTER_PORT": str(master_port),
             # algo-1's agent hosts the rendezvous store (on its job address); ranks are clients.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(attempt - 1),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_retry_attempts),
+            "TORCHELASTIC_RUN_ID": self.spec.job_name,
             "DTRAIN_ATTEMPT": str(attempt),
             "OMPI_COMM_WORLD_RANK": str(rank),
             "OMPI_COMM_WORLD_SIZE": world,
@@ -294,8 +301,9 @@ class LaunchPlan:
     def defaults(self, host_index: int) -> dict[str, str]:
         """Variables a host's ranks get unless its agent's environment already sets them.
 
-        Collective traffic stays on the interface of the job's address, and the machine's cores
-        are shared out between all the ranks it runs.
+        Collective traffic stays on the interface of the job's address, the machine's cores are
+        shared out between all the ranks it runs, and a failed NCCL collective ends its rank
+        instead of hanging it (as under torchrun).
         """
         host = self.hosts[host_index]
         on_machine = sum(1 for other in self.hosts if other.machine == host.machine)
@@ -304,4 +312,5 @@ class LaunchPlan:
             "GLOO_SOCKET_IFNAME": host.interface,
             "NCCL_SOCKET_IFNAME": host.interface,
             "OMP_NUM_THREADS": str(threads),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # torchrun's default
         }

@@ -8,7 +8,6 @@ so the rest of the runtime asks :func:`current` instead of recomputing ranks.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from dtrain.config.modelparallel import (
     check_world_size,
     validate_mp_parameters,
 )
+from dtrain.config.schema import job_parameters, warn_overridden
 from dtrain.dataparallel import process_group
 from dtrain.errors import ConfigError
 from dtrain.modelparallel import heap
@@ -136,7 +136,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         return
     _auto_init = False
     heap.keep_large_blocks_returnable()
-    parameters = _merge(config or {}, _env_parameters())
+    parameters = _merge(config or {}, job_parameters(ENV_PARAMETERS, "model-parallel parameters"))
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_mp_parameters(parameters, where=WHERE)
     options = RuntimeOptions.from_environment()
@@ -352,19 +352,6 @@ def get_rdp_process_group() -> dist.ProcessGroup:
 # --- helpers of init -------------------------------------------------------------------------
 
 
-def _env_parameters() -> dict[str, Any]:
-    raw = os.environ.get(ENV_PARAMETERS)
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise ConfigError(ENV_PARAMETERS, raw, "a JSON object of model-parallel parameters")
-    return value
-
-
 def _canonical(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters under their schema names (``partitions`` is ``pipeline_parallel_degree``)."""
     return {MP_PARAMETER_ALIASES.get(key, key): value for key, value in parameters.items()}
@@ -374,14 +361,9 @@ def _merge(config: Mapping[str, Any], env: Mapping[str, Any]) -> dict[str, Any]:
     """The script's ``config`` under the job's parameters: where both set one differently, the
     job's value wins, with a warning naming it (as on SageMaker, where the job's parameters
     override the defaults a script passes to ``smp.init``)."""
-    mine, jobs = _canonical(config), _canonical(env)
-    for name in sorted(mine.keys() & jobs.keys()):
-        if mine[name] != jobs[name]:
-            warnings.warn(
-                f"smp.init: {WHERE}.{name} is {jobs[name]!r}, the job's value "
-                f"({ENV_PARAMETERS}), not the script's {mine[name]!r}",
-                stacklevel=3,
-            )
+    warn_overridden(
+        _canonical(config), _canonical(env), "smp.init", WHERE, ENV_PARAMETERS, stacklevel=3
+    )
     merged = dict(config)
     for key, value in env.items():  # the job's spelling of a parameter replaces the script's
         name = MP_PARAMETER_ALIASES.get(key, key)

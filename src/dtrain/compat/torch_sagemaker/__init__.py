@@ -1,0 +1,13 @@
+"""``import torch.sagemaker as tsm``: SMP v2's API, served by :mod:`dtrain.smpv2`.
+
+This package is importable as ``torch.sagemaker`` (:mod:`dtrain.compat.graft`). Its modules follow
+SMP v2's import paths, as AWS's scripts import them; what dtrain does not implement yet is there
+too, and fails naming itself when used (:mod:`dtrain.smpv2.unavailable`).
+"""
+
+from dtrain.smpv2 import init, is_initialized, state
+from dtrain.smpv2.unavailable import Unavailable
+
+transform = Unavailable("torch.sagemaker.transform")
+
+__all__ = ["init", "is_initialized", "state", "transform"]

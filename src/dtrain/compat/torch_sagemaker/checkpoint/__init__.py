@@ -1,0 +1,1 @@
+"""``torch.sagemaker.checkpoint``: its module ``utils``."""

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.distributed``: its package ``checkpoint``."""

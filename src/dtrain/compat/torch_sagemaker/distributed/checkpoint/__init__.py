@@ -1,0 +1,1 @@
+"""``torch.sagemaker.distributed.checkpoint``: SMP v2's distributed checkpoints (DCP-style)."""

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.moe``: mixture of experts (expert parallelism)."""

@@ -1,0 +1,5 @@
+"""``torch.sagemaker.moe.moe_layer``."""
+
+from dtrain.smpv2.unavailable import Unavailable
+
+MoELayer = Unavailable("torch.sagemaker.moe.moe_layer.MoELayer")

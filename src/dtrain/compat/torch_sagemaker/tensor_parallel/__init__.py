@@ -1,0 +1,1 @@
+"""``torch.sagemaker.tensor_parallel``: the layers ``tsm.transform`` puts in a model."""

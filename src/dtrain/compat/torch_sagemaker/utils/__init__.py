@@ -1,0 +1,1 @@
+"""``torch.sagemaker.utils``: its modules ``utils`` and ``process_group_utils``."""
