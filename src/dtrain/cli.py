@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.commands import plan as plan_command
-from dtrain.errors import ConfigError, DtrainError, check_choice
+from dtrain.errors import ConfigError, DtrainError, check_choice, did_you_mean
 from dtrain.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 EXIT_CODES = {"Completed": EXIT_OK, "Failed": EXIT_FAILED, "Stopped": EXIT_STOPPED}
@@ -225,18 +225,57 @@ def _add_detach(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each ``dtrain`` command, by name."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices
+
+
+def _long_flags(*parsers: argparse.ArgumentParser) -> list[str]:
+    return [
+        flag
+        for parser in parsers
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    ]
+
+
+def _unrecognized(words: list[str], flags: list[str], command: str) -> str:
+    """argparse's complaint about ``words``, naming the nearest flag to each misspelled one
+    (compared without their dashes, which every flag shares) and, for ``dtrain run``, where
+    the script's own arguments go."""
+    near = {}
+    for word in words:
+        flag = word.partition("=")[0]
+        match = did_you_mean(flag[2:], [known[2:] for known in flags])
+        if flag.startswith("--") and match is not None:
+            near[flag] = f"--{match}"
+    message = f"unrecognized arguments: {' '.join(words)}"
+    if len(near) == 1:
+        message += f" (did you mean {next(iter(near.values()))!r}?)"
+    elif near:
+        message += f" (did you mean {', '.join(f'{b!r} for {a!r}' for a, b in near.items())}?)"
+    if command == "run":
+        message += "; arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1"
+    return message
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    """The command line; what follows ``--`` is ``dtrain run``'s script's."""
+    """The command line; what follows ``--`` is ``dtrain run``'s script's. A misspelled
+    command or flag is refused naming the nearest one."""
     split = argv.index("--") if "--" in argv else len(argv)
     parser = _build_parser()
+    commands = _commands(parser)
+    command = next((word for word in argv[:split] if not word.startswith("-")), None)
+    if command is not None and command not in commands:
+        near = did_you_mean(command, commands)
+        hint = f" (did you mean {near!r}?)" if near else ""
+        parser.error(f"unknown command {command!r}{hint}; commands: {', '.join(commands)}")
     args, unknown = parser.parse_known_args(argv[:split])
     if unknown:
-        hint = (
-            " (arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1)"
-            if args.command == "run"
-            else ""
-        )
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        flags = _long_flags(parser, commands[args.command])
+        parser.error(_unrecognized(unknown, flags, args.command))
     if split < len(argv):
         if args.command != "run":
             parser.error(f"dtrain {args.command} takes no arguments after --")
