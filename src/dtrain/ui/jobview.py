@@ -18,7 +18,7 @@ from typing import Any
 
 from dtrain.jobs.describe import describe
 from dtrain.jobs.folder import JobFolder
-from dtrain.jobs.live import RATE_WINDOW, latest
+from dtrain.jobs.live import RATE_WINDOW, format_rate, latest
 from dtrain.jobs.logs import log_lines, rank_hosts, rank_logs, unstamped
 from dtrain.jobs.metrics import MetricSample
 from dtrain.jobs.spec import JobSpec
@@ -90,12 +90,12 @@ def _elapsed(record: JobRecord, now: float) -> float:
 
 
 def step_rate(samples: list[MetricSample]) -> dict[str, Any] | None:
-    """Steps per second of the metric logged most often, over its last samples, as ``dtrain
-    jobs`` shows it (:func:`dtrain.jobs.live.latest`)."""
+    """Steps per second of the metric logged most often, over its last samples, and as text
+    as ``dtrain jobs`` shows it (:func:`dtrain.jobs.live.latest`)."""
     found = latest(samples)
     if found is None or found.rate is None:
         return None
-    return {"metric": found.sample.name, "per_second": found.rate}
+    return {"metric": found.sample.name, "per_second": found.rate, "text": format_rate(found.rate)}
 
 
 def _layout(spec: JobSpec) -> str:

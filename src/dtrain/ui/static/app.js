@@ -78,7 +78,7 @@ async function refreshJobs() {
     job.layout,
     Object.entries(job.last_metrics).map(([name, value]) => `${name}=${number(value)}`).join("  ")
       || "-",
-    job.step_rate ? `${job.step_rate.per_second.toFixed(2)} steps/s` : "-",
+    job.step_rate ? job.step_rate.text : "-",
   ]));
 }
 
