@@ -27,7 +27,7 @@ def test_make_demo_trains_on_two_hosts(dtrain_home: Path, tmp_path: Path) -> Non
     data = tmp_path / "demo-data"
     result = subprocess.run(
         # -o: the environment running the tests is the install; never (re)create it here
-        ["make", "-s", "-o", f"{bin_dir}/.installed", "demo",
+        ["make", "-s", "-o", f"{bin_dir}/.installed-dtrain", "demo",
          f"VENV={bin_dir.parent}", f"DEMO_DATA={data}"],
         cwd=ROOT, capture_output=True, text=True, timeout=200, check=False,
         env={**os.environ, "DTRAIN_HOME": str(dtrain_home)},
@@ -50,3 +50,33 @@ def test_make_demo_trains_on_two_hosts(dtrain_home: Path, tmp_path: Path) -> Non
     artifact = Path(info["ModelArtifacts"]["S3ModelArtifacts"].removeprefix("file://"))
     with tarfile.open(artifact) as tar:
         assert tar.getnames() == ["model.pt"]
+
+
+def _make_says(target: str, venv: Path) -> str:
+    """The commands ``make target`` would run (``-n``), for a ``.venv`` at ``venv``."""
+    result = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}", "PYTHON=python3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return result.stdout
+
+
+def test_the_demo_installs_dtrain_alone_and_the_tests_add_their_tools(tmp_path: Path) -> None:
+    """``make demo`` installs what dtrain needs (no ray, transformers, moto: a third of the
+    size); ``make test`` (``install``) adds the test tools; either may come first."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    venv = tmp_path / "venv"
+    demo = _make_says("demo", venv)
+    assert f"python3 -m venv {venv}" in demo and "-c constraints.txt -e .\n" in demo
+    assert "[test]" not in demo
+    full = _make_says("install", venv)
+    assert "-e .\n" in full and "-e '.[test]'" in full
+
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / ".installed-dtrain").touch()  # after make demo: the test tools are added
+    after_demo = _make_says("install", venv)
+    assert "-m venv" not in after_demo and "-e '.[test]'" in after_demo
+    (venv / "bin" / ".installed").touch()  # after make test: the demo installs nothing
+    assert "pip" not in _make_says("demo", venv)
+    assert "pip" not in _make_says("install", venv)
