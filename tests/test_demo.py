@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,3 +82,42 @@ def test_the_demo_installs_dtrain_alone_and_the_tests_add_their_tools(tmp_path: 
     (venv / "bin" / ".installed").touch()  # after make test: the demo installs nothing
     assert "pip" not in _make_says("demo", venv)
     assert "pip" not in _make_says("install", venv)
+
+
+def _readme_example() -> list[str]:
+    """The README's first ``dtrain run`` command (under "Running a job"), as words."""
+    text = (ROOT / "README.md").read_text().split("## Running a job", 1)[1]
+    block = text.split("```", 2)[1].replace("\\\n", " ")
+    return shlex.split(next(line for line in block.splitlines() if line.startswith("dtrain run")))
+
+
+def test_the_readme_example_trains_every_rank_on_rows_of_its_own(
+    dtrain_home: Path, tmp_path: Path
+) -> None:
+    """2 hosts x 2 processes on a ShardedByS3Key channel: each host holds half the files and
+    each of its processes half of those rows, so the four ranks report four different losses
+    (two processes of a host training on the same rows would report the same)."""
+    argv = _readme_example()
+    assert argv[argv.index("--instance-count") + 1] == "2"
+    assert argv[argv.index("--processes-per-host") + 1] == "2"
+    data = tmp_path / "demo-data"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_dataset.py"), str(data)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    argv = [
+        word.replace("out/demo-data", str(data)).replace("examples/", f"{ROOT}/examples/")
+        for word in argv[1:]
+    ]
+    result = dtrain(*argv, "--job-name", "readme", home=dtrain_home, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\[(algo-\d),(\d)\]: rank \d/4 on .*: training on (\d+) rows$",
+                      result.stdout, re.M)  # fmt: skip
+    assert sorted(rows) == [("algo-1", "0", "256"), ("algo-1", "1", "256"),
+                            ("algo-2", "2", "256"), ("algo-2", "3", "256")]  # fmt: skip
+    losses: dict[str, list[str]] = {}
+    for rank, loss in re.findall(r"^\[algo-\d,(\d)\]: epoch=\d train_loss=([0-9.]+)",
+                                 result.stdout, re.M):  # fmt: skip
+        losses.setdefault(rank, []).append(loss)
+    assert sorted(losses) == ["0", "1", "2", "3"] and all(len(v) == 5 for v in losses.values())
+    assert len({tuple(curve) for curve in losses.values()}) == 4, losses
