@@ -433,6 +433,7 @@ def test_max_run_and_older_than_read_durations_with_one_parser() -> None:
     for text, seconds in (("1h", 3600), ("1d12h", 36 * 3600), ("90m", 5400), ("60", 60)):
         assert spec_from_args(_parse(["run", "t.py", "--max-run", text])).max_run == seconds
     assert spec_from_args(_parse(["run", "t.py"])).max_run == 24 * 3600
+    assert spec_from_args(_parse(["run", "t.py", "--max-run", "2.5"])).max_run == 3  # whole s
     assert parse_duration("--max-run", "2.5", bare_seconds=True) == 2.5
     for bad in ("1 h", "h", "1y", "inf", "nan", "1e3"):
         with pytest.raises(ConfigError, match=r"^--max-run: .* or a number of seconds$"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -328,7 +329,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         hyperparameters=_json_arg("--hyperparameters", args.hyperparameters, dict),
         channels=tuple(parse_channel_arg(text) for text in args.channel),
         source_dir=args.source_dir,
-        max_run=parse_duration("--max-run", args.max_run, bare_seconds=True),
+        max_run=math.ceil(parse_duration("--max-run", args.max_run, bare_seconds=True)),
         output_path=args.output_path,
         checkpoint_local_path=args.checkpoint_local_path,
         metric_definitions=tuple(_json_arg("--metric-definitions", args.metric_definitions, list)),
