@@ -98,9 +98,20 @@ def test_arguments_after_double_dash_are_the_scripts() -> None:
     [
         (["run", "train.py", "--epochs", "1"], "arguments for the script go after --"),
         (["jobs", "--", "x"], "dtrain jobs takes no arguments after --"),
+        (["job"], "unknown command 'job' (did you mean 'jobs'?); commands: run, agent, jobs,"),
+        (["lgos", "x"], "unknown command 'lgos' (did you mean 'logs'?)"),
+        (["xyzzy"], "unknown command 'xyzzy'; commands: run, "),
+        (["run", "train.py", "--instance-cont", "2"],
+         "unrecognized arguments: --instance-cont 2 (did you mean '--instance-count'?); "
+         "arguments for the script go after --"),
+        (["run", "train.py", "--instance-cont=2", "--procesess-per-host", "3"],
+         "(did you mean '--instance-count' for '--instance-cont', '--processes-per-host' for "
+         "'--procesess-per-host'?)"),
+        (["logs", "x", "--tial", "3"], "unrecognized arguments: --tial 3 (did you mean '--tail'?)"),
+        (["--verison", "jobs"], "(did you mean '--version'?)"),
     ],
-)
-def test_misplaced_arguments(
+)  # fmt: skip
+def test_misplaced_or_misspelled_arguments(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -391,30 +402,6 @@ def test_a_detached_job_that_cannot_start_says_why(tmp_path: Path) -> None:
         assert "job folder" in result.stderr and "already exists" in result.stderr
         bad = dtrain("run", "nope.py", "--detach", home=home)
         assert bad.returncode == 2 and "entry_point" in bad.stderr
-
-
-@pytest.mark.parametrize(
-    ("argv", "expected"),
-    [
-        (["job"], "unknown command 'job' (did you mean 'jobs'?); commands: run, agent, jobs,"),
-        (["lgos", "x"], "unknown command 'lgos' (did you mean 'logs'?)"),
-        (["xyzzy"], "unknown command 'xyzzy'; commands: run, "),
-        (["run", "train.py", "--instance-cont", "2"],
-         "unrecognized arguments: --instance-cont 2 (did you mean '--instance-count'?); "
-         "arguments for the script go after --"),
-        (["run", "train.py", "--instance-cont=2", "--procesess-per-host", "3"],
-         "(did you mean '--instance-count' for '--instance-cont', '--processes-per-host' for "
-         "'--procesess-per-host'?)"),
-        (["logs", "x", "--tial", "3"], "unrecognized arguments: --tial 3 (did you mean '--tail'?)"),
-        (["--verison", "jobs"], "(did you mean '--version'?)"),
-    ],
-)  # fmt: skip
-def test_a_misspelled_command_or_flag_names_the_nearest(
-    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2 and expected in capsys.readouterr().err
 
 
 def test_a_script_argument_is_not_taken_for_a_misspelled_flag(
