@@ -265,10 +265,9 @@ def _unrecognized(words: list[str], flags: list[str], command: str) -> str:
     (compared without their dashes, which every flag shares) and, for ``dtrain run``, where
     the script's own arguments go."""
     near = {}
-    for word in words:
-        flag = word.partition("=")[0]
+    for flag in (word.partition("=")[0] for word in words if word.startswith("--")):
         match = did_you_mean(flag[2:], [known[2:] for known in flags])
-        if flag.startswith("--") and match is not None:
+        if match is not None:
             near[flag] = f"--{match}"
     message = f"unrecognized arguments: {' '.join(words)}"
     if len(near) == 1:
