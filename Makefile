@@ -6,14 +6,23 @@ DEMO_DATA ?= $(CURDIR)/out/demo-data
 
 .PHONY: install demo test lint stress gpu-check gpu-wheels
 
-$(BIN)/.installed: pyproject.toml constraints.txt
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+# Two stamps, so that either target may come first: .installed-dtrain is dtrain and what it needs
+# to run (what the demo needs), .installed adds the test tools (pytest, ruff, mypy, and the
+# packages the tests drive: ray, transformers, moto, boto3, s3fs).
+$(BIN)/.installed-dtrain: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PIP) -e .
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.installed-dtrain
+	$(PIP) -e '.[test]'
 	touch $@
 
 install: $(BIN)/.installed
 
-demo: install
+demo: $(BIN)/.installed-dtrain
 	$(BIN)/python examples/make_dataset.py $(DEMO_DATA)
 	$(BIN)/dtrain run train.py --source-dir examples/sagemaker_style \
 	    --instance-count 2 --processes-per-host 1 --instance-type local_cpu \

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dtrain.cli import _parse, main, spec_from_args
+from dtrain.durations import parse_duration
 from dtrain.errors import ConfigError
-from dtrain.jobs.cleanup import parse_duration
 from dtrain.jobs.describe import describe
 from dtrain.jobs.modules import module_file
 from dtrain.jobs.spec import ChannelSpec, JobSpec
@@ -98,9 +98,20 @@ def test_arguments_after_double_dash_are_the_scripts() -> None:
     [
         (["run", "train.py", "--epochs", "1"], "arguments for the script go after --"),
         (["jobs", "--", "x"], "dtrain jobs takes no arguments after --"),
+        (["job"], "unknown command 'job' (did you mean 'jobs'?); commands: run, agent, jobs,"),
+        (["lgos", "x"], "unknown command 'lgos' (did you mean 'logs'?)"),
+        (["xyzzy"], "unknown command 'xyzzy'; commands: run, "),
+        (["run", "train.py", "--instance-cont", "2"],
+         "unrecognized arguments: --instance-cont 2 (did you mean '--instance-count'?); "
+         "arguments for the script go after --"),
+        (["run", "train.py", "--instance-cont=2", "--procesess-per-host", "3"],
+         "(did you mean '--instance-count' for '--instance-cont', '--processes-per-host' for "
+         "'--procesess-per-host'?)"),
+        (["logs", "x", "--tial", "3"], "unrecognized arguments: --tial 3 (did you mean '--tail'?)"),
+        (["--verison", "jobs"], "(did you mean '--version'?)"),
     ],
-)
-def test_misplaced_arguments(
+)  # fmt: skip
+def test_misplaced_or_misspelled_arguments(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -392,3 +403,69 @@ def test_a_detached_job_that_cannot_start_says_why(tmp_path: Path) -> None:
         assert "job folder" in result.stderr and "already exists" in result.stderr
         bad = dtrain("run", "nope.py", "--detach", home=home)
         assert bad.returncode == 2 and "entry_point" in bad.stderr
+
+
+def test_a_script_argument_is_not_taken_for_a_misspelled_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--epochs`` is far from every flag of ``dtrain run``: only where it belongs is said."""
+    with pytest.raises(SystemExit):
+        main(["run", "train.py", "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and "arguments for the script go after --" in err
+
+
+def test_max_run_and_older_than_read_durations_with_one_parser() -> None:
+    """``--max-run 1h`` is taken as ``prune --older-than 12h`` is; a bare number stays seconds
+    for ``--max-run`` (SageMaker's MaxRuntimeInSeconds), and is refused where it would delete."""
+    for text, seconds in (("1h", 3600), ("1d12h", 36 * 3600), ("90m", 5400), ("60", 60)):
+        assert spec_from_args(_parse(["run", "t.py", "--max-run", text])).max_run == seconds
+    assert spec_from_args(_parse(["run", "t.py"])).max_run == 24 * 3600
+    assert spec_from_args(_parse(["run", "t.py", "--max-run", "2.5"])).max_run == 3  # whole s
+    assert parse_duration("--max-run", "2.5", bare_seconds=True) == 2.5
+    for bad in ("1 h", "h", "1y", "inf", "nan", "1e3"):
+        with pytest.raises(ConfigError, match=r"^--max-run: .* or a number of seconds$"):
+            spec_from_args(_parse(["run", "t.py", "--max-run", bad]))
+    with pytest.raises(ConfigError, match="a duration such as 7d, 12h"):
+        parse_duration("--older-than", "7")
+
+
+def _finished_job(store: JobStore, home: Path, name: str, output_path: str | None) -> Path:
+    """A Completed job whose model went to ``output_path``: its ``model.tar.gz``."""
+    output = Path(output_path.removeprefix("file://")) if output_path else home / "output"
+    artifact = output / name / "output" / "model.tar.gz"
+    artifact.parent.mkdir(parents=True)
+    artifact.write_bytes(b"m" * 2**20)
+    folder = home / "jobs" / name
+    folder.mkdir(parents=True)
+    spec = JobSpec("t.py", name, output_path=output_path or (home / "output").as_uri())
+    store.create(name, spec.to_json(), folder)
+    store.update(name, status="Completed", end_time=time.time(), model_artifacts=artifact.as_uri())
+    return artifact
+
+
+def test_rm_removes_the_model_under_dtrain_home_unless_kept(
+    dtrain_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rm`` deletes the archives under ``$DTRAIN_HOME/output/NAME`` with the job (they count
+    in what it frees); ``--keep-output`` keeps them, and an ``--output-path`` of the user's is
+    never touched: either way ``rm`` says where the model stays."""
+    store = JobStore()
+    gone = _finished_job(store, dtrain_home, "gone", None)
+    kept = _finished_job(store, dtrain_home, "kept", None)
+    theirs = _finished_job(store, dtrain_home, "theirs", (tmp_path / "mine").as_uri())
+    assert main(["rm", "gone"]) == 0
+    assert capsys.readouterr().out == "removed gone (Completed, 1.0 MiB)\n"
+    assert not gone.exists() and not (dtrain_home / "output" / "gone").exists()
+    assert main(["rm", "--keep-output", "kept"]) == 0
+    assert capsys.readouterr().out == (
+        f"removed kept (Completed, 0.0 MiB); its model stays: {kept.as_uri()}\n"
+    )
+    assert kept.exists()
+    assert main(["prune", "--older-than", "0s"]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[0]
+        .endswith(f", 0.0 MiB); its model stays: {theirs.as_uri()}")
+    )
+    assert theirs.exists() and store.list() == []

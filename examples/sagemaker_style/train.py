@@ -35,6 +35,25 @@ def load_shards(directory: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([s["x"] for s in shards]), torch.cat([s["y"] for s in shards])
 
 
+def my_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the rows, as a DistributedSampler would give it: ShardedByS3Key
+    already gave each host its own files, so the processes of a host split them (by local
+    rank); FullyReplicated gave every host all of them, so every rank takes its share (by
+    rank). Every rank keeps as many rows as the one with the fewest, so that all of them take
+    the same number of steps (DDP's collectives wait for every rank)."""
+    channel = json.loads(os.environ.get("SM_INPUT_DATA_CONFIG", "{}")).get("training", {})
+    if channel.get("S3DistributionType") == "ShardedByS3Key":
+        index, count = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        index, count = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    x, y = x[index::count], y[index::count]
+    if dist.is_initialized():
+        rows = torch.tensor(len(x))
+        dist.all_reduce(rows, op=dist.ReduceOp.MIN)
+        x, y = x[: int(rows)], y[: int(rows)]
+    return x, y
+
+
 def main() -> None:
     args = parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,10 +61,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world_size > 1 else 0
     hosts = json.loads(os.environ.get("SM_HOSTS", '["local"]'))
-    print(f"rank {rank}/{world_size} on {os.environ.get('SM_CURRENT_HOST')} of {hosts}")
 
-    # With ShardedByS3Key each host already holds a disjoint part of the data.
-    x, y = load_shards(args.train)
+    x, y = my_rows(*load_shards(args.train))
+    host = os.environ.get("SM_CURRENT_HOST")
+    print(f"rank {rank}/{world_size} on {host} of {hosts}: training on {len(x)} rows")
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(x.shape[1], args.hidden), nn.ReLU(), nn.Linear(args.hidden, int(y.max()) + 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.commands import plan as plan_command
-from dtrain.errors import ConfigError, DtrainError, check_choice
+from dtrain.errors import ConfigError, DtrainError, check_choice, did_you_mean
 from dtrain.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 
@@ -96,7 +97,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--source-dir", help="directory copied as the job's code (cwd of each rank)")
     run.add_argument("--job-name", help="default: <base-job-name>-<timestamp>")
     run.add_argument("--base-job-name", help="prefix of the generated job name")
-    run.add_argument("--max-run", type=float, default=24 * 60 * 60, help="seconds before Stopped")
+    run.add_argument(
+        "--max-run",
+        default="1d",
+        metavar="DURATION",
+        help="training time before the job is Stopped: 1h, 30m, 1d12h, ... or seconds (default 1d)",
+    )
     run.add_argument(
         "--max-retry-attempts", type=int, default=0, help="restarts after a rank is killed"
     )
@@ -184,9 +190,12 @@ def _build_parser() -> argparse.ArgumentParser:
     rerun.add_argument("--quiet", action="store_true", help="do not mirror rank output")
     _add_detach(rerun)
 
-    rm = commands.add_parser("rm", help="delete finished jobs: their folders and records")
+    rm = commands.add_parser(
+        "rm", help="delete finished jobs: their folders, records and archives in $DTRAIN_HOME"
+    )
     rm.add_argument("names", nargs="+", metavar="NAME")
     rm.add_argument("--force", action="store_true", help="stop running jobs first")
+    _add_keep_output(rm)
 
     prune = commands.add_parser("prune", help="delete the jobs that finished long ago")
     prune.add_argument(
@@ -196,6 +205,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="jobs that ended this long ago or more: 7d, 12h, 1d12h, 30m, ...",
     )
     prune.add_argument("--dry-run", action="store_true", help="list them, delete nothing")
+    _add_keep_output(prune)
 
     metrics = commands.add_parser("metrics", help="a job's metric time series")
     metrics.add_argument("name")
@@ -222,6 +232,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_keep_output(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--keep-output",
+        action="store_true",
+        help="keep the model archives under $DTRAIN_HOME/output/NAME (an --output-path of "
+        "your own is never deleted)",
+    )
+
+
 def _add_detach(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--detach",
@@ -231,18 +250,56 @@ def _add_detach(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each ``dtrain`` command, by name."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices
+
+
+def _long_flags(*parsers: argparse.ArgumentParser) -> list[str]:
+    return [
+        flag
+        for parser in parsers
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    ]
+
+
+def _unrecognized(words: list[str], flags: list[str], command: str) -> str:
+    """argparse's complaint about ``words``, naming the nearest flag to each misspelled one
+    (compared without their dashes, which every flag shares) and, for ``dtrain run``, where
+    the script's own arguments go."""
+    near = {}
+    for flag in (word.partition("=")[0] for word in words if word.startswith("--")):
+        match = did_you_mean(flag[2:], [known[2:] for known in flags])
+        if match is not None:
+            near[flag] = f"--{match}"
+    message = f"unrecognized arguments: {' '.join(words)}"
+    if len(near) == 1:
+        message += f" (did you mean {next(iter(near.values()))!r}?)"
+    elif near:
+        message += f" (did you mean {', '.join(f'{b!r} for {a!r}' for a, b in near.items())}?)"
+    if command == "run":
+        message += "; arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1"
+    return message
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    """The command line; what follows ``--`` is ``dtrain run``'s script's."""
+    """The command line; what follows ``--`` is ``dtrain run``'s script's. A misspelled
+    command or flag is refused naming the nearest one."""
     split = argv.index("--") if "--" in argv else len(argv)
     parser = _build_parser()
+    commands = _commands(parser)
+    command = next((word for word in argv[:split] if not word.startswith("-")), None)
+    if command is not None and command not in commands:
+        near = did_you_mean(command, commands)
+        hint = f" (did you mean {near!r}?)" if near else ""
+        parser.error(f"unknown command {command!r}{hint}; commands: {', '.join(commands)}")
     args, unknown = parser.parse_known_args(argv[:split])
     if unknown:
-        hint = (
-            " (arguments for the script go after --, e.g. dtrain run train.py -- --epochs 1)"
-            if args.command == "run"
-            else ""
-        )
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        flags = _long_flags(parser, commands[args.command])
+        parser.error(_unrecognized(unknown, flags, args.command))
     if split < len(argv):
         if args.command != "run":
             parser.error(f"dtrain {args.command} takes no arguments after --")
@@ -253,6 +310,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def spec_from_args(args: argparse.Namespace) -> Any:
     """The ``dtrain run`` flags as a :class:`JobSpec`, every value checked for its form."""
     from dtrain.config.distribution import load_distribution
+    from dtrain.durations import parse_duration
     from dtrain.jobs.channels import parse_channel_arg
     from dtrain.jobs.spec import JobSpec
     from dtrain.jobs.variables import job_variables
@@ -278,7 +336,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         hyperparameters=_json_arg("--hyperparameters", args.hyperparameters, dict),
         channels=tuple(parse_channel_arg(text) for text in args.channel),
         source_dir=args.source_dir,
-        max_run=args.max_run,
+        max_run=math.ceil(parse_duration("--max-run", args.max_run, bare_seconds=True)),
         output_path=args.output_path,
         checkpoint_local_path=args.checkpoint_local_path,
         metric_definitions=tuple(_json_arg("--metric-definitions", args.metric_definitions, list)),
@@ -332,26 +390,36 @@ def _rerun(args: argparse.Namespace) -> int:
     return _submit(spec, args.quiet, args.detach)
 
 
-def _rm(names: list[str], force: bool) -> int:
-    from dtrain.jobs.cleanup import mebibytes, removable, remove
+def _removed(verb: str, record: Any, when: str, removal: Any) -> str:
+    """``removed NAME (Completed, 1.2 MiB)``, and where its model stays if it does."""
+    from dtrain.jobs.cleanup import mebibytes
+
+    line = f"{verb} {record.name} ({record.status}{when}, {mebibytes(removal.size)})"
+    return line + (f"; its model stays: {removal.kept_model}" if removal.kept_model else "")
+
+
+def _rm(names: list[str], force: bool, keep_output: bool) -> int:
+    from dtrain.jobs.cleanup import removable, remove
     from dtrain.jobs.store import JobStore
 
     store = JobStore()
     for record in removable(store, names, force):
-        print(f"removed {record.name} ({record.status}, {mebibytes(remove(store, record))})")
+        print(_removed("removed", record, "", remove(store, record, keep_output)))
     return EXIT_OK
 
 
-def _prune(older_than: str, dry_run: bool) -> int:
-    from dtrain.jobs.cleanup import mebibytes, parse_duration, prune
+def _prune(older_than: str, dry_run: bool, keep_output: bool) -> int:
+    from dtrain.durations import parse_duration
+    from dtrain.jobs.cleanup import mebibytes, prune
     from dtrain.jobs.store import JobStore
 
     total = count = 0
     verb = "would remove" if dry_run else "removed"
-    for record, size in prune(JobStore(), parse_duration("--older-than", older_than), dry_run):
+    seconds = parse_duration("--older-than", older_than)
+    for record, removal in prune(JobStore(), seconds, dry_run, keep_output):
         ended = datetime.datetime.fromtimestamp(record.end_time or record.creation_time)
-        print(f"{verb} {record.name} ({record.status} {ended:%Y-%m-%d %H:%M}, {mebibytes(size)})")
-        total, count = total + size, count + 1
+        print(_removed(verb, record, f" {ended:%Y-%m-%d %H:%M}", removal))
+        total, count = total + removal.size, count + 1
     freed = "would free" if dry_run else "freed"
     print(f"{count} job(s) ended more than {older_than} ago; {freed} {mebibytes(total)}")
     return EXIT_OK
@@ -482,9 +550,9 @@ def _main(argv: list[str]) -> int:
         if args.command == "rerun":
             return _rerun(args)
         if args.command == "rm":
-            return _rm(args.names, args.force)
+            return _rm(args.names, args.force, args.keep_output)
         if args.command == "prune":
-            return _prune(args.older_than, args.dry_run)
+            return _prune(args.older_than, args.dry_run, args.keep_output)
         if args.command == "jobs":
             return _jobs(args.status, args.name_contains, args.max)
         if args.command == "describe":

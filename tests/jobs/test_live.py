@@ -60,13 +60,15 @@ def test_latest_is_the_busiest_metrics_last_sample_and_rate() -> None:
     assert found.rate == pytest.approx(1.0)
     assert str(found) == "loss=0.3333 (1 steps/s)"
     slow = latest(_samples("acc", [0.0, 10.0]))
-    assert slow is not None and str(slow) == "acc=0.5 (6 steps/min)"
+    assert slow is not None and str(slow) == "acc=0.5 (0.1 steps/s)"
     assert latest([]) is None
 
 
 def test_formats() -> None:
     assert format_rate(2.5) == "2.5 steps/s"
-    assert format_rate(0.1) == "6 steps/min"
+    assert [format_rate(r) for r in (0.1, 1 / 30, 1.0, 99.96, 1234.4)] == [
+        "0.1 steps/s", "0.0333 steps/s", "1 steps/s", "100 steps/s", "1234 steps/s"
+    ]  # fmt: skip
     assert [format_elapsed(s) for s in (0, 42.9, 185, 7385)] == ["0s", "42s", "3m05s", "2h03m05s"]
 
 

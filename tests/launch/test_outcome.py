@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from dtrain.launch.outcome import COMPLETED, FAILED, STOPPED, Attempt, Failure, rank_failure
+from dtrain.launch.outcome import (
+    COMPLETED,
+    FAILED,
+    STOPPED,
+    Attempt,
+    Failure,
+    failed_rank,
+    rank_failure,
+)
 
 HOSTS = ("algo-1", "algo-2")
 GLOO = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4"
@@ -81,3 +89,12 @@ def test_a_host_that_reports_an_error_fails_the_job_without_a_retry() -> None:
     attempt.host_done("algo-2")
     outcome = attempt.outcome()
     assert outcome.message == "host algo-1 failed: cannot start rank 0" and not outcome.retryable
+
+
+def test_the_failed_rank_is_read_back_from_the_reason() -> None:
+    """The web view opens the log of the rank a job's FailureReason names."""
+    for rank, tail in ((3, "ValueError: rank 1 (algo-1) said no"), (0, ""), (12, "x\n")):
+        failure = Failure("algo-2", rank, 1.0, "exited with code 1", tail)
+        assert failed_rank(failure.reason) == rank
+    assert failed_rank(Failure("algo-2", None, 1.0, "was lost: no heartbeat").reason) is None
+    assert failed_rank("the dtrain supervisor (pid 7) exited without finishing") is None

@@ -120,7 +120,11 @@ def test_jobs_table_shows_status_layout_metrics_and_step_rate(client: FlaskClien
     done = jobs["done"]
     assert (done["status"], done["layout"]) == ("Completed", "2 × 1")
     assert done["last_metrics"] == {"loss": pytest.approx(0.2)}
-    assert done["step_rate"] == {"metric": "loss", "per_second": pytest.approx(2.0)}
+    assert done["step_rate"] == {
+        "metric": "loss",
+        "per_second": pytest.approx(2.0),
+        "text": "2 steps/s",
+    }  # fmt: skip: the text as dtrain jobs prints it
     assert jobs["running"]["status"] == "InProgress"
     page = client.get("/")
     assert page.status_code == 200 and b'data-page="jobs"' in page.data
@@ -401,3 +405,23 @@ def test_a_given_token_is_required_on_loopback_too(
     assert f"http://127.0.0.1:8470/?token={TOKEN}" in printed
     assert client.get("/api/jobs").status_code == 403
     assert client.get("/api/jobs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+def test_a_failed_jobs_page_opens_on_the_log_of_the_rank_that_failed(
+    store: JobStore, dtrain_home: Path
+) -> None:
+    """Rank 0 of a job whose rank 1 raised shows only the follow-on error: the page is told to
+    open rank 1's log of the last attempt. A lost host, or a job that did not fail, names no
+    rank: the page opens as before."""
+    folder = _make_job(store, dtrain_home, "failed", None)
+    folder.attempt_logs_dir(2).mkdir()
+    folder.log_file(0, 2).write_text("RuntimeError: Connection closed by peer\n")
+    folder.log_file(1, 2).write_text("ValueError: boom\n")
+    reason = "rank 1 (algo-2) exited with code 1: ValueError: boom"
+    store.update("failed", status="Failed", secondary_status="Failed", failure_reason=reason)
+    _make_job(store, dtrain_home, "lost", None)
+    store.update("lost", status="Failed", failure_reason="host algo-2 was lost: no heartbeat")
+    client = create_app(store).test_client()
+    assert client.get("/api/jobs/failed").get_json()["failed_log"] == "2:1"
+    assert client.get("/api/jobs/lost").get_json()["failed_log"] is None
+    assert client.get("/api/jobs/done").get_json()["failed_log"] is None

@@ -18,6 +18,7 @@ from tests.conftest import JOB_SCRIPTS, dtrain
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 JOB = "ui-job"
+FAILED_JOB = "ui-failed"
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -36,6 +37,11 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--metric-definitions", json.dumps(metrics), home=home,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    failed = dtrain(  # rank 1 raises; rank 0 ends with the follow-on error of its barrier
+        "run", "raises.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", FAILED_JOB,
+        "--instance-count", "2", "--instance-type", "local_cpu", home=home,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stderr
     server = subprocess.Popen(
         [sys.executable, "-m", "dtrain.cli", "ui", "--port", "0"],
         env={**os.environ, "DTRAIN_HOME": str(home)},
@@ -90,3 +96,10 @@ def test_job_page_shows_chart_logs_timeline_and_files(url: str, tmp_path: Path) 
     browse(page, tmp_path / "profile", f"--screenshot={screenshot}")
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert screenshot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_a_failed_jobs_page_opens_on_the_failing_ranks_log(url: str, tmp_path: Path) -> None:
+    dom = browse(f"{url}jobs/{FAILED_JOB}", tmp_path / "profile", "--dump-dom")
+    log = re.search(r'<pre id="log" class="log">(.*?)</pre>', dom, re.S)
+    assert log and "ValueError: boom from rank 1" in log.group(1), log
+    assert "waiting in barrier" not in log.group(1)  # rank 0's

@@ -2,40 +2,30 @@
 
 A job folder only grows: every rank's log of every attempt and, under ``hosts/``, each simulated
 host's copy of the code and of its share of every channel, its model and its checkpoints.
-Removing a job deletes that folder and the job's rows in the store; what the job wrote elsewhere
-stays: the model archives under its output path, a ``--checkpoint-local-path`` folder, and the
-host folders of agents on other machines (``join://`` and ``ray://`` clusters).
+Removing a job deletes that folder, the job's rows in the store and, unless ``--keep-output``,
+its archives under the default output path (``$DTRAIN_HOME/output/<job>``: dtrain's own); what
+the job wrote elsewhere stays: the archives under an ``--output-path`` (the user's), a
+``--checkpoint-local-path`` folder, and the host folders of agents on other machines
+(``join://`` and ``ray://`` clusters).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.errors import ConfigError, DtrainError
-from dtrain.jobs.folder import JobFolder
-from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore, StillRunning
+from dtrain.errors import DtrainError
+from dtrain.jobs.folder import JobFolder, default_output_dir
+from dtrain.jobs.store import IN_PROGRESS, JobRecord, JobStore, StillRunning, spec_dict
 from dtrain.procfs import running
 
 STOP_WAIT = 60.0
 """Seconds ``rm --force`` waits for a job it stopped to end (ranks get 3 s, then the upload)."""
-_UNITS = {"s": 1, "m": 60, "h": 60 * 60, "d": 24 * 60 * 60, "w": 7 * 24 * 60 * 60}
-_DURATION = re.compile(r"(?:\d+(?:\.\d+)?[smhdw])+")
-_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-
-
-def parse_duration(flag: str, text: str) -> float:
-    """``7d``, ``12h``, ``1d12h``, ``90m``, ``30s``, ``2w`` in seconds."""
-    if not _DURATION.fullmatch(text):
-        raise ConfigError(
-            flag, text, "a duration such as 7d, 12h, 1d12h, 30m or 45s (units s m h d w)"
-        )
-    return sum(float(count) * _UNITS[unit] for count, unit in _PART.findall(text))
 
 
 def folder_size(folder: Path) -> int:
@@ -65,19 +55,45 @@ def job_folder(record: JobRecord) -> Path:
     return folder
 
 
-def remove(store: JobStore, record: JobRecord) -> int:
-    """Delete a finished job's folder, then its records; the bytes freed."""
-    folder = job_folder(record)
+@dataclass(frozen=True)
+class Removal:
+    """What removing a job deletes, the bytes that frees, and where its model stays when that
+    is not deleted."""
+
+    folders: tuple[Path, ...]
+    """Its job folder and, unless kept, its archives under the default output path."""
+    size: int
+    kept_model: str | None
+    """Its ``model.tar.gz``, left in place: under an ``--output-path`` (the user's, never
+    deleted) or kept by ``--keep-output``; ``None`` when it made none or it goes too."""
+
+
+def removal(record: JobRecord, keep_output: bool) -> Removal:
+    """What :func:`remove` deletes of ``record``'s job: its folder, and its archives when they
+    are under :func:`default_output_dir` (``<job>/output/``) and not ``keep_output``."""
+    folders = [job_folder(record)]
+    own = spec_dict(record).get("output_path") in (None, default_output_dir().as_uri())
+    if own and not keep_output:
+        folders.append(default_output_dir() / record.name)
+    kept = None if own and not keep_output else record.model_artifacts
+    return Removal(tuple(folders), sum(folder_size(folder) for folder in folders), kept)
+
+
+def remove(store: JobStore, record: JobRecord, keep_output: bool = False) -> Removal:
+    """Delete a finished job's folder (and its archives: see :func:`removal`), then its
+    records."""
+    job_folder(record)  # a folder not where it belongs: refused before waiting
     _await_controller(record)
-    size = folder_size(folder)
-    try:
-        shutil.rmtree(folder)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        raise DtrainError(f"could not remove job {record.name}'s folder: {error}") from None
+    planned = removal(record, keep_output)
+    for folder in planned.folders:
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise DtrainError(f"could not remove job {record.name}'s {folder}: {error}") from None
     store.delete(record.name)
-    return size
+    return planned
 
 
 def _await_controller(record: JobRecord) -> None:
@@ -115,9 +131,11 @@ def _ended(store: JobStore, name: str) -> JobRecord:
         raise DtrainError(f"{error}; run dtrain rm again once it has stopped") from None
 
 
-def prune(store: JobStore, older_than: float, dry_run: bool) -> Iterator[tuple[JobRecord, int]]:
-    """Each finished job that ended more than ``older_than`` seconds ago, oldest first, and the
-    bytes its removal freed (or, ``dry_run``, would free)."""
+def prune(
+    store: JobStore, older_than: float, dry_run: bool, keep_output: bool = False
+) -> Iterator[tuple[JobRecord, Removal]]:
+    """Each finished job that ended more than ``older_than`` seconds ago, oldest first, and what
+    its removal deleted (or, ``dry_run``, would delete)."""
     cutoff = time.time() - older_than
     found = [
         record
@@ -125,4 +143,7 @@ def prune(store: JobStore, older_than: float, dry_run: bool) -> Iterator[tuple[J
         if record.is_terminal and (record.end_time or record.creation_time) <= cutoff
     ]
     for record in sorted(found, key=lambda record: record.end_time or record.creation_time):
-        yield record, folder_size(job_folder(record)) if dry_run else remove(store, record)
+        yield (
+            record,
+            removal(record, keep_output) if dry_run else remove(store, record, keep_output),
+        )

@@ -204,3 +204,9 @@ class JobFolder:
 
     def host(self, host_index: int) -> HostFolder:
         return HostFolder(self.root / "hosts" / host_name(host_index))
+
+
+def default_output_dir() -> Path:
+    """Where jobs' archives go without ``--output-path``: ``$DTRAIN_HOME/output``, under which
+    ``dtrain rm`` removes a job's (``<job>/output/model.tar.gz``) with its folder."""
+    return dtrain_home() / "output"

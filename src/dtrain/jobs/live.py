@@ -59,10 +59,10 @@ def latest(samples: Sequence[MetricSample]) -> Latest | None:
 
 
 def format_rate(rate: float) -> str:
-    """``2.5 steps/s``, or ``12 steps/min`` for slow steps."""
-    if rate >= 1:
-        return f"{rate:.3g} steps/s"
-    return f"{rate * 60:.3g} steps/min"
+    """``2.5 steps/s``, ``0.0333 steps/s``, ``1250 steps/s``: three significant digits (every
+    digit of a rate over 100), in the one unit ``dtrain jobs``, ``dtrain run``'s status lines
+    and ``dtrain ui`` all show."""
+    return f"{rate:.0f} steps/s" if rate >= 100 else f"{rate:.3g} steps/s"
 
 
 def format_elapsed(seconds: float) -> str:

@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm.utils import CallbackIOWrapper
 
 from dtrain.errors import ConfigError
-from dtrain.jobs.folder import dtrain_home, make_private_dirs
+from dtrain.jobs.folder import default_output_dir, make_private_dirs
 from dtrain.progress import byte_bar
 
 OUTPUT_SCHEMES = ("file", "s3")
@@ -30,7 +30,7 @@ def resolve_output_path(output_path: str | None, key: str = "output_path") -> st
     Default ``file://$DTRAIN_HOME/output`` (SageMaker's is an S3 bucket).
     """
     if not output_path:
-        return (dtrain_home() / "output").as_uri()
+        return default_output_dir().as_uri()
     if "://" not in output_path:
         return Path(output_path).expanduser().resolve().as_uri()
     scheme = output_path.split("://", 1)[0]

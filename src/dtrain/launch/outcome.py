@@ -74,8 +74,19 @@ class Failure:
 
     @property
     def reason(self) -> str:
+        """The job's ``FailureReason``; :func:`failed_rank` reads its rank back."""
         who = f"host {self.host}" if self.rank is None else f"rank {self.rank} ({self.host})"
         return f"{who} {self.how}: {self.error}" if self.error else f"{who} {self.how}"
+
+
+_REASON_RANK = re.compile(r"rank (\d+) \(")
+
+
+def failed_rank(reason: str) -> int | None:
+    """The rank a :attr:`Failure.reason` names (``rank 3 (algo-2) exited with code 1: ...``);
+    ``None`` for a lost host or any other reason."""
+    named = _REASON_RANK.match(reason)
+    return int(named.group(1)) if named else None
 
 
 def exit_description(code: int) -> tuple[str, str | None]:

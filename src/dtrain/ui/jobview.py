@@ -18,11 +18,12 @@ from typing import Any
 
 from dtrain.jobs.describe import describe
 from dtrain.jobs.folder import JobFolder
-from dtrain.jobs.live import RATE_WINDOW, latest
+from dtrain.jobs.live import RATE_WINDOW, format_rate, latest
 from dtrain.jobs.logs import log_lines, rank_hosts, rank_logs, unstamped
 from dtrain.jobs.metrics import MetricSample
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
+from dtrain.launch.outcome import failed_rank
 from dtrain.topology import host_name
 
 HIDDEN_FILES = ("spec.json",)
@@ -97,12 +98,12 @@ def _elapsed(record: JobRecord, now: float) -> float:
 
 
 def step_rate(samples: list[MetricSample]) -> dict[str, Any] | None:
-    """Steps per second of the metric logged most often, over its last samples, as ``dtrain
-    jobs`` shows it (:func:`dtrain.jobs.live.latest`)."""
+    """Steps per second of the metric logged most often, over its last samples, and as text
+    as ``dtrain jobs`` shows it (:func:`dtrain.jobs.live.latest`)."""
     found = latest(samples)
     if found is None or found.rate is None:
         return None
-    return {"metric": found.sample.name, "per_second": found.rate}
+    return {"metric": found.sample.name, "per_second": found.rate, "text": format_rate(found.rate)}
 
 
 def _layout(spec: JobSpec) -> str:
@@ -159,6 +160,14 @@ def _ranks(record: JobRecord, spec: JobSpec) -> tuple[list[dict[str, Any]], dict
     return logs, dict(sorted(hosts.items(), key=lambda item: item[1]))
 
 
+def _failed_log(record: JobRecord, logs: list[dict[str, Any]]) -> str | None:
+    """``attempt:rank`` of the log of the rank whose failure ended the job, as its
+    ``FailureReason`` names it: the page opens on it (the others show only what followed)."""
+    rank = failed_rank(record.failure_reason or "")
+    attempts = [log["attempt"] for log in logs if log["rank"] == rank]
+    return f"{max(attempts)}:{rank}" if attempts else None
+
+
 def job_detail(store: JobStore, name: str) -> dict[str, Any]:
     """``describe``'s view of the job, with what the page adds: its ranks and files."""
     description = describe(store, name)
@@ -183,6 +192,7 @@ def job_detail(store: JobStore, name: str) -> dict[str, Any]:
         "elapsed": _elapsed(record, time.time()),
         "layout": _layout(spec),
         "logs": logs,
+        "failed_log": _failed_log(record, logs),
         "host_ranks": host_ranks,
         "files": files,
         "files_truncated": len(found) > MAX_LISTED_FILES,

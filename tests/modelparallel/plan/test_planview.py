@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import random
 from pathlib import Path
 
@@ -13,7 +14,13 @@ from torch import nn
 from dtrain.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from dtrain.modelparallel.plan.memory import MemorySettings
 from dtrain.modelparallel.plan.partition import costed_plan, manual_plan
-from dtrain.modelparallel.plan.planview import StageProgress, draw_plan, figure_data
+from dtrain.modelparallel.plan.planview import (
+    StageProgress,
+    draw_plan,
+    figure_data,
+    plan_figure,
+    unit_ranges,
+)
 from dtrain.modelparallel.plan.solver import _CUT_CHOICE, auto_plan
 from tests.modelparallel.plan.test_partition import MS, chain, hand_profile, measures, splits
 
@@ -195,3 +202,56 @@ def test_progress_shows_on_a_terminal_only() -> None:
     quiet.passes(4, 4, "profiled")
     quiet.done()
     assert pipe.getvalue() == ""
+
+
+LONG_NAMES = [
+    "token_embedding_table", "position_embedding_table",
+    *(f"transformer_encoder_layers.{i}" for i in range(12)),
+    "final_layer_normalization", "projection_to_vocabulary_with_a_name_longer_than_forty",
+]  # fmt: skip
+
+
+def test_units_are_named_with_numbered_siblings_as_ranges() -> None:
+    assert unit_ranges(["(root)", "wte", "blocks.0", "blocks.1", "blocks.2", "lm_head"]) == [
+        "(root)", "wte", "blocks.0–2", "lm_head"
+    ]  # fmt: skip
+    assert unit_ranges(["a.1", "a.3", "a.4", "b.5", "0", "1", "x.y.7", "x.y.8"]) == [
+        "a.1", "a.3–4", "b.5", "0–1", "x.y.7–8"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 8])
+def test_every_partition_lists_all_its_units_inside_the_frame(partitions: int) -> None:
+    """Partition 0 is listed as the others are (every unit, none left out for a count), and
+    the drawing holds its text: every label inside the picture, beside its own row (within
+    the axes' height, overlapping no other label), every figure after a bar inside its axes."""
+    plan = auto_plan(chain([1] * len(LONG_NAMES), names=LONG_NAMES), partitions, memory_weight=0)
+    data = figure_data(plan)
+    listed = [unit for bar in data.bars for unit in bar.label.split(", ")]
+    assert listed[0] == "(root)" and "units)" not in " ".join(listed)
+    assert LONG_NAMES[-1] in listed
+    numbered = [name for name in listed if name.startswith("transformer_encoder_layers.")]
+    spans = [[int(n) for n in name.rpartition(".")[2].split("–")] for name in numbered]
+    covered = [i for span in spans for i in range(span[0], span[-1] + 1)]
+    assert covered == list(range(12))
+
+    figure = plan_figure(plan)
+    renderer = figure.canvas.get_renderer()
+    picture = figure.bbox
+    work, memory = figure.axes[:2]
+    frame = work.get_window_extent(renderer)
+    labels = [label.get_window_extent(renderer) for label in work.get_yticklabels()]
+    assert len(labels) == partitions
+    for box in labels:
+        assert picture.x0 <= box.x0 and box.x1 <= frame.x0 and box.x1 <= picture.x1
+        assert frame.y0 <= box.y0 and box.y1 <= frame.y1, (box, frame)
+    for above, below in itertools.pairwise(labels):
+        assert below.y1 < above.y0  # partition 0 on top, no two labels touching
+    for ax in (work, memory):
+        axes = ax.get_window_extent(renderer)
+        for text in ax.texts:
+            box = text.get_window_extent(renderer)
+            assert axes.x0 <= box.x0 and box.x1 <= axes.x1, (text.get_text(), box, axes)
+    drawn = figure.get_tightbbox(renderer).transformed(figure.dpi_scale_trans)
+    assert picture.x0 <= drawn.x0 and drawn.x1 <= picture.x1  # title, legends, axes' labels,
+    assert picture.y0 <= drawn.y0 and drawn.y1 <= picture.y1  # the reason: all inside

@@ -3,8 +3,11 @@
 The drawing is made with matplotlib's Agg canvas (no display, no Graphviz): one row per
 partition, its predicted time (compute and traffic) or, for a plan made without times, its
 forward operations, beside its peak memory by kind (:mod:`.memory`), with the planner's reason
-for the cut underneath. :func:`figure_data` is what is drawn, kept apart so that it can be
-checked without looking at pixels.
+for the cut underneath. Every partition is labelled alike, with every unit the planner placed
+there (numbered siblings as a range: ``blocks.0–2``), and the figure grows to hold the labels,
+so that no text leaves its row or the picture. :func:`figure_data` is what is drawn, kept apart
+so that it can be checked without looking at pixels; :func:`plan_figure` the figure, whose
+layout can be checked by its geometry.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from dtrain.modelparallel.plan.render import format_count, partition_colour
 MEMORY_KINDS = ("params", "grads", "optimizer", "buffers", "activations")
 """The peak-memory columns of the text plan, in its order."""
 
-_MEMBERS_SHOWN = 4
-"""Modules named in a partition's label before the rest are counted instead."""
+_LABEL_WIDTH = 40
+"""Characters in a line of a partition's label."""
+_LINE_INCHES = 0.15
+"""Height of a line of 8-point text, with its spacing: the unit of the drawing's y axis."""
+_ROW_LINES = 4.5
+"""Least height of a partition's row, in lines; its bar is ``_BAR_LINES`` thick."""
+_BAR_LINES = 3.2
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class PartitionBar:
 
     partition: int
     label: str
-    """The modules the planner placed there (its units), shortened."""
+    """The modules the planner placed there (its units), numbered siblings as ranges."""
     compute_ms: float
     comm_ms: float
     flops: int
@@ -93,33 +101,58 @@ def figure_data(plan: PartitionPlan, title: str = "") -> PlanFigure:
 
 
 def _members_label(names: list[str]) -> str:
-    if not names:
-        return "(empty)"
-    if len(names) <= _MEMBERS_SHOWN:
-        return ", ".join(names)
-    return f"{', '.join(names[:2])} ... {names[-1]} ({len(names)} units)"
+    return ", ".join(unit_ranges(names)) if names else "(empty)"
+
+
+def unit_ranges(names: list[str]) -> list[str]:
+    """``names`` in order, each run of consecutive numbered siblings as one range
+    (``blocks.0``, ``blocks.1``, ``blocks.2``: ``blocks.0–2``)."""
+    runs: list[tuple[str, int, int] | str] = []
+    for name in names:
+        parent, _, index = name.rpartition(".")
+        last = runs[-1] if runs else None
+        if not index.isdigit():
+            runs.append(name)
+        elif isinstance(last, tuple) and last[0] == parent and last[2] + 1 == int(index):
+            runs[-1] = (parent, last[1], int(index))
+        else:
+            runs.append((parent, int(index), int(index)))
+    return [
+        run
+        if isinstance(run, str)
+        else f"{run[0] + '.' if run[0] else ''}{run[1]}{f'–{run[2]}' if run[2] > run[1] else ''}"
+        for run in runs
+    ]
 
 
 def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
     """Write the plan as a PNG (or any format matplotlib infers from ``path``)."""
+    plan_figure(plan, title).savefig(path, dpi=100)
+
+
+def plan_figure(plan: PartitionPlan, title: str = "") -> Any:
+    """The plan's drawing (a matplotlib ``Figure``, laid out): 12 inches wide, and as tall as
+    its partitions' labels need."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     data = figure_data(plan, title)
     rows = len(data.bars)
-    figure = Figure(figsize=(12, 1.6 + 0.7 * rows), layout="constrained")
+    labels = [f"partition {bar.partition}\n{_wrapped(bar.label)}" for bar in data.bars]
+    heights = [max(_ROW_LINES, label.count("\n") + 2.5) for label in labels]  # in lines
+    ys = [sum(heights[:k]) + heights[k] / 2 for k in range(rows)]
+    figure = Figure(figsize=(12, 1.8 + _LINE_INCHES * sum(heights)), layout="constrained")
     FigureCanvasAgg(figure)  # headless: no display or pyplot global state needed
     figure.suptitle(data.title)
     work, memory = figure.subplots(1, 2, sharey=True)
-    ys = list(range(rows))
-    labels = [f"partition {bar.partition}\n{_wrapped(bar.label)}" for bar in data.bars]
+    style = {"height": _BAR_LINES, "edgecolor": "black"}
     colours = [partition_colour(bar.partition) for bar in data.bars]
     if data.timed:
         compute = [bar.compute_ms for bar in data.bars]
-        work.barh(ys, compute, color=colours, edgecolor="black", label="compute")
+        work.barh(ys, compute, color=colours, label="compute", **style)
         work.barh(
             ys, [bar.comm_ms for bar in data.bars], left=compute, color="#bbbbbb", hatch="//",
-            edgecolor="black", label="traffic",
+            label="traffic", **style,
         )  # fmt: skip
         work.set_xlabel("predicted ms per microbatch (forward + backward)")
         for y, bar in zip(ys, data.bars, strict=True):
@@ -131,18 +164,17 @@ def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
         _legend_above(work)
     else:
         flops = [bar.flops for bar in data.bars]
-        work.barh(ys, flops, color=colours, edgecolor="black")
+        work.barh(ys, flops, color=colours, **style)
         work.set_xlabel("forward operations (no times: planned from operation counts)")
         for y, value in zip(ys, flops, strict=True):
             work.annotate(f" {format_count(value)}", (value, y), va="center", fontsize=8)
     work.set_yticks(ys, labels, fontsize=8)
-    work.invert_yaxis()  # partition 0 on top
-    work.margins(x=0.25)
+    work.set_ylim(sum(heights), 0)  # partition 0 on top; each row as tall as its label
     left: list[float] = [0] * rows
     kinds = list(data.bars[0].memory) if data.bars else []
     for kind, colour in zip(kinds, _MEMORY_COLOURS, strict=False):
         widths = [bar.memory[kind] / 2**20 for bar in data.bars]
-        memory.barh(ys, widths, left=left, color=colour, edgecolor="black", label=kind)
+        memory.barh(ys, widths, left=left, color=colour, label=kind, **style)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, bar in zip(ys, data.bars, strict=True):
         total = sum(bar.memory.values())
@@ -150,12 +182,15 @@ def draw_plan(plan: PartitionPlan, path: str | Path, title: str = "") -> None:
     peak = "peak memory in training" if kinds != ["planner"] else "planner memory"
     memory.set_xlabel(f"{peak}, MiB")
     _legend_above(memory)
-    memory.margins(x=0.25)
     for ax in (work, memory):
         ax.grid(True, axis="x", alpha=0.3)
     if data.why:
         figure.supxlabel(textwrap.fill(data.why, 160), fontsize=8, ha="left", x=0.01)
-    figure.savefig(path, dpi=100)
+    figure.draw_without_rendering()  # the layout, which the annotations' room depends on
+    for ax in (work, memory):
+        _room_for_annotations(ax)
+    figure.draw_without_rendering()
+    return figure
 
 
 _MEMORY_COLOURS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974")
@@ -166,8 +201,24 @@ def _legend_above(ax: Any) -> None:
     ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=5, fontsize=8, frameon=False)
 
 
+def _room_for_annotations(ax: Any) -> None:
+    """Widen ``ax``'s x range so that the text after each bar ends inside the axes: a bar ending
+    at ``b`` with text ``w`` pixels wide, in axes ``W`` pixels wide, needs a limit
+    ``R >= b / (1 - w / W)``."""
+    width = ax.get_window_extent().width
+    right = max(ax.get_xlim()[1], 1e-9)
+    for text in ax.texts:
+        end = text.xy[0]
+        share = text.get_window_extent().width / width
+        right = max(right, end / (1 - share) * 1.02 if share < 0.9 else end * 10)
+    ax.set_xlim(0, right)
+
+
 def _wrapped(text: str) -> str:
-    return textwrap.fill(text, 34)
+    """``text`` in lines of :data:`_LABEL_WIDTH` characters, or of its longest name's: never
+    one split."""
+    width = max(_LABEL_WIDTH, *(len(name) + 1 for name in text.split(", ")))
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 class StageProgress:

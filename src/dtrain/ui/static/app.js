@@ -78,7 +78,7 @@ async function refreshJobs() {
     job.layout,
     Object.entries(job.last_metrics).map(([name, value]) => `${name}=${number(value)}`).join("  ")
       || "-",
-    job.step_rate ? `${job.step_rate.per_second.toFixed(2)} steps/s` : "-",
+    job.step_rate ? job.step_rate.text : "-",
   ]));
 }
 
@@ -88,6 +88,7 @@ const job = document.body.dataset.job;
 const api = `/api/jobs/${encodeURIComponent(job)}`;
 const charts = new Map();
 let logSource = null, logOffset = null, terminal = false;
+let logPicked = false;  // the reader chose a log: the page no longer chooses for them
 
 function renderJob(detail) {
   const d = detail.description;
@@ -117,7 +118,7 @@ function renderJob(detail) {
   fillRows(document.querySelector("#hosts tbody"), d.Hosts.map((h) => [
     h.Name, h.Address, h.Interface, h.Hostname, (detail.host_ranks[h.Name] || []).join(", ") || "-",
   ]));
-  renderLogSources(detail.logs);
+  renderLogSources(detail.logs, detail.failed_log);
   document.getElementById("model-artifacts").textContent = d.ModelArtifacts.S3ModelArtifacts
     ? `Model archive: ${d.ModelArtifacts.S3ModelArtifacts}` : "";
   fillRows(document.querySelector("#files tbody"), detail.files.map((f) => [
@@ -130,7 +131,7 @@ function renderJob(detail) {
   document.getElementById("describe").textContent = JSON.stringify(d, null, 2);
 }
 
-function renderLogSources(logs) {
+function renderLogSources(logs, failedLog) {
   const select = document.getElementById("log-source");
   const options = logs.map((r) => ({
     value: `${r.attempt}:${r.rank}`,
@@ -143,7 +144,12 @@ function renderLogSources(logs) {
     select.replaceChildren(...options.map((o) => el("option", { value: o.value }, o.label)));
     if (options.some((o) => o.value === chosen)) select.value = chosen;
   }
-  if (logSource === null) chooseLog(select.value);
+  // A failed job opens on the log of the rank that failed: the others show only what followed.
+  if (failedLog && !logPicked && logSource !== failedLog
+      && options.some((o) => o.value === failedLog)) {
+    select.value = failedLog;
+    chooseLog(failedLog);
+  } else if (logSource === null) chooseLog(select.value);
 }
 
 function chooseLog(value) {
@@ -285,7 +291,10 @@ async function refreshJob() {
 }
 
 async function startJobPage() {
-  document.getElementById("log-source").addEventListener("change", (e) => chooseLog(e.target.value));
+  document.getElementById("log-source").addEventListener("change", (e) => {
+    logPicked = true;
+    chooseLog(e.target.value);
+  });
   await refreshJob();
   await renderViews();
   document.body.dataset.ready = "true";
