@@ -9,7 +9,7 @@ actor's ``runtime_env`` and a parent-death signal, so an actor Ray kills takes i
 Ray's node health checks report a dead node or actor (:meth:`RayCluster.lost`); the agents'
 own heartbeats find a cut link sooner (15 s against Ray's default of about a minute).
 
-Ray itself is an optional extra: ``pip install 'dtrain[ray]'``.
+Ray itself is an optional extra (``ray``: ``pip install ray`` beside dtrain).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ class RayCluster:
             import ray
         except ImportError:
             raise ConfigError(
-                "cluster", self.uri, "a Ray cluster, with Ray installed: pip install 'dtrain[ray]'"
+                "cluster",
+                self.uri,
+                "a Ray cluster, with Ray installed (pip install ray: dtrain's ray extra)",
             ) from None
         try:
             ray.init(
