@@ -23,10 +23,9 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 * ``busy``: a 30M-parameter GPT-2 (``examples/modelparallel/gpt.py``: 8 layers, width 512,
   8 heads, sequence 128, vocabulary 8192, its head tied to the embedding), global batch 16 in
   8 microbatches, auto-partitioned on 2 ranks: the share of each step each rank computes
-  (its timeline's periods over the step), with the zero-bubble drain and with every backward
-  whole (``DTRAIN_MP_SPLIT_BACKWARD=0``), in fresh worlds taking turns; beside it, what the
-  plan predicts and the most a rank can be busy given the partitions' work (its own over the
-  slowest's).
+  (its timeline's periods over the step), with the zero-bubble drain, in fresh worlds; beside
+  it, what the plan predicts and the most a rank can be busy given the partitions' work (its
+  own over the slowest's).
 
 A step's time is the slowest rank's; variants report the median step.
 
@@ -62,7 +61,6 @@ from torch import nn
 
 import dtrain.modelparallel as smp
 from dtrain.jobkey import KEY_ENV
-from dtrain.modelparallel.options import SPLIT_ENV
 from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.planner import SPLIT_OVERHEAD, build_schedule
 from dtrain.modelparallel.scheduling.schedule import simulate
@@ -439,8 +437,6 @@ def busy_worker(rank: int, port: int, args: argparse.Namespace, results: Any) ->
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "modelparallel"))
     from gpt import build_model
 
-    if args.variant == "whole":
-        os.environ[SPLIT_ENV] = "0"
     init_world(rank, STAGES, port, args.pin_cores)
     smp.init(smp_config(args.microbatches, auto=True))
     model = smp.DistributedModel(build_model(dropout=0.0, **GPT_30M))
@@ -490,12 +486,9 @@ def busy_worker(rank: int, port: int, args: argparse.Namespace, results: Any) ->
 
 
 def run_busy(args: argparse.Namespace) -> dict[str, Any]:
-    raw: dict[str, list[Any]] = {"split": [], "whole": []}
+    raw: dict[str, list[Any]] = {"split": []}
     for _ in range(args.repeats):
-        for variant in raw:
-            raw[variant].append(
-                spawn(busy_worker, STAGES, argparse.Namespace(**vars(args), variant=variant))
-            )
+        raw["split"].append(spawn(busy_worker, STAGES, args))
     report: dict[str, Any] = {"model": GPT_30M, "params": raw["split"][0]["params"]}
     for variant, runs in raw.items():
         report[variant] = {
@@ -546,13 +539,12 @@ def busy_table(r: dict[str, Any]) -> str:
         "rank computes (median)",
         f"  {'':20} {'step ms':>8} {'rank 0':>7} {'rank 1':>7}   planned      split",
     ]
-    for variant, label in (("split", "zero-bubble drain"), ("whole", "whole backwards")):
-        row = r[variant]
-        planned = " ".join(f"{b:.2f}" for b in row["planned_busy"])
-        lines.append(
-            f"  {label:20} {row['step_ms']:8.1f} {row['busy'][0]:7.3f} {row['busy'][1]:7.3f}"
-            f"   {planned}   {row['split']}"
-        )
+    row = r["split"]
+    planned = " ".join(f"{b:.2f}" for b in row["planned_busy"])
+    lines.append(
+        f"  {'zero-bubble drain':20} {row['step_ms']:8.1f} {row['busy'][0]:7.3f} "
+        f"{row['busy'][1]:7.3f}   {planned}   {row['split']}"
+    )
     bound = " ".join(f"{b:.3f}" for b in r["work_bound"])
     lines.append(f"  most a rank can be busy (its work over the slowest's): {bound}")
     return "\n".join(lines)

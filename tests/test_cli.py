@@ -52,7 +52,7 @@ def test_generated_job_name() -> None:
         (["--hyperparameters", "{lr: 1}"], "--hyperparameters: got '{lr: 1}'; allowed: JSON"),
         (["--hyperparameters", "[1]"], "a JSON object"),
         (["--metric-definitions", '{"Name": "x"}'], "a JSON array"),
-        (["--environment", "NOVALUE"], "--environment: got 'NOVALUE'; allowed: KEY=VALUE"),
+        (["--environment", "NOVALUE"], "--environment: got 'NOVALUE'; allowed: a variable set"),
         (["--distribution", '{"mpi": {"enabled": tru}}'], "distribution"),
     ],
 )

@@ -382,6 +382,7 @@ def test_stop_and_remove_detached_jobs(tmp_path: Path) -> None:
 def test_a_detached_job_that_cannot_start_says_why(tmp_path: Path) -> None:
     home = tmp_path / "home"
     (home / "jobs" / "taken").mkdir(parents=True)  # a folder no record knows
+    home.chmod(0o700)  # a home dtrain did not make is used only if private
     with store_of(home):
         result = dtrain(
             "run", "sleeps.py", "--source-dir", str(JOB_SCRIPTS), "--job-name", "taken",

@@ -8,15 +8,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dtrain.commands import plan as plan_command
 from dtrain.errors import ConfigError, DtrainError, check_choice
 from dtrain.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
-
-EXIT_CODES = {"Completed": EXIT_OK, "Failed": EXIT_FAILED, "Stopped": EXIT_STOPPED}
 
 
 def _json_arg(flag: str, text: str, kind: type) -> Any:
@@ -29,13 +27,6 @@ def _json_arg(flag: str, text: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise ConfigError(flag, value, f"a JSON {'object' if kind is dict else 'array'}")
     return value
-
-
-def _key_value(flag: str, text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(flag, text, "KEY=VALUE")
-    return key, value
 
 
 class _Version(argparse.Action):
@@ -126,7 +117,22 @@ def _build_parser() -> argparse.ArgumentParser:
         "/opt/ml/output/tensorboard; TensorBoardOutputConfig.LocalPath)",
     )
     run.add_argument(
-        "--environment", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
+        "--environment",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|NAME",
+        help="a variable of every rank (repeatable); NAME alone passes this shell's value, "
+        "which, unlike KEY=VALUE, no other user sees in the process list: use it for "
+        "credentials",
+    )
+    run.add_argument(
+        "--environment-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="variables from FILE, in docker's --env-file format: NAME=VALUE lines taken "
+        "literally, NAME alone for this shell's value, # comments (repeatable; "
+        "--environment wins)",
     )
     run.add_argument(
         "--cluster",
@@ -249,6 +255,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     from dtrain.config.distribution import load_distribution
     from dtrain.jobs.channels import parse_channel_arg
     from dtrain.jobs.spec import JobSpec
+    from dtrain.jobs.variables import job_variables
     from dtrain.launch.job import default_job_name
 
     if (args.entry_point is None) == (args.module is None):
@@ -258,6 +265,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         )
     entry = args.module or args.entry_point
     base = args.module.rpartition(".")[2] if args.module else Path(entry).stem
+    variables = job_variables(args.environment, args.environment_file, os.environ)
     return JobSpec(
         entry_point=entry,
         module=args.module is not None,
@@ -274,7 +282,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         output_path=args.output_path,
         checkpoint_local_path=args.checkpoint_local_path,
         metric_definitions=tuple(_json_arg("--metric-definitions", args.metric_definitions, list)),
-        environment=dict(_key_value("--environment", text) for text in args.environment),
+        environment=variables.values,
+        hidden_environment=variables.hidden,
         max_retry_attempts=args.max_retry_attempts,
         cluster=args.cluster,
         secret_file=args.secret_file,
@@ -293,24 +302,12 @@ def _tensorboard_config(args: argparse.Namespace) -> dict[str, str] | None:
     return config or None
 
 
-def _run(spec: Any, quiet: bool, on_folder: Callable[[Any], None] | None = None) -> int:
-    from dtrain.launch.job import run_job
-
-    try:
-        record = run_job(spec, console=None if quiet else sys.stdout, on_folder=on_folder)
-    except KeyboardInterrupt:
-        return EXIT_STOPPED
-    if record.failure_reason:
-        print(f"dtrain: job {record.name} failed: {record.failure_reason}", file=sys.stderr)
-    if record.model_artifacts:
-        print(f"dtrain: job {record.name} {record.status}; model: {record.model_artifacts}")
-    return EXIT_CODES[record.status]
-
-
 def _submit(spec: Any, quiet: bool, detach: bool) -> int:
     """Run ``spec`` here to its end, or detached: its name on standard output, at once."""
     if not detach:
-        return _run(spec, quiet)
+        from dtrain.launch.submit import run_here
+
+        return run_here(spec, quiet)
     from dtrain.launch.submit import start_detached
 
     detached = start_detached(spec)
@@ -463,29 +460,6 @@ def _metrics(name: str, plot: str | None, form: str | None) -> int:
     return EXIT_OK
 
 
-def _run_spec(argv: Sequence[str]) -> int:
-    """``dtrain run-spec [--remove] FILE``: a job from a spec file (how ``Estimator.fit`` starts
-    one); not listed in ``--help``, being for dtrain's own use."""
-    from dtrain.jobs.spec import JobSpec
-
-    parser = argparse.ArgumentParser(prog="dtrain run-spec")
-    parser.add_argument("spec_file")
-    parser.add_argument("--remove", action="store_true", help="delete the spec file once read")
-    parser.add_argument(
-        "--detached", action="store_true", help="output to the job folder once it exists"
-    )
-    args = parser.parse_args(argv)
-    spec_file = Path(args.spec_file)
-    spec = JobSpec.from_json(spec_file.read_text())
-    if args.remove:
-        spec_file.unlink()
-    if args.detached:
-        from dtrain.launch.submit import into_job_folder
-
-        return _run(spec, quiet=True, on_folder=into_job_folder)
-    return _run(spec, quiet=False)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -501,10 +475,8 @@ def _main(argv: list[str]) -> int:
         from dtrain.launch.agent import main as agent
 
         agent(argv[1:], prog="dtrain agent")
-    args = _parse(argv) if argv[:1] != ["run-spec"] else None
+    args = _parse(argv)
     try:
-        if args is None:
-            return _run_spec(argv[1:])
         if args.command == "run":
             return _submit(spec_from_args(args), args.quiet, args.detach)
         if args.command == "rerun":

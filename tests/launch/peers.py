@@ -6,15 +6,13 @@ import json
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from dtrain.launch.wire import (
-    FROM_AGENT,
-    FROM_CONTROLLER,
-    Connection,
-    admit_agent,
-    join_controller,
-)
+from dtrain.launch.handshake import admit_agent, join_controller
+from dtrain.launch.wire import FROM_AGENT, FROM_CONTROLLER, Connection, ConnectionClosed, Message
 
 SECRET = b"k" * 64
 
@@ -65,3 +63,57 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
         assert chunk, "the connection closed mid-frame"
         data += chunk
     return data
+
+
+Script = Callable[["FakeAgent", Message], None]
+
+
+class FakeAgent:
+    """Joins the controller and answers each order with ``script``; beats until ``silent``;
+    counts the controller's heartbeats."""
+
+    def __init__(
+        self,
+        port: int,
+        host: str | None,
+        script: Script,
+        home: Path,
+        secret: bytes = SECRET,
+        **told: Any,
+    ) -> None:
+        """``told``: facts of its machine other than :func:`facts`' (``hostname``, ``cpus``)."""
+        sock = socket.create_connection(("127.0.0.1", port))
+        self.connection = Connection(sock, FROM_CONTROLLER)
+        self.orders: list[str] = []
+        self.heartbeats = 0
+        self.silent = False
+        join_controller(self.connection, secret, {**facts(host, str(home)), **told})
+        self.script = script
+        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                message = self.connection.receive()
+                if message.kind == "heartbeat":
+                    self.heartbeats += 1
+                else:
+                    self.orders.append(message.kind)
+                    self.script(self, message)
+        except ConnectionClosed:
+            return
+
+    def _beat(self) -> None:
+        while not self.silent:
+            try:
+                self.connection.send("heartbeat")
+            except ConnectionClosed:
+                return
+            time.sleep(0.1)
+
+    def exited(self, attempt: int, rank: int, code: int, tail: str = "") -> None:
+        self.connection.send(
+            "exited", attempt=attempt, rank=rank, code=code, time=time.time(), tail=tail,
+            stopped=False,
+        )  # fmt: skip

@@ -9,6 +9,8 @@ import os
 import re
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +125,55 @@ def test_dtrain_starts_an_agent_as_its_own_module_with_the_flags_it_parses(
         agent_module.main(started.command[3:])
     assert ended.value.code == 7
     assert joined == [(("127.0.0.1", 29400), SECRET, None, "algo-2", 5.0)]
+
+
+def serving(agent: Agent) -> tuple[threading.Thread, list[int]]:
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(agent.serve()), daemon=True)
+    thread.start()
+    return thread, status
+
+
+def test_an_agent_whose_controller_freezes_while_it_sends_its_model_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agent_module, "SILENCE_LIMIT", 1.0)
+    controller, end = admitted_pair()
+    said: list[str] = []
+    agent = Agent(end, said.append, "marker", os.getpid(), SECRET)
+    agent.folder = HostFolder(tmp_path)
+    agent.folder.model_dir.mkdir(parents=True)
+    (agent.folder.model_dir / "model.pt").write_bytes(b"\0" * (64 << 20))
+    controller.send("send", stream="model")  # then it reads and sends nothing: frozen
+    thread, status = serving(agent)
+    thread.join(timeout=20)
+    assert status == [1]
+    assert said == [
+        "lost the controller (no word from the controller for 1 s); stopping this "
+        + ("host's ranks")
+    ]
+    controller.close()
+
+
+def test_an_agent_waits_on_a_controller_slow_to_take_its_model_while_it_hears_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow upload holds the host's stream back; heartbeats say the controller lives."""
+    monkeypatch.setattr(agent_module, "SILENCE_LIMIT", 1.5)
+    controller, end = admitted_pair()
+    agent = Agent(end, lambda line: None, "marker", os.getpid(), SECRET)
+    agent.folder = HostFolder(tmp_path)
+    agent.folder.model_dir.mkdir(parents=True)
+    (agent.folder.model_dir / "model.pt").write_bytes(b"\0" * (64 << 20))
+    controller.send("send", stream="model")
+    thread, status = serving(agent)
+    slow_until = time.monotonic() + 3.5  # more than twice the silence limit: nothing taken
+    while time.monotonic() < slow_until:
+        controller.send("heartbeat")
+        time.sleep(0.1)
+    received = 0
+    while (message := controller.receive()).kind != "end":
+        received += len(message.payload)
+    controller.send("bye")
+    thread.join(timeout=20)
+    assert status == [0] and received > 64 << 20

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.launch.transfer import ChunkReader, repack, safe_member_name, send_folder, unpack
+from dtrain.launch.transfer import (
+    ChunkReader,
+    Streams,
+    TransferStalled,
+    repack,
+    safe_member_name,
+    send_folder,
+    unpack,
+    unpack_files,
+)
 from dtrain.launch.wire import FROM_AGENT, FROM_CONTROLLER, Connection, ProtocolError
 
 
@@ -109,3 +118,66 @@ def test_setuid_setgid_and_sticky_bits_do_not_survive_a_transfer(tmp_path: Path)
         assert tar.getmember("tool").mode == 0o755
     unpack(stream(), tmp_path)
     assert (tmp_path / "tool").stat().st_mode & 0o7777 == 0o755
+
+
+def test_a_stream_given_up_midway_is_read_to_its_end_and_the_next_starts_in_step() -> None:
+    """What a failed TensorBoard copy left in flight never reaches the model's reader."""
+    streams = Streams()
+    tensorboard = streams.open("tensorboard", lambda: None, stall_limit=60)
+    arrived = threading.Event()
+
+    def agent() -> None:  # sends far more than a reader holds: each feed waits for room
+        for number in range(40):
+            streams.route("tensorboard", bytes([number]) * 10)
+        streams.route("tensorboard", b"")
+        arrived.wait()
+        streams.route("model", b"the model")
+        streams.route("model", b"")
+
+    sender = threading.Thread(target=agent)
+    sender.start()
+    assert tensorboard.read(10) == b"\0" * 10
+    tensorboard.abandon()  # the copy failed here: 39 chunks and the end still to come
+    with pytest.raises(ProtocolError, match="previous tensorboard stream is still arriving"):
+        streams.open("tensorboard", lambda: None, stall_limit=60)
+    model = streams.open("model", lambda: None, stall_limit=60)
+    arrived.set()
+    assert model.read() == b"the model"
+    sender.join(timeout=10)
+    assert not sender.is_alive()
+    with pytest.raises(ProtocolError, match="sent 'model', which nobody asked for"):
+        streams.route("model", b"more")
+
+
+def test_a_stream_that_brings_nothing_fails_its_reader() -> None:
+    reader = Streams().open("tensorboard", lambda: None, stall_limit=0.2)
+    with pytest.raises(TransferStalled, match=r"^sent nothing of it for 0\.2 s$"):
+        reader.read()
+
+
+def test_only_regular_files_are_collected_and_every_link_is_named(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "words").mkdir(parents=True)
+    folder = tmp_path / "tensorboard"
+    (folder / "run").mkdir(parents=True)
+    (folder / "run" / "events").write_text("curves")
+    (folder / "vocab").symlink_to(outside)  # a folder outside
+    (folder / "latest").symlink_to("run/events")  # a file inside
+    (folder / "gone").symlink_to(tmp_path / "nowhere")  # dangling
+    said: list[tuple[str, str]] = []
+    target = tmp_path / "collected"
+    unpack_files(stream_of(folder), target, lambda name, kind: said.append((name, kind)))
+    assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == ["run", "run/events"]
+    assert said == [
+        ("gone", f"a link to {str(tmp_path / 'nowhere')!r}"),
+        ("latest", "a link to 'run/events'"),
+        ("vocab", f"a link to {str(outside)!r}"),
+    ]
+    archive = io.BytesIO()
+    said.clear()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        repack(stream_of(folder), tar, set(), lambda name, kind: said.append((name, kind)))
+    archive.seek(0)
+    with tarfile.open(fileobj=archive) as tar:
+        assert tar.getnames() == ["run/events"]
+    assert [name for name, _ in said] == ["gone", "latest", "vocab"]

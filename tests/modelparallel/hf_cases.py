@@ -1,9 +1,9 @@
 """Hugging Face ``transformers`` models for the equivalence tests: tiny configs, random weights.
 
 Nothing is downloaded: every model is built with ``from_config`` from an explicit small config
-(4 layers, hidden 32, 2 heads, vocabulary 64, sequences of 16), dropout off and eager attention,
-under a fixed seed. Batches are keyword dictionaries (``input_ids``, ``attention_mask``,
-``labels``) and the loss is the model's own ``.loss``.
+(4 layers, hidden 32, 2 heads, vocabulary 64, sequences of 16; T5: 3 + 3 blocks of width 128, 4
+heads), dropout off and eager attention, under a fixed seed. Batches are keyword dictionaries
+(``input_ids``, ``attention_mask``, ``labels``) and the loss is the model's own ``.loss``.
 
 The losses are means over the labelled tokens of whatever batch the model sees, so a microbatch
 (or a data-parallel shard) is only comparable with the whole batch if every microbatch holds as
@@ -92,6 +92,26 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM._from_config(config, attn_implementation="eager")
 
 
+def _t5() -> nn.Module:
+    """T5 with its word embedding shared by encoder, decoder and the tied LM head (which scales
+    the decoder's output by ``d_model**-0.5``), and a relative position bias that each stack's
+    first block computes and passes on to the others."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=128,
+        d_kv=32,
+        d_ff=256,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    return T5ForConditionalGeneration._from_config(config, attn_implementation="eager")
+
+
 def _generator(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(2000 + step)
 
@@ -135,6 +155,22 @@ def _llama_batch(step: int) -> Batch:
     return {"input_ids": ids, "labels": ids}
 
 
+TARGET = 6
+"""Labelled tokens of every row of :func:`_t5_batch` (the decoder's length)."""
+
+
+def _t5_batch(step: int) -> Batch:
+    """The padded rows of :func:`_gpt2_batch` for an encoder, ``TARGET`` labelled tokens a row
+    for the decoder."""
+    batch = _gpt2_batch(step)
+    labels = torch.randint(1, VOCAB, (GLOBAL_BATCH, TARGET), generator=_generator(100 + step))
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+    }
+
+
 @dataclass(frozen=True)
 class Case:
     build: Callable[[], nn.Module]
@@ -154,23 +190,16 @@ CASES: dict[str, Case] = {
     "llama": Case(
         _llama, ("model.layers.2", "model.layers.3", "model.norm"), _llama_batch, "self_attn"
     ),
+    # Split inside the decoder: the self-attention's position bias and the cross-attention's
+    # zero bias (from block 0), the causal and padding masks and the encoder's states cross the
+    # boundary; the shared embedding and the tied head stay on partition 0.
+    "t5": Case(
+        _t5,
+        ("decoder.block.1", "decoder.block.2", "decoder.final_layer_norm"),
+        _t5_batch,
+        "layer.0",
+    ),
 }
-
-
-TARGET = 6
-"""Labelled tokens of every row of :func:`_t5_batch` (the decoder's length)."""
-
-
-def _t5_batch(step: int) -> Batch:
-    """The padded rows of :func:`_gpt2_batch` for an encoder, ``TARGET`` labelled tokens a row
-    for the decoder."""
-    batch = _gpt2_batch(step)
-    labels = torch.randint(1, VOCAB, (GLOBAL_BATCH, TARGET), generator=_generator(100 + step))
-    return {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "labels": labels,
-    }
 
 
 IMAGE = (3, 8, 8)
@@ -188,11 +217,10 @@ def _vit_batch(step: int) -> Batch:
 
 BATCHES: dict[str, Callable[[int], Batch]] = {
     **{name: case.batch for name, case in CASES.items()},
-    "t5": _t5_batch,
     "vit": _vit_batch,
 }
 """Global batches by name: the cases', and those of models only the tensor-parallel tests train
-(an encoder-decoder's, images)."""
+(images)."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +237,10 @@ class Layout:
     """``smp.set_activation_checkpointing`` on every layer."""
     delayed: bool = False
     """Created inside ``smp.delay_param_initialization()``: each rank makes only its share."""
+    float64: bool = False
+    """Parameters in float64: rounding then stays near 1e-16, so whatever differs from one
+    process by more is a real difference (a gradient lost, counted twice or split wrongly),
+    not float32's summation order."""
 
 
 @dataclass
@@ -223,6 +255,8 @@ def build(case_name: str, layout: Layout | None = None) -> nn.Module:
     delayed = layout is not None and layout.delayed
     with smp.delay_param_initialization(enabled=delayed):
         module = seeded(0, CASES[case_name].build)
+    if layout is not None and layout.float64:
+        module.double()
     if layout is not None and layout.checkpointing is not None:
         kwargs = {"use_reentrant": layout.checkpointing}
         if hasattr(module, "activation_checkpointing_enable"):  # transformers 5 renamed it

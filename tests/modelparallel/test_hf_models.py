@@ -1,14 +1,16 @@
-"""Hugging Face ``transformers`` models (GPT-2, BERT, Llama) split across pipeline ranks train
+"""Hugging Face ``transformers`` models (GPT-2, BERT, Llama, T5) split across pipeline ranks train
 like one process on the same global batch.
 
 Tiny configs, random weights, nothing downloaded (see :mod:`tests.modelparallel.hf_cases`).
-4 SGD steps; losses agree to a relative 1e-5 and every final parameter to 1e-5 (absolute).
-Several layouts share one world to keep the file fast.
+4 SGD steps; losses agree to a relative 1e-5 and every final parameter to 1e-5 (absolute); in
+float64, every parameter to a relative 1e-12. Several layouts share one world to keep the file
+fast.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.modelparallel.harness import run_ranks
 from tests.modelparallel.hf_cases import (
@@ -47,14 +49,55 @@ def test_gpt2_with_padding_every_schedule() -> None:
         assert_equivalent(got, expected, str(layout))
 
 
-def test_bert_masked_lm_and_llama() -> None:
+ONE_WORLD = {
+    "bert": Layout("bert", "simple", 2),
+    "llama": Layout("llama", "interleaved", 4),
+    "t5": Layout("t5", "interleaved", 2, float64=True),
+    "t5_auto": Layout("t5", "interleaved", 2, auto=True, float64=True),
+}
+"""Layouts trained in one world: BERT, Llama, and T5 split by hand and by the automatic plan."""
+
+
+@pytest.fixture(scope="module")
+def one_world() -> dict[str, Trained]:
+    rank0, _ = _train(2, list(ONE_WORLD.values()))
+    return dict(zip(ONE_WORLD, rank0, strict=True))
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_bert_masked_lm_and_llama(one_world: dict[str, Trained], name: str) -> None:
     """BERT masked LM (labels -100 off the masked positions; the tied MLM decoder stays on
     partition 0 with the embeddings) and a 4-layer Llama causal LM."""
-    layouts = [Layout("bert", "simple", 2), Layout("llama", "interleaved", 4)]
-    rank0, _ = _train(2, layouts)
-    for layout, got in zip(layouts, rank0, strict=True):
-        assert got is not None
-        assert_equivalent(got, reference(layout.case, STEPS), str(layout))
+    layout = ONE_WORLD[name]
+    assert_equivalent(one_world[name], reference(layout.case, STEPS), str(layout))
+
+
+FLOAT64_TOLERANCE = 1e-12
+"""Relative, per parameter and loss, in float64: rounding leaves ~1e-16 after 4 steps; a gradient
+lost, counted twice or split wrongly leaves 1e-6 and more."""
+
+
+def assert_same_in_float64(got: Trained, expected: Trained, what: str) -> None:
+    """Losses and every parameter agree to :data:`FLOAT64_TOLERANCE`, relative."""
+    losses, reference_losses = torch.tensor(got.losses), torch.tensor(expected.losses)
+    relative = ((losses - reference_losses).abs() / reference_losses.abs()).max().item()
+    assert relative <= FLOAT64_TOLERANCE, f"{what}: losses {got.losses} vs {expected.losses}"
+    assert got.params.keys() == expected.params.keys(), what
+    for name, value in expected.params.items():
+        assert got.params[name].dtype == torch.float64, f"{what}: {name} is not float64"
+        diff = ((got.params[name] - value).norm() / value.norm()).item()
+        assert diff <= FLOAT64_TOLERANCE, f"{what}: parameter {name} differs by {diff:.3g}"
+
+
+@pytest.mark.parametrize("name", ["t5", "t5_auto"])
+def test_t5_trains_like_one_process_in_float64(one_world: dict[str, Trained], name: str) -> None:
+    """T5 split inside its decoder (block 0's position biases, the masks and the encoder's states
+    cross partitions), and as the automatic plan splits it (today the decoder on partition 1 calls
+    back the shared embedding on partition 0): in float64, where float32's summation order hides
+    nothing, the same training as one process on the whole batch."""
+    layout, got = ONE_WORLD[name], one_world[name]
+    assert got.partitions_used == 2, f"{layout}: the model was not split"
+    assert_same_in_float64(got, reference("t5", STEPS, layout), str(layout))
 
 
 def test_gpt2_two_partitions_times_two_replicas() -> None:

@@ -175,19 +175,16 @@ def test_bad_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"DTRAIN_MP_TIMEOUT.*positive number of seconds"):
         smp.init()
     monkeypatch.setenv("DTRAIN_MP_TIMEOUT", "60")
-    monkeypatch.setenv("DTRAIN_MP_DEFER", "nope")
-    with pytest.raises(ConfigError, match=r"DTRAIN_MP_DEFER: got 'nope'; allowed: one of 1, tr"):
+    monkeypatch.setenv("DTRAIN_MP_STALL_REPORT", "-1")
+    with pytest.raises(ConfigError, match=r"DTRAIN_MP_STALL_REPORT: got '-1'; allowed: a posit"):
         smp.init()
     assert not dist.is_initialized()
 
 
 def test_runtime_options_read_the_environment() -> None:
     assert RuntimeOptions.from_environment({}) == RuntimeOptions()
-    environ = {"DTRAIN_MP_TIMEOUT": "2.5", "DTRAIN_MP_DEFER": "Off"}
-    environ["DTRAIN_MP_SPLIT_BACKWARD"] = "0"
-    assert RuntimeOptions.from_environment(environ) == RuntimeOptions(2.5, False, False)
-    with pytest.raises(ConfigError, match="DTRAIN_MP_SPLIT_BACKWARD"):
-        RuntimeOptions.from_environment({"DTRAIN_MP_SPLIT_BACKWARD": "2"})
+    environ = {"DTRAIN_MP_TIMEOUT": "2.5", "DTRAIN_MP_STALL_REPORT": "10"}
+    assert RuntimeOptions.from_environment(environ) == RuntimeOptions(2.5, 10.0)
     with pytest.raises(ConfigError, match="DTRAIN_MP_TIMEOUT"):
         RuntimeOptions.from_environment({"DTRAIN_MP_TIMEOUT": "inf"})
 

@@ -313,6 +313,7 @@ def test_bad_flags_are_refused_before_serving(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "short").write_text("abc\n")
+    (tmp_path / "short").chmod(0o600)
     assert main(["ui", *flags]) == 2
     assert expected in capsys.readouterr().err
 
@@ -395,6 +396,7 @@ def test_a_given_token_is_required_on_loopback_too(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "token").chmod(0o600)
     printed, client = _serve(["ui", "--token-file", str(tmp_path / "token")], monkeypatch, capsys)
     assert f"http://127.0.0.1:8470/?token={TOKEN}" in printed
     assert client.get("/api/jobs").status_code == 403

@@ -12,6 +12,9 @@ from dtrain.jobs.metrics import final_metric_data_list
 from dtrain.jobs.spec import ChannelSpec, JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
 
+HIDDEN_VALUE = "(hidden)"
+"""What ``Environment`` shows for a value no command line showed (given by name or in a file)."""
+
 
 def _iso(timestamp: float | None) -> str | None:
     if timestamp is None:
@@ -94,7 +97,10 @@ def describe(store: JobStore, name: str) -> dict[str, Any]:
         "CheckpointConfig": {
             "LocalPath": spec.checkpoint_local_path or _default_checkpoints(record, spec)
         },
-        "Environment": spec.environment,
+        "Environment": {
+            name: HIDDEN_VALUE if name in spec.hidden_environment else value
+            for name, value in spec.environment.items()
+        },
         "RetryStrategy": {"MaximumRetryAttempts": spec.max_retry_attempts},
         "CreationTime": _iso(record.creation_time),
         "TrainingStartTime": _iso(record.start_time),

@@ -20,11 +20,32 @@ JOB_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 
 
 def dtrain_home() -> Path:
-    """``$DTRAIN_HOME`` (default ``~/.dtrain``), created private: job folders hold data and logs."""
+    """``$DTRAIN_HOME`` (default ``~/.dtrain``), private: job folders hold data, logs and the
+    jobs' environment (credentials, often).
+
+    A missing one is created, mode 0700. An existing one is used only if it is already private
+    (this user's, no access for group or others): its mode is never changed, since a folder
+    dtrain did not create may be shared on purpose (``/tmp``, a project's folder).
+    """
     home = Path(os.environ.get("DTRAIN_HOME") or Path.home() / ".dtrain").expanduser()
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    home.chmod(0o700)
-    return home
+    if not home.is_dir():
+        make_private_dirs(home)
+    info = home.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    fix = "point DTRAIN_HOME at a path that does not exist yet (dtrain creates it, mode 0700)"
+    if info.st_uid != os.geteuid():
+        problem = f"belongs to another user (uid {info.st_uid})"
+    elif mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"can be written by its group or others (mode {mode:04o}): a shared folder"
+    elif mode & (stat.S_IRWXG | stat.S_IRWXO):
+        problem = f"can be read by its group or others (mode {mode:04o})"
+        fix = f"chmod 700 it, or {fix}"
+    else:
+        return home
+    raise DtrainError(
+        f"DTRAIN_HOME {home} {problem}; dtrain keeps jobs' data, logs and environment in a "
+        f"folder of this user's alone, and never changes the mode of one it did not create: {fix}"
+    )
 
 
 def make_private_dirs(path: Path) -> None:
@@ -43,8 +64,12 @@ def make_private_dirs(path: Path) -> None:
     if not missing:
         check_own_folder(path)
     for folder in reversed(missing):
-        folder.mkdir(mode=0o700, exist_ok=True)
-        folder.chmod(0o700)
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile: another process of the job's, or someone else
+            check_own_folder(folder)
+        else:
+            folder.chmod(0o700)  # whatever the umask; never a folder dtrain did not create
 
 
 def check_own_folder(path: Path) -> None:

@@ -44,6 +44,9 @@ class JobSpec:
     checkpoint_local_path: str | None = None
     metric_definitions: tuple[dict[str, str], ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
+    hidden_environment: tuple[str, ...] = ()
+    """Variables whose values ``dtrain describe`` does not show: given by name or in a file
+    (``--environment NAME``, ``--environment-file``), never on a command line."""
     max_retry_attempts: int = 0
     cluster: str = "local"
     """Where the hosts are: ``local``, ``join://ADDR:PORT`` or ``ray://ADDR:PORT``."""
@@ -70,6 +73,7 @@ class JobSpec:
         data["channels"] = tuple(ChannelSpec(**c) for c in data.get("channels", ()))
         data["metric_definitions"] = tuple(data.get("metric_definitions", ()))
         data["script_args"] = tuple(data.get("script_args", ()))
+        data["hidden_environment"] = tuple(data.get("hidden_environment", ()))
         return cls(**data)
 
     def with_absolute_paths(self) -> JobSpec:

@@ -45,6 +45,7 @@ from dtrain.jobs.channels import materialize_channel
 from dtrain.jobs.folder import HostFolder, make_private_dirs
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch import entry
+from dtrain.launch.handshake import AuthenticationError, join_controller
 from dtrain.launch.machine import host_facts
 from dtrain.launch.netif import format_endpoint, interface_of, parse_endpoint
 from dtrain.launch.processes import become_subreaper
@@ -55,11 +56,9 @@ from dtrain.launch.wire import (
     FROM_CONTROLLER,
     HEARTBEAT_INTERVAL,
     SILENCE_LIMIT,
-    AuthenticationError,
     Connection,
     ConnectionClosed,
     ProtocolError,
-    join_controller,
     read_secret,
     shown,
 )
@@ -175,6 +174,10 @@ class _Outbox:
         return batches
 
 
+def silent_reason() -> str:
+    return f"no word from the controller for {SILENCE_LIMIT:g} s"
+
+
 @dataclasses.dataclass
 class _Inbox:
     """Messages from the controller, read by one thread; tar streams are routed to their reader."""
@@ -183,25 +186,35 @@ class _Inbox:
     messages: queue.Queue[Any] = dataclasses.field(default_factory=queue.Queue)
     streams: dict[str, ChunkReader] = dataclasses.field(default_factory=dict)
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
+    feeding: bool = False
+    """The reader waits for room to hand on a chunk: this agent is slow, not the controller."""
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def stream(self, name: str) -> ChunkReader:
         with self.lock:
             return self.streams.setdefault(name, ChunkReader(check=self.check_silence))
 
+    def silent(self) -> bool:
+        """Whether the controller has not been heard of for too long (it or its link is down)."""
+        return not self.feeding and time.monotonic() - self.last_heard > SILENCE_LIMIT
+
     def check_silence(self) -> None:
-        if time.monotonic() - self.last_heard > SILENCE_LIMIT:
-            raise ConnectionClosed(f"no word from the controller for {SILENCE_LIMIT:g} s")
+        if self.silent():
+            raise ConnectionClosed(silent_reason())
 
     def read(self) -> None:
         try:
             while True:
                 message = self.connection.receive()
                 self.last_heard = time.monotonic()
-                if message.kind == "chunk":
-                    self.stream(message["stream"]).feed(message.payload)
-                elif message.kind == "end":
-                    self.stream(message["stream"]).feed(b"")
+                if message.kind in ("chunk", "end"):
+                    self.feeding = True
+                    try:
+                        chunk = message.payload if message.kind == "chunk" else b""
+                        self.stream(message["stream"]).feed(chunk)
+                    finally:
+                        self.feeding = False
+                        self.last_heard = time.monotonic()
                 elif message.kind != "heartbeat":
                     self.messages.put(message)
         except Exception as error:
@@ -226,6 +239,7 @@ class Agent:
         secret: bytes,
     ) -> None:
         self.connection = connection
+        connection.stall_limit = None  # the heartbeat thread ends a send to a silent controller
         self.secret = secret
         """The job's: the ranks' key is derived from it here, so it never travels."""
         self.key_context = ("", "")
@@ -276,9 +290,17 @@ class Agent:
         self._signalled = signal.Signals(signum).name
 
     def _beat(self) -> None:
+        """A heartbeat a second, unless a frame is going out (it shows the controller this agent
+        lives) or the controller has no room for one: never waits on the controller. A
+        controller unheard of for too long has the connection ended, which wakes a send waiting
+        on it (this agent's sends wait as long as the controller is heard: it may be slow to
+        take a folder, as its upload is)."""
         while self._alive:
+            if self.inbox.silent():
+                self.connection.abort(silent_reason())
+                return
             try:
-                self.connection.send("heartbeat")
+                self.connection.send("heartbeat", wait=False)
             except ConnectionClosed:
                 return
             time.sleep(HEARTBEAT_INTERVAL)
@@ -302,8 +324,8 @@ class Agent:
                 self._end_ranks()
                 self.connection.send("leaving", reason=f"its agent got {self._signalled}")
                 return 1
-            if time.monotonic() - self.inbox.last_heard > SILENCE_LIMIT:
-                self.say(f"no word from the controller for {SILENCE_LIMIT:g} s; stopping")
+            if self.inbox.silent():
+                self.say(f"{silent_reason()}; stopping")
                 return 1
             if message is None:
                 continue

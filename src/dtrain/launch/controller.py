@@ -2,8 +2,9 @@
 their folders, run each attempt to its end, collect their results.
 
 The phases run on the job's thread (:mod:`job`) and consume what the agents report
-(:mod:`links`); a host that went silent, closed its connection or was reported dead by its
-cluster engine shows up as lost in whatever phase that happens, and a stop request ends any phase.
+(:mod:`links`); a host that went silent, closed its connection, took nothing sent to it for too
+long or was reported dead by its cluster engine shows up as lost in whatever phase that happens,
+and a stop request ends any phase.
 """
 
 from __future__ import annotations
@@ -20,10 +21,23 @@ from typing import Any
 from dtrain.errors import DtrainError
 from dtrain.launch.clusters.base import Cluster
 from dtrain.launch.env import Host, LaunchPlan
-from dtrain.launch.links import Event, Joined, Link, Links, Lost, Received
+from dtrain.launch.links import Event, Joined, Link, Links, Lost, Received, lost_reason
 from dtrain.launch.outcome import Attempt, Failure, Outcome, rank_failure
-from dtrain.launch.transfer import ChunkReader, repack, unpack
-from dtrain.launch.wire import Connection, ConnectionClosed, Message, ProtocolError, shown
+from dtrain.launch.transfer import (
+    ChunkReader,
+    Skipped,
+    TransferStalled,
+    repack,
+    unpack_files,
+)
+from dtrain.launch.wire import (
+    SILENCE_LIMIT,
+    Connection,
+    ConnectionClosed,
+    Message,
+    ProtocolError,
+    shown,
+)
 
 STOP_CONFIRM_LIMIT = 15.0
 """How long stopped hosts have to confirm that all their ranks ended before they count as lost."""
@@ -78,6 +92,23 @@ class Controller:
         stop = self.should_stop()
         if stop is not None:
             raise JobStopped(*stop)
+
+    @staticmethod
+    def _lost(link: Link, error: Exception) -> Failure:
+        """``link``'s host, whose connection failed with ``error``, marked lost."""
+        return Links.mark_lost(Lost(link, lost_reason(link, error), time.time()))
+
+    @staticmethod
+    def _failed(phase: str, lost: Failure) -> DtrainError:
+        return DtrainError(f"{phase}: host {lost.host} {lost.how}")
+
+    def _order(self, name: str, phase: str, kind: str, **fields: Any) -> None:
+        """Send ``kind`` to host ``name``; a host that cannot take it is lost, failing ``phase``."""
+        link = self.hosts[name]
+        try:
+            link.connection.send(kind, **fields)
+        except ConnectionClosed as error:
+            raise self._failed(phase, self._lost(link, error)) from None
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -134,7 +165,7 @@ class Controller:
     def _refuse(self, link: Link, why: str) -> None:
         self.say(f"refused an agent from {link.address}: {why}")
         with contextlib.suppress(ConnectionClosed):
-            link.connection.send("refused", reason=why)
+            link.connection.send("refused", wait=False, reason=why)
         link.gone = True
         link.connection.close()
 
@@ -159,8 +190,7 @@ class Controller:
             self._check_stop()
             event = self._next()
             if isinstance(event, Lost):
-                failure = Links.mark_lost(event)
-                raise DtrainError(f"{phase}: host {failure.host} {failure.how}")
+                raise self._failed(phase, Links.mark_lost(event))
             if isinstance(event, Received):
                 name = event.link.name
                 if event.message.kind == "error":
@@ -181,21 +211,25 @@ class Controller:
     def prepare(
         self,
         plan: LaunchPlan,
-        code: Callable[[Connection], None],
+        code: Callable[[Connection, Callable[[], None]], None],
         hosts: Sequence[str] | None = None,
     ) -> None:
-        """``hosts`` (default: all) lay out their folders; ``code`` sends the ``code`` stream.
+        """``hosts`` (default: all) lay out their folders; ``code(connection, check)`` sends the
+        ``code`` stream, calling ``check`` (which raises on a stop request) as it goes.
 
         A host prepared again (a replacement) keeps what its folder holds (``model/``,
         ``checkpoints/``, ``output/``) and gets fresh code, configuration and channels.
         """
         names = list(hosts) if hosts is not None else plan.host_names
+        phase = "laying out the hosts"
         for index, host in enumerate(plan.hosts):
             if host.name not in names:
                 continue
-            connection = self.hosts[host.name].connection
+            link = self.hosts[host.name]
             folder = plan.host_folder(index)
-            connection.send(
+            self._order(
+                host.name,
+                phase,
                 "prepare",
                 root=str(folder.root),
                 config=plan.host_config(index),
@@ -210,13 +244,17 @@ class Controller:
                 job_name=plan.spec.job_name,
                 key_salt=plan.spec.key_salt,
             )
-            code(connection)
-        self._await("prepared", names, "laying out the hosts")
+            try:
+                code(link.connection, self._check_stop)
+            except ConnectionClosed as error:
+                raise self._failed(phase, self._lost(link, error)) from None
+        self._await("prepared", names, phase)
 
     def open_store(self, attempt: int, host: str) -> int:
         """Ask ``host`` (algo-1) to host the attempt's rendezvous store; its port."""
-        self.hosts[host].connection.send("open_store", attempt=attempt)
-        return self._await("store", [host], "opening the rendezvous store")[host]["port"]
+        phase = "opening the rendezvous store"
+        self._order(host, phase, "open_store", attempt=attempt)
+        return self._await("store", [host], phase)[host]["port"]
 
     def close_store(self, attempt: int, host: str) -> None:
         """Have ``host`` close the attempt's rendezvous store once the attempt has ended: it
@@ -228,22 +266,26 @@ class Controller:
 
     def run_attempt(self, attempt: Attempt, plan: LaunchPlan, master_port: int) -> Outcome:
         """Start every rank, watch until every host is done or lost, stop all at the first end."""
+        stop_deadline: float | None = None
         for index, host in enumerate(plan.hosts):
             link = self.hosts[host.name]
             link.ranks[attempt.number] = frozenset(plan.ranks_of(index))  # before any report
-            link.connection.send(
-                "start",
-                attempt=attempt.number,
-                entry_point=plan.entry_point_name,
-                module=plan.spec.module,
-                arguments=plan.arguments,
-                ranks={
-                    str(rank): plan.rank_env(rank, master_port, attempt.number)
-                    for rank in plan.ranks_of(index)
-                },
-                defaults=plan.defaults(index),
-            )
-        stop_deadline: float | None = None
+            try:
+                link.connection.send(
+                    "start",
+                    attempt=attempt.number,
+                    entry_point=plan.entry_point_name,
+                    module=plan.spec.module,
+                    arguments=plan.arguments,
+                    ranks={
+                        str(rank): plan.rank_env(rank, master_port, attempt.number)
+                        for rank in plan.ranks_of(index)
+                    },
+                    defaults=plan.defaults(index),
+                )
+            except ConnectionClosed as error:
+                if attempt.host_lost(self._lost(link, error)):
+                    stop_deadline = self._stop_all(attempt)
         while not attempt.ended:
             stop = self.should_stop()
             if stop is not None and attempt.request_stop(*stop):
@@ -277,8 +319,9 @@ class Controller:
             return False  # a late report of an earlier attempt
         if message.kind == "exited":
             code = message["code"]
+            tail = "\n".join(shown(line, None) for line in message["tail"].splitlines())
             failed = (
-                rank_failure(name, message["rank"], code, message["time"], message["tail"])
+                rank_failure(name, message["rank"], code, message["time"], tail)
                 if code != 0
                 else None
             )
@@ -309,32 +352,57 @@ class Controller:
         """
         seen: set[str] = set()
         for name in hosts:
-            self._receive(stream, name, check, lambda reader: repack(reader, target, seen))
+            self._receive(
+                stream, name, check, lambda reader, skipped: repack(reader, target, seen, skipped)
+            )
 
     def fetch(self, stream: str, host: str, folder: Path, check: Callable[[], None]) -> None:
         """Unpack ``host``'s ``stream`` folder (``tensorboard``) into ``folder``."""
-        self._receive(stream, host, check, lambda reader: unpack(reader, folder))
+        self._receive(
+            stream, host, check, lambda reader, skipped: unpack_files(reader, folder, skipped)
+        )
 
     def _receive(
         self,
         stream: str,
         name: str,
         check: Callable[[], None],
-        consume: Callable[[ChunkReader], None],
+        consume: Callable[[ChunkReader, Skipped], None],
     ) -> None:
-        """Ask host ``name`` for its ``stream`` folder and hand the tar stream to ``consume``."""
+        """Ask host ``name`` for its ``stream`` folder and hand the tar stream to ``consume``,
+        with what says each member it skips (a link: only regular files are collected).
+
+        Whatever ends the collection early (a member that cannot be written, a stop request, a
+        host that sends nothing of it for :data:`SILENCE_LIMIT`) leaves the rest of the stream
+        to be dropped as it comes: the host's next stream starts in step.
+        """
         link = self.hosts[name]
+        cannot = f"cannot collect {stream}/ from {name}"
+
+        def skipped(member: str, kind: str) -> None:
+            self.say(f"{stream}/{shown(member)} of {name} not collected: {shown(kind)}")
+
         if link.gone:
-            raise DtrainError(f"cannot collect {stream}/ from {name}: it was lost")
-        reader = link.streams[stream] = ChunkReader(check=check)
-        link.connection.send("send", stream=stream)
+            raise DtrainError(f"{cannot}: it was lost")
         try:
-            consume(reader)
+            reader = link.streams.open(stream, check, SILENCE_LIMIT)
+        except ProtocolError as error:
+            raise DtrainError(f"{cannot}: {error}") from None
+        try:
+            try:
+                link.connection.send("send", stream=stream)
+            except ConnectionClosed as error:
+                raise ConnectionClosed(lost_reason(link, error)) from None
+            consume(reader, skipped)
             reader.drain()  # the stream's padding and end follow the archive's last member
-        except (ConnectionClosed, ProtocolError, tarfile.TarError) as error:
-            raise DtrainError(f"cannot collect {stream}/ from {name}: {error}") from None
+        except TransferStalled as error:
+            raise DtrainError(f"{cannot}: its agent {error}") from None
+        except ConnectionClosed as error:  # the reason the host was lost
+            raise DtrainError(f"{cannot}: it was lost: {error}") from None
+        except (ProtocolError, tarfile.TarError, OSError) as error:  # OSError: a file not written
+            raise DtrainError(f"{cannot}: {shown(error)}") from None
         finally:
-            del link.streams[stream]
+            reader.abandon()
 
     def close(self) -> None:
         """Dismiss every agent (each ends its ranks and exits) and stop listening."""

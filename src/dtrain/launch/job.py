@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import os
 import re
 import secrets
@@ -430,7 +429,10 @@ class JobRun:
             plan = self._plan(controller.gather(names, cluster.join_timeout))
             self.transition("Downloading", "Downloading input data")
             source, skip = _code_filter(spec)
-            code = functools.partial(send_folder, stream="code", folder=source, skip=skip)
+
+            def code(connection: Connection, check: Callable[[], None]) -> None:
+                send_folder(connection, "code", source, skip, check)
+
             controller.prepare(plan, code)
             outcome, plan = self._train(controller, plan, start, code)
             self._finish(outcome, controller, plan)
@@ -479,10 +481,10 @@ class JobRun:
         """Ctrl-C or SIGTERM, ``dtrain stop`` (read twice a second), ``--max-run`` of training."""
         if self._signalled:
             return "Stopped", self._signalled
+        over = self._over_max_run()
+        if over is not None:
+            return over
         now = time.monotonic()
-        if self._training_since is not None and now - self._training_since > self.job.spec.max_run:
-            limit = self.job.spec.max_run
-            return "MaxRuntimeExceeded", f"Training job exceeded MaxRuntimeInSeconds ({limit:g} s)"
         if now - self._last_stop_check >= 0.5:
             self._last_stop_check = now
             self._stop_requested = self.store.get(self.name).status == STOPPING
@@ -490,13 +492,22 @@ class JobRun:
             return "Stopped", "Stopped by request (dtrain stop)"
         return None
 
-    def _new_stop_check(self) -> Callable[[], None]:
-        """A check that raises JobStopped for a stop request made after this call only.
+    def _over_max_run(self) -> tuple[str, str] | None:
+        """``--max-run`` counts from the first training; the stop it asks for, once passed."""
+        since, limit = self._training_since, self.job.spec.max_run
+        if since is None or time.monotonic() - since <= limit:
+            return None
+        return "MaxRuntimeExceeded", f"Training job exceeded MaxRuntimeInSeconds ({limit:g} s)"
 
-        An upload runs to its end after the stop that ended training (Stopped jobs keep what
-        ``model/`` holds), but a second Ctrl-C or a ``dtrain stop`` during it gives up.
+    def _new_stop_check(self) -> Callable[[], None]:
+        """A check that raises JobStopped for a stop made after this call only: a Ctrl-C,
+        SIGTERM or ``dtrain stop``, or ``--max-run`` passing.
+
+        The results are collected after the stop that ended training (Stopped jobs keep what
+        ``model/`` holds), but another stop during the collection gives up.
         """
         signals, requested = self._signals, self._stop_requested
+        over = self._over_max_run() is not None
 
         def check() -> None:
             self._should_stop()  # refreshes the store's stop request
@@ -504,6 +515,9 @@ class JobRun:
                 raise JobStopped("Stopped", self._signalled or "Interrupted")
             if self._stop_requested and not requested:
                 raise JobStopped("Stopped", "Stopped by request (dtrain stop)")
+            passed = self._over_max_run()
+            if passed is not None and not over:
+                raise JobStopped(*passed)
 
         return check
 
@@ -562,7 +576,8 @@ class JobRun:
             ranks = len(sharing) * plan.processes_per_host
             if ranks > sharing[0].cpus:
                 self.say(
-                    f"{ranks} processes on the {sharing[0].cpus} cores of {sharing[0].hostname} "
+                    f"{ranks} processes on the {sharing[0].cpus} cores of "
+                    f"{shown(sharing[0].hostname, 100)} "
                     f"({', '.join(h.name for h in sharing)}): oversubscribed, each runs slower"
                 )
         return plan
@@ -572,7 +587,7 @@ class JobRun:
         controller: Controller,
         plan: LaunchPlan,
         start: Callable[[list[str]], None],
-        code: Callable[[Connection], None],
+        code: Callable[[Connection, Callable[[], None]], None],
     ) -> tuple[Outcome, LaunchPlan]:
         """Every attempt, each on a fresh rendezvous; lost hosts are replaced before a retry."""
         spec = self.job.spec
@@ -608,17 +623,24 @@ class JobRun:
             failure_file = self.folder.host(index).failure_file
             failure_file.parent.mkdir(parents=True, exist_ok=True)
             failure_file.write_text(f"{failure.reason}\n\n{failure.tail}\n")
-        self._collect_tensorboard(controller, plan)
+        check = self._new_stop_check()  # one for the whole collection: a stop ends it all
         artifacts = None
-        if outcome.status in (COMPLETED, STOPPED):
-            self.transition("Uploading", "Uploading generated training model")
-            check = self._new_stop_check()
-            artifacts = upload_artifacts(
-                self.name,
-                self.job.output_url,
-                lambda stream, target: controller.collect(stream, plan.host_names, target, check),
-                self.terminal,
-            )
+        try:
+            self._collect_tensorboard(controller, plan, check)
+            if outcome.status in (COMPLETED, STOPPED):
+                self.transition("Uploading", "Uploading generated training model")
+                artifacts = upload_artifacts(
+                    self.name,
+                    self.job.output_url,
+                    lambda stream, target: controller.collect(
+                        stream, plan.host_names, target, check
+                    ),
+                    self.terminal,
+                )
+        except JobStopped as stop:
+            if outcome.status != FAILED:
+                raise
+            self.say(f"TensorBoard events not collected: {stop}")  # the failure stays the news
         self._end(
             outcome.status,
             outcome.secondary_status,
@@ -627,17 +649,21 @@ class JobRun:
             model_artifacts=artifacts,
         )
 
-    def _collect_tensorboard(self, controller: Controller, plan: LaunchPlan) -> None:
+    def _collect_tensorboard(
+        self, controller: Controller, plan: LaunchPlan, check: Callable[[], None]
+    ) -> None:
         """Each host's TensorBoard events into ``tensorboard/<host>/``, whatever the outcome
         (a failed job's curves are what one looks at), then to ``S3OutputPath`` if given.
 
-        A host that cannot send its events (lost) is named on the console, and the job goes on:
-        its status is decided by its ranks.
+        A host that cannot send its events (lost, stalled, a file that cannot be written) is
+        named on the console, and the job goes on: its status is decided by its ranks, and its
+        model is collected as if nothing happened. A stop request ends the collection.
         """
-        check = self._new_stop_check()
         for name in plan.host_names:
             try:
                 controller.fetch("tensorboard", name, self.folder.tensorboard_dir / name, check)
+            except JobStopped:
+                raise
             except DtrainError as error:
                 self.say(f"TensorBoard events not collected: {error}")
         url = self.job.tensorboard_url

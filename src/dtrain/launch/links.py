@@ -1,15 +1,18 @@
 """The controller's connections to the job's agents, and one queue of what they report.
 
-One thread accepts connections and admits only agents that prove the job's secret (a refused one
-is logged, a few a minute at most), only while the job awaits hosts, at most
-:data:`MAX_HANDSHAKES` at once, each within one deadline: a flood of connections, a slow one or
-garbage costs a bounded number of threads and descriptors and never stops the job. One thread per
-agent reads its messages, passing rank output straight on (so a rank's last lines always precede
-its exit), feeding requested tar streams, and queueing everything else; a report must name an
-attempt and a rank the host runs. One thread sends heartbeats and declares an agent unheard of
-for too long lost, even in the middle of a transfer. Whoever consumes the queue
-(:mod:`controller`) sees a host that went silent, closed its connection or broke the protocol as
-:class:`Lost`, once, in whatever phase that happens.
+The door (:mod:`door`) reads every new connection's first frame, only while the job awaits hosts;
+an agent whose hello proved the secret finishes its handshake on a thread of its own, at most
+:data:`MAX_HANDSHAKES` at once, within one deadline, and refused connections are logged, a few a
+minute at most: strangers, however many and however fast they come back, cost a bounded number of
+descriptors and never keep an agent out or stop the job. One thread per agent reads its messages,
+passing rank output straight on, escaped (so a rank's last lines always precede its exit), feeding
+requested tar streams (:class:`~dtrain.launch.transfer.Streams`), and queueing everything else; a
+report must name an attempt and a rank the host runs. One thread sends heartbeats, never waiting
+on any host (a heartbeat that cannot go at once is skipped: the frame under way shows the agent
+that the controller lives), and declares an agent unheard of for too long lost, ending its
+connection, so a phase sending it something (the job's code) stops waiting at once. Whoever
+consumes the queue (:mod:`controller`) sees a host that went silent, closed its connection or
+broke the protocol as :class:`Lost`, once, in whatever phase that happens.
 """
 
 from __future__ import annotations
@@ -23,29 +26,45 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.launch.netif import format_endpoint
+from dtrain.launch.door import Door
+from dtrain.launch.handshake import HANDSHAKE_TIMEOUT, HELLO_TIMEOUT, HelloCheck, welcome_agent
 from dtrain.launch.outcome import Failure
-from dtrain.launch.transfer import ChunkReader
+from dtrain.launch.transfer import Streams
 from dtrain.launch.wire import (
-    FROM_AGENT,
-    HANDSHAKE_TIMEOUT,
     HEARTBEAT_INTERVAL,
     SILENCE_LIMIT,
-    AuthenticationError,
     Connection,
     ConnectionClosed,
     Message,
     ProtocolError,
-    admit_agent,
+    SendStalled,
     shown,
 )
 
 MAX_HANDSHAKES = 32
-"""Connections in their handshake at once; one more is closed at once (an agent retries)."""
-ACCEPT_RETRY_DELAY = 0.1
-"""The pause after a failed accept (out of descriptors, say), so the port is never given up."""
+"""Agents whose hello passed finishing their handshake at once; one more is closed (it retries)."""
 NOTICES_PER_MINUTE = 20
 """Refused connections said a minute; more are counted, so a flood cannot flood the log."""
+BYE_LIMIT = 1.0
+"""Seconds an agent has to take its dismissal before its connection is closed without one."""
+CLOSED_REASON = "its agent's connection closed (agent killed, or its machine went down)"
+
+
+def silent_reason() -> str:
+    return f"no heartbeat for {SILENCE_LIMIT:g} s (its machine or the network is down)"
+
+
+def lost_reason(link: Link, error: Exception) -> str:
+    """Why ``link``'s host, whose connection failed with ``error``, is lost."""
+    if link.silent:  # the heartbeat thread ended the connection: that is why it failed
+        return silent_reason()
+    if isinstance(error, SendStalled):
+        return f"it took no data for {SILENCE_LIMIT:g} s (its machine or the network is down)"
+    if isinstance(error, ConnectionClosed):
+        return CLOSED_REASON
+    if isinstance(error, ProtocolError):
+        return f"its agent broke the protocol: {error}"
+    return f"its messages could not be handled: {type(error).__name__}: {shown(error)}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,9 +75,11 @@ class Link:
     facts: dict[str, Any]
     name: str | None = None
     last_heard: float = dataclasses.field(default_factory=time.monotonic)
-    streams: dict[str, ChunkReader] = dataclasses.field(default_factory=dict)
+    streams: Streams = dataclasses.field(default_factory=Streams)
     ranks: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     """The ranks this host was started with, by attempt: what its reports may name."""
+    feeding: bool = False
+    """Its reader waits for room to hand on a chunk: the consumer is slow, not the host."""
     gone: bool = False
     silent: bool = False
 
@@ -126,6 +147,7 @@ class Links:
         say: Callable[[str], None],
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_handshakes: int = MAX_HANDSHAKES,
+        hello_timeout: float = HELLO_TIMEOUT,
     ) -> None:
         self.listener = listener
         self.secret = secret
@@ -142,46 +164,39 @@ class Links:
         self._handshakes = threading.BoundedSemaphore(max_handshakes)
         self._notice = _Notices(say, NOTICES_PER_MINUTE)
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="controller-accept", daemon=True).start()
+        self._door = Door(
+            listener, HelloCheck(secret), self._admit, self._notice, self.awaiting, hello_timeout
+        )
         threading.Thread(target=self._beat, name="controller-heartbeat", daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self.listener.accept()
-            except OSError as error:
-                if self._closed.is_set():
-                    return
-                self._notice(f"cannot accept a connection ({error}); trying again")
-                self._closed.wait(ACCEPT_RETRY_DELAY)
-                continue
-            if not self.awaiting.is_set():
-                sock.close()  # an agent retries until the job awaits hosts again
-                continue
-            if not self._handshakes.acquire(blocking=False):
-                sock.close()
-                self._notice(
-                    f"closed a connection from {format_endpoint(*peer[:2])}: "
-                    f"{self._max_handshakes} handshakes are under way already"
-                )
-                continue
-            try:
-                threading.Thread(
-                    target=self._admit, args=(sock, peer), name="controller-admit", daemon=True
-                ).start()
-            except RuntimeError as error:  # no thread to be had
-                self._handshakes.release()
-                sock.close()
-                self._notice(f"cannot admit a connection ({error})")
-
-    def _admit(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        connection = Connection(sock, FROM_AGENT)
+    def _admit(self, connection: Connection, hello: Message, nonce: str) -> None:
+        """Finish the handshake of an agent whose hello passed, off the door's thread."""
+        if not self._handshakes.acquire(blocking=False):
+            connection.close()
+            self._notice(
+                f"closed a connection from {connection.peer}: "
+                f"{self._max_handshakes} handshakes are under way already"
+            )
+            return
         try:
-            facts = admit_agent(connection, self.secret, self.handshake_timeout)
-        except Exception as error:  # whatever a stranger sent ends its connection, nothing else
-            known = (AuthenticationError, ProtocolError, ConnectionClosed, OSError)
+            threading.Thread(
+                target=self._welcome,
+                args=(connection, hello, nonce),
+                name="controller-admit",
+                daemon=True,
+            ).start()
+        except RuntimeError as error:  # no thread to be had
+            self._handshakes.release()
+            connection.close()
+            self._notice(f"cannot admit a connection ({error})")
+
+    def _welcome(self, connection: Connection, hello: Message, nonce: str) -> None:
+        try:
+            facts = welcome_agent(connection, self.secret, hello, nonce, self.handshake_timeout)
+        except Exception as error:  # whatever the peer sent ends its connection, nothing else
+            known = (ProtocolError, ConnectionClosed, OSError)
             why = str(error) if isinstance(error, known) else f"{type(error).__name__}: {error}"
-            self._notice(f"refused a connection from {format_endpoint(*peer[:2])}: {shown(why)}")
+            self._notice(f"refused a connection from {connection.peer}: {shown(why)}")
             connection.close()
             return
         finally:
@@ -201,32 +216,29 @@ class Links:
                     self._check_report(link, message)
                 if message.kind == "output":
                     assert link.name is not None  # only named hosts are started
-                    self.on_output(
+                    frame = message["frame"]
+                    self.on_output(  # escaped: a line holds no line break, no terminal escape
                         link.name,
                         message["attempt"],
                         message["rank"],
-                        message["lines"],
-                        message["frame"],
+                        [[when, shown(line, None)] for when, line in message["lines"]],
+                        None if frame is None else shown(frame, None),
                     )
                 elif message.kind in ("chunk", "end"):
-                    stream = link.streams.get(message["stream"])
-                    if stream is None:
-                        raise ProtocolError(f"sent {message['stream']!r}, which nobody asked for")
-                    stream.feed(message.payload if message.kind == "chunk" else b"")
+                    link.feeding = True
+                    try:
+                        chunk = message.payload if message.kind == "chunk" else b""
+                        link.streams.route(message["stream"], chunk)
+                    finally:
+                        link.feeding = False
+                        link.last_heard = time.monotonic()
                 else:
                     self.events.put(Received(link, message))
         except Exception as error:  # whatever ends the reader loses the host
-            for stream in link.streams.values():
-                stream.fail(ConnectionClosed(str(error)))
-            if isinstance(error, ConnectionClosed):
-                reason = "its agent's connection closed (agent killed, or its machine went down)"
-            elif isinstance(error, ProtocolError):
-                reason = f"its agent broke the protocol: {error}"
-            else:
-                reason = (
-                    f"its messages could not be handled: {type(error).__name__}: {shown(error)}"
-                )
-            self.events.put(Lost(link, reason, time.time()))
+            reason = lost_reason(link, error)
+            link.streams.fail(ConnectionClosed(reason))
+            if not link.silent:  # else the heartbeat thread said so already
+                self.events.put(Lost(link, reason, time.time()))
 
     @staticmethod
     def _check_report(link: Link, message: Message) -> None:
@@ -238,23 +250,22 @@ class Links:
             raise ProtocolError(f"sent {message.kind!r} for {what}, which this host does not run")
 
     def _beat(self) -> None:
-        """Heartbeats out; a host unheard of for too long is lost, even mid-transfer."""
+        """Heartbeats out, never waiting on a host; a host unheard of for too long is lost, even
+        mid-transfer, and its connection ended, so whatever waits on it wakes."""
         while not self._closed.wait(HEARTBEAT_INTERVAL):
             now = time.monotonic()
             for link in list(self.by_name.values()):
                 if link.gone or link.silent:
                     continue
-                if now - link.last_heard > SILENCE_LIMIT:
+                if not link.feeding and now - link.last_heard > SILENCE_LIMIT:
                     link.silent = True
-                    why = (
-                        f"no heartbeat for {SILENCE_LIMIT:g} s (its machine or the network is down)"
-                    )
-                    for stream in list(link.streams.values()):
-                        stream.fail(ConnectionClosed(why))
+                    why = silent_reason()
+                    link.streams.fail(ConnectionClosed(why))
                     self.events.put(Lost(link, why, time.time()))
+                    link.connection.abort(why)
                     continue
                 with contextlib.suppress(ConnectionClosed):
-                    link.connection.send("heartbeat")
+                    link.connection.send("heartbeat", wait=False)
 
     def next(self, timeout: float) -> Event | None:
         """The next report, or None after ``timeout``; each lost host comes out once."""
@@ -278,11 +289,11 @@ class Links:
     def close(self) -> None:
         """Dismiss every agent (each ends its ranks and exits) and stop listening."""
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        self._door.close()
         self.listener.close()
         for link in self.by_name.values():
             if not link.gone:
+                link.connection.stall_limit = BYE_LIMIT  # a frozen host gets no bye, but a close
                 with contextlib.suppress(ConnectionClosed):
                     link.connection.send("bye")
             link.connection.close()

@@ -1,9 +1,12 @@
-"""Jobs started other than in the foreground: detached (``dtrain run --detach``), again under a
-new name (``dtrain rerun``), or for the Estimator.
+"""How a job is started: in this process (``dtrain run``), detached (``dtrain run --detach``),
+again under a new name (``dtrain rerun``), or for the Estimator.
 
-A detached job's controller is ``dtrain run-spec --detached FILE``, in a session of its own
-(no terminal: Ctrl-C and a closed terminal do not reach it), its output first on a pipe to the
-submitting command. Once the job is recorded and its ``logs/`` exists, the controller moves its
+A job run other than in this process has a controller of its own, ``python -m
+dtrain.launch.submit [--detached] FILE``: FILE is a private copy of the spec (mode 0600 in
+``DTRAIN_HOME``), deleted once read, so that the job's environment (credentials, often) never
+appears in any process's arguments. A detached one runs in a session of its own (no terminal:
+Ctrl-C and a closed terminal do not reach it), its output first on a pipe to the submitting
+command. Once the job is recorded and its ``logs/`` exists, the controller moves its
 output onto ``logs/controller.log`` (:func:`into_job_folder`), which ends the pipe: the submitter
 then knows that ``dtrain logs -f``, ``stop`` and ``describe`` find the job, and returns. A
 controller that ends before that (the name is taken, the cluster cannot be reached) has said why
@@ -12,27 +15,69 @@ on the pipe; the submitter passes it on with its exit status.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from dtrain.errors import DtrainError
+from dtrain.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from dtrain.jobs.folder import JobFolder, dtrain_home
 from dtrain.jobs.spec import JobSpec
 from dtrain.jobs.store import JobRecord, JobStore
-from dtrain.launch.job import default_job_name, generated_base, prepare
+from dtrain.launch.job import default_job_name, generated_base, prepare, run_job
+
+EXIT_CODES = {"Completed": EXIT_OK, "Failed": EXIT_FAILED, "Stopped": EXIT_STOPPED}
+
+
+def run_here(
+    spec: JobSpec, quiet: bool, on_folder: Callable[[JobFolder], None] | None = None
+) -> int:
+    """Run ``spec`` in this process to its end, say how it ended, and return the exit status
+    of its final status."""
+    try:
+        record = run_job(spec, console=None if quiet else sys.stdout, on_folder=on_folder)
+    except KeyboardInterrupt:
+        return EXIT_STOPPED
+    if record.failure_reason:
+        print(f"dtrain: job {record.name} failed: {record.failure_reason}", file=sys.stderr)
+    if record.model_artifacts:
+        print(f"dtrain: job {record.name} {record.status}; model: {record.model_artifacts}")
+    return EXIT_CODES[record.status]
 
 
 def spec_command(spec: JobSpec, *options: str) -> list[str]:
-    """The command that runs ``spec`` as its job's controller: ``dtrain run-spec`` on a private
-    copy of the spec (it holds the job's environment), which the command deletes once read."""
+    """The command that runs ``spec`` as its job's controller (this module's :func:`main`) on a
+    private copy of the spec, which the command deletes once read."""
     handle, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=dtrain_home())
     with os.fdopen(handle, "w") as file:
         file.write(spec.to_json())
-    return [sys.executable, "-m", "dtrain.cli", "run-spec", "--remove", *options, path]
+    return [sys.executable, "-m", "dtrain.launch.submit", *options, path]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """A job's controller, started by :func:`spec_command` (dtrain's own use, not a command)."""
+    parser = argparse.ArgumentParser(prog="python -m dtrain.launch.submit")
+    parser.add_argument("spec_file", help="a private copy of the spec, deleted once read")
+    parser.add_argument(
+        "--detached", action="store_true", help="output to the job folder once it exists"
+    )
+    args = parser.parse_args(argv)
+    spec_file = Path(args.spec_file)
+    spec = JobSpec.from_json(spec_file.read_text())
+    spec_file.unlink()
+    try:
+        if args.detached:
+            return run_here(spec, quiet=True, on_folder=into_job_folder)
+        return run_here(spec, quiet=False)
+    except DtrainError as error:
+        print(f"dtrain: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -96,3 +141,7 @@ def rerun_spec(record: JobRecord, job_name: str | None) -> JobSpec:
     spec = JobSpec.from_json(record.spec)
     name = job_name or default_job_name(generated_base(record.name))
     return dataclasses.replace(spec, job_name=name, key_salt="")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

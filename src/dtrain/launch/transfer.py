@@ -3,7 +3,13 @@
 A stream is a run of ``chunk`` messages of at most :data:`CHUNK` bytes and one ``end`` message, so a
 folder of any size moves through a bounded buffer, and the receiver re-packs or unpacks members as
 they arrive instead of staging a copy. Member names are checked on receipt: a peer cannot make a
-name escape the folder it is written to.
+name escape the folder it is written to. Only regular files are collected from a host: a link (to
+a folder, a file, nowhere) or any other kind of member is skipped, and said.
+
+A receiver that gives up on a stream (a member it cannot write, a stop request) leaves the rest
+of it to :class:`Streams`, which reads it to its end and drops it, so the next stream the peer
+sends starts in step; a stream that makes no progress for :data:`~dtrain.launch.wire.SILENCE_LIMIT`
+fails its reader.
 """
 
 from __future__ import annotations
@@ -12,19 +18,31 @@ import io
 import posixpath
 import queue
 import tarfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dtrain.launch.wire import Connection, ProtocolError
+from dtrain.launch.wire import SILENCE_LIMIT, Connection, ConnectionClosed, ProtocolError
 
 CHUNK = 1 << 20
 
 
-class _ChunkWriter(io.RawIOBase):
-    """A write-only file whose bytes leave as ``chunk`` messages of :data:`CHUNK` bytes."""
+class TransferStalled(ConnectionClosed):
+    """A stream's sender sent nothing of it for too long."""
 
-    def __init__(self, send: Callable[[bytes], None]) -> None:
+
+def _no_check() -> None:
+    return None
+
+
+class _ChunkWriter(io.RawIOBase):
+    """A write-only file whose bytes leave as ``chunk`` messages of :data:`CHUNK` bytes;
+    ``check`` is called before each and may raise to give up (a stop request)."""
+
+    def __init__(self, send: Callable[[bytes], object], check: Callable[[], None]) -> None:
         self._send = send
+        self._check = check
         self._buffer = bytearray()
 
     def writable(self) -> bool:
@@ -33,6 +51,7 @@ class _ChunkWriter(io.RawIOBase):
     def write(self, data: bytes) -> int:  # type: ignore[override]  # tarfile writes bytes
         self._buffer += data
         while len(self._buffer) >= CHUNK:
+            self._check()
             self._send(bytes(self._buffer[:CHUNK]))
             del self._buffer[:CHUNK]
         return len(data)
@@ -59,9 +78,11 @@ def send_folder(
     stream: str,
     folder: Path,
     skip: Callable[[Path], bool] = lambda path: False,
+    check: Callable[[], None] = _no_check,
 ) -> None:
-    """Send every file under ``folder`` (names relative to it) as the tar stream ``stream``."""
-    writer = _ChunkWriter(lambda data: connection.send("chunk", data, stream=stream))
+    """Send every file under ``folder`` (names relative to it) as the tar stream ``stream``;
+    ``check`` is called before each chunk and may raise to give up."""
+    writer = _ChunkWriter(lambda data: connection.send("chunk", data, stream=stream), check)
     with tarfile.open(fileobj=writer, mode="w|") as tar:
         if folder.is_dir():
             for path in files_under(folder, skip):
@@ -74,23 +95,48 @@ class ChunkReader(io.RawIOBase):
     """A read-only file fed with the chunks of one stream (``b""`` marks its end).
 
     The reader calls ``check`` before each chunk and every half second of waiting; it may raise
-    to give up (a stop request).
+    to give up (a stop request). Waiting fails once nothing came for ``stall_limit`` seconds
+    since ``progress()`` (the last sign of the sender moving on: by default, this stream's last
+    chunk).
     """
 
-    def __init__(self, maxsize: int = 16, check: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        maxsize: int = 16,
+        check: Callable[[], None] = _no_check,
+        progress: Callable[[], float] | None = None,
+        stall_limit: float = SILENCE_LIMIT,
+    ) -> None:
         self.chunks: queue.Queue[bytes | Exception] = queue.Queue(maxsize)
         self.check = check  # called while waiting: raises to give up (a stop request)
+        self.stall_limit = stall_limit
+        self.last_chunk = time.monotonic()
+        self._progress = progress or (lambda: self.last_chunk)
         self._current = b""
         self._ended = False
+        self.abandoned = False
 
     def readable(self) -> bool:
         return True
 
     def feed(self, chunk: bytes) -> None:
-        self.chunks.put(chunk)
+        """Hand the reader ``chunk``; waits while it holds ``maxsize`` unread ones, unless
+        it was abandoned (then the chunk is dropped)."""
+        self.last_chunk = time.monotonic()
+        if not self.abandoned:
+            self.chunks.put(chunk)
 
     def fail(self, error: Exception) -> None:
         self.chunks.put(error)
+
+    def abandon(self) -> None:
+        """Nobody reads on: drop what waits and what comes (a feed waiting for room goes on)."""
+        self.abandoned = True
+        while True:
+            try:
+                self.chunks.get_nowait()
+            except queue.Empty:
+                return
 
     def drain(self) -> None:
         """Read to the end of the stream, so its sender can finish."""
@@ -103,6 +149,10 @@ class ChunkReader(io.RawIOBase):
             try:
                 item = self.chunks.get(timeout=0.5)
             except queue.Empty:
+                if time.monotonic() - self._progress() > self.stall_limit:
+                    raise TransferStalled(
+                        f"sent nothing of it for {self.stall_limit:g} s"
+                    ) from None
                 continue
             if isinstance(item, Exception):
                 raise item
@@ -114,6 +164,52 @@ class ChunkReader(io.RawIOBase):
         return size
 
 
+class Streams:
+    """The tar streams a peer was asked for, by name, fed from the thread that reads the peer.
+
+    A chunk goes to its stream's reader; one of a stream nobody asked for is the peer's breach of
+    the protocol. A stream stays here until its end, even once its reader gave up
+    (:meth:`ChunkReader.abandon`): the rest is dropped, so a failed collection never leaves the
+    next stream reading another's bytes.
+    """
+
+    def __init__(self) -> None:
+        self._readers: dict[str, ChunkReader] = {}
+        self._lock = threading.Lock()
+        self.last_progress = time.monotonic()
+        """When the peer last sent a chunk of any stream: it is moving on."""
+
+    def open(self, name: str, check: Callable[[], None], stall_limit: float) -> ChunkReader:
+        """A reader for the stream ``name`` the peer is about to be asked for."""
+        with self._lock:
+            if name in self._readers:
+                raise ProtocolError(f"its previous {name} stream is still arriving")
+            self.last_progress = time.monotonic()
+            reader = ChunkReader(
+                check=check, progress=lambda: self.last_progress, stall_limit=stall_limit
+            )
+            self._readers[name] = reader
+            return reader
+
+    def route(self, name: str, chunk: bytes) -> None:
+        """The peer sent ``chunk`` of stream ``name`` (``b""``: its end)."""
+        with self._lock:
+            reader = self._readers.get(name)
+            if reader is None:
+                raise ProtocolError(f"sent {name!r}, which nobody asked for")
+            if not chunk:
+                del self._readers[name]
+            self.last_progress = time.monotonic()
+        reader.feed(chunk)  # may wait for room: outside the lock, so close can abandon it
+
+    def fail(self, error: Exception) -> None:
+        """The peer is gone: every reader fails with ``error``."""
+        with self._lock:
+            readers = list(self._readers.values())
+        for reader in readers:
+            reader.fail(error)
+
+
 def safe_member_name(name: str) -> str:
     """``name`` as a relative path that stays inside the folder it is written to."""
     normal = posixpath.normpath(name)
@@ -122,21 +218,61 @@ def safe_member_name(name: str) -> str:
     return normal
 
 
-def repack(source: io.RawIOBase, target: tarfile.TarFile, seen: set[str]) -> None:
+Skipped = Callable[[str, str], None]
+"""Hears each member not collected: its name and what it is (``a link to 'x'``)."""
+
+
+def _kind(member: tarfile.TarInfo) -> str:
+    if member.issym():
+        return f"a link to {member.linkname!r}"
+    if member.islnk():
+        return f"a hard link to {member.linkname!r}"
+    if member.ischr() or member.isblk():
+        return "a device file"
+    if member.isfifo():
+        return "a fifo"
+    return "not a regular file"
+
+
+def _regular_files(tar: tarfile.TarFile, skipped: Skipped) -> Iterator[tarfile.TarInfo]:
+    """The regular files of ``tar`` as they arrive, named safely; folders are implied by their
+    files, and every other member is skipped and said."""
+    for member in tar:
+        if member.isdir():
+            continue
+        name = safe_member_name(member.name)
+        if not member.isreg():
+            skipped(name, _kind(member))
+            continue
+        member.name = name
+        yield member
+
+
+def repack(
+    source: io.RawIOBase,
+    target: tarfile.TarFile,
+    seen: set[str],
+    skipped: Skipped = lambda name, kind: None,
+) -> None:
     """Copy the regular files of tar stream ``source`` into ``target``, but names in ``seen``,
     without setuid, setgid or sticky bits: whoever unpacks the archive gets no program that
     runs as someone else."""
     with tarfile.open(fileobj=source, mode="r|") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            name = safe_member_name(member.name)
+        for member in _regular_files(tar, skipped):
+            name = member.name
             if name in seen:
                 continue
             seen.add(name)
-            member.name = name
             member.mode &= 0o777  # no setuid, setgid or sticky bit
             target.addfile(member, tar.extractfile(member))
+
+
+def unpack_files(source: io.RawIOBase, folder: Path, skipped: Skipped) -> None:
+    """Extract the regular files of tar stream ``source`` into ``folder`` (tarfile's ``data``
+    filter), skipping and saying every other member."""
+    with tarfile.open(fileobj=source, mode="r|") as tar:
+        for member in _regular_files(tar, skipped):
+            tar.extract(member, folder, filter="data")
 
 
 def unpack(source: io.RawIOBase, folder: Path) -> None:

@@ -1,63 +1,58 @@
-"""Messages between a job's controller and its host agents, and the handshake that admits an agent.
+"""Messages between a job's controller and its host agents: framed, checked and, once the
+handshake (:mod:`handshake`) has keyed them, sealed.
 
 A message is a JSON object (its ``kind`` and fields) and an optional binary payload, framed by two
 lengths. Nothing is ever unpickled, and every message is checked against what its sender may send
 (:data:`FROM_CONTROLLER`, :data:`FROM_AGENT`): an unknown kind, a missing field or a field of the
-wrong type is a :class:`ProtocolError` naming the peer, never a crash further on.
+wrong type is a :class:`ProtocolError` naming the peer, never a crash further on. After the
+handshake every frame is encrypted and authenticated with ChaCha20-Poly1305, one key per
+direction, each frame's sequence number its nonce: someone on the path can neither read a frame
+(the job's environment holds credentials) nor forge, replay, reorder or drop one unnoticed.
 
-The handshake has one deadline and small frames, so a stranger can hold neither side long nor make
-it allocate much. Each side proves the job's secret with an HMAC over its role and both sides'
-random nonces (so no proof serves in another handshake or for the other role), the agent first:
-the controller answers only an agent that proved the secret, and the agent tells its facts only to
-a controller that did. From then on every frame is encrypted and authenticated with
-ChaCha20-Poly1305 under keys derived from the secret and both nonces, one per direction, each
-frame's sequence number its nonce: someone on the path can neither read a frame (the job's
-environment holds credentials) nor forge, replay, reorder or drop one unnoticed.
+Every send has a deadline: a peer that takes no byte of a frame for :data:`SILENCE_LIMIT` (a
+frozen machine keeps its connection at a zero window) fails the send, and a heartbeat never waits
+for room or behind another frame (:meth:`Connection.send` with ``wait=False``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import ipaddress
 import json
-import os
 import re
 import reprlib
 import secrets
+import select
 import socket
-import stat
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError
 from dtrain.jobs.spec import ChannelSpec
 from dtrain.launch.netif import format_endpoint
+from dtrain.secretfile import create_secret_file, read_secret_file
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """3: the start message names a module entry point (-m); rank output carries each line's time
 and the progress line being drawn. 4: hosts collect their TensorBoard events and report their
-channel copies."""
+channel copies. 5: the agent proves the secret in its first frame, over the time."""
 _HEADER = struct.Struct("!II")  # lengths of the JSON fields and of the payload
+_ABORT_CHECK_INTERVAL = 1.0  # the longest a waiting send goes without looking for an abort
 _TAG_BYTES = 16
 MESSAGE_LIMIT = 64 * 1024 * 1024
 """Largest frame part accepted from an admitted peer."""
 HANDSHAKE_LIMIT = 16 * 1024
 """Largest frame part accepted before the peer proved the secret."""
-HANDSHAKE_TIMEOUT = 10.0
-"""The whole handshake's deadline, however slowly a peer trickles its bytes."""
+HELLO_LIMIT = 1024
+"""Largest first frame a connection may send (an agent's hello is about 200 bytes)."""
 HEARTBEAT_INTERVAL = 1.0
 SILENCE_LIMIT = 15.0
 """A peer unheard of for this long is gone (a dead machine, a cut link); heartbeats go both ways
@@ -72,23 +67,32 @@ class ConnectionClosed(Exception):
     """The peer closed the connection, or it broke."""
 
 
+class SendStalled(ConnectionClosed):
+    """The peer took no byte of a frame for too long (a frozen machine, a dead link)."""
+
+
 class ProtocolError(Exception):
     """The peer sent something that is not a message of this protocol."""
 
 
-class AuthenticationError(DtrainError):
-    """The peer could not prove the job's secret."""
-
-
-def shown(text: object, limit: int = SHOWN_LIMIT) -> str:
-    """A peer's text as it may appear in a log line: control characters (newlines, terminal
-    escapes) escaped, so it cannot forge lines or colours, and at most ``limit`` characters."""
+def shown(text: object, limit: int | None = SHOWN_LIMIT) -> str:
+    """A peer's text as it may appear on a console or in a log line: every character but a tab
+    that is not printable (newlines and other line breaks, terminal escapes, direction marks,
+    lone surrogates) escaped, so it can neither forge lines nor move the cursor, and at most
+    ``limit`` characters (None: all, for a rank's output)."""
     text = str(text)
+    cut = text if limit is None else text[:limit]
     escaped = "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode()
-        for char in text[:limit]
+        char if char.isprintable() or char == "\t" else _escaped(char) for char in cut
     )
-    return escaped + (f"... ({len(text) - limit} more characters)" if len(text) > limit else "")
+    if limit is not None and len(text) > limit:
+        escaped += f"... ({len(text) - limit} more characters)"
+    return escaped
+
+
+def _escaped(char: str) -> str:
+    """``\\n``, ``\\x1b``, ``\\u202e``: as Python writes the character in a string literal."""
+    return char.encode("unicode_escape", errors="backslashreplace").decode("ascii")
 
 
 # --- what each side may send ------------------------------------------------------------------
@@ -189,7 +193,7 @@ Protocol = Mapping[str, Fields]
 
 _ERROR: Fields = {"message": TEXT}
 FROM_CONTROLLER: Protocol = {
-    "challenge": {"version": INTEGER, "nonce": NONCE},
+    "challenge": {"version": INTEGER, "nonce": NONCE},  # on accepting, before the hello is read
     "welcome": {"proof": PROOF},
     "error": _ERROR,
     "heartbeat": {},
@@ -225,7 +229,7 @@ FROM_CONTROLLER: Protocol = {
     "send": {"stream": RESULT_STREAM},
 }
 FROM_AGENT: Protocol = {
-    "hello": {"version": INTEGER, "nonce": NONCE, "proof": PROOF},
+    "hello": {"version": INTEGER, "time": COUNT, "nonce": NONCE, "proof": PROOF},
     "facts": {
         "address": ADDRESS,
         "interface": TEXT,
@@ -296,16 +300,20 @@ class _Cipher:
 
 class Connection:
     """Whole messages over one socket, checked against ``receives`` (what the peer may send);
-    sends from several threads go out one at a time."""
+    sends from several threads go out one at a time, each within a deadline."""
 
     def __init__(self, sock: socket.socket, receives: Protocol) -> None:
         self.sock = sock
         self.receives = receives
+        self.stall_limit: float | None = SILENCE_LIMIT
+        """Seconds a send may wait for the peer to take another byte; None: as long as it
+        takes, until :meth:`abort` (whoever watches the peer's heartbeats ends it)."""
         self._send_lock = threading.Lock()
         self._sealing: _Cipher | None = None
         self._opening: _Cipher | None = None
         self._deadline: float | None = None
         self._timeout = 0.0
+        self._aborted: str | None = None
         try:
             address = sock.getpeername()
         except OSError:
@@ -326,20 +334,78 @@ class Connection:
         self._deadline = None
         self.sock.settimeout(None)
 
-    def send(self, kind: str, payload: bytes = b"", **fields: Any) -> None:
+    def send(self, kind: str, payload: bytes = b"", wait: bool = True, **fields: Any) -> bool:
+        """Send one message; whether it went.
+
+        A send waits for the peer to take each byte at most :attr:`stall_limit` seconds (during
+        the handshake: until its deadline), then fails, and the connection with it: a frame cut
+        short cannot be resumed. ``wait=False`` (heartbeats) sends nothing, and returns False,
+        while another frame is going out or the socket has no room: it never waits on the peer.
+        """
         body = json.dumps({"kind": kind, **fields}, separators=(",", ":")).encode()
         header = _HEADER.pack(len(body), len(payload))
+        if not self._send_lock.acquire(blocking=wait):
+            return False
         try:
-            with self._send_lock:
-                self._arm()
-                if self._sealing is None:
-                    self.sock.sendall(header + body + payload)
-                else:
-                    self.sock.sendall(header + self._sealing.seal(body + payload, header))
-        except TimeoutError:
-            raise self._late() from None
-        except OSError as error:
-            raise ConnectionClosed(f"send to {self.peer} failed: {error}") from None
+            if not wait and not self._writable(0):
+                return False
+            if self._sealing is None:
+                frame = header + body + payload
+            else:
+                frame = header + self._sealing.seal(body + payload, header)
+            self._send_all(memoryview(frame))
+        except ConnectionClosed as error:
+            self.abort(str(error))  # the peer would read the rest of the cut frame as a new one
+            raise
+        finally:
+            self._send_lock.release()
+        return True
+
+    def _send_all(self, frame: memoryview) -> None:
+        """Every byte of ``frame``, without blocking the socket (another thread reads it)."""
+        last_progress = time.monotonic()
+        while frame:
+            self._check_aborted()
+            try:
+                sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+            except (BlockingIOError, TimeoutError):
+                sent = 0
+            except OSError as error:
+                self._check_aborted()
+                raise ConnectionClosed(f"send to {self.peer} failed: {error}") from None
+            now = time.monotonic()
+            if sent:
+                frame, last_progress = frame[sent:], now
+                continue
+            if self._deadline is not None:
+                left = self._deadline - now
+                if left <= 0:
+                    raise self._late()
+            elif self.stall_limit is None:
+                left = _ABORT_CHECK_INTERVAL
+            else:
+                left = last_progress + self.stall_limit - now
+                if left <= 0:
+                    raise SendStalled(f"{self.peer} took no data for {self.stall_limit:g} s")
+            self._writable(min(left, _ABORT_CHECK_INTERVAL))
+
+    def _writable(self, timeout: float) -> bool:
+        """Whether the socket has room (or has failed: the send says how) within ``timeout``."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        return bool(poller.poll(max(timeout, 0) * 1000))
+
+    def abort(self, reason: str) -> None:
+        """End the connection for ``reason``: every send or receive under way or to come fails
+        with it at once (a thread blocked on a frozen peer wakes). The first reason stays."""
+        if self._aborted is None:
+            self._aborted = reason
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _check_aborted(self) -> None:
+        if self._aborted is not None:
+            raise ConnectionClosed(self._aborted)
 
     def receive(self, limit: int = MESSAGE_LIMIT) -> Message:
         header = self._read(_HEADER.size)
@@ -357,29 +423,7 @@ class Connection:
                     f"{self._opening.sequence}: forged, replayed, reordered or corrupted)"
                 )
             frame = opened
-        return self._message(frame[:body_size], frame[body_size:])
-
-    def _message(self, body: bytes, payload: bytes) -> Message:
-        """The message in ``body``, if it is one the peer may send with the fields it must hold."""
-        try:
-            fields = json.loads(body, parse_constant=_refuse_constant)
-        except (ValueError, RecursionError) as error:  # bad UTF-8 and bad JSON are ValueErrors
-            raise ProtocolError(
-                f"{self.peer} sent a frame that is not JSON: {shown(error)}"
-            ) from None
-        if not isinstance(fields, dict) or not isinstance(fields.get("kind"), str):
-            raise ProtocolError(f"{self.peer} sent a frame without a kind")
-        kind = fields.pop("kind")
-        expected = self.receives.get(kind)
-        if expected is None:
-            raise ProtocolError(f"{self.peer} sent a message of unknown kind '{shown(kind, 60)}'")
-        for name, check in expected.items():
-            if name not in fields or not check.test(fields[name]):
-                value = shown(reprlib.repr(fields[name]), 100) if name in fields else "nothing"
-                raise ProtocolError(
-                    f"{self.peer} sent {kind!r} with {name} = {value}; allowed: {check.allowed}"
-                )
-        return Message(kind, {name: fields[name] for name in expected}, payload)
+        return checked_message(frame[:body_size], frame[body_size:], self.receives, self.peer)
 
     def expect(self, kind: str, limit: int = MESSAGE_LIMIT) -> Message:
         message = self.receive(limit)
@@ -415,8 +459,10 @@ class Connection:
             except TimeoutError:
                 raise self._late() from None
             except OSError as error:
+                self._check_aborted()
                 raise ConnectionClosed(f"receive from {self.peer} failed: {error}") from None
             if received == 0:
+                self._check_aborted()
                 raise ConnectionClosed(f"{self.peer} closed the connection")
             done += received
         return bytes(buffer)
@@ -427,81 +473,44 @@ class Connection:
         self.sock.close()
 
 
-# --- the handshake ----------------------------------------------------------------------------
-
-
-def prove(secret: bytes, role: str, controller_nonce: str, agent_nonce: str) -> str:
-    """The proof that ``role`` holds the secret, in the handshake of these two nonces."""
-    text = f"dtrain/{PROTOCOL_VERSION}/{role}/{controller_nonce}/{agent_nonce}"
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
-
-
-def session_keys(secret: bytes, controller_nonce: str, agent_nonce: str) -> tuple[bytes, bytes]:
-    """The keys of the frames after the handshake: the controller's, then the agent's."""
-    keys = HKDF(
-        algorithm=hashes.SHA256(),
-        length=64,
-        salt=bytes.fromhex(controller_nonce + agent_nonce),
-        info=f"dtrain/{PROTOCOL_VERSION}/session keys".encode(),
-    ).derive(secret)
-    return keys[:32], keys[32:]
-
-
-def _version_mismatch(theirs: int, who: str) -> AuthenticationError:
-    return AuthenticationError(
-        f"the {who} speaks protocol {theirs}, this dtrain {PROTOCOL_VERSION}: install the same "
-        "dtrain version on every machine"
-    )
-
-
-def admit_agent(
-    connection: Connection, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT
-) -> Message:
-    """Controller side: challenge a new connection; the agent's ``facts`` once both proved the
-    secret. A refused agent is told why (its user reads it; the agent cannot trust it)."""
-    connection.begin_handshake(timeout)
-    nonce = secrets.token_hex(NONCE_BYTES)
-    connection.send("challenge", nonce=nonce, version=PROTOCOL_VERSION)
-    hello = connection.expect("hello", limit=HANDSHAKE_LIMIT)
+def checked_message(body: bytes, payload: bytes, receives: Protocol, peer: str) -> Message:
+    """The message in ``body``, if it is one of ``receives`` with the fields it must hold;
+    a :class:`ProtocolError` naming ``peer`` otherwise."""
     try:
-        if hello["version"] != PROTOCOL_VERSION:
-            raise _version_mismatch(hello["version"], "agent")
-        if not hmac.compare_digest(hello["proof"], prove(secret, "agent", nonce, hello["nonce"])):
-            raise AuthenticationError("wrong secret")
-    except AuthenticationError as error:
-        with contextlib.suppress(ConnectionClosed):
-            connection.send("error", message=f"the controller refused this agent: {error}")
-        raise
-    connection.send("welcome", proof=prove(secret, "controller", nonce, hello["nonce"]))
-    to_agent, to_controller = session_keys(secret, nonce, hello["nonce"])
-    connection.secure(sending=to_agent, receiving=to_controller)
-    facts = connection.expect("facts", limit=HANDSHAKE_LIMIT)
-    connection.end_handshake()
-    return facts
+        fields = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:  # bad UTF-8 and bad JSON are ValueErrors
+        raise ProtocolError(f"{peer} sent a frame that is not JSON: {shown(error)}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("kind"), str):
+        raise ProtocolError(f"{peer} sent a frame without a kind")
+    kind = fields.pop("kind")
+    expected = receives.get(kind)
+    if expected is None:
+        raise ProtocolError(f"{peer} sent a message of unknown kind '{shown(kind, 60)}'")
+    for name, check in expected.items():
+        if name not in fields or not check.test(fields[name]):
+            value = shown(reprlib.repr(fields[name]), 100) if name in fields else "nothing"
+            raise ProtocolError(
+                f"{peer} sent {kind!r} with {name} = {value}; allowed: {check.allowed}"
+            )
+    return Message(kind, {name: fields[name] for name in expected}, payload)
 
 
-def join_controller(
-    connection: Connection,
-    secret: bytes,
-    facts: dict[str, Any],
-    timeout: float = HANDSHAKE_TIMEOUT,
-) -> None:
-    """Agent side: prove the secret, check the controller's proof, then tell it ``facts``."""
-    connection.begin_handshake(timeout)
-    challenge = connection.expect("challenge", limit=HANDSHAKE_LIMIT)
-    if challenge["version"] != PROTOCOL_VERSION:
-        raise _version_mismatch(challenge["version"], "controller")
-    nonce = secrets.token_hex(NONCE_BYTES)
-    proof = prove(secret, "agent", challenge["nonce"], nonce)
-    connection.send("hello", version=PROTOCOL_VERSION, nonce=nonce, proof=proof)
-    welcome = connection.expect("welcome", limit=HANDSHAKE_LIMIT)
-    expected = prove(secret, "controller", challenge["nonce"], nonce)
-    if not hmac.compare_digest(welcome["proof"], expected):
-        raise AuthenticationError(f"{connection.peer} could not prove the job's secret")
-    to_agent, to_controller = session_keys(secret, challenge["nonce"], nonce)
-    connection.secure(sending=to_controller, receiving=to_agent)
-    connection.send("facts", **facts)
-    connection.end_handshake()
+def first_frame(buffer: bytes, peer: str) -> tuple[Message | None, int]:
+    """The hello at the start of what a new connection sent, or None and how many more bytes it
+    takes; a frame over :data:`HELLO_LIMIT` or anything but a hello is a :class:`ProtocolError`
+    before more is read."""
+    if len(buffer) < _HEADER.size:
+        return None, _HEADER.size - len(buffer)
+    body_size, payload_size = _HEADER.unpack_from(buffer)
+    if body_size > HELLO_LIMIT or payload_size:
+        raise ProtocolError(f"{peer} sent a first frame over {HELLO_LIMIT} bytes")
+    missing = _HEADER.size + body_size - len(buffer)
+    if missing > 0:
+        return None, missing
+    message = checked_message(buffer[_HEADER.size :], b"", FROM_AGENT, peer)
+    if message.kind != "hello":
+        raise ProtocolError(f"{peer} sent {message.kind!r} where 'hello' was due")
+    return message, 0
 
 
 def new_secret() -> bytes:
@@ -511,37 +520,16 @@ def new_secret() -> bytes:
 def read_secret(path: str, create: bool = False) -> bytes:
     """The secret in ``path`` (``-``: standard input); ``create`` makes a new file, mode 0600.
 
-    A file other users can read or write, or that another user owns, is refused, as ssh refuses
-    such a key: whoever reads it can join the job and run code on every machine, and whoever
-    owns it can make it readable.
+    A file is read only if it passes :mod:`dtrain.secretfile`'s checks (as ssh refuses a key
+    others can read or replace): whoever reads it can join the job and run code on every
+    machine.
     """
     if path == "-":
         secret = sys.stdin.readline().strip().encode()
     else:
-        file = Path(path).expanduser()
-        if create and not file.exists():
-            file.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as handle:
-                handle.write(new_secret() + b"\n")
-        try:
-            status = file.stat()
-            secret = file.read_bytes().strip()
-        except OSError as error:
-            raise ConfigError("secret_file", path, f"a readable file ({error.strerror})") from None
-        if status.st_uid != os.geteuid():
-            raise ConfigError(
-                "secret_file",
-                path,
-                f"a file of this user (uid {os.geteuid()}; it belongs to uid {status.st_uid})",
-            )
-        if status.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                "secret_file",
-                path,
-                "a file only its owner can read "
-                f"(mode is {stat.S_IMODE(status.st_mode):04o}; chmod 600 it)",
-            )
+        if create:
+            create_secret_file(path, new_secret() + b"\n")
+        secret = read_secret_file("secret_file", path).strip()
     if len(secret) < 16:
         raise ConfigError("secret_file", path, "a secret of at least 16 characters")
     return secret

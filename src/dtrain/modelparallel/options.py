@@ -13,12 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.environment import switch
 from dtrain.errors import ConfigError
 
 TIMEOUT_ENV = "DTRAIN_MP_TIMEOUT"
-DEFER_ENV = "DTRAIN_MP_DEFER"
-SPLIT_ENV = "DTRAIN_MP_SPLIT_BACKWARD"
 STALL_ENV = "DTRAIN_MP_STALL_REPORT"
 TRACE_ENV = "DTRAIN_MP_TRACE"
 
@@ -27,12 +24,6 @@ TRACE_ENV = "DTRAIN_MP_TRACE"
 class RuntimeOptions:
     timeout: float = 300.0
     """Seconds any wait for another rank may take before it fails naming that rank."""
-    defer: bool = True
-    """Remote calls return at once with values their owner computes meanwhile (off: every
-    call waits for its reply; for modules whose output structure changes between calls)."""
-    split_backward: bool = True
-    """The backwards the schedule chooses send their inputs' gradients first and leave their
-    weights' for idle time (off: every backward in one piece, for comparison)."""
     stall_report: float = 60.0
     """Seconds of silence after which every rank reports what it waits for (see
     :mod:`.pipeline.stall`); the wait itself goes on until ``timeout``."""
@@ -46,8 +37,6 @@ class RuntimeOptions:
         defaults = cls()
         return cls(
             timeout=_seconds(environ, TIMEOUT_ENV, defaults.timeout),
-            defer=switch(DEFER_ENV, defaults.defer, environ),
-            split_backward=switch(SPLIT_ENV, defaults.split_backward, environ),
             stall_report=_seconds(environ, STALL_ENV, defaults.stall_report),
             trace=_trace_path(environ),
         )

@@ -19,6 +19,10 @@ from dtrain.jobs.store import JobRecord, JobStore
 from dtrain.ui import jobview
 
 TOKEN_COOKIE = "dtrain_ui_token"
+MAX_COUNT = 2**31 - 1
+"""The largest rank or attempt a request may name."""
+MAX_OFFSET = 2**63 - 1
+"""The largest offset into a log a request may name (a file's largest size)."""
 _SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
@@ -116,9 +120,9 @@ def create_app(store: JobStore, token: str | None = None) -> Flask:
     @app.get("/api/jobs/<name>/logs")
     def logs_api(name: str) -> Response:
         record = job(name)
-        rank = _int_arg("rank")
-        attempt = _int_arg("attempt")
-        offset = _int_arg("offset")
+        rank = _int_arg("rank", 0, MAX_COUNT)
+        attempt = _int_arg("attempt", 1, MAX_COUNT)
+        offset = _int_arg("offset", 0, MAX_OFFSET)
         path = jobview.log_file(record, rank, attempt)
         chunk = jobview.read_log(path, offset, whole_lines=not record.is_terminal)
         return jsonify({"text": chunk.text, "offset": chunk.offset, "size": chunk.size})
@@ -145,11 +149,16 @@ def create_app(store: JobStore, token: str | None = None) -> Flask:
     return app
 
 
-def _int_arg(key: str) -> int | None:
+def _int_arg(key: str, least: int, most: int) -> int | None:
+    """The query's integer ``key``, if given: from ``least`` to ``most``, else 400 (a number
+    far out of range would otherwise name a file too long to look up)."""
     value = request.args.get(key)
     if value is None or value == "":
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         abort(400, f"{key} must be an integer, not {value!r}")
+    if not least <= number <= most:
+        abort(400, f"{key} must be from {least} to {most}, not {number}")
+    return number

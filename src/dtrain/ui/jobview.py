@@ -69,14 +69,21 @@ def file_in_job(record: JobRecord, relative: str) -> Path | None:
     """The file ``relative`` names inside the job's folder, or ``None`` when it is not one.
 
     Absolute paths, ``..`` and symbolic links whose target lies outside the folder are refused,
-    and so are the hidden files and the channel copies.
+    and so are the hidden files and the channel copies. So is whatever the file system cannot
+    look up (a NUL byte, a name too long, a loop of links): a request's path is not found, never
+    an error of the server.
     """
     root = Path(record.folder).resolve()
     requested = PurePosixPath(relative)
-    if requested.is_absolute() or ".." in requested.parts or "\\" in relative or not relative:
+    if not relative or "\0" in relative or "\\" in relative:
         return None
-    path = (root / requested).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
+    if requested.is_absolute() or ".." in requested.parts:
+        return None
+    try:
+        path = (root / requested).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            return None
+    except (OSError, RuntimeError):  # RuntimeError: a loop of links (Python < 3.13)
         return None
     inside = PurePosixPath(path.relative_to(root).as_posix())
     if str(inside) in HIDDEN_FILES or _channel_copies(inside):
@@ -240,12 +247,12 @@ def read_view(record: JobRecord, relative: str) -> dict[str, Any] | None:
     path = file_in_job(record, relative)
     if path is None:
         return None
-    kind = _json_kind(path, path.stat().st_size)
-    if kind is None:
-        return None
-    try:
+    try:  # the job may remove or replace it meanwhile: then it is not found
+        kind = _json_kind(path, path.stat().st_size)
+        if kind is None:
+            return None
         content = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     if not isinstance(content, dict):
         return None

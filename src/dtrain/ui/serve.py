@@ -5,24 +5,23 @@ from __future__ import annotations
 import errno
 import secrets
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from dtrain.errors import ConfigError
 from dtrain.jobs.store import JobStore
+from dtrain.secretfile import read_secret_file
 from dtrain.ui.app import create_app, is_loopback
 
 MIN_TOKEN_LENGTH = 16
 
 
 def read_token(token_file: str) -> str:
-    """The token in ``token_file`` (``-``: standard input), stripped of surrounding space."""
-    try:
-        text = sys.stdin.read() if token_file == "-" else Path(token_file).read_text()
-    except OSError as error:
-        raise ConfigError(
-            "--token-file", token_file, f"a readable file ({error.strerror})"
-        ) from None
+    """The token in ``token_file`` (``-``: standard input), stripped of surrounding space; a
+    file must pass the checks a job's secret file does (:mod:`dtrain.secretfile`)."""
+    if token_file == "-":
+        text = sys.stdin.read()
+    else:
+        text = read_secret_file("--token-file", token_file).decode(errors="replace")
     token = text.strip()
     if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
         raise ConfigError(

@@ -16,6 +16,7 @@ import torch
 
 from dtrain.modelparallel.modules.generators import ForkedGenerators, forked
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
+from dtrain.modelparallel.scheduling.ordering import FreeOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.tensor import module
 
@@ -57,7 +58,7 @@ def _replay(order: str) -> tuple[dict[str, list[list[float]]], torch.Tensor]:
 
 @pytest.mark.parametrize("order", ORDERS.values(), ids=ORDERS.keys())
 def test_interleaved_forks_draw_as_each_alone_and_leave_the_process_its_draws(order: str) -> None:
-    token = ComputeToken(0, SchedulePolicy("interleaved", 2, 2), 5.0)
+    token = ComputeToken(0, SchedulePolicy("interleaved", 2, 2), 5.0, FreeOrdering())
     token.release(token.main)
     tasks = {"A": Task("leader", 0, "F", step=1), "B": Task("leader", 1, "F", step=1)}
     token.acquire(tasks["A"])

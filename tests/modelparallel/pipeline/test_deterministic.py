@@ -14,7 +14,9 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.api.partitioning import check_own_code_placement, with_own_code
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.scheduling.ordering import PlannedOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
+from dtrain.modelparallel.transport.message import NOTICE, Message
 from tests.modelparallel.equivalence import ALL_CASES, case_pipeline, reference, replica_rows
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.test_equivalence import assert_equivalent
@@ -209,10 +211,15 @@ def _task(text: str, step: int = 1) -> Task:
     return Task("serve", int(text[1:]), phase=text[0], step=step)  # type: ignore[arg-type]
 
 
+def _forward_over(microbatch: int) -> Message:
+    """The leader's notice that this rank's forward of ``microbatch`` (step 1) is over."""
+    return Message(NOTICE, 0, body="forward", microbatch=microbatch, step=1)
+
+
 def test_the_token_follows_the_plan_not_the_policy() -> None:
     """Without threads: waiting tasks get the token only in their action's turn."""
     plan = (("F", 0), ("F", 1), ("B", 0), ("W", 0))
-    executor = Executor(1, SchedulePolicy("interleaved", 2, 2), 1.0, plan=plan)
+    executor = Executor(1, SchedulePolicy("interleaved", 2, 2), 1.0, PlannedOrdering(plan, 1))
     executor.release(executor.main)
     backward, second, first = _task("B0"), _task("F1"), _task("F0")
     for task in (backward, second, first):
@@ -221,10 +228,10 @@ def test_the_token_follows_the_plan_not_the_policy() -> None:
     executor.await_token(first)
     executor.release(first)
     assert not second.granted.is_set()  # F0's turn lasts until its end is known
-    executor.end_action(1, "F", 0)
+    executor.notices.heard(_forward_over(0))
     assert second.granted.is_set() and not backward.granted.is_set()
     executor.await_token(second)
-    executor.end_action(1, "F", 1)
+    executor.notices.heard(_forward_over(1))
     executor.release(second)
     assert backward.granted.is_set()
     executor.await_token(backward)

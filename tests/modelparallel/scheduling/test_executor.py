@@ -10,16 +10,18 @@ import pytest
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.executor import Executor, Task
 from dtrain.modelparallel.scheduling.costs import Costs
+from dtrain.modelparallel.scheduling.ordering import FreeOrdering, PlannedOrdering
 from dtrain.modelparallel.scheduling.planner import schedule_of
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.route import ORDER_ADVICE
+from dtrain.modelparallel.transport.message import NOTICE, Message
 
 
 def test_a_finished_backward_leaves_the_next_microbatch_admitted_before_the_token_moves() -> None:
     """Interleaved, 2 active: after B0 the next forward (F2) goes before the waiting terminal
     B1, as the plan has it; before, the backward gave the token to B1 as it ended."""
     policy = SchedulePolicy("interleaved", 6, 2)
-    executor = Executor(0, policy, 5.0)
+    executor = Executor(0, policy, 5.0, FreeOrdering())
 
     def body(mb: int) -> None:
         with executor.computing("f"):
@@ -44,7 +46,7 @@ def test_work_that_waits_inside_a_module_and_loses_its_turn_fails_naming_it() ->
     while it waits; once the plan has moved on, its return fails naming it (it hung until the
     token's timeout before)."""
     plan = (("F", 0), ("F", 1), ("B", 0), ("B", 1))
-    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), 5.0, plan=plan)
+    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), 5.0, PlannedOrdering(plan, 0))
     executor.core.begin_step()
     executor.release(executor.main)
     first, second = Task("leader", 0, "F", step=1), Task("leader", 1, "F", step=1)
@@ -71,10 +73,9 @@ def test_a_weight_half_that_cannot_take_its_turn_fails_the_step_not_just_its_thr
     where it was only printed: the step went on without its gradients. It now reaches the
     owner's failure, which fails the step; the half still counts as paid."""
     plan = (("F", 0), ("B", 0), ("W", 0))
-    executor = Executor(1, SchedulePolicy("interleaved", 1, 1), 5.0, plan=plan)
+    executor = Executor(1, SchedulePolicy("interleaved", 1, 1), 5.0, PlannedOrdering(plan, 1))
     executor.release(executor.main)
-    for phase in ("F", "B", "W"):
-        executor.end_action(1, phase, 0)
+    executor.notices.heard(Message(NOTICE, 0, body="done", microbatch=0, step=1))
     half = Task("serve", 0, "W", "blocks.3", step=1)
     executor.owe_weights(half)
     failures: list[BaseException] = []

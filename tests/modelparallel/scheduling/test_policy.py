@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.scheduling.ordering import FreeOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 
 # Waiting tasks (phase, microbatch) in the order they asked, and the order the token serves them.
@@ -26,7 +27,7 @@ def _task(text: str) -> Task:
 def test_the_token_goes_to_the_waiting_task_the_policy_ranks_first(
     pipeline: str, asked: list[str], served: list[str]
 ) -> None:
-    executor = Executor(0, SchedulePolicy(pipeline, 4, 4), timeout=1.0)
+    executor = Executor(0, SchedulePolicy(pipeline, 4, 4), 1.0, FreeOrdering())
     tasks = [_task(text) for text in asked]
     for task in tasks:
         executor.enqueue(task)  # the main task holds the token: everyone waits
@@ -43,7 +44,9 @@ def test_the_token_goes_to_the_waiting_task_the_policy_ranks_first(
 
 
 def test_the_main_task_outranks_every_task() -> None:
-    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
+    executor = Executor(
+        0, SchedulePolicy("interleaved", 2, 2), timeout=1.0, ordering=FreeOrdering()
+    )
     executor.release(executor.main)
     backward = _task("B0")
     executor.enqueue(backward)
@@ -108,7 +111,9 @@ def test_the_step_s_last_backwards_are_split_as_many_per_stage_as_the_policy_say
 def test_the_main_task_waits_for_the_weight_halves_due() -> None:
     """At a step's end the main task (the optimizer step comes next) is queued first; the weight
     halves still due run before it, and nothing else does (a request of the next step waits)."""
-    executor = Executor(0, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
+    executor = Executor(
+        0, SchedulePolicy("interleaved", 2, 2), timeout=1.0, ordering=FreeOrdering()
+    )
     executor.release(executor.main)
     weights, next_step = _task("W1"), _task("F0")
     executor.owe_weights(weights)
@@ -120,14 +125,16 @@ def test_the_main_task_waits_for_the_weight_halves_due() -> None:
     executor.await_token(weights)
     executor.release(weights)
     assert not executor.main.granted.is_set()  # still due until it says it has run
-    executor.weights_paid(weights)
+    executor.notices.weights_paid(weights)
     assert executor.main.granted.is_set() and not next_step.granted.is_set()
 
 
 def test_a_weight_half_that_fails_is_paid_and_the_main_task_goes_on() -> None:
     """The half's task pays its debt however it ends: a failure goes to the owner (it fails the
     step), not to the wait for the token."""
-    executor = Executor(1, SchedulePolicy("interleaved", 2, 2), timeout=1.0)
+    executor = Executor(
+        1, SchedulePolicy("interleaved", 2, 2), timeout=1.0, ordering=FreeOrdering()
+    )
     executor.release(executor.main)
     weights = Task("serve", 1, "W", "layer")
     executor.owe_weights(weights)
@@ -157,7 +164,7 @@ def test_a_task_dispatched_first_computes_first_even_if_its_thread_starts_later(
     free token first it would compute first (BatchNorm's running statistics would then differ
     from one process's). An announced task keeps its place; one that never computes gives it
     up."""
-    executor = Executor(1, SchedulePolicy("simple", 4, 4), timeout=1.0)
+    executor = Executor(1, SchedulePolicy("simple", 4, 4), 1.0, FreeOrdering())
     executor.release(executor.main)
     first, second, fetch_only = _task("F0"), _task("F1"), _task("F2")
     for task in (fetch_only, first, second):
@@ -172,7 +179,9 @@ def test_a_task_dispatched_first_computes_first_even_if_its_thread_starts_later(
     executor.await_token(first)
     executor.release(first)
     assert second.granted.is_set()
-    interleaved = Executor(1, SchedulePolicy("interleaved", 4, 4), timeout=1.0)
+    interleaved = Executor(
+        1, SchedulePolicy("interleaved", 4, 4), timeout=1.0, ordering=FreeOrdering()
+    )
     interleaved.release(interleaved.main)
     later, urgent = _task("F3"), _task("B1")
     interleaved.announce(later)

@@ -48,7 +48,7 @@ def test_a_stage_costs_the_time_of_its_modules() -> None:
 
 
 def test_an_ordered_tied_head_is_planned_per_visit() -> None:
-    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, split_backward=True, ordered=True)
+    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, ordered=True)
     assert isinstance(plan, RouteSchedule) and plan.route == (0, 1, 0)
     costs = Costs.of_stages([3.0, 4.0, 0.5], SPLIT_OVERHEAD)
     policy = zero_bubble_policy(POLICY, 3, costs, (0, 1, 0))
@@ -62,7 +62,7 @@ def test_a_recomputing_partition_of_a_route_runs_whole_backwards_the_others_spli
     """Route 0 -> 1 -> 2 -> 0 with partition 1 recomputing: the ordered plan splits only
     partition 2's backwards, and its print shows partition 1's whole ones."""
     modules = [(0, 1.0), (1, 1.0), (2, 1.0), (0, 0.5)]
-    plan = pipeline_plan(POLICY, [1.5, 1.0, 1.0], modules, True, True, whole_partitions={1})
+    plan = pipeline_plan(POLICY, [1.5, 1.0, 1.0], modules, True, whole_partitions={1})
     assert isinstance(plan, RouteSchedule) and plan.policy.split == (0, 0, 4, 0)
     lines = str(plan).splitlines()
     assert lines[2:] == [
@@ -83,7 +83,7 @@ def test_a_route_plan_prints_each_ranks_actions_with_the_stage_of_a_later_visit(
 @pytest.mark.parametrize("ordered", [True, False])
 def test_a_chain_gets_the_chain_plan(ordered: bool) -> None:
     modules = [(0, 1.0), (1, 1.0)]
-    plan = pipeline_plan(POLICY, [1.0, 2.0], modules, split_backward=True, ordered=ordered)
+    plan = pipeline_plan(POLICY, [1.0, 2.0], modules, ordered=ordered)
     costs = Costs.of_stages([1.0, 2.0], SPLIT_OVERHEAD)
     assert plan == schedule_of(zero_bubble_policy(POLICY, 2, costs), 2, costs)
     assert isinstance(plan, Schedule)
@@ -92,14 +92,14 @@ def test_a_chain_gets_the_chain_plan(ordered: bool) -> None:
 
 def test_without_a_plan_order_a_tied_head_keeps_the_chain_plan() -> None:
     """Work runs as it becomes ready: the chain plan, a prediction of that order."""
-    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, False, ordered=False)
+    plan = pipeline_plan(POLICY, [3.5, 4.0], TIED, ordered=False)
     assert isinstance(plan, Schedule) and plan.stages == 2
 
 
 def test_a_route_no_plan_serves_fails_naming_it() -> None:
     modules = [(0, 1.0), (1, 1.0), (0, 1.0), (1, 1.0)]
     with pytest.raises(ModelParallelError, match=r"partitions 0 -> 1 -> 0 -> 1: route: got") as e:
-        pipeline_plan(POLICY, [1.0, 1.0], modules, split_backward=False, ordered=True)
+        pipeline_plan(POLICY, [1.0, 1.0], modules, ordered=True)
     assert str(e.value).endswith(ORDER_ADVICE)  # says what to do, with auto_partition too
     for advice in ("Register the modules in the order", "smp.set_partition", "auto_partition"):
         assert advice in ORDER_ADVICE

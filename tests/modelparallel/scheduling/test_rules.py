@@ -24,7 +24,7 @@ from dtrain.modelparallel.scheduling.rules import (
     sends,
 )
 from dtrain.modelparallel.scheduling.schedule import simulate
-from tests.modelparallel.runtime_model import random_costs
+from tests.modelparallel.scheduling.test_runtime_model import random_costs
 
 # kind, stage (of 3) -> what it needs, as "kind@offset".
 NEEDS = [

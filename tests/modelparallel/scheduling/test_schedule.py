@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.modelparallel.scheduling.check import check
-from dtrain.modelparallel.scheduling.costs import Costs, ideal_makespan
+from dtrain.modelparallel.scheduling.costs import Costs
 from dtrain.modelparallel.scheduling.planner import (
     build_schedule,
     route_orders,
@@ -166,13 +166,19 @@ def test_simple_schedule_with_active_below_microbatches_is_rejected() -> None:
 # Simulated makespan.
 
 
+def bubble_formula(stage_costs: list[float], microbatches: int) -> float:
+    """``max(stage_costs) x (M + P - 1)``, ``stage_costs[s]`` a stage's forward + backward:
+    the exact makespan of uniform stages without latency, an upper bound for uneven ones."""
+    return max(stage_costs) * (microbatches + len(stage_costs) - 1)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize(("forward", "backward"), [(1.0, 2.0), (1.0, 1.0), (2.0, 1.0)])
 def test_uniform_makespan_matches_bubble_formula(
     stages: int, microbatches: int, forward: float, backward: float
 ) -> None:
-    ideal = ideal_makespan([forward + backward] * stages, microbatches)
+    ideal = bubble_formula([forward + backward] * stages, microbatches)
     costs = Costs.per_stage(stages, forward, backward)
     for active in range(min(stages, microbatches), microbatches + 1):
         built = build_schedule(
@@ -192,14 +198,15 @@ def test_uniform_makespan_matches_bubble_formula(
 
 
 def test_fewer_active_than_stages_costs_time() -> None:
-    ideal = ideal_makespan([3.0] * 4, 8)
+    ideal = bubble_formula([3.0] * 4, 8)
     assert simulate(build_schedule("interleaved", 4, 8, 2)).makespan > ideal
 
 
-def test_bubble_fraction() -> None:
+def test_idle_share_is_the_bubble_formulas() -> None:
     result = simulate(build_schedule("interleaved", 4, 8, split_backward=False))
-    # Idle share of the bubble formula: (P - 1) / (M + P - 1).
-    assert result.bubble_fraction == pytest.approx(3 / 11)
+    # Idle share of rank-time: (P - 1) / (M + P - 1).
+    idle = 1.0 - sum(result.busy) / (len(result.busy) * result.makespan)
+    assert idle == pytest.approx(3 / 11)
     assert result.busy == (24.0,) * 4
 
 
@@ -214,7 +221,7 @@ def test_slowest_stage_sets_the_pace() -> None:
     costs = Costs.per_stage(3, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0])
     result = simulate(build_schedule("interleaved", 3, 6, split_backward=False, costs=costs), costs)
     # At least the slowest stage's work; at most the formula (every stage as slow as it).
-    assert 6 * 6.0 <= result.makespan <= ideal_makespan([3.0, 6.0, 3.0], 6)
+    assert 6 * 6.0 <= result.makespan <= bubble_formula([3.0, 6.0, 3.0], 6)
     assert result.makespan == pytest.approx(39.0)
     assert result.busy == (18.0, 36.0, 18.0)
 
@@ -328,15 +335,6 @@ def test_bad_costs_rejected(kwargs: dict[str, object], match: str) -> None:
         Costs.per_stage(2, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="costs: got 3 stages; the schedule has 2"):
         simulate(build_schedule("interleaved", 2, 2), Costs.per_stage(3))
-
-
-def test_ideal_makespan() -> None:
-    assert ideal_makespan([3.0, 5.0, 4.0], 4) == 5.0 * 6
-    assert ideal_makespan([2.0], 1) == 2.0
-    with pytest.raises(ValueError, match="stage_costs"):
-        ideal_makespan([], 4)
-    with pytest.raises(ValueError, match="microbatches: got 0"):
-        ideal_makespan([1.0], 0)
 
 
 def test_action_validation_and_text() -> None:
@@ -487,15 +485,10 @@ def test_whole_partitions_outside_the_pipeline_are_refused(whole: tuple[object, 
     for split in (True, False):  # refused whether or not anything splits
         with pytest.raises(ValueError, match=message):
             build_schedule("interleaved", 3, 4, split_backward=split, whole_partitions=whole)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=message):
-            pipeline_plan(
-                SchedulePolicy.for_config("interleaved", 4, 4),
-                [1.0] * 3,
-                [(0, 1.0)],
-                split,
-                False,
-                whole,
-            )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        pipeline_plan(
+            SchedulePolicy.for_config("interleaved", 4, 4), [1.0] * 3, [(0, 1.0)], False, whole
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
         check(build_schedule("interleaved", 3, 4), whole_partitions=whole)  # type: ignore[arg-type]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dtrain.modelparallel.scheduling.order import PlanRow
+from dtrain.modelparallel.scheduling.ordering import FreeOrdering, PlannedOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 
@@ -13,8 +15,14 @@ def _work(text: str, role: str = "serve", step: int = 0) -> Work:
     return Work(role, int(text[1:]), text[0], step=step)  # type: ignore[arg-type]
 
 
-def _core(pipeline: str = "interleaved", microbatches: int = 4, active: int = 4, **kw) -> Scheduler:
-    return Scheduler(SchedulePolicy(pipeline, microbatches, active), main=Work("main"), **kw)
+def _core(pipeline: str = "interleaved", microbatches: int = 4, active: int = 4) -> Scheduler:
+    return Scheduler(SchedulePolicy(pipeline, microbatches, active), FreeOrdering(), Work("main"))
+
+
+def _planned(plan: PlanRow, rank: int = 0) -> tuple[Scheduler, PlannedOrdering]:
+    """A core following ``plan`` (rank ``rank``'s row), and its ordering."""
+    ordering = PlannedOrdering(plan, rank)
+    return Scheduler(SchedulePolicy("interleaved", 4, 4), ordering, Work("main")), ordering
 
 
 def _holding(core: Scheduler, text: str, role: str = "serve") -> Work:
@@ -108,13 +116,13 @@ def test_with_a_plan_a_holder_whose_action_ended_steps_aside_to_send() -> None:
     """Its last backward computed, a served request sends its reply: the plan's next action
     computes meanwhile (the turn passes once the holder gives the token up), as the dynamic
     runtime lets whatever is ready compute."""
-    core = _core(plan=(("B", 0), ("F", 1)), rank=1)
+    core, ordering = _planned((("B", 0), ("F", 1)), 1)
     work = _holding(core, "B0")
     core.between(work)
     forward = _work("F1")
     core.submit(forward)
     assert not core.steps_aside(work)  # B0's turn goes on
-    core.end_action(0, "B", 0)
+    ordering.end(0, "B", 0)
     assert core.steps_aside(work)
     core.release(work)
     assert core.grant() is forward
@@ -244,10 +252,10 @@ def test_a_weight_half_ends_its_action_only_once_paid_even_after_the_reply() -> 
     """Owed before the backward replies: the end of the microbatch that the reply leads to
     does not end the weight half's action in the plan order; paying it (it ran, or failed:
     the executor pays in a ``finally``) does."""
-    core = _core(plan=(("F", 0), ("B", 0), ("W", 0), ("F", 1)))
+    core, ordering = _planned((("F", 0), ("B", 0), ("W", 0), ("F", 1)))
     core.owe(0, 0)
     assert core.end_microbatch(0, 0)
-    assert core.owes(0, 0) and core.order(0).describe() == "W0"
+    assert core.owes(0, 0) and ordering.order(0).describe() == "W0"
     assert not core.in_turn(_work("F1"))
     core.paid(0, 0)
     assert not core.owes(0, 0) and core.in_turn(_work("F1"))
@@ -262,22 +270,22 @@ def test_a_microbatchs_weight_action_waits_for_every_half_of_its_modules_backwar
     and failed, at random, as timing decided the split). A half paid before the microbatch's
     last backward ran does not end it either."""
     plan = (("F", 0), ("B", 0), ("W", 0), ("F", 1))
-    core = _core(plan=plan, rank=1)
-    core.end_action(0, "F", 0)
+    core, ordering = _planned(plan, 1)
+    ordering.end(0, "F", 0)
     core.owe(0, 0)  # the first module's backward split
     assert core.end_backward(0, 0)  # the second module's, the last, ran whole
-    assert core.order(0).describe() == "W0" and core.off_plan(_work("W0")) is None
+    assert ordering.order(0).describe() == "W0" and ordering.off_plan(_work("W0")) is None
     core.paid(0, 0)
     assert core.in_turn(_work("F1"))
 
-    core = _core(plan=plan, rank=1)
-    core.end_action(0, "F", 0)
+    core, ordering = _planned(plan, 1)
+    ordering.end(0, "F", 0)
     core.owe(0, 0)
     core.paid(0, 0)  # the first half ran before the last backward arrived
-    assert core.order(0).describe() == "B0" and core.off_plan(_work("W0")) is None
+    assert ordering.order(0).describe() == "B0" and ordering.off_plan(_work("W0")) is None
     core.owe(0, 0)  # the last backward split too
     core.end_backward(0, 0)
-    assert core.order(0).describe() == "W0"
+    assert ordering.order(0).describe() == "W0"
     core.paid(0, 0)
     assert core.in_turn(_work("F1"))
 
@@ -297,9 +305,9 @@ IN_TURN = [
 def test_with_a_plan_order_only_the_current_actions_work_computes(
     ended: list[tuple[str, int]], current: str
 ) -> None:
-    core = _core(plan=PLAN)
+    core, ordering = _planned(PLAN)
     for phase, mb in ended:
-        assert core.end_action(0, phase, mb)
+        assert ordering.end(0, phase, mb)
     in_turn = [t for t in ("F0", "F1", "B0", "I0", "W0", "B1") if core.in_turn(_work(t))]
     assert in_turn == ([current, "I0"] if current == "B0" else [current])  # I counts as B
     assert core.in_turn(core.main)  # type: ignore[arg-type]
@@ -309,10 +317,10 @@ def test_with_a_plan_order_only_the_current_actions_work_computes(
     assert granted is not None and f"{granted.phase}{granted.microbatch}" == current
 
 
-def test_without_a_plan_ending_an_action_changes_nothing() -> None:
+def test_with_the_free_ordering_ending_an_action_changes_nothing() -> None:
     core = _core()
-    assert not core.end_action(0, "F", 0) and not core.end_microbatch(0, 0)
-    assert not core.action_ended(0, "F", 0)
+    assert not core.end_backward(0, 0) and not core.end_microbatch(0, 0)
+    assert not core.ordering.ended(0, "F", 0) and core.in_turn(_work("B3"))
 
 
 # A plan order's shape: rank, work (role, phase+mb), actions ended -> where it cannot be ordered.
@@ -331,46 +339,45 @@ OFF_PLAN = [
 def test_work_a_plan_order_cannot_order_is_named(
     rank: int, role: str, work: str, ended: list[tuple[str, int]], where: str | None
 ) -> None:
-    core = Scheduler(SchedulePolicy("interleaved", 2, 2), plan=PLAN, rank=rank)
+    _, ordering = _planned(PLAN, rank)
     for phase, mb in ended:
-        core.end_action(0, phase, mb)
-    found = core.off_plan(_work(work, role))
+        ordering.end(0, phase, mb)
+    found = ordering.off_plan(_work(work, role))
     assert (found is None) if where is None else (found is not None and where in found)
-    assert Scheduler(SchedulePolicy("interleaved", 2, 2)).off_plan(_work(work, role)) is None
 
 
 def test_the_leaders_forward_ends_when_it_waits_and_its_task_ends_the_rest() -> None:
-    core = _core(plan=(("F", 0), ("B", 0), ("W", 0)))
+    core, ordering = _planned((("F", 0), ("B", 0), ("W", 0)))
     core.begin_step()
     core.admit()
-    assert not core.waits(_work("F0"))  # a served forward's end is the leader's to say
-    assert core.waits(_work("F0", role="leader")) and core.order(0).describe() == "B0"
-    assert not core.waits(_work("B0", role="leader"))
+    assert not ordering.visit_over(_work("F0"))  # a served forward's end is the leader's to say
+    assert ordering.visit_over(_work("F0", role="leader")) and ordering.order(0).describe() == "B0"
+    assert not ordering.visit_over(_work("B0", role="leader"))
     core.finished(_work("B0", role="leader"))
-    assert core.order(0).describe() == "W0" and core.in_flight == 0
+    assert ordering.order(0).describe() == "W0" and core.in_flight == 0
 
 
 def test_an_end_that_overtakes_its_work_waits_for_it() -> None:
     """The leader's notice that a forward is over can be dispatched before the request it
     follows has computed here (its task only announced): the turn passes once that work has
     run, not before (it would then be refused as coming too late)."""
-    core = _core(plan=(("F", 0), ("F", 1), ("B", 0)), rank=1)
+    core, ordering = _planned((("F", 0), ("F", 1), ("B", 0)), 1)
     forward, next_forward = _work("F0"), _work("F1")
     core.announce(forward)
-    assert core.end_action(0, "F", 0)
+    assert ordering.end(0, "F", 0)
     core.submit(next_forward)
-    assert core.order(0).describe() == "F0" and core.grant() is None
+    assert ordering.order(0).describe() == "F0" and core.grant() is None
     core.submit(forward)
-    assert core.grant() is forward and core.off_plan(forward) is None
+    assert core.grant() is forward and ordering.off_plan(forward) is None
     core.release(forward)
-    assert core.order(0).describe() == "F1" and core.grant() is next_forward
+    assert ordering.order(0).describe() == "F1" and core.grant() is next_forward
 
 
 def test_announced_work_out_of_turn_does_not_hold_up_the_turn() -> None:
     """Regression (a deadlock in the pipeline benchmark): a backward request dispatched before
     the forward whose turn comes first was announced, and, more urgent, kept the forward from
     the token, while its own thread waited for its turn after that forward."""
-    core = _core(plan=(("F", 1), ("B", 3)), rank=1)
+    core, _ = _planned((("F", 1), ("B", 3)), 1)
     backward, forward = _work("B3"), _work("F1")
     core.announce(backward)
     core.submit(forward)
@@ -396,27 +403,29 @@ TIED_HEAD = [
 
 
 def test_a_microbatch_that_comes_back_to_the_leader_follows_a_turn_per_visit() -> None:
-    core = _core(plan=TIED_HEAD_PLAN)
+    core, ordering = _planned(TIED_HEAD_PLAN)
     work = Work("leader", 0, "F")
     for phase, event, answer, turn, visit in TIED_HEAD:
         work.phase = phase  # type: ignore[assignment]
         if event == "computes":
             core.computes(work)
         elif event == "waits":
-            assert core.waits(work) is answer, event
+            assert ordering.visit_over(work) is answer, event
         elif event == "sends":
             work.remote_nodes[1] -= 1
-            assert core.waits(work) is answer, event
+            assert ordering.visit_over(work) is answer, event
         elif event == "returns":
-            assert core.returns(work) is answer, event
-            assert core.off_plan(work) is None
+            assert ordering.returns(work) is answer, event
+            assert ordering.off_plan(work) is None
         else:
-            assert core.end_action(0, "F", 0)  # every visit of its forward is over
+            assert ordering.end(0, "F", 0)  # every visit of its forward is over
             work.remote_nodes[1] += 2  # two outputs of partition 1 on its graph
-        assert core.order(0).describe() == turn and work.visit == visit, event
+        assert ordering.order(0).describe() == turn and work.visit == visit, event
     assert not core.in_turn(work)  # F1 first
-    core.end_action(0, "F", 1)
-    assert core.in_turn(work) and not core.waits(work)  # no earlier visit: waits in its turn
+    ordering.end(0, "F", 1)
+    assert core.in_turn(work) and not ordering.visit_over(
+        work
+    )  # no earlier visit: waits in its turn
 
 
 # The leader's forward calls partition 1's layers one by one from a module of its own, each
@@ -434,59 +443,59 @@ REPLIES = [
 
 
 def test_a_forward_waiting_for_replies_ends_its_visit_when_it_computes_here_again() -> None:
-    core = _core(plan=TIED_HEAD_PLAN)
+    core, ordering = _planned(TIED_HEAD_PLAN)
     work = Work("leader", 0, "F")
     for event, answer, turn, visit in REPLIES:
         if event == "computes":
             core.computes(work)
         elif event == "waits for a reply":
-            assert core.waits(work, reply=True) is answer, event
+            assert ordering.visit_over(work, reply=True) is answer, event
         elif event == "comes back":
-            assert core.comes_back(work) is answer, event
+            assert ordering.back_from_replies(work) is answer, event
         else:
-            assert core.returns(work) is answer, event
-            assert core.off_plan(work) is None
-        assert core.order(0).describe() == turn and work.visit == visit, event
+            assert ordering.returns(work) is answer, event
+            assert ordering.off_plan(work) is None
+        assert ordering.order(0).describe() == turn and work.visit == visit, event
 
 
 def test_a_wait_for_a_value_after_replies_ends_the_visit_once() -> None:
     """The root's code fetching an output after the calls: the visit ends there, as without
     the replies, and computing afterwards does not end the next visit too."""
-    core = _core(plan=TIED_HEAD_PLAN)
+    core, ordering = _planned(TIED_HEAD_PLAN)
     work = Work("leader", 0, "F")
     core.computes(work)
-    assert not core.waits(work, reply=True)
-    assert core.waits(work) and core.order(0).describe() == "F0 (visit 1)"
-    assert not core.comes_back(work) and core.returns(work) and work.visit == 1
+    assert not ordering.visit_over(work, reply=True)
+    assert ordering.visit_over(work) and ordering.order(0).describe() == "F0 (visit 1)"
+    assert not ordering.back_from_replies(work) and ordering.returns(work) and work.visit == 1
 
 
 def test_in_a_chain_plan_a_forward_waiting_for_a_reply_ends_its_action() -> None:
     """No later visit: nothing is kept open (as before replies were told apart)."""
-    core = _core(plan=(("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)))
+    core, ordering = _planned((("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)))
     work = Work("leader", 0, "F")
     core.computes(work)
-    assert core.waits(work, reply=True) and core.order(0).describe() == "F1"
-    assert not core.comes_back(work)
+    assert ordering.visit_over(work, reply=True) and ordering.order(0).describe() == "F1"
+    assert not ordering.back_from_replies(work)
 
 
 def test_a_forward_with_no_visit_left_still_fails_naming_where() -> None:
-    core = _core(plan=(("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)))
+    core, ordering = _planned((("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)))
     work = Work("leader", 0, "F")
     for _ in range(2):
         core.computes(work)
-        core.waits(work)
-        core.returns(work)  # the second time: the plan has no third visit
-    assert work.visit == 1 and "after microbatch 0 waited" in (core.off_plan(work) or "")
+        ordering.visit_over(work)
+        ordering.returns(work)  # the second time: the plan has no third visit
+    assert work.visit == 1 and "after microbatch 0 waited" in (ordering.off_plan(work) or "")
 
 
 def test_a_forward_that_never_comes_back_as_planned_says_so() -> None:
     """A plan made for a route back to the leader, run by a model whose forward ends on
     partition 1's return without computing on partition 0 again: its backward would wait for
     the head's turn forever; it fails instead, naming the visit."""
-    core = _core(plan=TIED_HEAD_PLAN)
+    core, ordering = _planned(TIED_HEAD_PLAN)
     work = Work("leader", 0, "F")
     core.computes(work)
-    core.waits(work)
-    assert "ended at visit 0 of partition 0" in (core.visit_missed(work) or "")
-    core.returns(work)
-    assert core.visit_missed(work) is None
+    ordering.visit_over(work)
+    assert "ended at visit 0 of partition 0" in (ordering.missed_visit(work) or "")
+    ordering.returns(work)
+    assert ordering.missed_visit(work) is None

@@ -52,6 +52,9 @@ def parse_cluster(spec: JobSpec) -> Cluster:
 
         if secret_file is not None:
             raise ConfigError("secret_file", secret_file, "only with a join:// cluster")
-        return RayCluster(*parse_endpoint("cluster", rest), spec.environment)
+        # Ray puts a runtime_env's variables on a command line (its worker set-up's): those given
+        # by name or in a file travel only in the job's encrypted start message.
+        shown = {k: v for k, v in spec.environment.items() if k not in spec.hidden_environment}
+        return RayCluster(*parse_endpoint("cluster", rest), shown)
     candidates = ["local", "join", "ray"]
     raise ConfigError("cluster", text, ", ".join(SCHEMES), did_you_mean(scheme or text, candidates))

@@ -5,7 +5,10 @@ nodes), and the controller connects to it as a Ray driver, so it runs on a machi
 typically the head. A ``STRICT_SPREAD`` placement group of one bundle per host (1 CPU each) puts
 each agent on its own node; a cluster with fewer live nodes than hosts is refused before launch.
 Each agent runs as a subprocess of a Ray actor, with the job's ``environment`` carried in the
-actor's ``runtime_env`` and a parent-death signal, so an actor Ray kills takes its agent along.
+actor's ``runtime_env`` (but for variables given by name or in a file: Ray puts a runtime_env's
+variables on its worker set-up's command line, which every user of the node can read; the agent
+gets every variable in the job's encrypted start message anyway) and a parent-death signal, so an
+actor Ray kills takes its agent along.
 Ray's node health checks report a dead node or actor (:meth:`RayCluster.lost`); the agents'
 own heartbeats find a cut link sooner (15 s against Ray's default of about a minute).
 

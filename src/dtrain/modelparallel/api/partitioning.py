@@ -325,7 +325,6 @@ def planned_schedule(root: nn.Module, plan: PartitionPlan, st: MPState) -> Sched
         policy,
         times or [0.0] * st.pp_size,
         modules,
-        st.options.split_backward,
         plan_ordered(st),
         # their backwards recompute, so they run whole; the other partitions still split
         activations.checkpointing_partitions(root, owners),

@@ -44,6 +44,7 @@ from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.pipeline.group import PipelineGroup
 from dtrain.modelparallel.pipeline.runtime import PipelineRuntime
 from dtrain.modelparallel.plan.partition import PartitionPlan
+from dtrain.modelparallel.scheduling.ordering import ordering_for
 from dtrain.modelparallel.scheduling.route import RouteSchedule
 from dtrain.modelparallel.scheduling.schedule import Schedule
 from dtrain.modelparallel.state import MPState
@@ -216,9 +217,9 @@ class PipelinedEngine:
             timeout=st.options.timeout,
         )
         self._schedule = planned_schedule(self.module, plan, st)
-        row = self._schedule.plan_row(st.pp_rank) if plan_ordered(st) else None
+        ordering = ordering_for(self._schedule, st.pp_rank, plan_ordered(st))
         self._runtime = PipelineRuntime(
-            group, modules, owners, self._schedule.policy, st.options, row
+            group, modules, owners, self._schedule.policy, st.options, ordering
         )
         if st.pp_size > 1:
             dist.barrier(group=st.pp_message_group)

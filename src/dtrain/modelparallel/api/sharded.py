@@ -80,9 +80,9 @@ from dtrain.modelparallel.api.precision import (
 from dtrain.modelparallel.api.state_dicts import check_keys
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.modules import activations
+from dtrain.modelparallel.modules.backward import scaled_grads
 from dtrain.modelparallel.modules.stubs import install_stub
 from dtrain.modelparallel.modules.tasks import MicrobatchResult
-from dtrain.modelparallel.pipeline.split_backward import scaled_grads
 from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.scheduling.route import RouteSchedule
 from dtrain.modelparallel.scheduling.schedule import Schedule

@@ -44,7 +44,6 @@ from dtrain.modelparallel.transport.message import (
     BACKWARD,
     FETCH,
     FORWARD,
-    NOTICE,
     Message,
     Pending,
     TensorMeta,
@@ -85,11 +84,10 @@ class RemoteCaller:
     """This rank's calls to modules other partitions own; the :class:`~.remote.Caller` of the
     :class:`~.remote.CallRecord` of each."""
 
-    def __init__(self, parts: RankParts, defer: bool, waits: WaitBoard) -> None:
+    def __init__(self, parts: RankParts, waits: WaitBoard) -> None:
         self.group, self.transport, self.executor = parts.group, parts.transport, parts.executor
         self.owners, self._modules = parts.owners, parts.modules
         self.waits = waits
-        self._defer = defer
         self._predictions: dict[str, Any] = {}
         self._releases: dict[int, list[tuple[int, int]]] = {}
         self._releases_lock = threading.Lock()
@@ -153,7 +151,7 @@ class RemoteCaller:
         signature = call_signature(name, structure)
         observed = hooked_submodules(name, self._subtrees[name])
         # A call whose hooks are replayed here waits for its records: never deferred.
-        predicted = self._predictions.get(signature) if self._defer and not observed else None
+        predicted = None if observed else self._predictions.get(signature)
         mode = ComputeMode.current()
         call_id = self.transport.next_call_id()
         message = Message(
@@ -171,7 +169,7 @@ class RemoteCaller:
             },
         )
         dst = self.group.ranks[owner]
-        self._moved_on(task, owner)
+        self.executor.notices.moved_on(task, owner)
         if predicted is None:
             pending = self.request(dst, message, tensors)
         else:  # nobody waits for it: it goes with the task's next request or before it blocks
@@ -183,7 +181,7 @@ class RemoteCaller:
         task.calls.append(record)
         if predicted is not None:
             return deferred_outputs(record, predicted)
-        outputs = record.reply(learning=self._defer and not observed)
+        outputs = record.reply(learning=not observed)
         if observed:
             self._replay_hooks(record)
         if predictable(outputs):
@@ -194,20 +192,6 @@ class RemoteCaller:
         # Handed over, not kept: the record is on the graph of the outputs it would keep.
         tensors, record.outputs = record.outputs, []
         return attach(record, (), outputs, tensors, record.meta)
-
-    def _moved_on(self, task: Task, owner: int) -> None:
-        """A leader task's forward calls partition ``owner``: with a plan order, the partition
-        it called before learns that its forward of the microbatch is over (after the requests
-        queued for it; its turn passes once they have run). Its next forward need not wait for
-        the whole forward to end, which would make it wait for the later partitions' turns:
-        with three partitions or more, a deadlock. A call that comes back later fails as off
-        the plan."""
-        if task.role != "leader" or task.phase != "F" or self.executor.core.plan is None:
-            return
-        before, task.called = task.called, owner
-        if before is not None and before != owner:
-            notice = Message(NOTICE, 0, body="forward", microbatch=task.microbatch, step=task.step)
-            task.outbox.append((self.group.ranks[before], notice, []))
 
     def _replay_hooks(self, record: CallRecord) -> None:
         """Run this rank's hooks of the submodules the owner recorded (see :mod:`.hooks`); the
@@ -256,7 +240,7 @@ class RemoteCaller:
     def wait(self, pending: Pending, reply: bool = False) -> tuple[Message, list[torch.Tensor]]:
         """A reply, giving the compute token away meanwhile (a ``WAIT`` on the timeline;
         ``reply``: a call's, awaited only to learn its outputs' structure, see
-        :meth:`.Scheduler.waits`)."""
+        :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`)."""
         request = pending.request
         what = f"{request.label()} from rank {pending.peer}"
         with (

@@ -28,10 +28,11 @@ process's generators meanwhile, not the block's.
 The thread that runs the user's script is the *main* task: it holds the token outside steps
 (:mod:`.lending` lends it to served requests during one).
 
-With a plan order (``deterministic_server``, :mod:`..scheduling.order`) a task may take the token
-only while its action is the rank's current one in the plan. The leader's forward of a microbatch
-ends when its task first waits for another rank or turns to its backward, its backward when the
-task ends; the runtime ends the other ranks' actions (:meth:`ComputeToken.end_action`).
+Whose turn it is follows the rank's ordering (:mod:`..scheduling.ordering`): every task, or
+with a plan order (``deterministic_server``) only those of the rank's current action. What the
+token and the rest of the runtime see happen that may end an action (a task waits, computes
+again, its microbatch's forward moves on) goes to :mod:`.notices`, the one place that tells the
+core and the other ranks.
 
 Every period a task computes is recorded as a :class:`TimelineEvent` (rank = pp rank), in the
 rank's :class:`TimelineRecorder`, where the transport records its sends and receives too.
@@ -46,11 +47,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dtrain.modelparallel.errors import CommunicationTimeoutError, ModelParallelError
+from dtrain.modelparallel.errors import CommunicationTimeoutError
 from dtrain.modelparallel.modules.tasks import Owned, running_as, running_task
-from dtrain.modelparallel.scheduling.order import PlanRow
+from dtrain.modelparallel.pipeline.notices import ALONE, Messenger, Notices
+from dtrain.modelparallel.scheduling.ordering import Ordering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
-from dtrain.modelparallel.scheduling.route import ORDER_ADVICE
 from dtrain.modelparallel.scheduling.scheduler import Scheduler, Work
 from dtrain.modelparallel.timeline import TimelineRecorder
 
@@ -72,8 +73,6 @@ class Task(Work):
     """Remote calls this task made that are not known to have succeeded yet."""
     outbox: list[Any] = field(default_factory=list, repr=False)
     """Requests this task queued instead of sending (see :class:`ComputeToken`)."""
-    called: int | None = None
-    """The partition a leader task's forward called last."""
     owned: list[Owned] = field(default_factory=list, repr=False)
     """What the task holds only with the token, innermost last: set aside before another task
     may take the token, put back once this one has it again."""
@@ -88,20 +87,24 @@ class ComputeToken:
         pp_rank: int,
         policy: SchedulePolicy,
         timeout: float,
+        ordering: Ordering,
         flush: Callable[[Task], None] = lambda task: None,
-        plan: PlanRow | None = None,
+        messenger: Messenger = ALONE,
     ) -> None:
-        """``flush`` sends what a task queued in its ``outbox``: called before the task blocks
-        (for the token or a condition) and before it computes a module, so that nothing
-        queued waits on the task's own progress. ``plan`` (this rank's compute actions, in
-        order) makes the token follow it. The main task holds the token from here on."""
+        """``ordering`` says whose turn it is; ``flush`` sends what a task queued in its
+        ``outbox``: called before the task blocks (for the token or a condition) and before it
+        computes a module, so that nothing queued waits on the task's own progress;
+        ``messenger`` takes notices to the other ranks. The main task holds the token from
+        here on."""
         self.pp_rank = pp_rank
         self.flush = flush
         self.policy = policy
         self.timeout = timeout
         self.main = Task("main")
-        self.core = Scheduler(policy, plan, self.main, rank=pp_rank)
+        self.core = Scheduler(policy, ordering, self.main)
         """Every decision; read and changed only with ``_cv`` held."""
+        self.notices = Notices(self, ordering, messenger)
+        """Where the runtime reports what may end an action."""
         self._cv = threading.Condition()
         self.recorder = TimelineRecorder(pp_rank)
         self._progress = time.monotonic()
@@ -145,23 +148,6 @@ class ComputeToken:
             task.granted.set()
 
     # --- the token ---------------------------------------------------------------------------
-
-    def end_action(self, step: int, phase: str, microbatch: int) -> None:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` is over: with a plan
-        order, the next one's tasks may compute."""
-        if self.core.plan is None:  # set once, at construction: no lock needed to read it
-            return
-        self.decide(lambda core: core.end_action(step, phase, microbatch))
-
-    def end_backward(self, step: int, microbatch: int) -> None:
-        """The microbatch's last backward here has run (see :meth:`.Scheduler.end_backward`)."""
-        if self.core.plan is None:
-            return
-        self.decide(lambda core: core.end_backward(step, microbatch))
-
-    def end_microbatch(self, step: int, microbatch: int) -> None:
-        """The leader's task of ``microbatch`` is over (see :meth:`.Scheduler.end_microbatch`)."""
-        self.decide(lambda core: core.end_microbatch(step, microbatch))
 
     def enqueue(self, task: Task) -> None:
         """Ask for the token on behalf of ``task`` without waiting (e.g. from the receiver)."""
@@ -225,7 +211,7 @@ class ComputeToken:
 
     def _yield_if_urgent(self, task: Task) -> None:
         """A task holding the token between computations gives it to a more urgent waiter
-        (or gives it up: a plan order has moved on from the task's action)."""
+        (or gives it up: its turn has passed)."""
         with self._cv:
             if self.core.outranked(task):
                 self.release(task)
@@ -240,7 +226,7 @@ class ComputeToken:
         with self._cv:
             holder = self.core.holder
             waiting = self.core.waiting
-            turn = self.core.turn()
+            turn = self.core.ordering.describe_turn()
             turn = f"; in the plan's order it is the turn of {turn}" if turn else ""
             if not isinstance(holder, Task):
                 return f"nothing computes (the compute token is free, {waiting} wait){turn}"
@@ -328,7 +314,7 @@ class ComputeToken:
         if task.away:  # its waits for calls' replies ended its visit after all
             with self.waiting(coming_back=True):
                 pass
-        self._check_plan_shape(task, name)
+        self.notices.placing(task, name)
         if task.outbox:
             self.flush(task)
         if task.holding:
@@ -342,35 +328,6 @@ class ComputeToken:
         else:
             self.acquire(task)  # a token just granted is not sticky
         self.core.computes(task)  # the holder's own flag: no lock needed
-
-    def _check_plan_shape(self, task: Task, name: str) -> None:
-        """Work that comes back after it waited is its next visit's, if the plan has one
-        (:meth:`.Scheduler.returns`); work that a plan order cannot order
-        (:meth:`.Scheduler.off_plan`) fails naming the module."""
-        if self.core.plan is None:
-            return
-
-        def placed(core: Scheduler) -> tuple[bool, str | None]:
-            return core.returns(task), core.off_plan(task)
-
-        came_back, where = self.ask(placed)
-        if came_back:
-            self.came_back(task)
-        if where is None:
-            return
-        raise ModelParallelError(
-            f"deterministic_server: module {name!r} would compute {where}: the plan's order "
-            "(deterministic_server, or tensor_parallel_degree above 1) needs every microbatch "
-            "to go through the partitions in order (0, 1, ...), then back to partition 0 or "
-            "not, and was made for the modules in the order they are registered, which the "
-            "forward does not follow here (a module registered before another but called "
-            "after it, or one whose code runs again after a submodule elsewhere). "
-            f"{ORDER_ADVICE}"
-        )
-
-    def came_back(self, task: Task) -> None:
-        """The leader's forward ``task`` came back to its last visit here (a tied head): the
-        other ranks' forwards of its microbatch are over (the executor tells them)."""
 
     def give_way(self) -> None:
         """The current task, computing, lets a more urgent waiting task compute first, then
@@ -398,14 +355,14 @@ class ComputeToken:
     def waiting(self, reply: bool = False, coming_back: bool = False) -> Iterator[None]:
         """Give the token away while the current task waits for another rank (or for another
         task's result; for a remote call's ``reply``, awaited only to learn its outputs'
-        structure, see :meth:`.Scheduler.waits`); a sticky
+        structure, see :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`); a sticky
         holder does not take it back afterwards. ``coming_back``: no wait, but the visit its
-        waits for replies left ends here (:meth:`.Scheduler.comes_back`)."""
+        waits for replies left ends here)."""
         task = self.current()
-        if task is not None and self.core.plan is not None:
-            self.decide(
-                lambda core: core.comes_back(task) if coming_back else core.waits(task, reply)
-            )
+        if task is not None and coming_back:
+            self.notices.comes_back(task)
+        elif task is not None:
+            self.notices.waits(task, reply)
         if task is None or not task.holding:
             yield
             return
@@ -415,7 +372,7 @@ class ComputeToken:
             yield
         finally:
             if not sticky:
-                self._check_plan_shape(task, task.name)
+                self.notices.placing(task, task.name)
                 self.acquire(task)
 
     # --- weight halves -------------------------------------------------------------------------
@@ -426,13 +383,3 @@ class ComputeToken:
         can be taken for the end of its weights."""
         with self._cv:
             self.core.owe(task.step, task.microbatch)
-
-    def weights_paid(self, task: Task) -> None:
-        """The owed weight half ``task`` has run (or failed): its action is over, and the main
-        task may be next."""
-
-        def paid(core: Scheduler) -> bool:
-            core.paid(task.step, task.microbatch)
-            return True
-
-        self.decide(paid)

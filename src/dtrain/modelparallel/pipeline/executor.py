@@ -27,8 +27,9 @@ import torch
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.pipeline.leader import LeaderStep, MicrobatchResult
 from dtrain.modelparallel.pipeline.lending import MainLending
+from dtrain.modelparallel.pipeline.notices import ALONE, Messenger
 from dtrain.modelparallel.pipeline.workers import WorkerPool
-from dtrain.modelparallel.scheduling.order import PlanRow
+from dtrain.modelparallel.scheduling.ordering import Ordering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.timeline import TimelineEvent
 
@@ -44,20 +45,17 @@ class Executor(ComputeToken):
         pp_rank: int,
         policy: SchedulePolicy,
         timeout: float,
+        ordering: Ordering,
         flush: Callable[[Task], None] = lambda task: None,
         device: torch.device | None = None,
-        plan: PlanRow | None = None,
-        forward_done: Callable[[Task], None] = lambda task: None,
+        messenger: Messenger = ALONE,
     ) -> None:
-        """See :class:`.ComputeToken` for ``flush`` and ``plan``; ``device`` is the one task
-        threads start on; ``forward_done`` is :class:`.LeaderStep`'s."""
-        super().__init__(pp_rank, policy, timeout, flush, plan)
+        """See :class:`.ComputeToken` for ``ordering``, ``flush`` and ``messenger``;
+        ``device`` is the one task threads start on."""
+        super().__init__(pp_rank, policy, timeout, ordering, flush, messenger)
         self._workers = WorkerPool(f"dtrain-mp-{pp_rank}", device)
-        self.leader = LeaderStep(self, self._workers.submit, forward_done)
+        self.leader = LeaderStep(self, self._workers.submit)
         self.lending = MainLending(self)
-
-    def came_back(self, task: Task) -> None:
-        self.leader.forward_done(task)
 
     def spawn(self, target: Callable[[], None]) -> None:
         """Run a served task on a pooled thread."""
@@ -80,7 +78,7 @@ class Executor(ComputeToken):
         except BaseException as exc:
             failed(exc)
         finally:
-            self.weights_paid(task)
+            self.notices.weights_paid(task)
 
     # --- the leader's step and the main task's lending (see their modules) ----------------------
 

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.pipeline.compute_token import ComputeToken, Task
 from dtrain.modelparallel.scheduling.scheduler import Scheduler
@@ -27,14 +26,10 @@ class LeaderStep:
         self,
         token: ComputeToken,
         spawn: Callable[[Callable[[], None]], None],
-        forward_done: Callable[[Task], None],
     ) -> None:
-        """``spawn`` runs a task on a thread of its own; ``forward_done`` is called when a task
-        turns to its backward (the runtime tells the other ranks, whose forward of the
-        microbatch is then over too)."""
+        """``spawn`` runs a task on a thread of its own."""
         self.token = token
         self.spawn = spawn
-        self.forward_done = forward_done
         self._microbatches = 0
         """The step in progress admits this many in all."""
 
@@ -111,20 +106,7 @@ class LeaderStep:
         if task.holding and not token.sticky(task):  # called inside a computation
             token.release(task)
         if task.phase == "F":
-            missed = token.ask(lambda core: core.visit_missed(task))
-            if missed is not None:
-                raise ModelParallelError(
-                    f"deterministic_server: {missed}: the plan follows the model's modules in "
-                    "the order they are registered; register them in the order the forward "
-                    "calls them, or set deterministic_server to false"
-                )
-
-            def forward_over(core: Scheduler) -> bool:
-                core.forward_done(task.microbatch)
-                return core.end_action(task.step, "F", task.microbatch)
-
-            token.decide(forward_over)
-            self.forward_done(task)
+            token.notices.forward_over(task)
             task.phase = "B"
             if not token.ask(Scheduler.backward_may_start):
                 if task.holding:

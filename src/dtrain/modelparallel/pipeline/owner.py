@@ -312,7 +312,7 @@ class Owner:
             weights_task = Task("serve", message.microbatch, "W", message.module, message.step)
             self.executor.owe_weights(weights_task)
         if message.body.get("last"):  # before the reply: the next action computes meanwhile
-            self.executor.end_backward(message.step, message.microbatch)
+            self.executor.notices.backward_over(message.step, message.microbatch)
         self._send_reply(message, Message(REPLY, message.call_id, body=body), grads)
         if weights is not None:
             run = functools.partial(self._run_weights, weights, mode)

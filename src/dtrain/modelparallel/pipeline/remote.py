@@ -17,8 +17,7 @@ the owner. The owner keeps what it computed; the caller gets either the outputs 
   an attribute, another rank's module, a module of its own) fetches it first, again through a
   :class:`RemoteFetch`. The owner checks the structure it computed against the prediction sent
   with the call: a module whose output structure changes between calls with the same kinds of
-  arguments fails the step with an error that says so (``DTRAIN_MP_DEFER=0``, see
-  :mod:`..options`, waits for every call instead). A call is known to have succeeded once its
+  arguments fails the step with an error that says so. A call is known to have succeeded once its
   value (or one computed from it) was fetched; a call nobody fetched from is confirmed with a
   round trip when its microbatch ends.
 
@@ -41,7 +40,6 @@ import torch
 
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.modules.unfetched import Unfetched, materialize
-from dtrain.modelparallel.options import DEFER_ENV
 from dtrain.modelparallel.transport.message import (
     Message,
     OutputRef,
@@ -109,7 +107,8 @@ class CallRecord:
 
     def reply(self, learning: bool = False) -> Any:
         """Wait until the call is known to have succeeded (its error raises); its structure
-        (``learning``: awaited only for that, see :meth:`.Scheduler.waits`)."""
+        (``learning``: awaited only for that, see
+        :meth:`~..scheduling.ordering.PlannedOrdering.visit_over`)."""
         if not self._settled:
             if self.predicted is None:
                 message, tensors = self.runtime.wait(self.pending, reply=learning)
@@ -389,8 +388,9 @@ def check_prediction(module: str, structure: Any, predicted: Any) -> None:
         raise ModelParallelError(
             f"module {module!r} returned {_shape_text(structure)} where its previous call with "
             f"the same kinds of arguments returned {_shape_text(predicted)}: dtrain pipelines "
-            f"calls by assuming the structure repeats. Return the same structure every time, "
-            f"or set {DEFER_ENV}=0 to wait for every remote call"
+            "calls by assuming the structure repeats for the same module and non-tensor "
+            "arguments: return the same structure every time, or pass what decides it as a "
+            "non-tensor argument"
         )
 
 

@@ -32,6 +32,7 @@ from dtrain.modelparallel.errors import (
 )
 from dtrain.modelparallel.heap import release_blas_buffers
 from dtrain.modelparallel.modules.activations import plan_checkpointing
+from dtrain.modelparallel.modules.backward import scaled_grads
 from dtrain.modelparallel.modules.modes import ComputeMode
 from dtrain.modelparallel.modules.stubs import install_stub, remove_stub
 from dtrain.modelparallel.modules.unfetched import materialize
@@ -42,10 +43,11 @@ from dtrain.modelparallel.pipeline.executor import Executor, MicrobatchResult, T
 from dtrain.modelparallel.pipeline.group import PipelineGroup, RankParts
 from dtrain.modelparallel.pipeline.owner import Owner
 from dtrain.modelparallel.pipeline.remote import RemoteValue
-from dtrain.modelparallel.pipeline.split_backward import backward_giving_way, scaled_grads
+from dtrain.modelparallel.pipeline.split_backward import backward_giving_way
 from dtrain.modelparallel.pipeline.stall import RankState, StallWatch, WaitBoard, default_store
-from dtrain.modelparallel.scheduling.order import PlanRow
+from dtrain.modelparallel.scheduling.ordering import Ordering
 from dtrain.modelparallel.scheduling.policy import Phase, SchedulePolicy
+from dtrain.modelparallel.scheduling.scheduler import Work
 from dtrain.modelparallel.timeline import TimelineEvent
 from dtrain.modelparallel.transport.message import (
     BACKWARD,
@@ -81,22 +83,15 @@ class PipelineRuntime:
         owners: dict[str, int],
         policy: SchedulePolicy,
         options: RuntimeOptions,
-        plan: PlanRow | None = None,
+        ordering: Ordering,
     ) -> None:
-        """``plan``: this rank's compute actions, in the order every step runs them
-        (``deterministic_server``); None: work runs as it becomes ready."""
+        """``ordering``: this rank's (:mod:`..scheduling.ordering`): work runs as it becomes
+        ready, or in the plan row's order every step (``deterministic_server``)."""
         checkpointing = plan_checkpointing(modules[""], owners)  # fails before anything starts
         self.group = group
         self._modules = modules
-        self._plan = plan
         self.executor = Executor(
-            group.pp_rank,
-            policy,
-            group.timeout,
-            self._flush,
-            group.device,
-            plan,
-            self._forward_done if plan is not None else lambda task: None,
+            group.pp_rank, policy, group.timeout, ordering, self._flush, group.device, self
         )
         self._inbox: queue.Queue[tuple[Message, list[torch.Tensor]]] = queue.Queue()
         """Step ends and failures, for the main thread."""
@@ -128,7 +123,7 @@ class PipelineRuntime:
                 recorder=self.executor.recorder,
             )
         parts = RankParts(group, self.transport, self.executor, modules, owners)
-        self.caller = RemoteCaller(parts, options.defer, self.waits)
+        self.caller = RemoteCaller(parts, self.waits)
         self.owner = Owner(parts, policy, self.caller)
         if self.transport is not None:
             atexit.register(self._close_at_exit)
@@ -194,14 +189,14 @@ class PipelineRuntime:
         if request and not self._gate.admit(first.step, messages):
             return
         jobs: list[tuple[Phase, Callable[[], None]]] = []
-        notices: list[Message] = []
+        heard: list[Message] = []
         for message, tensors in messages:
             for step, microbatch in message.extra.get("released", ()):
                 self.owner.forget_microbatch(step, microbatch)
             if message.kind in (FORWARD, FETCH, BACKWARD):
                 jobs.append(self.owner.accept(message, tensors))
             elif message.kind == NOTICE:
-                notices.append(message)
+                heard.append(message)
             elif message.kind == END_STEP and not self.is_leader:
                 self.executor.reclaim_main()  # before any request of the next step
                 due = self._gate.end(message.call_id)
@@ -217,31 +212,25 @@ class PipelineRuntime:
             if first.kind != FETCH:  # it will compute: its place in line is kept
                 self.executor.announce(task)
             self.executor.spawn(functools.partial(self.owner.serve_stream, task, jobs))
-        for notice in notices:  # after the requests before them are announced
-            self._on_notice(notice)
+        for notice in heard:  # after the requests before them are announced
+            self.executor.notices.heard(notice)
 
-    def _forward_done(self, task: Task) -> None:
-        """A leader task turned to its backward: its forward requests go out first, then every
-        other rank learns that its forward of the microbatch is over (a plan's order)."""
-        self.caller.flush(task)
-        self._notify(task.step, task.microbatch, "forward")
-
-    def _notify(self, step: int, microbatch: int, what: str) -> None:
-        """Tell every other rank of the pipeline that ``what`` of a microbatch is over."""
+    def to_peers(self, work: Work, message: Message) -> None:
+        """Send ``message`` (a notice) to every other rank of the pipeline, after the requests
+        ``work`` queued (the executor's :class:`~.notices.Messenger`)."""
+        assert isinstance(work, Task)
+        self.caller.flush(work)
         if self.transport is None:
-            return
+            return  # a pipeline of one rank
         with contextlib.suppress(ModelParallelError):  # broken pipeline: the waits say so
             for peer in self.transport.peers:
-                notice = Message(NOTICE, 0, body=what, microbatch=microbatch, step=step)
-                self.transport.send(peer, notice)
+                self.transport.send(peer, message)
 
-    def _on_notice(self, message: Message) -> None:
-        """The leader's word that this rank's forward (``"forward"``) or whole work
-        (``"done"``) of a microbatch is over."""
-        if message.body == "forward":
-            self.executor.end_action(message.step, "F", message.microbatch)
-        else:
-            self.executor.end_microbatch(message.step, message.microbatch)
+    def queue_for(self, work: Work, partition: int, message: Message) -> None:
+        """Queue ``message`` (a notice) for ``partition`` in ``work``'s outbox, after the
+        requests it queued for it (the executor's :class:`~.notices.Messenger`)."""
+        assert isinstance(work, Task)
+        work.outbox.append((self.group.ranks[partition], message, []))
 
     def _dispatch_failed(self, error: BaseException) -> None:
         """A message could not be dispatched: the pipeline is broken on this rank, as if its
@@ -315,8 +304,7 @@ class PipelineRuntime:
         finally:
             self.caller.drop_calls(task)
             self._release(task.step, microbatch)
-            if self._plan is not None:
-                self._notify(task.step, microbatch, "done")
+            self.executor.notices.microbatch_over(task)
 
     def _release(self, step: int, microbatch: int) -> None:
         """Nothing of this microbatch is needed any more, here or on the other ranks."""

@@ -154,11 +154,11 @@ def backward_inputs_first(
 
     boundary: dict[Node, frozenset[Node]] = {}
     for node in on_input_path:
-        below = frozenset().union(
+        reached = frozenset[Node]().union(
             *(weights_below[c] for c in _children(node) if c not in on_input_path)
         )
-        if below:
-            boundary[node] = below
+        if reached:
+            boundary[node] = reached
     roots = [
         (out, grad, weights_below[edge.node])
         for out, edge, grad in zip(outputs, root_edges, grads, strict=True)
@@ -188,8 +188,8 @@ def backward_inputs_first(
         for handle in handles:
             handle.remove()
     half = WeightHalf([], list(outputs))
-    for weights, members in groups:
-        group = WeightGroup([], [], [v for v in map(_variable, weights) if v is not None])
+    for weight_nodes, members in groups:
+        group = WeightGroup([], [], [v for v in map(_variable, weight_nodes) if v is not None])
         for member in members:
             if isinstance(member, tuple):  # an output off the input path
                 group.roots.append(member[0])
@@ -274,19 +274,7 @@ def backward_giving_way(
         if any(_variable(child) is not None for child in _children(node))
     ]
     try:
-        torch.autograd.backward(list(outputs), list(grads))  # type: ignore[arg-type]
+        torch.autograd.backward(list(outputs), list(grads))
     finally:
         for handle in handles:
             handle.remove()
-
-
-def scaled_grads(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float | None
-) -> list[torch.Tensor | None]:
-    """The gradients of ``outputs`` for ``backward``, multiplied by the microbatch ``scale``."""
-    if scale is None:
-        return grads
-    return [
-        (torch.ones_like(out) if g is None else g) * scale
-        for out, g in zip(outputs, grads, strict=True)
-    ]

@@ -265,9 +265,7 @@ def check_device_memory(
     :meth:`MemorySettings.of_job`); on a GPU, checked against the memory free on the rank's
     device before the first step (:func:`check_memory`, :func:`device_limit`). Rank 0 checks
     on its own GPU for every rank: a job's GPUs are alike."""
-    settings = MemorySettings.of_job(
-        st.config, state.current_optimizer(), st.options.split_backward
-    )
+    settings = MemorySettings.of_job(st.config, state.current_optimizer())
     plan = plan.with_memory(settings)
     if st.device.type == "cuda":
         limit, name = device_limit(plan, st, module)

@@ -104,7 +104,8 @@ class MemorySettings:
     active_microbatches: int | None = None
     """``None``: SMP's default, ``partitions + 2`` (at most ``microbatches``)."""
     split_backward: bool = True
-    """As the runtime's option: a split backward keeps its activations until its weight half."""
+    """Whether the plan splits backwards, as the runtime's does: a split backward keeps its
+    activations until its weight half."""
     profiled_microbatches: int | None = None
     """The profiled batch was one microbatch of a step split this many ways (``None``: into
     ``microbatches``, as a job profiles its first microbatch); activations scale with the
@@ -125,9 +126,7 @@ class MemorySettings:
                 raise ConfigError(name, value, "an integer >= 1")
 
     @classmethod
-    def of_job(
-        cls, config: Mapping[str, Any], optimizer: object, split_backward: bool
-    ) -> MemorySettings:
+    def of_job(cls, config: Mapping[str, Any], optimizer: object) -> MemorySettings:
         """A job's settings: its model-parallel ``config`` and the optimizer it registered
         (``None`` before ``smp.DistributedOptimizer``)."""
         return cls(
@@ -136,7 +135,6 @@ class MemorySettings:
             pipeline=config["pipeline"] if config["pipeline"] in PIPELINES else "interleaved",
             microbatches=config["microbatches"],
             active_microbatches=config["active_microbatches"],
-            split_backward=split_backward,
         )
 
     def policy(self, stages: int) -> SchedulePolicy:

@@ -1,11 +1,11 @@
-"""What a pipeline's work costs in a plan: per-stage forward, backward and message times, and
-the ideal makespan they allow."""
+"""What a pipeline's work costs in a plan: per-stage forward, backward and message times."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 
 @dataclass(frozen=True)
@@ -70,32 +70,16 @@ class Costs:
         raise ValueError(f"no compute cost for action kind {kind!r}; allowed: F, B, I, W")
 
 
-def ideal_makespan(stage_costs: Sequence[float], microbatches: int) -> float:
-    """Pipeline makespan of the bubble formula: ``max(stage_costs) x (M + P - 1)``.
-
-    ``stage_costs[s]`` is stage ``s``'s forward + backward time for one microbatch. With uniform
-    stages and no communication latency it is the exact makespan of both pipelines (``simple``,
-    and ``interleaved`` with ``active_microbatches >= min(stages, microbatches)``): fill and
-    drain cost ``P - 1`` slots of a stage. With uneven stages (same forward:backward split) it
-    is an upper bound, as if every stage were the slowest: what benchmarks compare steps to.
-    """
-    check_positive_int("microbatches", microbatches)
-    if not stage_costs:
-        raise ValueError("stage_costs: got an empty sequence; need one cost per stage")
-    costs = per_stage("stage_costs", stage_costs, len(stage_costs))
-    return max(costs) * (microbatches + len(costs) - 1)
-
-
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_positive_int(name: str, value: object) -> None:
-    if not is_int(value) or value < 1:  # type: ignore[operator]
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: got {value!r}; must be a positive integer")
 
 
@@ -108,10 +92,17 @@ def check_partitions(name: str, partitions: Collection[int], count: int) -> None
 
 def per_stage(name: str, cost: Sequence[float] | float, stages: int) -> tuple[float, ...]:
     """One finite, non-negative cost per stage, from a number or a sequence."""
-    costs = (cost,) * stages if is_number(cost) else tuple(cost)  # type: ignore[arg-type]
+    if is_number(cost):
+        costs: Sequence[object] = (cost,) * stages
+    elif isinstance(cost, Sequence):
+        costs = cost
+    else:
+        raise ValueError(f"{name}: got {cost!r}; need a number or one per stage ({stages})")
     if len(costs) != stages:
         raise ValueError(f"{name}: got {len(costs)} costs; need one per stage ({stages})")
+    checked: list[float] = []
     for value in costs:
         if not is_number(value) or value < 0 or not math.isfinite(value):
             raise ValueError(f"{name}: got {value!r}; costs must be finite numbers >= 0")
-    return tuple(float(value) for value in costs)
+        checked.append(float(value))
+    return tuple(checked)

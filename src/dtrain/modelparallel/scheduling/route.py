@@ -107,14 +107,13 @@ def pipeline_plan(
     policy: SchedulePolicy,
     stage_times: list[float],
     modules: list[tuple[int, float]],
-    split_backward: bool,
     ordered: bool,
     whole_partitions: Collection[int] = (),
 ) -> Schedule | RouteSchedule:
     """The plan of a step: each partition's actions for ``policy``, with the backwards that
-    shorten it most split if ``split_backward`` (none of ``whole_partitions``, which run their
-    backwards whole), from each partition's ``stage_times`` (zeros: unknown) and the model's
-    ``modules`` as ``(owner, seconds)`` in forward order.
+    shorten it most split (none of ``whole_partitions``, which run their backwards whole),
+    from each partition's ``stage_times`` (zeros: unknown) and the model's ``modules`` as
+    ``(owner, seconds)`` in forward order.
 
     Where the runtime follows the plan (``ordered``: ``deterministic_server``, tensor
     parallelism) and the modules' order takes a microbatch back to partition 0 (a head tied to
@@ -126,10 +125,9 @@ def pipeline_plan(
     route, route_times = route_of(modules)  # the order the caller knows: profiled, or registered
     if not ordered or is_chain(route):
         costs = Costs.of_stages(stage_times, SPLIT_OVERHEAD)
-        if split_backward:
-            policy = zero_bubble_policy(
-                policy, len(stage_times), costs, whole_partitions=whole_partitions
-            )
+        policy = zero_bubble_policy(
+            policy, len(stage_times), costs, whole_partitions=whole_partitions
+        )
         return schedule_of(policy, len(stage_times), costs)
     try:
         check_route(route)
@@ -141,7 +139,6 @@ def pipeline_plan(
             f"{' -> '.join(map(str, route))}: {error}. {ORDER_ADVICE}"
         ) from None
     costs = Costs.of_stages(route_times, SPLIT_OVERHEAD)
-    if split_backward:
-        policy = zero_bubble_policy(policy, len(route), costs, route, whole_partitions)
+    policy = zero_bubble_policy(policy, len(route), costs, route, whole_partitions)
     rows = route_orders(policy, route, costs)
     return RouteSchedule(route, policy, tuple(tuple(row) for row in rows))

@@ -349,13 +349,6 @@ class SimulationResult:
         ]
         return sorted(events, key=lambda event: (event.start, event.rank))
 
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of rank-time spent idle: ``1 - sum(busy) / (ranks x makespan)``."""
-        if self.makespan <= 0:
-            return 0.0
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
-
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
     """Run the action lists in order, each rank one worker, and time them.

@@ -5,8 +5,9 @@ follows from a few rules, all here, on plain data:
 
 * the compute token goes to the waiting work the policy ranks first (:meth:`Scheduler.grant`),
   but not past work announced before it at least as urgent (:meth:`Scheduler.announce`), nor,
-  while the main task waits and weight halves are owed, to anything but those, nor, with a plan
-  order (``deterministic_server``), to work whose action is not the rank's current one;
+  while the main task waits and weight halves are owed, to anything but those, nor to work its
+  :class:`Turns` says is out of turn (a planned ordering's: work whose action is not the rank's
+  current one in its plan row);
 * a holder between two computations keeps the token (*sticky*) unless more urgent work waits
   (:meth:`Scheduler.outranked`, :meth:`Scheduler.steps_aside`);
 * the leader admits a microbatch while fewer than ``active`` are in flight (admitted, task not
@@ -15,25 +16,28 @@ follows from a few rules, all here, on plain data:
 * a leader's backward that no other rank waits for is *terminal* (:attr:`Work.terminal`) and
   yields to forwards.
 
+Whose turn it is, beyond these rules, is the rank's ordering's (:mod:`.ordering`), a strategy
+chosen once: the free ordering (every work in turn) or a planned one (the plan row's order).
+
 The runtime's :class:`~..pipeline.executor.Executor` drives one scheduler per rank with its threads
-and lock (it wakes the work :meth:`Scheduler.grant` returns); the planner
-(:func:`~.planner.schedule_of`) drives one per stage over a model of the pipeline's times.
-The plan is therefore the order these rules give, and the rules are tested as tables, without
-threads or processes.
+and lock (it wakes the work :meth:`Scheduler.grant` returns); the runtime model
+(:mod:`.runtime_model`), which the planner runs and the tests drive, drives one per rank over
+simulated time. The plan is therefore the order these rules give, and the rules are tested as
+tables, without threads or processes.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from dtrain.modelparallel.scheduling.order import Key as ActionKey
-from dtrain.modelparallel.scheduling.order import PlanOrder, PlanRow, action_key
+from dtrain.modelparallel.scheduling.order import action_key
 from dtrain.modelparallel.scheduling.policy import MAIN_PRIORITY, SchedulePolicy
-from dtrain.modelparallel.scheduling.rules import Phase, is_gradient
+from dtrain.modelparallel.scheduling.rules import Phase
 
 Role = Literal["main", "leader", "serve"]
 Key = tuple[int, int]
@@ -58,7 +62,9 @@ class Work:
     """The work has computed here since its visit began (:meth:`Scheduler.computes`)."""
     away: bool = False
     """A leader's forward waited for a call's reply only to learn its structure since it last
-    computed: its visit ends when it computes here again (:meth:`Scheduler.waits`)."""
+    computed: its visit ends when it computes here again (see :mod:`.ordering`)."""
+    called: int | None = None
+    """The partition a leader's forward called last (see :mod:`.ordering`)."""
     remote_nodes: Counter[int] = field(default_factory=Counter, repr=False)
     """Per owner (pp rank), the outputs this work fetched onto its autograd graph whose
     backward has not run yet: each will send the owner a backward request."""
@@ -82,6 +88,34 @@ class Work:
         return f"{what} {self.phase}{self.microbatch}"
 
 
+Busy = Callable[[int, ActionKey], bool]
+"""Whether work of an action (in a step) is announced, waiting or computing on the rank."""
+
+
+class Turns(Protocol):
+    """What the core asks its ordering (:mod:`.ordering`), always under the core's lock."""
+
+    def watch(self, busy: Busy) -> None:
+        """The core says where to look for the work of an action still on the rank."""
+
+    def in_turn(self, work: Work) -> bool:
+        """Whether ``work`` may compute now (the main task always may)."""
+
+    def end(self, step: int, phase: str, microbatch: int, visit: int | None = None) -> bool:
+        """The rank's action ``phase`` of ``microbatch`` in ``step`` (at ``visit``, or every
+        visit) is over once no work of it is left here; whether the token may then go on."""
+
+    def ended(self, step: int, phase: str, microbatch: int, visit: int = 0) -> bool:
+        """Whether the action's turn has passed."""
+
+    def own_action_ended(self, work: Work) -> bool:
+        """Whether ``work``'s action has been said over (the next one's work may then be
+        eligible once ``work`` gives the token up)."""
+
+    def describe_turn(self) -> str:
+        """Whose turn it is, for stall reports (empty where every work is in turn)."""
+
+
 @dataclass
 class Waiter:
     """Work in line for the token: its rank, then its place in line."""
@@ -99,19 +133,11 @@ class Scheduler:
     gives it back, and :meth:`admit` / :meth:`finished` as the leader's microbatches start and end.
     """
 
-    def __init__(
-        self,
-        policy: SchedulePolicy,
-        plan: PlanRow | None = None,
-        main: Work | None = None,
-        rank: int = 0,
-    ) -> None:
-        """``plan`` (this rank's compute actions, in order) makes the token follow it; ``main``
-        (the script's thread) outranks all work and, while it waits, lets only owed weight
-        halves go first; ``rank`` is the pp rank (partition) this core schedules."""
+    def __init__(self, policy: SchedulePolicy, ordering: Turns, main: Work | None = None) -> None:
+        """``ordering`` says whose turn it is (:mod:`.ordering`); ``main`` (the script's thread)
+        outranks all work and, while it waits, lets only owed weight halves go first."""
         self.policy = policy
-        self.rank = rank
-        self.plan = plan
+        self.ordering = ordering
         self.main = main
         self.holder: Work | None = None
         self.sticky = False
@@ -120,7 +146,6 @@ class Scheduler:
         self._announced: dict[Work, Waiter] = {}
         """Work dispatched that has not asked for the token yet: its key and place in line."""
         self._seq: Iterator[int] = itertools.count()
-        self._orders: dict[int, PlanOrder] = {}
         self.weights_owed: list[tuple[int, int]] = []
         """(step, microbatch) of each weight half deferred and not run yet."""
         self.leading = False
@@ -128,6 +153,7 @@ class Scheduler:
         self.admitted = 0
         self.finished_count = 0
         self.forwards_done: set[int] = set()
+        ordering.watch(self._busy)
 
     # --- the token -----------------------------------------------------------------------------
 
@@ -165,21 +191,22 @@ class Scheduler:
         self._waiting = [entry for entry in self._waiting if entry.work is not work]
 
     def eligible(self) -> list[Waiter]:
-        """The waiters the token may go to: not one submitted after announced work at least as
-        urgent (with a plan order, announced work in its turn); while the main task waits and
-        weight halves are owed, only those; with a plan order, only the current action's."""
+        """The waiters the token may go to: those in turn, not one submitted after announced
+        work (in turn) at least as urgent; while the main task waits and weight halves are
+        owed, only those."""
         waiting = self._waiting
         if self.weights_owed and any(entry.work is self.main for entry in waiting):
             waiting = [entry for entry in waiting if entry.work.phase == "W"]
-        if not self._announced and self.plan is None:
-            return list(waiting)
+        in_turn = self.ordering.in_turn
+        if not self._announced:
+            return [entry for entry in waiting if in_turn(entry.work)]
         # Out of turn, announced work would hold up the turn it waits for (a backward request
         # dispatched before the forward it follows: a deadlock).
-        ahead = [a for a in self._announced.values() if self.in_turn(a.work)]
+        ahead = [a for a in self._announced.values() if in_turn(a.work)]
         return [
             entry
             for entry in waiting
-            if self.in_turn(entry.work)
+            if in_turn(entry.work)
             and not any(a.key <= entry.key and a.seq < entry.seq for a in ahead)
         ]
 
@@ -215,51 +242,22 @@ class Scheduler:
 
     def outranked(self, work: Work) -> bool:
         """Whether the holder ``work`` should give the token up before computing again: more
-        urgent work may take it, or a plan order has moved on from ``work``'s action."""
+        urgent work may take it, or its turn has passed."""
         key = self.key(work)
         return not self.in_turn(work) or any(entry.key < key for entry in self.eligible())
 
     def steps_aside(self, work: Work) -> bool:
         """Whether the holder ``work``, between computations and about to do other work (send a
-        reply), should let any eligible waiter compute meanwhile; with a plan order, also once
-        its action has ended: the next action's work may then become eligible (the holder's
-        own action passes only once it gives the token up)."""
+        reply), should let any eligible waiter compute meanwhile; also once its action has been
+        said over: the next action's work may then become eligible (the holder's own action
+        passes only once it gives the token up)."""
         if self.holder is not work or not self.sticky:
             return False
-        return bool(self.eligible()) or self._own_action_ended(work)
-
-    def _own_action_ended(self, work: Work) -> bool:
-        if self.plan is None or work.role == "main":
-            return False
-        key = action_key(work.phase, work.microbatch, work.visit)
-        return key in self.order(work.step).ended
-
-    # --- the plan's order (deterministic_server) ------------------------------------------------
+        return bool(self.eligible()) or self.ordering.own_action_ended(work)
 
     def in_turn(self, work: Work) -> bool:
-        """Whether the plan order (if any) lets ``work`` compute now."""
-        if self.plan is None or work.role == "main":
-            return True
-        return self.order(work.step).admits(work.phase, work.microbatch, work.visit)
-
-    def order(self, step: int) -> PlanOrder:
-        """The plan's order for ``step``, moved on past every ended action no work here still
-        belongs to; the orders of steps two or more before are dropped."""
-        assert self.plan is not None
-        order = self._orders.get(step)
-        if order is None:
-            order = self._orders[step] = PlanOrder.of(self.plan)
-            for old in [s for s in self._orders if s < step - 1]:
-                del self._orders[old]
-        order.advance(lambda key: self._busy(step, key))
-        return order
-
-    def turn(self) -> str | None:
-        """The plan order's current action in the latest step begun here (None: no plan)."""
-        if self.plan is None or not self._orders:
-            return None
-        step = max(self._orders)
-        return f"{self.order(step).describe()} of step {step}"
+        """Whether the ordering lets ``work`` compute now (the main task always may)."""
+        return self.ordering.in_turn(work)
 
     def _busy(self, step: int, key: ActionKey) -> bool:
         """Whether work of action ``key`` in ``step`` is announced, waiting or computing here."""
@@ -272,117 +270,9 @@ class Scheduler:
             for w in works
         )
 
-    def end_action(self, step: int, phase: str, microbatch: int, visit: int | None = None) -> bool:
-        """This rank's action ``phase`` of ``microbatch`` in ``step`` (at ``visit``, or every
-        visit) is over once no work of it is left here; whether there is a plan order (the
-        token may then go on)."""
-        if self.plan is None:
-            return False
-        self.order(step).end(phase, microbatch, visit)
-        return True
-
-    def action_ended(self, step: int, phase: str, microbatch: int, visit: int = 0) -> bool:
-        return self.plan is not None and self.order(step).has_ended(phase, microbatch, visit)
-
     def computes(self, work: Work) -> None:
         """``work`` computes (holding the token): its visit has begun here."""
         work.computed = True
-
-    def waits(self, work: Work, reply: bool = False) -> bool:
-        """``work`` waits for another rank: a leader's forward has then left partition 0, and
-        its visit is over, unless the plan has a later visit and the task has not computed in
-        this one yet (the root's code fetching an output before the head's modules run); so
-        is a leader's backward's visit where the plan has an earlier one to come back to, once
-        the visit sends no more backward requests (the backward of a head on partition 0,
-        whose gradients the partitions before it wait for). Whether that ended an action (the
-        token may then go on).
-
-        A forward waiting for the ``reply`` of a call only to learn its outputs' structure (a
-        module's first call: later ones are deferred) has not left for good where the plan has
-        a later visit: it would have gone on without waiting, perhaps calling that partition
-        again (a module's layers there, one by one). Its visit ends when it next computes here
-        (:meth:`comes_back`) or waits for a value. (The first call of a module is microbatch
-        0's, whose forward comes first in every rank's plan row, so the turn it keeps holds up
-        nobody; replies awaited in every microbatch, for hooks replayed, end the visit.)"""
-        if work.role != "leader":
-            return False
-        if work.phase == "F":
-            if reply and self._has(work, "F", work.visit + 1):
-                work.away = work.away or work.computed
-                return False
-            work.away = False
-            if not work.computed and self._has(work, "F", work.visit + 1):
-                return False
-            work.computed = False
-            return self.end_action(work.step, "F", work.microbatch, work.visit)
-        if (
-            is_gradient(work.phase)
-            and self._has(work, "B", work.visit - 1)
-            and not any(work.remote_nodes.values())
-        ):
-            return self.end_action(work.step, "B", work.microbatch, work.visit)
-        return False
-
-    def comes_back(self, work: Work) -> bool:
-        """``work`` is about to compute here: if it waited for replies since it computed last
-        (:meth:`waits`), its visit is over now, as it would have been at the wait. Whether
-        that ended an action."""
-        if not work.away:
-            return False
-        work.away = False
-        return self.waits(work)
-
-    def returns(self, work: Work) -> bool:
-        """``work`` computes here again after it waited: where its visit is over and the plan
-        has the next one (forward) or the earlier one (backward), it is that visit's work now.
-        Whether a forward came back: a plan's route comes back to the leader only at its end,
-        so no other rank computes that forward any more."""
-        if work.role != "leader" or not self.action_ended(
-            work.step, work.phase, work.microbatch, work.visit
-        ):
-            return False
-        forward = not is_gradient(work.phase)
-        visit = work.visit + (1 if forward else -1)
-        if not self._has(work, work.phase, visit):
-            return False
-        work.visit = visit
-        return forward
-
-    def _has(self, work: Work, phase: str, visit: int) -> bool:
-        """Whether the plan order has ``phase`` of ``work``'s microbatch at ``visit``."""
-        return (
-            self.plan is not None
-            and visit >= 0
-            and self.order(work.step).has(phase, work.microbatch, visit)
-        )
-
-    def off_plan(self, work: Work) -> str | None:
-        """Where ``work`` would compute that a plan order cannot order (None: nowhere). The
-        plan runs each microbatch through the partitions in order, once forward and once back:
-        work that comes back to partition 0, or to an action already over, has no place in it."""
-        if self.plan is None or work.role == "main":
-            return None
-        mb = work.microbatch
-        over = self.action_ended(work.step, work.phase, mb, work.visit)
-        if work.role == "leader" and work.phase == "F" and over:
-            return f"on partition 0 after microbatch {mb} waited for another partition"
-        if work.role == "serve" and self.rank == 0:
-            return "on partition 0, called from another partition"
-        if work.role == "serve" and over:
-            what = {"F": "forward", "W": "weight half"}.get(work.phase, "backward")
-            return f"on partition {self.rank} after microbatch {mb}'s {what} here was over"
-        return None
-
-    def visit_missed(self, work: Work) -> str | None:
-        """Why a leader's forward ``work`` may not turn to its backward (None: it may): the
-        plan has it come back to partition 0 for a later visit it never made (the model's
-        modules run in another order than they are registered in)."""
-        if work.role != "leader" or not self._has(work, "F", work.visit + 1):
-            return None
-        return (
-            f"microbatch {work.microbatch}'s forward ended at visit {work.visit} of partition "
-            f"0, but the plan has it come back for visit {work.visit + 1}"
-        )
 
     # --- weight halves -------------------------------------------------------------------------
 
@@ -398,19 +288,17 @@ class Scheduler:
         owed: a rank whose modules the caller calls one by one has a backward, and perhaps a
         weight half, for each."""
         self.weights_owed.remove((step, microbatch))
-        if not self.owes(step, microbatch) and self.action_ended(step, "B", microbatch):
-            self.end_action(step, "W", microbatch)
+        if not self.owes(step, microbatch) and self.ordering.ended(step, "B", microbatch):
+            self.ordering.end(step, "W", microbatch)
 
     def end_backward(self, step: int, microbatch: int) -> bool:
         """The microbatch's last backward here has run: its backward action is over, and its
         weight action too unless a half of it is still owed (another module's, split earlier).
-        Whether there is a plan order (the token may then go on)."""
-        if self.plan is None:
-            return False
-        self.end_action(step, "B", microbatch)
+        Whether the token may then go on."""
+        moved = self.ordering.end(step, "B", microbatch)
         if not self.owes(step, microbatch):
-            self.end_action(step, "W", microbatch)
-        return True
+            self.ordering.end(step, "W", microbatch)
+        return moved
 
     def owes(self, step: int, microbatch: int) -> bool:
         return (step, microbatch) in self.weights_owed
@@ -419,8 +307,8 @@ class Scheduler:
         """The leader's task of ``microbatch`` is over: so are this rank's forward and backward
         of it, and its weight half unless one is still owed (it was owed before the backward
         replied, so the end that reply leads to is not taken for the end of the weights).
-        Whether there is a plan order (the token may then go on)."""
-        self.end_action(step, "F", microbatch)
+        Whether the token may then go on."""
+        self.ordering.end(step, "F", microbatch)
         return self.end_backward(step, microbatch)
 
     # --- the leader's step ---------------------------------------------------------------------
@@ -449,6 +337,12 @@ class Scheduler:
     def forward_done(self, microbatch: int) -> None:
         self.forwards_done.add(microbatch)
 
+    def forward_over(self, work: Work) -> bool:
+        """The leader's task ``work`` turns to its backward: its forward is done (``simple``'s
+        hold counts it) and its forward action here is over. Whether the token may go on."""
+        self.forward_done(work.microbatch)
+        return self.ordering.end(work.step, "F", work.microbatch)
+
     def backward_may_start(self) -> bool:
         """``simple`` holds every backward until every microbatch's forward is done."""
         return self.policy.backward_may_start(len(self.forwards_done))
@@ -459,4 +353,4 @@ class Scheduler:
         self.forwards_done.add(work.microbatch)
         self.finished_count += 1
         for phase in ("F", "B"):
-            self.end_action(work.step, phase, work.microbatch)
+            self.ordering.end(work.step, phase, work.microbatch)
