@@ -55,7 +55,7 @@ class Ended(NamedTuple):
     """The batch script's, ``status:signal``."""
     output: str
     left: list[str]
-    """What the job left in $HOME/.dtrain (its secret is removed)."""
+    """Secrets the job left in ~/.dtrain (its own is removed)."""
 
 
 Submit = Callable[..., Ended]
@@ -73,9 +73,9 @@ def submit(cluster: slurm.Slurm, tmp_path: Path) -> Submit:
     env = {
         **os.environ,
         "HOME": str(home),
-        "DTRAIN_HOME": str(tmp_path / "dtrain-home"),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
+    env.pop("DTRAIN_HOME", None)  # dtrain's default, ~/.dtrain, which the recipe makes first
 
     def run(script: str, *flags: str, cancel: Sequence[str] | None = None) -> Ended:
         """``cancel``: ``scancel``'s options, once the job printed "training"."""
@@ -87,7 +87,7 @@ def submit(cluster: slurm.Slurm, tmp_path: Path) -> Submit:
             cluster.wait_for(job, "training", timeout=60)
             cluster.run("scancel", *cancel, job)
         ended = cluster.wait(job, timeout=120)
-        return Ended(*ended, [path.name for path in (home / ".dtrain").iterdir()])
+        return Ended(*ended, [path.name for path in (home / ".dtrain").glob("*.secret")])
 
     return run
 
@@ -128,8 +128,8 @@ def test_the_batch_script_signalled_stops_the_job_with_its_model(
     # What Slurm does before the time limit (--signal=B:TERM@120), and scancel --batch.
     ended = submit("waits.py", "--job-name", "stopped", cancel=["--batch", "--signal=TERM"])
     assert (ended.state, ended.exit_code) == ("FAILED", "3:0"), ended.output
-    assert status("stopped", tmp_path / "dtrain-home") == "Stopped"
-    assert (tmp_path / "dtrain-home/output/stopped/output/model.tar.gz").is_file()
+    assert status("stopped", tmp_path / "home" / ".dtrain") == "Stopped"
+    assert (tmp_path / "home/.dtrain/output/stopped/output/model.tar.gz").is_file()
     assert ended.left == []
 
 
@@ -138,5 +138,5 @@ def test_a_cancelled_slurm_job_ends_every_process_of_the_job(
 ) -> None:
     ended = submit("waits.py", "--job-name", "cancelled", cancel=[])
     assert ended.state == "CANCELLED", ended.output
-    assert status("cancelled", tmp_path / "dtrain-home") in ("Stopped", "Failed")
+    assert status("cancelled", tmp_path / "home" / ".dtrain") in ("Stopped", "Failed")
     assert cluster.job_processes() == []
