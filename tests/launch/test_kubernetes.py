@@ -238,6 +238,10 @@ def test_code_channels_and_the_output_live_on_the_shared_volume() -> None:
     assert "ReadWriteMany" in CLAIM["spec"]["accessModes"]
     for mount, volume in pod_mounts(FILES["spec"]).items():  # for kubectl cp, in and out
         assert (mount, volume["persistentVolumeClaim"]["claimName"]) == ("/shared", claim)
+    for spec in (pod(CONTROLLER), pod(AGENTS), FILES["spec"]):
+        # The default (Always) makes the volume's folders group-writable on every mount, and
+        # dtrain refuses such a DTRAIN_HOME.
+        assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
 def test_agents_have_a_scratch_folder_a_large_shm_and_every_pod_its_resources() -> None:
