@@ -130,7 +130,7 @@ def s3_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
     """A ``moto_server`` on a free loopback port, with the AWS environment pointed at it."""
     for module in ("moto.server", "s3fs", "boto3"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install 'dtrain[test]')")
+            pytest.skip(f"{module} is not installed (pip install -e '.[test]')")
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = (tmp_path / "moto.log").open("wb")

@@ -211,7 +211,7 @@ def test_s3_without_s3fs_installed_is_rejected_before_launch(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else find_spec(name)
     )
-    with pytest.raises(ConfigError, match=r"output_path: .*pip install 'dtrain\[s3\]'"):
+    with pytest.raises(ConfigError, match=r"output_path: .*pip install s3fs"):
         prepare(spec(source, output_path="s3://bucket/out"))
 
 

@@ -8,12 +8,15 @@ private key, dtrain reads one only when
   runs dtrain or to root: another user's link (in a shared folder such as ``/tmp``, say) is
   refused, naming it, never followed;
 - the file is a regular file of that user that nobody else may read or write (mode 0600 or
-  0400).
+  0400), or a file of root that this user reads through a group of theirs, which nobody but root
+  may write and nobody outside that group may read (mode 0440 or 0640): a Kubernetes Secret,
+  mounted for a pod that runs as a user of its own with an ``fsGroup``, is such a file. Only root
+  makes a file root's, so no other user can choose the secret; who else reads it is the group
+  root chose (a pod's ``fsGroup`` is the pod's alone).
 
 The file's checks are made on what was opened (``O_NOFOLLOW``, then ``fstat``), so nothing can be
 swapped in between check and read. Each rule lives in one function (:func:`_link_refusal`,
-:func:`_file_refusal`): a kind of file to accept besides (a mounted Kubernetes Secret belongs to
-root and may be readable by the pod's group) is a rule added there, on purpose, for both flags.
+:func:`_file_refusal`, :func:`_shared_by_root`), the same for both flags.
 """
 
 from __future__ import annotations
@@ -99,11 +102,37 @@ def _file_refusal(info: os.stat_result) -> str | None:
     """Why an opened file is not read as a secret, if it is not."""
     if not stat.S_ISREG(info.st_mode):
         return "a regular file (not a folder, a pipe or a device)"
+    if _shared_by_root(info):
+        return None
     if info.st_uid != os.geteuid():
-        return f"a file of this user (uid {os.geteuid()}; it belongs to uid {info.st_uid})"
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        return (
-            "a file only its owner can read "
-            f"(mode is {stat.S_IMODE(info.st_mode):04o}; chmod 600 it)"
+        also = (
+            "; one of root's only if it is read through this user's group, which alone may "
+            f"read it, and only root may write it (mode 0440 or 0640; it has {_mode(info)}, "
+            f"group {info.st_gid}, and this user's groups are {sorted(_groups())})"
         )
+        return (
+            f"a file of this user (uid {os.geteuid()}; it belongs to uid {info.st_uid}"
+            f"{also if info.st_uid == 0 else ''})"
+        )
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return f"a file only its owner can read (mode is {_mode(info)}; chmod 600 it)"
     return None
+
+
+def _shared_by_root(info: os.stat_result) -> bool:
+    """A file of root's that this user, not root, reads through a group of theirs: its group
+    may read it and do nothing else, others nothing at all (a mounted Kubernetes Secret)."""
+    return (
+        info.st_uid == 0
+        and os.geteuid() != 0
+        and stat.S_IMODE(info.st_mode) & 0o077 == stat.S_IRGRP
+        and info.st_gid in _groups()
+    )
+
+
+def _groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
+def _mode(info: os.stat_result) -> str:
+    return f"{stat.S_IMODE(info.st_mode):04o}"

@@ -221,12 +221,18 @@ def test_joined_agents_train_a_data_parallel_job_as_one_process_would(
 
 
 @pytest.fixture
-def ray_head(cluster: Cluster) -> Iterator[str]:
-    """A lean Ray cluster: the head on the first machine, a worker node on the second."""
+def ray_head(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A lean Ray cluster: the head on the first machine, a worker node on the second; with
+    Ray's token authentication on, as docs/clusters.md asks (the controller has the token)."""
     if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed (pip install 'dtrain[ray]')")
+        pytest.skip("ray is not installed (pip install ray: dtrain's ray extra)")
     marker = f"DTRAIN_TEST_RAY={os.getpid()}-{cluster.port}"
     scratch = Path(tempfile.mkdtemp(prefix="dtr", dir="/tmp"))  # Ray's socket paths are short
+    token = scratch / "auth_token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o600)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     env = {
         **os.environ, "DTRAIN_HOME": str(cluster.home), "RAY_USAGE_STATS_ENABLED": "0",
         marker.split("=")[0]: marker.split("=")[1],

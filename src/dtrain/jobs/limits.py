@@ -99,7 +99,9 @@ def check_process_size(
 def check_s3_ready(key: str, uri: str) -> None:
     """An ``s3://`` URI can be used from here: s3fs is installed and AWS credentials found."""
     if importlib.util.find_spec("s3fs") is None:
-        raise ConfigError(key, uri, "an s3:// URI with s3fs installed: pip install 'dtrain[s3]'")
+        raise ConfigError(
+            key, uri, "an s3:// URI with s3fs installed (pip install s3fs: dtrain's s3 extra)"
+        )
     import botocore.session
 
     sources = (

@@ -12,7 +12,7 @@ actor Ray kills takes its agent along.
 Ray's node health checks report a dead node or actor (:meth:`RayCluster.lost`); the agents'
 own heartbeats find a cut link sooner (15 s against Ray's default of about a minute).
 
-Ray itself is an optional extra: ``pip install 'dtrain[ray]'``.
+Ray itself is an optional extra (``ray``: ``pip install ray`` beside dtrain).
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class RayCluster:
             import ray
         except ImportError:
             raise ConfigError(
-                "cluster", self.uri, "a Ray cluster, with Ray installed: pip install 'dtrain[ray]'"
+                "cluster",
+                self.uri,
+                "a Ray cluster, with Ray installed (pip install ray: dtrain's ray extra)",
             ) from None
         try:
             ray.init(
