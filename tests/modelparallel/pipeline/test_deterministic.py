@@ -4,6 +4,7 @@ included."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -11,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 import dtrain.modelparallel as smp
+from dtrain.modelparallel.api import partitioning
 from dtrain.modelparallel.api.partitioning import check_own_code_placement, with_own_code
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.pipeline.executor import Executor, Task
+from dtrain.modelparallel.plan.profile import profile_module
 from dtrain.modelparallel.scheduling.ordering import PlannedOrdering
 from dtrain.modelparallel.scheduling.policy import SchedulePolicy
 from dtrain.modelparallel.transport.message import NOTICE, Message
@@ -40,7 +43,12 @@ def _train_in_plan_order(
     case_name: str, partitions: int = 2, auto: bool = False, checkpointed: str | None = None
 ) -> dict[str, Any]:
     """Train in plan order; ``checkpointed`` names a block to recompute, whose owner counts
-    its attention's forwards (the block's own hooks miss the recomputation)."""
+    its attention's forwards (the block's own hooks miss the recomputation). Partitioned
+    automatically (``auto``), the model is profiled without timing, as one on the meta device
+    is: its plan follows the exact operation counts, where timings would follow the machine's
+    load (which backwards the plan splits changed with it)."""
+    if auto:
+        partitioning.profile_module = functools.partial(profile_module, repeats=0)
     dist.init_process_group("gloo")
     smp.init({"pipeline_parallel_degree": partitions, "microbatches": MICROBATCHES,
               "auto_partition": auto, "default_partition": 0, "deterministic_server": True,
@@ -110,9 +118,9 @@ def test_a_tied_head_computes_in_the_plans_order_and_trains_like_one_process() -
     the last blocks are on partition 1: each microbatch's forward comes back to the leader
     (route 0 -> 1 -> 0). The plan has an action per visit, and every step runs each rank's
     plan row, visits included (the root's code fetching the blocks' output between them).
-    Partitioned automatically: the plan, made for the profiled times, splits partition 1's
-    backwards, each microbatch's in two requests (the root's skip connection), so it owes two
-    weight halves, whose action ends after both."""
+    Partitioned automatically: the plan, made for the model's operation counts, splits
+    partition 1's backwards, each microbatch's in two requests (the root's skip connection),
+    so it owes two weight halves, whose action ends after both."""
     ranks = run_ranks(2, _train_in_plan_order, "lm", 2, True, timeout=240)
     leader, blocks = ranks
     assert "route 0 -> 1 -> 0" in leader["printed"] and "2:F0" in leader["printed"]

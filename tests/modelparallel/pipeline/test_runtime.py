@@ -205,6 +205,10 @@ def _save_then_resume(folder: str) -> dict[str, Any]:
     smp.resume_from_checkpoint(folder, tag="full3", partial=False)
     unpipelined = model.state_dict()
     smp.shutdown()
+    # Rank 0 hosts the world's store: ending its world before rank 1 has made its pipeline
+    # group of one from the store (the last group smp.init makes, with no collective after it
+    # here) reset rank 1's connection, as it did under load.
+    dist.barrier()
     dist.destroy_process_group()
     return {
         "continued": continued,
