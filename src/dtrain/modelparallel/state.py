@@ -135,10 +135,12 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         _check_running(config or {}, _state)
         return
     _auto_init = False
-    heap.keep_large_blocks_returnable()
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_mp_parameters(parameters, where=WHERE)
+    # Before the world's threads allocate (see heap's docstring).
+    pipeline_for_speed = values["pipeline_parallel_degree"] > 1 and values["optimize"] == "speed"
+    heap.prepare(keep_freed_blocks=pipeline_for_speed)
     options = RuntimeOptions.from_environment()
     owns_world = _join_world(options.timeout, visible_gpus())
     try:
