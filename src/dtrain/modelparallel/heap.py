@@ -26,10 +26,11 @@ step 6-10% slower). So :func:`prepare` chooses by what the job optimizes:
   parameters at every use) the threshold is fixed at :data:`RETURNED_BLOCKS_THRESHOLD`, which
   also stops it rising, and each thread keeps its arena.
 
-A setting the job made itself (glibc's ``MALLOC_ARENA_MAX`` or ``MALLOC_MMAP_THRESHOLD_``) is
-left to glibc. The arena limit holds for threads that first allocate after it (threads that
-allocated before keep their arenas, and new ones are spread over those), which is why
-``smp.init`` sets it before it joins the world. Elsewhere than glibc nothing is done.
+A setting the job made itself (glibc's ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``) is left to glibc. The arena limit holds for threads that first
+allocate after it (threads that allocated before keep their arenas, and new ones are spread
+over those), which is why ``smp.init`` sets it before it joins the world. Elsewhere than glibc
+nothing is done.
 
 MKL, torch's CPU BLAS on x86, keeps its own: each thread that multiplies matrices gets packing
 buffers from MKL's allocator (about 10 MiB for the benchmark LM's 8192-wide head), kept in that
@@ -58,6 +59,9 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 """``mallopt``'s parameter number for the most arenas (``malloc.h``)."""
 
+M_TRIM_THRESHOLD = -1
+"""``mallopt``'s parameter number for the free memory at the heap's top kept from the system."""
+
 RETURNED_BLOCKS_THRESHOLD = 1 << 20
 """Blocks of 1 MiB and more are mapped on their own and returned when freed: tensors that size
 are the ones whose reuse across threads fails, and smaller ones are cheaper to keep."""
@@ -66,24 +70,37 @@ KEPT_BLOCKS_THRESHOLD = 32 << 20
 """glibc's ceiling for its rising threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), fixed
 from the start: only blocks larger than any a default heap keeps are mapped on their own."""
 
+KEPT_BLOCKS_TRIM = 2 * KEPT_BLOCKS_THRESHOLD
+"""The free top of the heap kept with it: what glibc's rising threshold sets beside it (a fixed
+threshold leaves 128 KiB, so the blocks a microbatch freed, once merged into the top, went back
+to the system and were faulted in again by the next)."""
+
 THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 ARENA_ENV = "MALLOC_ARENA_MAX"
+TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 
 
 def prepare(keep_freed_blocks: bool) -> list[str]:
     """Set glibc's heap for this process (see the module's docstring): with
     ``keep_freed_blocks``, one arena for every thread and large blocks kept for reuse; without,
-    large blocks returned when freed. The names of the settings made here."""
+    large blocks returned when freed. The environment variables of the settings made here (a
+    job's own is left to glibc)."""
     mallopt = _mallopt()
     if mallopt is None:
         return []
-    made = []
-    if keep_freed_blocks and ARENA_ENV not in os.environ and mallopt(M_ARENA_MAX, 1):
-        made.append(ARENA_ENV)
-    threshold = KEPT_BLOCKS_THRESHOLD if keep_freed_blocks else RETURNED_BLOCKS_THRESHOLD
-    if THRESHOLD_ENV not in os.environ and mallopt(M_MMAP_THRESHOLD, threshold):
-        made.append(THRESHOLD_ENV)
-    return made
+    if keep_freed_blocks:
+        settings = [
+            (ARENA_ENV, M_ARENA_MAX, 1),
+            (THRESHOLD_ENV, M_MMAP_THRESHOLD, KEPT_BLOCKS_THRESHOLD),
+            (TRIM_ENV, M_TRIM_THRESHOLD, KEPT_BLOCKS_TRIM),
+        ]
+    else:
+        settings = [(THRESHOLD_ENV, M_MMAP_THRESHOLD, RETURNED_BLOCKS_THRESHOLD)]
+    return [
+        env
+        for env, parameter, value in settings
+        if env not in os.environ and mallopt(parameter, value)
+    ]
 
 
 def _mallopt() -> Callable[[int, int], int] | None:

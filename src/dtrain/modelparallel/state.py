@@ -138,9 +138,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     parameters = _merge(config or {}, _env_parameters())
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_mp_parameters(parameters, where=WHERE)
-    # Before the world's threads allocate (see heap's docstring).
-    pipeline_for_speed = values["pipeline_parallel_degree"] > 1 and values["optimize"] == "speed"
-    heap.prepare(keep_freed_blocks=pipeline_for_speed)
+    heap.prepare(keeps_freed_blocks(values))  # before the world's threads allocate
     options = RuntimeOptions.from_environment()
     owns_world = _join_world(options.timeout, visible_gpus())
     try:
@@ -150,6 +148,13 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         if owns_world:
             dist.destroy_process_group()
         raise
+
+
+def keeps_freed_blocks(values: Mapping[str, Any]) -> bool:
+    """Whether a rank keeps the large blocks it frees for reuse (:mod:`.heap`): a pipeline
+    planned for speed; one planned for memory, or sharded data parallelism (which gathers and
+    frees parameters at every use), returns them."""
+    return bool(values["pipeline_parallel_degree"] > 1 and values["optimize"] == "speed")
 
 
 def request_auto_init() -> None:
