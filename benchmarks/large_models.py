@@ -215,7 +215,7 @@ def in_world(
 ) -> None:
     if args.cap_bytes:
         join_capped_cgroup(rank, args.cap_bytes)
-    heap.keep_large_blocks_returnable()  # as smp.init does: one process alike
+    heap.prepare(keep_freed_blocks=False)  # as smp.init does for memory: one process alike
     init_world(rank, args.world, port, args.pin_cores)
     row = work()
     rows: list[Any] = [None] * args.world

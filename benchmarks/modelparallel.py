@@ -15,6 +15,16 @@ Scenarios (each prints a table; ``--json`` writes every figure):
   and what dtrain's planner predicts for its plan against a 1F1B plan with those stage times.
   ``--pin-cores`` puts rank r on CPU r (both libraries alike); ``--deterministic`` runs
   dtrain's variant with ``deterministic_server`` (every rank in its plan row's order).
+* ``worlds``: dtrain (``interleaved``, manual split as in ``pipeline``) against torch's
+  ``Schedule1F1B`` with each library in 2-process worlds of its own, as their users run them:
+  torch's ranks never see dtrain's heap setting (``smp.init``'s, which the ``pipeline``
+  scenario's shared processes give torch too). ``--shape`` picks the LM: ``lm4`` (the pipeline
+  scenario's), ``lm8`` (8 blocks of d_model 256) or ``gpt2s`` (a GPT-2-small-like stack: 12
+  blocks of d_model 768, 12 heads, vocabulary 8192, sequence 128). ``--repeats`` rounds, each
+  four fresh worlds in ABBA order (dtrain, torch, torch, dtrain; fresh worlds differ by several
+  percent in compute alone here), each world ``--warmup`` + ``--steps`` steps; a round's ratio
+  is dtrain's median step over torch's, and the figure is the median of the rounds' ratios.
+  Cores are not pinned.
 * ``unbalanced``: an 8-layer LM with a large vocabulary (a heavy head), auto-partition against
   the equal-layer split (4 blocks each side, embeddings first, head last), each in fresh
   2-process worlds, alternating.
@@ -67,6 +77,11 @@ from dtrain.modelparallel.scheduling.schedule import simulate
 
 GLOBAL_BATCH, SEQ = 16, 128
 STAGES = 2
+SHAPES: dict[str, dict[str, int]] = {
+    "lm4": {},  # the LM's defaults: 4 blocks of d_model 256, vocabulary 1024
+    "lm8": {"layers": 8},
+    "gpt2s": {"layers": 12, "d_model": 768, "heads": 12, "ff": 3072, "vocab": 8192},
+}
 
 
 def free_port() -> int:
@@ -131,12 +146,16 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def init_world(rank: int, world: int, port: int, pin: bool = False) -> None:
+def init_world(rank: int, world: int, port: int, pin: bool = False, join: bool = True) -> None:
+    """The launcher's environment, as torchrun gives it, and the world joined; without ``join``
+    left to ``smp.init``, as in a job (which sets the heap before the world's threads start)."""
     if pin:
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if join:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def smp_config(microbatches: int, auto: bool, deterministic: bool = False) -> dict[str, Any]:
@@ -189,9 +208,10 @@ TORCH_SCHEDULES = ("torch 1F1B", "torch ZB1P", "torch ZBV")
 
 
 def torch_pipeline(
-    name: str, rank: int, m: int
+    name: str, rank: int, m: int, shape: dict[str, int] | None = None
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], list[nn.Module]]:
-    """One of torch's schedules on a fresh copy of the LM: its step, and this rank's stages."""
+    """One of torch's schedules on a fresh copy of the LM (of ``shape``, the LM's defaults
+    unless given): its step, and this rank's stages."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -199,7 +219,7 @@ def torch_pipeline(
         ScheduleZBVZeroBubble,
     )
 
-    model = TransformerLM(seed=0)
+    model = TransformerLM(seed=0, **(shape or {}))
     cpu = torch.device("cpu")
     if name == "torch ZBV":  # a V over 4 stages: rank 0 runs 0 and 3, rank 1 runs 1 and 2
         placed: list[tuple[int, nn.Module]] = (
@@ -339,6 +359,90 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "torch_1f1b_over_ideal": medians["torch 1F1B"] / ideal,
         "plan": planned_ratio([c for c, _ in raw["stages"]], max(o for _, o in raw["stages"]), m),
         "steps_per_variant": len(base),
+    }
+
+
+# --- scenario: worlds --------------------------------------------------------------------------
+
+
+def worlds_worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    """One library's steps in a world of its own: dtrain through ``smp.init`` (its heap setting
+    included), torch's ``Schedule1F1B`` in plain processes."""
+    init_world(rank, STAGES, port, join=args.variant != "dtrain")
+    m, shape = args.microbatches, SHAPES[args.shape]
+    data = batches(4, shape.get("vocab", 1024))
+    if args.variant == "dtrain":
+        smp.init(smp_config(m, auto=False))
+        model = TransformerLM(seed=0, **shape)
+        equal_split(model)
+        ours, _, _ = dtrain_pipeline(model, m)
+        step: Callable[[int], None] = lambda index: ours(index, data)  # noqa: E731
+    else:
+        theirs, modules = torch_pipeline("torch 1F1B", rank, m, shape)
+        optimizer = torch.optim.AdamW(modules[0].parameters(), lr=1e-4)
+
+        def step(index: int) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            theirs(*data[index % len(data)])
+            optimizer.step()
+
+    rows = [measured_step(step, index) for index in range(args.warmup + args.steps)]
+    ranks: list[Any] = [None] * STAGES
+    dist.all_gather_object(ranks, rows[args.warmup :])
+    leave_world(results, ranks if rank == 0 else None)
+
+
+def measured_step(step: Callable[[int], None], index: int) -> tuple[float, float, int]:
+    """One step: its time on the slowest rank, this rank's CPU seconds (every thread, user and
+    system) and minor page faults, which a loaded machine inflates less than wall time."""
+    dist.barrier()
+    before, began = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    step(index)
+    elapsed, after = slowest(time.perf_counter() - began), resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return elapsed, cpu, after.ru_minflt - before.ru_minflt
+
+
+def run_worlds(args: argparse.Namespace) -> dict[str, Any]:
+    rounds = []
+    for _ in range(args.repeats):
+        turns: dict[str, list[Any]] = {"dtrain": [], "torch": []}
+        for variant in ("dtrain", "torch", "torch", "dtrain"):
+            turn = argparse.Namespace(**vars(args), variant=variant)
+            turns[variant].append(spawn(worlds_worker, STAGES, turn))
+        figures = {variant: world_figures(worlds) for variant, worlds in turns.items()}
+        ours, theirs = figures["dtrain"], figures["torch"]
+        rounds.append(
+            {
+                "dtrain": ours,
+                "torch": theirs,
+                "ratio": ours["step_ms"] / theirs["step_ms"],
+                "cpu_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
+            }
+        )
+    return {
+        "shape": args.shape,
+        "model": SHAPES[args.shape],
+        "microbatches": args.microbatches,
+        "steps_per_world": args.steps,
+        "rounds": rounds,
+        "ratio": statistics.median(r["ratio"] for r in rounds),
+        "cpu_ratio": statistics.median(r["cpu_ratio"] for r in rounds),
+    }
+
+
+def world_figures(worlds: list[list[list[tuple[float, float, int]]]]) -> dict[str, float]:
+    """One library's turns of a round (each a world's ranks' rows of :func:`measured_step`):
+    the median step, and the median per step of CPU time and page faults summed over ranks."""
+    steps = [
+        (rows[0][0], sum(row[1] for row in rows), sum(row[2] for row in rows))
+        for ranks in worlds
+        for rows in zip(*ranks, strict=True)
+    ]
+    return {
+        "step_ms": statistics.median(s[0] for s in steps) * 1e3,
+        "cpu_ms": statistics.median(s[1] for s in steps) * 1e3,
+        "faults": statistics.median(s[2] for s in steps),
     }
 
 
@@ -533,6 +637,28 @@ def pipeline_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def worlds_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"worlds: {r['shape']} {r['model'] or '(defaults)'}, 2 partitions, {r['microbatches']} "
+        f"microbatches, each library in its own worlds, ABBA rounds of {r['steps_per_world']} "
+        "steps a world, not pinned; per step: median step, CPU ms and page faults of both ranks",
+        f"  {'round':>5} {'dtrain ms':>10} {'torch ms':>10} {'ratio':>7}   {'dtrain CPU':>10}"
+        f" {'torch CPU':>10} {'ratio':>7}   {'dtrain faults':>13} {'torch faults':>12}",
+    ]
+    for index, row in enumerate(r["rounds"], 1):
+        ours, theirs = row["dtrain"], row["torch"]
+        lines.append(
+            f"  {index:5} {ours['step_ms']:10.1f} {theirs['step_ms']:10.1f} {row['ratio']:7.3f}"
+            f"   {ours['cpu_ms']:10.1f} {theirs['cpu_ms']:10.1f} {row['cpu_ratio']:7.3f}"
+            f"   {ours['faults']:13.0f} {theirs['faults']:12.0f}"
+        )
+    lines.append(
+        f"  dtrain / torch Schedule1F1B, median of the rounds: step {r['ratio']:.3f}, "
+        f"CPU {r['cpu_ratio']:.3f}"
+    )
+    return "\n".join(lines)
+
+
 def busy_table(r: dict[str, Any]) -> str:
     lines = [
         f"busy: GPT-2 {r['params'] / 1e6:.1f}M parameters {r['model']}, share of the step each "
@@ -575,6 +701,7 @@ def memory_table(r: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "pipeline": pipeline_table,
+    "worlds": worlds_table,
     "unbalanced": unbalanced_table,
     "memory": memory_table,
     "busy": busy_table,
@@ -594,8 +721,9 @@ def leave_world(results: Any, result: Any | None) -> None:
         results.close()
         results.join_thread()  # delivered before this process leaves
     if smp.is_initialized():
-        smp.shutdown()
-    dist.destroy_process_group()
+        smp.shutdown()  # and the world, where smp.init joined it
+    if dist.is_initialized():
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -639,10 +767,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--scenario",
-        choices=("pipeline", "unbalanced", "memory", "busy", "all"),
+        choices=("pipeline", "worlds", "unbalanced", "memory", "busy", "all"),
         default="all",
     )
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="lm4", help="worlds' LM")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
@@ -656,6 +785,7 @@ def main() -> None:
     chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
     runners = {
         "pipeline": run_pipeline,
+        "worlds": run_worlds,
         "unbalanced": run_unbalanced,
         "memory": run_memory,
         "busy": run_busy,

@@ -1,4 +1,4 @@
-"""glibc's heap and MKL's buffers, kept from hoarding the memory a rank frees.
+"""glibc's heap and MKL's buffers, set for how a rank computes and what its job optimizes.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap``, returned to
 the system when freed; smaller ones come from heaps ("arenas", one per thread that allocates,
@@ -10,9 +10,27 @@ asks for, and a rank's resident memory grows far beyond what it holds: on the 21
 benchmark LM with 4 partitions, the last rank peaked at 2.3 GiB with the rising threshold and
 1.6-1.7 GiB with a fixed 1 MiB one (``benchmarks/large_models.py``).
 
-So :func:`keep_large_blocks_returnable` fixes the threshold at :data:`MMAP_THRESHOLD`, which
-also stops it rising, unless the job set glibc's ``MALLOC_MMAP_THRESHOLD_`` itself (then
-glibc already applies the job's value). Elsewhere than glibc it does nothing.
+Returning every large block costs time, though: each one mapped again faults in its pages, one
+fault per 4 KiB, every microbatch (the benchmark pipeline's 4-block LM of width 256: 40 blocks
+of 1 MiB a step on each rank, 15-24 thousand faults against torch's 1F1B's 0-3 thousand, its
+step 6-10% slower). So :func:`prepare` chooses by what the job optimizes:
+
+* a pipeline planned for speed (``optimize: "speed"``, SMP's default) has every thread allocate
+  from one arena (:data:`M_ARENA_MAX` 1), so that a block one thread frees serves the next
+  request of any thread, and the threshold fixed at glibc's own ceiling for its rising one
+  (:data:`KEPT_BLOCKS_THRESHOLD`), so that blocks come from that arena as in one torch process
+  (the benchmark LM's faults and CPU time per step are then those of torch's 1F1B).
+  Freed blocks stay in the arena for the next microbatch and step: the 218M LM's pp=4 ranks
+  peaked 14% higher than with returned blocks.
+* otherwise (planned for memory, or no pipeline: sharded data parallelism gathers and frees
+  parameters at every use) the threshold is fixed at :data:`RETURNED_BLOCKS_THRESHOLD`, which
+  also stops it rising, and each thread keeps its arena.
+
+A setting the job made itself (glibc's ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``) is left to glibc. The arena limit holds for threads that first
+allocate after it (threads that allocated before keep their arenas, and new ones are spread
+over those), which is why ``smp.init`` sets it before it joins the world. Elsewhere than glibc
+nothing is done.
 
 MKL, torch's CPU BLAS on x86, keeps its own: each thread that multiplies matrices gets packing
 buffers from MKL's allocator (about 10 MiB for the benchmark LM's 8192-wide head), kept in that
@@ -30,6 +48,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,27 +56,65 @@ import torch
 M_MMAP_THRESHOLD = -3
 """``mallopt``'s parameter number for the threshold (``malloc.h``)."""
 
-MMAP_THRESHOLD = 1 << 20
+M_ARENA_MAX = -8
+"""``mallopt``'s parameter number for the most arenas (``malloc.h``)."""
+
+M_TRIM_THRESHOLD = -1
+"""``mallopt``'s parameter number for the free memory at the heap's top kept from the system."""
+
+RETURNED_BLOCKS_THRESHOLD = 1 << 20
 """Blocks of 1 MiB and more are mapped on their own and returned when freed: tensors that size
 are the ones whose reuse across threads fails, and smaller ones are cheaper to keep."""
 
-ENV = "MALLOC_MMAP_THRESHOLD_"
+KEPT_BLOCKS_THRESHOLD = 32 << 20
+"""glibc's ceiling for its rising threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), fixed
+from the start: only blocks larger than any a default heap keeps are mapped on their own."""
+
+KEPT_BLOCKS_TRIM = 2 * KEPT_BLOCKS_THRESHOLD
+"""The free top of the heap kept with it: what glibc's rising threshold sets beside it (a fixed
+threshold leaves 128 KiB, so the blocks a microbatch freed, once merged into the top, went back
+to the system and were faulted in again by the next)."""
+
+THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+ARENA_ENV = "MALLOC_ARENA_MAX"
+TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 
 
-def keep_large_blocks_returnable() -> bool:
-    """Fix glibc's mmap threshold for this process; whether it was set here."""
-    if ENV in os.environ:
-        return False
+def prepare(keep_freed_blocks: bool) -> list[str]:
+    """Set glibc's heap for this process (see the module's docstring): with
+    ``keep_freed_blocks``, one arena for every thread and large blocks kept for reuse; without,
+    large blocks returned when freed. The environment variables of the settings made here (a
+    job's own is left to glibc)."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return []
+    if keep_freed_blocks:
+        settings = [
+            (ARENA_ENV, M_ARENA_MAX, 1),
+            (THRESHOLD_ENV, M_MMAP_THRESHOLD, KEPT_BLOCKS_THRESHOLD),
+            (TRIM_ENV, M_TRIM_THRESHOLD, KEPT_BLOCKS_TRIM),
+        ]
+    else:
+        settings = [(THRESHOLD_ENV, M_MMAP_THRESHOLD, RETURNED_BLOCKS_THRESHOLD)]
+    return [
+        env
+        for env, parameter, value in settings
+        if env not in os.environ and mallopt(parameter, value)
+    ]
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt``, or None elsewhere."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):  # not glibc
-        return False
+        return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return mallopt
 
 
 @functools.cache

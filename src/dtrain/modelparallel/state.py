@@ -135,10 +135,10 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         _check_running(config or {}, _state)
         return
     _auto_init = False
-    heap.keep_large_blocks_returnable()
     parameters = _merge(config or {}, job_parameters(ENV_PARAMETERS, "model-parallel parameters"))
     # Checked before joining the world, so a typo fails at once on every rank.
     values = validate_mp_parameters(parameters, where=WHERE)
+    heap.prepare(keeps_freed_blocks(values))  # before the world's threads allocate
     options = RuntimeOptions.from_environment()
     owns_world = _join_world(options.timeout, visible_gpus())
     try:
@@ -148,6 +148,13 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         if owns_world:
             dist.destroy_process_group()
         raise
+
+
+def keeps_freed_blocks(values: Mapping[str, Any]) -> bool:
+    """Whether a rank keeps the large blocks it frees for reuse (:mod:`.heap`): a pipeline
+    planned for speed; one planned for memory, or sharded data parallelism (which gathers and
+    frees parameters at every use), returns them."""
+    return bool(values["pipeline_parallel_degree"] > 1 and values["optimize"] == "speed")
 
 
 def request_auto_init() -> None:
