@@ -4,7 +4,9 @@ Scripts use it as SMP: ``import dtrain.modelparallel as smp`` (or, under ``dtrai
 ``import smdistributed.modelparallel.torch as smp``), then ``smp.init()``,
 ``smp.DistributedModel``, ``@smp.step``; large models are created inside
 ``smp.delay_param_initialization()`` or ``smp.model_creation()``. ``smp.nn`` holds SMP's
-tensor-parallel modules (imported on first use, so not in ``__all__``).
+tensor-parallel modules, ``smp.optimizers`` its ``FusedLAMB``,
+``smp.sharded_data_parallel_checkpoint`` the reading of a sharded partial checkpoint whole
+(imported on first use, so not in ``__all__``).
 """
 
 import importlib
@@ -79,11 +81,29 @@ from dtrain.modelparallel.tensor.marks import (
     tp_register_with_module,
 )
 
+ON_FIRST_USE = {
+    "nn": "dtrain.modelparallel.nn",
+    "optimizers": "dtrain.modelparallel.optimizers",
+    "sharded_data_parallel_checkpoint": "dtrain.modelparallel.api.sharded_checkpoint",
+}
+"""SMP's namespaces imported on first use: DTensor, which ``smp.nn`` needs, takes a second to
+import."""
+
+NOT_SERVED = {
+    "hvd_average_grads": (
+        "Horovod's gradient averaging (SMP's hybrid data parallelism with horovod: true): "
+        "dtrain has no Horovod; with ddp: true the gradients are averaged over the "
+        "data-parallel group at each step"
+    ),
+}
+"""SMP names AWS's scripts use that dtrain does not serve, and why."""
+
 
 def __getattr__(name: str) -> Any:
-    """``smp.nn`` is imported on first use: DTensor, which it needs, takes a second to import."""
-    if name == "nn":
-        return importlib.import_module("dtrain.modelparallel.nn")
+    if name in ON_FIRST_USE:
+        return importlib.import_module(ON_FIRST_USE[name])
+    if name in NOT_SERVED:
+        raise AttributeError(f"smp.{name}: not served: {NOT_SERVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -27,6 +27,7 @@ from dtrain.modelparallel.api.pipelined import PipelinedEngine
 from dtrain.modelparallel.api.precision import HalfParameters, LossScaling
 from dtrain.modelparallel.api.state_dicts import (
     DEGREES_KEY,
+    METADATA_KEYS,
     PARTIAL_KEY,
     check_degrees,
     degrees,
@@ -262,7 +263,7 @@ class DistributedModel(nn.Module):
         partial = bool(state_dict.get(PARTIAL_KEY, False))
         if partial and DEGREES_KEY in state_dict:
             check_degrees(state_dict[DEGREES_KEY], self._state, "load_state_dict")
-        values = {k: v for k, v in state_dict.items() if k not in (PARTIAL_KEY, DEGREES_KEY)}
+        values = {k: v for k, v in state_dict.items() if k not in METADATA_KEYS}
         if not partial:  # a model translated from HF takes its original's names too, as SMP's
             values = translated.from_hf(self.module, values)
         return self.engine.load_state_dict(values, partial, strict)

@@ -66,7 +66,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtrain.modelparallel import deferred
-from dtrain.modelparallel.api import initial
+from dtrain.modelparallel.api import deepspeed_names, initial
 from dtrain.modelparallel.api.engine import MakeBody
 from dtrain.modelparallel.api.precision import (
     HalfParameters,
@@ -77,7 +77,7 @@ from dtrain.modelparallel.api.precision import (
     half_dtype,
     overflowed,
 )
-from dtrain.modelparallel.api.state_dicts import check_keys
+from dtrain.modelparallel.api.state_dicts import PIECES_KEY, check_keys
 from dtrain.modelparallel.errors import ModelParallelError, NotInStepError
 from dtrain.modelparallel.modules import activations
 from dtrain.modelparallel.modules.backward import scaled_grads
@@ -216,6 +216,7 @@ class ShardedEngine:
         averages.restore_marks(module)  # onto FSDP2's shards: they lose the parameters' marks
         self._params = list(module.parameters())
         """Every sharded parameter: FSDP2 leaves their gradients the mean over the rdp ranks."""
+        deepspeed_names.mark_shards(self._params)
 
     @property
     def loss_scaling(self) -> LossScaling | None:
@@ -308,6 +309,7 @@ class ShardedEngine:
         self.stepped = self._stepping = True
         if st.tp_size > 1:  # put back where a conversion swapped them away
             averages.restore_marks(self.module)
+        deepspeed_names.mark_shards(self._params)  # likewise
         averages.carry_earlier(self._params, st)  # FSDP2 adds this step's to them; divided after
         try:
             results: list[MicrobatchResult] = [(True, body(mb)) for mb in range(count)]
@@ -341,10 +343,9 @@ class ShardedEngine:
         return param
 
     def adapt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """What AWS's sharded scripts read of SMP's sharded (DeepSpeed) optimizer: the model's
-        parameters by param group (their shapes are the whole ones), the last step's norm."""
-        optimizer.fp16_groups = [list(g["params"]) for g in optimizer.param_groups]  # type: ignore[attr-defined]
-        optimizer._global_grad_norm = 0.0  # type: ignore[attr-defined]
+        """What AWS's sharded scripts read of SMP's sharded (DeepSpeed) optimizer: DeepSpeed's
+        names for the shards (:mod:`.deepspeed_names`)."""
+        deepspeed_names.expose(optimizer, self._mesh.get_group(self._mesh.ndim - 1))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> Any:
         """The optimizer's ``step``, as SMP's sharded optimizer steps: with fp16 the gradients
@@ -443,13 +444,17 @@ class ShardedEngine:
                 module.reshard()
         return {name: tensor for name, tensor, _ in translated.named_state(self.module)}
 
-    def local_state_dict(self, cast_to_cpu: bool) -> dict[str, torch.Tensor]:
-        """This rank's shards of the parameters (and every buffer), by their full names."""
-        result = {}
+    def local_state_dict(self, cast_to_cpu: bool) -> dict[str, Any]:
+        """This rank's shards of the parameters (and every buffer), by their full names, and
+        where each shard lies in its whole tensor (:data:`.state_dicts.PIECES_KEY`)."""
+        result: dict[str, Any] = {}
+        pieces = {}
         for name, value in self._registered().items():
             local = dtensors.local(value).detach()
             result[name] = local.cpu() if cast_to_cpu else local
-        return result
+            if dtensors.is_distributed(value):
+                pieces[name] = (tuple(value.shape), dtensors.offset(value))
+        return {**result, PIECES_KEY: pieces}
 
     def load_state_dict(self, values: dict[str, Any], partial: bool, strict: bool) -> None:
         """Load a full state dict (every rank keeps its shards of it) or this rank's partial

@@ -19,6 +19,15 @@ DEGREES_KEY = "_dtrain_degrees"
 """The pipeline and tensor-parallel degrees a partial state dict was saved at: its tensors are
 one partition's (and one tp rank's shards), which load only at the same degrees."""
 
+PIECES_KEY = "_dtrain_pieces"
+"""In a sharded model's partial state: for each tensor that is a piece of a larger one (a
+DTensor's part), the whole tensor's shape and where the piece begins in it, so that the files of
+a partial checkpoint can be put back together without a job
+(:mod:`.sharded_checkpoint`)."""
+
+METADATA_KEYS = (PARTIAL_KEY, DEGREES_KEY, PIECES_KEY)
+"""What a model's state dict carries beside its tensors."""
+
 
 def degrees(st: state.MPState) -> dict[str, int]:
     """The degrees that lay a model's tensors out over the ranks, as a partial state names them."""

@@ -47,27 +47,48 @@ def saved(value: Any, full: bool) -> Any:
     return (whole(value) if full else local(value)).detach().cpu()
 
 
-def cut(what: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``value``, the whole value of ``like`` (itself when ``like`` is not
-    distributed), as a plain tensor: along ``like``'s mesh dimensions from the last (a tp
-    dimension) to the first, each ``torch.chunk``'s piece of this rank's coordinate (none for
-    a rank beyond the pieces), as DTensor and FSDP2 cut. By hand, as ``distribute_tensor``
-    refuses a tp shard that the shard group splits unevenly (FSDP2's ``_StridedShard``), which
-    FSDP2 itself allows. ``what`` names the value in errors."""
-    _check_shape(what, value, like.shape, whole_value=True)
-    if not is_distributed(like):
-        return value
+def _narrowings(like: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(dim, start, length)``: the narrowings of ``like``'s whole value, in order, that leave
+    this rank's part: along ``like``'s mesh dimensions from the last (a tp dimension) to the
+    first, each ``torch.chunk``'s piece of this rank's coordinate (an empty one for a rank
+    beyond the pieces), as DTensor and FSDP2 cut."""
     mesh = like.device_mesh  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "every rank is on the mesh of its parameters"
-    part = value
+    sizes = list(like.shape)
+    steps = []
     for dim in reversed(range(mesh.ndim)):
         along = getattr(like.placements[dim], "dim", None)  # type: ignore[attr-defined]
         if along is not None:  # Shard's and _StridedShard's
-            pieces = torch.chunk(part, mesh.size(dim), dim=along)
-            index = coordinate[dim]
-            part = pieces[index] if index < len(pieces) else part.narrow(along, 0, 0)
+            size = sizes[along]
+            chunk = -(-size // mesh.size(dim))
+            start = min(coordinate[dim] * chunk, size)
+            sizes[along] = min(chunk, size - start)
+            steps.append((along, start, sizes[along]))
+    return steps
+
+
+def cut(what: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value``, the whole value of ``like`` (itself when ``like`` is not
+    distributed), as a plain tensor (see :func:`_narrowings`). By hand, as
+    ``distribute_tensor`` refuses a tp shard that the shard group splits unevenly (FSDP2's
+    ``_StridedShard``), which FSDP2 itself allows. ``what`` names the value in errors."""
+    _check_shape(what, value, like.shape, whole_value=True)
+    if not is_distributed(like):
+        return value
+    part = value
+    for along, start, length in _narrowings(like):
+        part = part.narrow(along, start, length)
     return part
+
+
+def offset(like: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's part of ``like`` begins in its whole value, along each dimension."""
+    where = [0] * like.dim()
+    if is_distributed(like):
+        for along, start, _ in _narrowings(like):
+            where[along] += start
+    return tuple(where)
 
 
 def _check_shape(what: str, value: torch.Tensor, shape: torch.Size, whole_value: bool) -> None:

@@ -7,18 +7,27 @@ that needs it, so that the script's own ``smp.init(config)`` is merged with the 
 instead of being ignored.
 """
 
+import importlib
+import importlib.util
 import os
 from typing import Any
 
 from dtrain import modelparallel
 from dtrain.modelparallel import *  # noqa: F403  (the module is the API)
+from dtrain.modelparallel.api.smp_state import smp_state as state  # noqa: F401  (smp.state)
 
 __all__ = modelparallel.__all__
 
 
 def __getattr__(name: str) -> Any:
-    """What ``dtrain.modelparallel`` imports on first use (``smp.nn``)."""
-    return getattr(modelparallel, name)
+    """What ``dtrain.modelparallel`` imports on first use (``smp.nn``), else SMP's modules that
+    only this package has (``smp.model``, ``smp.utils``)."""
+    try:
+        return getattr(modelparallel, name)
+    except AttributeError:
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise
+        return importlib.import_module(f"{__name__}.{name}")
 
 
 def _auto_init() -> bool:

@@ -1,0 +1,5 @@
+"""``smdistributed.modelparallel.torch.optimizers``: see ``dtrain.modelparallel.optimizers``."""
+
+from dtrain.modelparallel.optimizers import FusedLAMB
+
+__all__ = ["FusedLAMB"]
