@@ -59,8 +59,10 @@ class DelayedParamIniter:
         }
         """The parameters to make, by name: the id of the parameter each name held."""
         self._made: set[str] = set()
+        self._device = _device(model)
         self._eager = None
-        if init_method_using_config is None and self._pending:
+        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if init_method_using_config is None and meta:
             self._eager = EagerCreation(model, WHAT)
 
     def get_param_init_fn(self) -> ModuleFn:
@@ -119,14 +121,17 @@ class DelayedParamIniter:
 
     def _init(self, module: nn.Module) -> None:
         prefix = self._prefix(module)
-        assert self._eager is not None, "made whenever a parameter has no memory"
-        device = _device(self.model)
         made = []
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is None or not tensor.is_meta:
                     continue
-                value = self._eager.value(prefix + name, device)
+                if self._eager is None:
+                    raise ModelParallelError(
+                        f"{WHAT}: {prefix + name} is on the meta device, but no tensor of the "
+                        "model was when the initer was made; make it once the model is created"
+                    )
+                value = self._eager.value(prefix + name, self._device)
                 swap_in(tensor, _laid_out(tensor, value))
                 made.append(tensor)
         self.count_num_params(module, *made)
@@ -143,10 +148,11 @@ class DelayedParamIniter:
 
 
 def _laid_out(like: Tensor, value: Tensor) -> Tensor:
-    """The whole ``value`` of ``like`` laid out as it: this rank's part of a DTensor."""
+    """The whole ``value`` of ``like`` laid out as it: this rank's part of a DTensor, a
+    contiguous copy (FSDP2 views it flat; a view would hold the whole value)."""
     if not isinstance(like, DTensor):
         return value
-    part = cut(WHAT, like, value)
+    part = cut(WHAT, like, value).clone(memory_format=torch.contiguous_format)
     return DTensor.from_local(
         part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
     )
