@@ -7,21 +7,19 @@ its attention and hidden states."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 from torch import Tensor, nn
 
+from tests.modelparallel import hf_cases
+
 VOCAB = 64
 SEQ = 8
 ROWS = 2
-HF_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+HF_ENV = hf_cases.HF_ENV
+"""The ranks' environment: offline and quiet, as importing ``hf_cases`` makes this process."""
 
 SIZES = {
     "vocab_size": VOCAB,

@@ -1,10 +1,10 @@
 """``load_state_dict_from_rank0``: the tp group of rank 0 takes the weights rank 0's model had
 before it was transformed (a pretrained model, loaded on rank 0 alone), each rank its part.
 
-Rank 0 keeps its model's tensors whole before they are split; once
-split, every tensor is sent to the ranks of its tp group as torch's ``distribute_tensor``
-sends a whole tensor from the group's first rank: a split one scattered (each rank receives its
-part only), a replicated one broadcast. The other ranks' models may be on the meta device: they
+Rank 0 keeps its model's tensors whole before they are split; once split, every tensor is sent
+to the ranks of its tp group as torch's ``distribute_tensor`` sends a whole tensor from the
+group's first rank: a split one scattered (each rank receives its part only), a replicated one
+broadcast. The other ranks' models may be on the meta device: they
 get real tensors. Other tp groups keep what they have; FSDP's ``sync_module_states`` copies the
 first tp group's weights to them, as SMP documents.
 """
@@ -31,8 +31,8 @@ def load_from_rank0(model: nn.Module, whole: dict[str, Tensor] | None, mesh: Dev
     device = torch.device(mesh.device_type)
     for name, tensor in named_tensors(model):
         placements = tensor.placements if isinstance(tensor, DTensor) else (Replicate(),)
-        if whole is not None:
-            source = whole[name].detach().to(device)
+        if whole is not None:  # each whole tensor let go once sent
+            source = whole.pop(name).detach().to(device)
         else:  # shaped as the whole tensor, no memory: only the part received is allocated
             source = torch.empty((), dtype=tensor.dtype, device=device).expand(tensor.shape)
         received = distribute_tensor(source, mesh, placements, src_data_rank=0)
