@@ -22,6 +22,7 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.averages import is_scaled_batch
 from dtrain.modelparallel.tensor.huggingface import inplace
+from dtrain.modelparallel.tensor.huggingface.family import HeadDropout, attention_dropout
 from tests.modelparallel import hf_cases
 from tests.modelparallel.harness import run_ranks, single_process
 from tests.modelparallel.models import seeded
@@ -440,10 +441,10 @@ def test_attention_dropout_above_zero_needs_eager_attention_at_tp_above_one(
     config._attn_implementation = implementation
     of = getattr(smp.nn.huggingface, family).FAMILY
     if refused is None:
-        inplace.attention_dropout(config, of, degree)
+        attention_dropout(config, of, degree)
     else:
         with pytest.raises(ModelParallelError, match=rf"config\.{refused}"):
-            inplace.attention_dropout(config, of, degree)
+            attention_dropout(config, of, degree)
 
 
 @pytest.mark.parametrize("inplace_", [False, True])
@@ -459,7 +460,7 @@ def test_head_dropout_draws_the_slice_of_one_processs_mask(
     for rank in range(2):
         torch.manual_seed(7)
         mine = probs[:, 2 * rank : 2 * rank + 2].clone()
-        with inplace.HeadDropout(rank, 2, "x"):
+        with HeadDropout(rank, 2, "x"):
             got = F.dropout(mine, p=0.1, training=True, inplace=inplace_)
             assert torch.equal(F.dropout(mine, p=0.1, training=False), mine)
             assert torch.equal(nn.Dropout(0.0)(mine), mine)
@@ -475,14 +476,14 @@ def test_feature_dropout_draws_the_slice_of_one_processs_mask() -> None:
     whole = F.dropout(features, p=0.5)
     for rank in range(2):
         torch.manual_seed(7)
-        with inplace.HeadDropout(rank, 2, "x", dim=-1):
+        with HeadDropout(rank, 2, "x", dim=-1):
             got = nn.Dropout(0.5)(features[..., 4 * rank : 4 * rank + 4])
         assert torch.equal(got, whole[..., 4 * rank : 4 * rank + 4])
 
 
 def test_head_dropout_refuses_what_is_not_attention_probabilities() -> None:
     with (
-        inplace.HeadDropout(0, 2, "smp.nn.huggingface.x"),
+        HeadDropout(0, 2, "smp.nn.huggingface.x"),
         pytest.raises(
             ModelParallelError,
             match=r"smp.nn.huggingface.x: .* shape \[3, 4\], where \[rows, heads",

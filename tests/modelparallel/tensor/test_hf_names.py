@@ -16,6 +16,7 @@ import dtrain.modelparallel as smp
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor import swap
 from dtrain.modelparallel.tensor.huggingface import inplace
+from dtrain.modelparallel.tensor.huggingface.family import HeadDropout, check_names, per_head
 from tests.modelparallel.harness import single_process
 from tests.modelparallel.tensor.test_hf import MODELS
 
@@ -31,7 +32,7 @@ def _check(model: nn.Module) -> None:
     """What ``parallelize`` checks, at tp > 1 with every dropout above 0."""
     family = getattr(smp.nn.huggingface, inplace.family_of(type(model)) or "").FAMILY
     for base in _bases(model, family):
-        inplace.check_names(base, family, True, family.split_dropout)
+        check_names(base, family, True, family.split_dropout)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_names_a_transformers_version_changed_are_refused_naming_family_and_vers
 
 def test_head_dropout_refuses_attention_that_drops_inside_its_kernel() -> None:
     q = torch.ones(1, 2, 3, 4)
-    with inplace.HeadDropout(0, 2, "smp.nn.huggingface.x"):
+    with HeadDropout(0, 2, "smp.nn.huggingface.x"):
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
         with pytest.raises(ModelParallelError, match=r"x: scaled_dot_product_attention with dr"):
             F.scaled_dot_product_attention(q, q, q, None, 0.1)
@@ -95,7 +96,7 @@ def test_attention_switched_after_wrapping_fails_where_it_drew_no_dropout(traini
     # dropout_p=0.1 in training), so the rank's heads would be dropped unlike one process.
     model = MODELS["llama"].build(attention_dropout=0.1).train(training)
     for layer in model.model.layers:
-        inplace._per_head(layer.self_attn, 0, 2, "smp.nn.huggingface.llama")
+        per_head(layer.self_attn, 0, 2, "smp.nn.huggingface.llama")
     ids = torch.arange(8).reshape(2, 4)
     model(input_ids=ids)  # eager: drawn per head (in training)
     model.set_attn_implementation("sdpa")
@@ -112,7 +113,7 @@ def test_a_module_whose_training_forward_draws_no_dropout_fails_naming_it() -> N
             return F.scaled_dot_product_attention(x, x, x)
 
     module = Attention()
-    inplace._per_head(module, 1, 2, "smp.nn.huggingface.x")
+    per_head(module, 1, 2, "smp.nn.huggingface.x")
     x = torch.ones(1, 2, 3, 4)
     with pytest.raises(ModelParallelError, match=r"x: Attention's forward drew no dropout"):
         module(x)

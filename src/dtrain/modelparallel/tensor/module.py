@@ -77,9 +77,13 @@ class DistributedModule(nn.Module):
 
 
 def split(what: str, name: str, value: int) -> int:
-    """``value`` (the size ``name`` of module ``what``) over the tp degree; it must divide
+    """``value`` (the size ``name`` of module ``what``) over the tp degree (:func:`split_over`)."""
+    return split_over(what, name, value, state.current(what).tp_size)
+
+
+def split_over(what: str, name: str, value: int, degree: int) -> int:
+    """``value`` (the size ``name`` of module ``what``) over tp ``degree``; it must divide
     evenly, since every rank holds an equal shard."""
-    degree = state.current(what).tp_size
     if value % degree:
         raise ModelParallelError(
             f"{what}: {name}={value} does not split over tensor_parallel_degree={degree}; "

@@ -129,7 +129,10 @@ def shard_load_hook(
 ) -> None:
     """``load_state_dict`` of whole tensors (a plain module's) into a distributed module."""
     assert isinstance(state_dict, dict)
-    tensors = [*module.named_parameters(prefix[:-1]), *module.named_buffers(prefix[:-1])]
+    tensors = [  # every name of a tied parameter: a state dict holds each
+        *module.named_parameters(prefix[:-1], remove_duplicate=False),
+        *module.named_buffers(prefix[:-1], remove_duplicate=False),
+    ]
     for key, tensor in tensors:
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):

@@ -11,12 +11,8 @@ input: the model keeps HF's names.
 from typing import Any
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.huggingface.inplace import (
-    Family,
-    hooks_refused,
-    in_place,
-    same_names,
-)
+from dtrain.modelparallel.tensor.huggingface.family import Family
+from dtrain.modelparallel.tensor.huggingface.inplace import hooks_refused, in_place, same_names
 
 
 def refuse_cross_attention(config: Any) -> None:

@@ -5,12 +5,8 @@ count. ``token_type_ids`` are refused, as for GPT-J (embedded with the word embe
 translation functions return their input: the model keeps HF's names.
 """
 
-from dtrain.modelparallel.tensor.huggingface.inplace import (
-    Family,
-    hooks_refused,
-    in_place,
-    same_names,
-)
+from dtrain.modelparallel.tensor.huggingface.family import Family
+from dtrain.modelparallel.tensor.huggingface.inplace import hooks_refused, in_place, same_names
 
 FAMILY = Family(
     name="gptneo",

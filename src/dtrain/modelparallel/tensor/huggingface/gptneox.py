@@ -29,7 +29,7 @@ import torch
 from dtrain.modelparallel import state
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.tensor.huggingface import causal
-from dtrain.modelparallel.tensor.huggingface.inplace import Family
+from dtrain.modelparallel.tensor.huggingface.family import Family
 from dtrain.modelparallel.tensor.marks import Args
 
 WHAT = "smp.nn.huggingface.gptneox"

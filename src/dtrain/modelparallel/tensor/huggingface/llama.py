@@ -7,7 +7,7 @@ rank's key/value heads by the same ratio, so attention needs no change; the key/
 must split too.
 """
 
-from dtrain.modelparallel.tensor.huggingface.inplace import Family
+from dtrain.modelparallel.tensor.huggingface.family import Family
 
 FAMILY = Family(
     name="llama",

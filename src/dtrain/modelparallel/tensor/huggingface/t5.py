@@ -22,7 +22,8 @@ hooks are refused.
 from typing import NoReturn
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.huggingface.inplace import BATCH_INPUTS, Family, same_names
+from dtrain.modelparallel.tensor.huggingface.family import BATCH_INPUTS, Family
+from dtrain.modelparallel.tensor.huggingface.inplace import same_names
 
 ATTENTION = ("layer.*.SelfAttention", "layer.*.EncDecAttention")
 

@@ -12,7 +12,8 @@ initialisation cannot be deferred, :mod:`dtrain.modelparallel.deferred`).
 from typing import NoReturn
 
 from dtrain.modelparallel.errors import ModelParallelError
-from dtrain.modelparallel.tensor.huggingface.inplace import Family, same_names
+from dtrain.modelparallel.tensor.huggingface.family import Family
+from dtrain.modelparallel.tensor.huggingface.inplace import same_names
 
 FAMILY = Family(
     name="vit",
