@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.fully_sharded_data_parallel import (
     FullyShardedDataParallel as TorchFSDP,
 )
+from torch.distributed.tensor import DTensor
 
 from dtrain.smpv2.post_init import ModuleFn, UnitInit
 from dtrain.smpv2.runtime import is_initialized, state
@@ -108,10 +110,24 @@ def _shard_over_layout(given: dict[str, Any]) -> None:
             check_hybrid_groups(strategy, devices, state.world_size // devices)
         return
     sharding = smp_sharding(strategy, state.hybrid_shard_degree, state.rep_size)
+    if sharding.strategy is ShardingStrategy.NO_SHARD and given["use_orig_params"]:
+        _check_no_dtensors(given["module"])
     if sharding.changed:
         warnings.warn(f"FullyShardedDataParallel: {sharding.changed}", stacklevel=3)
     given["sharding_strategy"] = sharding.strategy
     given["device_mesh"] = state.mesh(*sharding.mesh)
+
+
+def _check_no_dtensors(module: nn.Module) -> None:
+    """torch's FSDP1 cannot run NO_SHARD over tensor-parallel parameters with
+    ``use_orig_params=True``: its first step fails ("Cannot writeback when the parameter shape
+    changes"). Say so before training, naming the ways out."""
+    if any(isinstance(param, DTensor) for param in module.parameters()):
+        raise ValueError(
+            "FullyShardedDataParallel: hybrid_shard_degree 1 runs as NO_SHARD, which torch's "
+            "FSDP cannot run over tensor-parallel parameters with use_orig_params=True; set "
+            "hybrid_shard_degree to 2 or more, use_orig_params=False, or use fully_shard (FSDP2)"
+        )
 
 
 def _on_cuda() -> bool:
