@@ -40,6 +40,7 @@ from dtrain.config.smpv2 import (
 )
 from dtrain.dataparallel import process_group
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.smpv2.bindings import modules_holding_torch_fsdp
 from dtrain.smpv2.layout import GroupKind, Layout
 from dtrain.smpv2.rng import MODEL_PARALLEL_RNG, RngStateTracker
 
@@ -194,12 +195,14 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         raise
     object.__setattr__(state, "_running", running)
     state._assigned.clear()
-    if running.hybrid_shard_degree:
+    early = modules_holding_torch_fsdp() if running.hybrid_shard_degree else []
+    if early:
         warnings.warn(
-            f"tsm.init: the script's FSDP does not shard over these groups by itself yet in "
-            f"dtrain (hybrid_shard_degree {running.hybrid_shard_degree}, tensor_parallel_degree "
-            f"{running.tp_size}): an FSDP built without them shards as torch's does; pass "
-            'tsm.state.mesh("replicate", "hybrid_shard") to it',
+            f"tsm.init: {', '.join(early)} imported torch's FullyShardedDataParallel or "
+            "fully_shard before torch.sagemaker: an FSDP built through those names shards as "
+            f"torch's does, not over hybrid_shard_degree {running.hybrid_shard_degree} "
+            f"(tensor_parallel_degree {running.tp_size}); import torch.sagemaker first, or "
+            'pass tsm.state.mesh("replicate", "hybrid_shard") to FSDP',
             stacklevel=2,
         )
 

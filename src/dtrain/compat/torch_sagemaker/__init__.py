@@ -2,11 +2,15 @@
 
 This package is importable as ``torch.sagemaker`` (:mod:`dtrain.compat.graft`). Its modules follow
 SMP v2's import paths, as AWS's scripts import them; what dtrain does not implement yet is there
-too, and fails naming itself when used (:mod:`dtrain.smpv2.unavailable`).
+too, and fails naming itself when used (:mod:`dtrain.smpv2.unavailable`). Importing it puts SMP
+v2's FSDP under torch's names (:mod:`dtrain.compat.torch_fsdp`).
 """
 
+from dtrain.compat import torch_fsdp
 from dtrain.smpv2 import init, is_initialized, state
 from dtrain.smpv2.unavailable import Unavailable
+
+torch_fsdp.install()
 
 transform = Unavailable("torch.sagemaker.transform")
 
