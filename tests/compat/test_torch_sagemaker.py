@@ -100,3 +100,27 @@ def test_without_torchs_autoloading_only_the_rank_runner_gives_it(tmp_path: Path
         env={**os.environ, **off}, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert runner.returncode == 0 and runner.stdout.strip() == "False", runner.stderr
+
+
+FSDP_NAMES = """
+import torch.distributed.fsdp as fsdp
+before = (fsdp.FullyShardedDataParallel, fsdp.fully_shard)
+print(before[0].__module__, "dtrain" in before[1].__code__.co_filename)
+import torch.sagemaker
+from torch.distributed._composable.fsdp import fully_shard as older_home
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+print(FullyShardedDataParallel.__module__, fully_shard.__code__.co_filename.endswith("smpv2/fsdp.py"))
+print(issubclass(FullyShardedDataParallel, before[0]), fully_shard.__wrapped__ is before[1])
+print(older_home is fully_shard, fully_shard.state is before[1].state)
+"""
+
+
+def test_torchs_fsdp_names_are_smps_where_torch_sagemaker_is_imported(tmp_path: Path) -> None:
+    """An interpreter that has not imported torch.sagemaker has torch's own FSDP; importing it
+    rebinds torch.distributed.fsdp's names (and FSDP2's older home) to dtrain's, in memory."""
+    names = fresh_python(FSDP_NAMES, tmp_path)
+    assert names.returncode == 0, names.stderr
+    before, after, *checks = names.stdout.split("\n")[:4]
+    assert before == "torch.distributed.fsdp.fully_sharded_data_parallel False"
+    assert after == "dtrain.smpv2.fsdp True"  # fully_shard: dtrain's wrapper, in dtrain's file
+    assert checks == ["True True", "True True"]

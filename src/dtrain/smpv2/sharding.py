@@ -56,6 +56,7 @@ def smp_sharding(asked: ShardingStrategy | None, shard_ranks: int, replicas: int
     shard degree), ``replicas`` shard groups; ``asked`` is the script's strategy (``None``:
     torch's default, ``FULL_SHARD``)."""
     wanted = asked or ShardingStrategy.FULL_SHARD
+    mesh: tuple[str, ...]
     if shard_ranks == 1:
         run, mesh = ShardingStrategy.NO_SHARD, ("replicate",)
         visible = wanted is not run and replicas > 1
