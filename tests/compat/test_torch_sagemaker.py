@@ -109,7 +109,8 @@ print(before[0].__module__, "dtrain" in before[1].__code__.co_filename)
 import torch.sagemaker
 from torch.distributed._composable.fsdp import fully_shard as older_home
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-print(FullyShardedDataParallel.__module__, fully_shard.__code__.co_filename.endswith("smpv2/fsdp.py"))
+mine = fully_shard.__code__.co_filename.endswith("smpv2/fsdp.py")
+print(FullyShardedDataParallel.__module__, mine)
 print(issubclass(FullyShardedDataParallel, before[0]), fully_shard.__wrapped__ is before[1])
 print(older_home is fully_shard, fully_shard.state is before[1].state)
 """
