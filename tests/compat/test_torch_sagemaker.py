@@ -18,15 +18,15 @@ from dtrain.smpv2.unavailable import NotAvailableYet, Unavailable
 # torch.sagemaker (train_lib.py, train_utils.py, checkpoints.py, fsdp_utils.py), and AWS's
 # reference adds: served by dtrain ...
 SERVED = {
-    "torch.sagemaker": ["init", "is_initialized", "state"],
+    "torch.sagemaker": ["init", "is_initialized", "state", "transform"],
+    "torch.sagemaker.delayed_param": ["DelayedParamIniter"],
+    "torch.sagemaker.tensor_parallel.transformer": ["TransformerLayer"],
     "torch.sagemaker.logger": ["get_logger"],
     "torch.sagemaker.utils.utils": ["timeit"],
     "torch.sagemaker.utils.process_group_utils": ["get_global_ranks"],
 }
 # ... and not yet: each fails naming itself when used.
 NOT_YET = {
-    "torch.sagemaker": ["transform"],
-    "torch.sagemaker.delayed_param": ["DelayedParamIniter"],
     "torch.sagemaker.grad_norm": ["clip_grad_norm_"],
     "torch.sagemaker.checkpoint.utils": ["SORT_BY_LAST_INT", "limit_num_subdirs"],
     "torch.sagemaker.distributed.checkpoint.state_dict_saver": [
@@ -44,7 +44,7 @@ NOT_YET = {
     "torch.sagemaker.moe.moe_layer": ["MoELayer"],
     "torch.sagemaker.nn.attn": ["FlashSelfAttention", "FlashGroupedQueryAttention"],
     "torch.sagemaker.nn.huggingface.llama_flashattn": ["LlamaFlashAttention"],
-    "torch.sagemaker.tensor_parallel.transformer": ["TransformerLayer", "TETransformerLayer"],
+    "torch.sagemaker.tensor_parallel.transformer": ["TETransformerLayer"],
 }  # fmt: skip
 
 

@@ -47,7 +47,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_sharded_data_parallel as torch_fsdp1
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtrain.smpv2 import shutdown
 
@@ -172,8 +171,8 @@ class Case:
     """AWS's recipe: reentrant activation checkpointing of the decoder layers, then torch's
     ``offload_wrapper`` on the whole model."""
     tensor_parallel: bool = False
-    """The decoder layers' linear layers split over ``tsm.state.mesh("tp")`` by torch's tensor
-    parallelism (DTensors on the tp mesh, what ``tsm.transform`` gives FSDP), before FSDP."""
+    """Split over ``tsm.state``'s tp group by ``tsm.transform`` (DTensors on the tp mesh), before
+    FSDP, as AWS's scripts do."""
 
 
 def train_cases(cases: list[Case]) -> list[Trained | str | None]:
@@ -221,7 +220,7 @@ def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
     layer = _layer(case.family)
     model = build(case.family)
     if case.tensor_parallel:
-        _split_over_tp(model, layer)
+        model = tsm.transform(model)
     if case.fsdp == "fsdp2":
         for module in model.modules():
             if isinstance(module, layer):
@@ -257,28 +256,6 @@ def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
         # AWS's script reads the FSDP's process group through the wrapper.
         extra["process_group"] = dist.get_process_group_ranks(model.process_group)
     return model, extra
-
-
-LLAMA_TP_PLAN = {
-    **dict.fromkeys(
-        [
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ],
-        ColwiseParallel(),
-    ),
-    **dict.fromkeys(["self_attn.o_proj", "mlp.down_proj"], RowwiseParallel()),
-}
-"""Megatron's split of a Llama layer: heads and the MLP's inner width over the tp ranks."""
-
-
-def _split_over_tp(model: nn.Module, layer: type[nn.Module]) -> None:
-    for module in model.modules():
-        if isinstance(module, layer):
-            parallelize_module(module, tsm.state.mesh("tp"), LLAMA_TP_PLAN)
 
 
 def _compute_dtypes(model: nn.Module) -> set[torch.dtype]:

@@ -2,8 +2,8 @@
 global batch (:mod:`tests.smpv2.fsdp_cases`): hybrid shard degree 2 over 2 replicas, with FSDP1
 as AWS's scripts build it (the script's HYBRID_SHARD, or FULL_SHARD, which SMP runs as
 HYBRID_SHARD) and with FSDP2's ``fully_shard``; hybrid shard degree 1 (4 replicas, no sharding);
-tensor parallel degree 2 x hybrid shard degree 2, the layers split over the tp mesh by torch's
-tensor parallelism (DTensors, as ``tsm.transform`` gives FSDP) under FSDP1 and FSDP2.
+tensor parallel degree 2 x hybrid shard degree 2, the model split over the tp mesh by
+``tsm.transform`` (DTensors) under FSDP1 and FSDP2.
 
 3 SGD steps of tiny Llama and GPT-NeoX models; every case in one world of 4 gloo ranks.
 """

@@ -8,10 +8,8 @@ v2's FSDP under torch's names (:mod:`dtrain.compat.torch_fsdp`).
 
 from dtrain.compat import torch_fsdp
 from dtrain.smpv2 import init, is_initialized, state
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.api import transform
 
 torch_fsdp.install()
-
-transform = Unavailable("torch.sagemaker.transform")
 
 __all__ = ["init", "is_initialized", "state", "transform"]

@@ -1,5 +1,5 @@
 """``torch.sagemaker.delayed_param``: creating a model's parameters once FSDP has sharded it."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.delayed_param import DelayedParamIniter
 
-DelayedParamIniter = Unavailable("torch.sagemaker.delayed_param.DelayedParamIniter")
+__all__ = ["DelayedParamIniter"]
