@@ -13,6 +13,7 @@ import torch.sagemaker as tsm  # before torch, as a script may
 import copy
 import json
 import os
+import sys
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  (registers the backend)
 import torch
@@ -45,7 +46,10 @@ report = {
     "fsdp_mesh": state.mesh("replicate", "hybrid_shard").mesh.tolist(),
     "launcher": sorted(name for name in os.environ if name.startswith(LAUNCHER)),
 }  # fmt: skip
-print("STATE " + json.dumps(report), flush=True)
+# One write: under torchrun both ranks share one pipe, and print's text and newline would be two
+# writes where Python's output is unbuffered (PYTHONUNBUFFERED), letting the other rank's between.
+sys.stdout.write("STATE " + json.dumps(report) + "\n")
+sys.stdout.flush()
 get_logger().info("state read on rank %d", rank)
 
 torch.manual_seed(0)
