@@ -32,6 +32,8 @@ from dtrain.modelparallel.api.state_dicts import (
     check_degrees,
     degrees,
 )
+from dtrain.modelparallel.modules import activations
+from dtrain.modelparallel.modules.caches import without_cache
 from dtrain.modelparallel.modules.tasks import MicrobatchResult
 from dtrain.modelparallel.plan.partition import PartitionPlan
 from dtrain.modelparallel.scheduling.route import RouteSchedule
@@ -96,6 +98,8 @@ class DistributedModel(nn.Module):
         state.register_model(self)
         self.module = module
         self.average_grads_across_microbatches = average_grads_across_microbatches
+        self._checkpointing: bool | None = None
+        """Whether activation checkpointing marked some module: known at the first call."""
         self._post_partition_hooks: OrderedDict[int, Callable[[DistributedModel], None]] = (
             OrderedDict()  # a RemovableHandle holds a weak reference to it: not a plain dict
         )
@@ -118,7 +122,9 @@ class DistributedModel(nn.Module):
     # --- calling the model -------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine.forward(args, kwargs)
+        if self._checkpointing is None:  # marks are made before the first step
+            self._checkpointing = activations.marks_inside(self.module)
+        return self.engine.forward(args, without_cache(self.module, kwargs, self._checkpointing))
 
     def backward(
         self,

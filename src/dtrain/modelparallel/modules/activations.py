@@ -101,6 +101,13 @@ def kept_whole(root: nn.Module) -> set[str]:
     return {names[id(m)] for m in marked}
 
 
+def marks_inside(root: nn.Module) -> bool:
+    """Whether some module of ``root`` is marked for checkpointing."""
+    inside = {id(m) for m in root.modules()}
+    with _lock:
+        return any(id(m) in inside for m in _marks)
+
+
 def checkpointing_partitions(root: nn.Module, owners: dict[str, int]) -> set[int]:
     """The partitions that run a part of ``root``'s marked modules (by ``owners``, module name
     to partition): their backwards recompute, so they run whole (see
