@@ -22,6 +22,6 @@ from dtrain.smpv2.fsdp import FullyShardedDataParallel, fully_shard
 
 def install() -> None:
     """Rebind torch's FSDP names to SMP v2's; idempotent."""
-    fsdp.FullyShardedDataParallel = FullyShardedDataParallel  # type: ignore[misc]
+    fsdp.FullyShardedDataParallel = FullyShardedDataParallel  # type: ignore[misc]  # rebinding a class name is the point
     fsdp.fully_shard = fully_shard
     composable_fsdp.fully_shard = fully_shard

@@ -52,8 +52,8 @@ def mark_shards(params: Iterable[torch.Tensor]) -> None:
     """Give every parameter its ``ds_tensor``, as DeepSpeed's partitioned parameters have."""
     for param in params:
         shard = flat_shard(param)
-        shard.ds_numel = shard.numel()  # type: ignore[attr-defined]
-        param.ds_tensor = shard  # type: ignore[attr-defined]
+        shard.ds_numel = shard.numel()  # type: ignore[attr-defined]  # DeepSpeed's name
+        param.ds_tensor = shard  # type: ignore[attr-defined]  # DeepSpeed's name
 
 
 class FlatGroup:

@@ -215,7 +215,7 @@ class DistributedModel(nn.Module):
         for name, tensor, is_param in self._local_state(persistent_only=True):
             if is_param and id(tensor) not in seen:
                 seen.add(id(tensor))
-                yield name, tensor  # type: ignore[misc]
+                yield name, tensor  # type: ignore[misc]  # is_param: it is an nn.Parameter
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         for _, param in self.local_named_parameters():
@@ -249,7 +249,7 @@ class DistributedModel(nn.Module):
         partial = {PARTIAL_KEY: True, DEGREES_KEY: degrees(self._state)}
         return {**self.engine.local_state_dict(cast_to_cpu), **partial}
 
-    def state_dict(  # type: ignore[override]
+    def state_dict(  # type: ignore[override]  # SMP's keywords beside nn.Module's
         self,
         *args: Any,
         cast_to_cpu: bool = True,
@@ -260,7 +260,7 @@ class DistributedModel(nn.Module):
         del args, kwargs, gather_to_rank0  # every rank gets the whole dict
         return self.engine.state_dict()
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(  # type: ignore[override]  # SMP's signature, not nn.Module's
         self, state_dict: dict[str, Any], strict: bool = True
     ) -> Any:
         """Load a full or a partial (``local_state_dict``) state; before the first step a

@@ -84,7 +84,7 @@ def DistributedOptimizer(
         adapter.prune()
         run = original_step if adapter.zero is None else adapter.zero_step
         result = engine.optimizer_step(self, lambda: run(*args, **kwargs))
-        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped  # type: ignore[attr-defined]
+        self.overflow = model.loss_scaling is not None and model.loss_scaling.skipped  # type: ignore[attr-defined]  # SMP's attribute on the script's optimizer
         return result
 
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -92,18 +92,18 @@ def DistributedOptimizer(
         adapter.zero_distributed_grads(set_to_none)
         engine.zero_grad()
 
-    optimizer.overflow = False  # type: ignore[attr-defined]
+    optimizer.overflow = False  # type: ignore[attr-defined]  # SMP's attribute
     """SMP's: whether the last ``step()`` was skipped, an fp16 gradient having overflowed on some
     rank (AWS's scripts then leave the learning rate where it was)."""
     engine.adapt_optimizer(optimizer)
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-    optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]
-    optimizer.local_optimizer_state_dict = adapter.local_optimizer_state_dict  # type: ignore[attr-defined]
-    optimizer.local_fp16_state_dict = adapter.local_fp16_state_dict  # type: ignore[attr-defined]
-    optimizer.local_state_dict = adapter.local_state_dict  # type: ignore[attr-defined]
-    optimizer.state_dict = adapter.state_dict  # type: ignore[method-assign]
-    optimizer.load_state_dict = adapter.load_state_dict  # type: ignore[method-assign]
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]  # SMP patches the script's optimizer
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]  # SMP patches the script's optimizer
+    optimizer.clip_master_grads = adapter.clip_master_grads  # type: ignore[attr-defined]  # SMP's method
+    optimizer.local_optimizer_state_dict = adapter.local_optimizer_state_dict  # type: ignore[attr-defined]  # SMP's method
+    optimizer.local_fp16_state_dict = adapter.local_fp16_state_dict  # type: ignore[attr-defined]  # SMP's method
+    optimizer.local_state_dict = adapter.local_state_dict  # type: ignore[attr-defined]  # SMP's method
+    optimizer.state_dict = adapter.state_dict  # type: ignore[method-assign]  # SMP's state, not torch's
+    optimizer.load_state_dict = adapter.load_state_dict  # type: ignore[method-assign]  # SMP's state, not torch's
     state.register_optimizer(optimizer)
     return optimizer
 

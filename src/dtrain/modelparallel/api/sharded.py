@@ -368,7 +368,7 @@ class ShardedEngine:
         finally:
             self._unscaled = False
             self._measured = None
-        optimizer._global_grad_norm = self.grad_norm  # type: ignore[attr-defined]
+        optimizer._global_grad_norm = self.grad_norm  # type: ignore[attr-defined]  # SMP's attribute, read by scripts
         return result
 
     def clip_master_grads(self, max_norm: float, norm_type: float) -> float:

@@ -17,10 +17,10 @@ def get_distribution_axis(tensor: torch.Tensor) -> int | None:
     if mesh is None or not dtensors.is_distributed(tensor):
         return None
     tp_name = (mesh.mesh_dim_names or ("",))[0]
-    names = tensor.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    names = tensor.device_mesh.mesh_dim_names or ()
     if tp_name not in names:
         return None
-    placement = tensor.placements[names.index(tp_name)]  # type: ignore[attr-defined]
+    placement = tensor.placements[names.index(tp_name)]
     return getattr(placement, "dim", None)
 
 

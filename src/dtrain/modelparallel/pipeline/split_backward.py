@@ -73,6 +73,7 @@ class WeightHalf:
         groups' autograd calls."""
         while self.groups:
             group = self.groups.pop(0)
+            # roots may be GradientEdges, which backward takes though its types say Tensors
             torch.autograd.backward(group.roots, group.grads, inputs=group.weights)  # type: ignore[arg-type]
             if self.groups:
                 between()

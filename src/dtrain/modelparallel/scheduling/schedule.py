@@ -150,8 +150,9 @@ class Action:
                 f"action: got {text!r}; expected a kind ({', '.join(KINDS)}) then a microbatch, "
                 "e.g. 'F3' or 'SEND_B0'"
             )
-        explicit_stage, kind, microbatch = match.groups()
-        return cls(kind, int(microbatch), int(explicit_stage) if explicit_stage else stage)  # type: ignore[arg-type]
+        explicit_stage, kind, microbatch = match.groups()  # the pattern admits KINDS only
+        stage = int(explicit_stage) if explicit_stage else stage
+        return cls(kind, int(microbatch), stage)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def with_messages(kind: str, mb: int, stage: int, stages: int) -> list[Action]:
     """A compute action (planned, or a recorded period) with the chain's messages around it:
     the receives of what it needs from other stages, the sends of what they need from it."""
     return [
-        Action(k, mb, stage)  # type: ignore[arg-type]
+        Action(k, mb, stage)  # type: ignore[arg-type]  # the rules give kinds of KINDS only
         for k in (*receives(kind, stage, stages), kind, *sends(kind, stage, stages))
     ]
 

@@ -13,14 +13,18 @@ it until a DTensor is given (:func:`is_distributed` asks ``sys.modules``: none e
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtrain.modelparallel.errors import ModelParallelError
 
+if TYPE_CHECKING:  # annotations only: neither is imported when running
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
-def is_distributed(tensor: Any) -> bool:
+
+def is_distributed(tensor: Any) -> TypeIs[DTensor]:
     """Whether ``tensor`` is a DTensor (a shard, or a replica kept by its mesh's ranks)."""
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
@@ -29,13 +33,13 @@ def is_distributed(tensor: Any) -> bool:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``, a plain tensor sharing its memory."""
-    return tensor.to_local() if is_distributed(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if is_distributed(tensor) else tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full value of ``tensor`` on every rank of its mesh (a collective for a DTensor,
     such as a shard's norm or a partial sum)."""
-    return tensor.full_tensor() if is_distributed(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.full_tensor() if is_distributed(tensor) else tensor
 
 
 def saved(value: Any, full: bool) -> Any:
@@ -47,18 +51,18 @@ def saved(value: Any, full: bool) -> Any:
     return (whole(value) if full else local(value)).detach().cpu()
 
 
-def _narrowings(like: torch.Tensor) -> list[tuple[int, int, int]]:
+def _narrowings(like: DTensor) -> list[tuple[int, int, int]]:
     """``(dim, start, length)``: the narrowings of ``like``'s whole value, in order, that leave
     this rank's part: along ``like``'s mesh dimensions from the last (a tp dimension) to the
     first, each ``torch.chunk``'s piece of this rank's coordinate (an empty one for a rank
     beyond the pieces), as DTensor and FSDP2 cut."""
-    mesh = like.device_mesh  # type: ignore[attr-defined]
+    mesh = like.device_mesh
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "every rank is on the mesh of its parameters"
     sizes = list(like.shape)
     steps = []
     for dim in reversed(range(mesh.ndim)):
-        along = getattr(like.placements[dim], "dim", None)  # type: ignore[attr-defined]
+        along = getattr(like.placements[dim], "dim", None)
         if along is not None:  # Shard's and _StridedShard's
             size = sizes[along]
             chunk = -(-size // mesh.size(dim))
