@@ -3,8 +3,8 @@ backend, ``tsm.init()``, ``tsm.state``; then one FSDP step over smddp's all-gath
 reduce-scatter, with FSDP1 as AWS's scripts wrap models (hybrid sharding) and with FSDP2, both on
 ``tsm.state``'s mesh, each checked against one process's step on the whole batch.
 
-Prints ``STATE <json>`` (what the script reads from ``tsm.state``, and the names of the launcher's
-variables it got) and ``FSDP OK`` per rank.
+Prints ``STATE <json>`` (what the script reads from ``tsm.state``, and the launcher's variables it
+got) and ``FSDP OK`` per rank.
 """
 
 import torch.sagemaker as tsm  # before torch, as a script may
@@ -44,7 +44,7 @@ report = {
     "dp_rank": rank // (state.tensor_parallel_degree * state.context_parallel_degree),
     "offloading": state.sm_activation_offloading,
     "fsdp_mesh": state.mesh("replicate", "hybrid_shard").mesh.tolist(),
-    "launcher": sorted(name for name in os.environ if name.startswith(LAUNCHER)),
+    "launcher": {name: value for name, value in os.environ.items() if name.startswith(LAUNCHER)},
 }  # fmt: skip
 # One write: under torchrun both ranks share one pipe, and print's text and newline would be two
 # writes where Python's output is unbuffered (PYTHONUNBUFFERED), letting the other rank's between.

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
+
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from dtrain.config.distribution import resolve_distribution
 from dtrain.jobs.spec import JobSpec
@@ -44,3 +48,41 @@ def test_rank_environment_follows_each_hosts_address_interface_and_cores() -> No
     }  # fmt: skip
     shared = LaunchPlan(spec, distribution, (host("algo-1", "m"), host("algo-2", "m")))
     assert shared.defaults(0)["OMP_NUM_THREADS"] == "2"  # 8 cores, 4 ranks on the machine
+
+
+def torchrun_worker_variables() -> set[str]:
+    """The variables torchrun's agent gives every worker, read from torch's own source
+    (``LocalElasticAgent._start_workers``'s table, and ``LOCAL_RANK``), so that one torch adds
+    shows here."""
+    source = inspect.getsource(LocalElasticAgent._start_workers)
+    return set(re.findall(r'"([A-Z][A-Z_]+)": ', source)) | {"LOCAL_RANK"}
+
+
+def test_torch_distributed_ranks_get_the_values_torchrun_gives() -> None:
+    """SageMaker starts a ``torch_distributed`` job as ``torchrun --nnodes 2 --nproc-per-node 2
+    --node-rank H`` on host H; each rank gets what torchrun's agent would give it there."""
+    spec = JobSpec("train.py", "v2-job", instance_count=2, instance_type="local_cpu")
+    distribution = resolve_distribution(
+        {"torch_distributed": {"enabled": True}},
+        instance_count=2,
+        processes_per_host=2,
+        default_processes_per_host=1,
+    )
+    hosts = (host("algo-1", "a", address="10.0.0.1"), host("algo-2", "b", address="10.0.0.2"))
+    plan = LaunchPlan(spec, distribution, hosts)
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        env = {**plan.defaults(node), **plan.rank_env(rank, master_port=29400, attempt=1)}
+        expected = {
+            "RANK": rank, "LOCAL_RANK": local, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2,
+            "GROUP_RANK": node, "GROUP_WORLD_SIZE": 2,
+            "ROLE_NAME": "default", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": 4,
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": 29400,  # algo-1's, on every host
+            "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
+            "TORCHELASTIC_RUN_ID": "v2-job", "TORCHELASTIC_USE_AGENT_STORE": True,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1,
+        }  # fmt: skip
+        assert set(expected) == torchrun_worker_variables()
+        assert {name: env.get(name) for name in expected} == {
+            name: str(value) for name, value in expected.items()
+        }, rank

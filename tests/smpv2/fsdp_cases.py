@@ -2,7 +2,8 @@
 process: tiny Hugging Face Llama and GPT-NeoX models (random weights, nothing downloaded) and the
 recipes each test file trains in one world.
 
-On every rank :func:`train_cases` joins one gloo world and, per :class:`Case`, runs
+On every rank :func:`train_cases` joins one world (gloo, or dtrain's ``smddp``, AWS's scripts'
+backend) and, per :class:`Case`, runs
 ``tsm.init(case.parameters)``, builds the model as AWS's ``train_lib.py`` does (FSDP1 with
 ``transformer_auto_wrap_policy`` over the decoder layers, ``use_orig_params``, a ``device_id``;
 or FSDP2's ``fully_shard`` per layer and on the root), trains ``STEPS`` SGD steps on its
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import fully_sharded_data_parallel as torch_fsdp1
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
+from dtrain.dataparallel import process_group
 from dtrain.smpv2 import shutdown
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,10 +177,11 @@ class Case:
     FSDP, as AWS's scripts do."""
 
 
-def train_cases(cases: list[Case]) -> list[Trained | str | None]:
-    """On every rank: each case in turn (see the module's docstring). Rank 0 returns a
-    ``Trained`` per case (or the error a case raised, as text); other ranks None."""
-    dist.init_process_group("gloo")
+def train_cases(cases: list[Case], backend: str = "gloo") -> list[Trained | str | None]:
+    """On every rank: each case in turn in a world of ``backend`` (see the module's docstring).
+    Rank 0 returns a ``Trained`` per case (or the error a case raised, as text); other ranks
+    None."""
+    process_group.init_process_group(backend)
     results: list[Trained | str | None] = []
     for case in cases:
         with warnings.catch_warnings(record=True) as caught:
@@ -227,6 +230,8 @@ def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
                 fully_shard(module)
         fully_shard(model)
         extra["meshes"] = {str(p.device_mesh.mesh.tolist()) for p in model.parameters()}
+        shard_group = tsm.state.mesh("replicate", "hybrid_shard").get_group(1)
+        extra["backend"] = dist.get_backend(shard_group)
         return model, extra
     options: dict[str, Any] = {}
     if case.delayed:
@@ -246,6 +251,7 @@ def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
         **options,
     )  # fmt: skip
     extra["process_group"] = dist.get_process_group_ranks(model.process_group)
+    extra["backend"] = dist.get_backend(model.process_group)
     extra["compute_dtypes"] = _compute_dtypes(model)
     if case.offloading:
         wrap = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)

@@ -4,7 +4,9 @@ degree 2, with the script's HYBRID_SHARD or FULL_SHARD; FSDP2's ``fully_shard``;
 precision; delayed creation with SMP's ``post_param_init_fn``; activation offloading. And torch's
 own FSDP1 with HYBRID_SHARD and no groups, the issue's fact, does not.
 
-3 SGD steps of tiny Llama and GPT-NeoX models; every case in one world of 2 gloo ranks.
+3 SGD steps of tiny Llama and GPT-NeoX models; every case in one world of 2 ranks over dtrain's
+``smddp`` backend, as AWS's scripts join it (``test_fsdp_world4.py``'s world is gloo's): FSDP's
+all-gathers and reduce-scatters go through it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ a gradient not averaged over the replicas would be 7e-3 off."""
 
 @pytest.fixture(scope="module")
 def world() -> dict[str, Trained | str]:
-    rank0, _ = run_ranks(2, train_cases, list(CASES.values()), timeout=240, env=HF_ENV)
+    rank0, _ = run_ranks(2, train_cases, list(CASES.values()), "smddp", timeout=240, env=HF_ENV)
     return dict(zip(CASES, rank0, strict=True))
 
 
@@ -80,6 +82,7 @@ def test_hybrid_shard_2_trains_like_one_process(world: dict[str, Trained | str],
         assert got.extra["process_group"] == [0, 1]
     else:
         assert got.extra["meshes"] == {"[[0, 1]]"}  # (replicate, hybrid_shard)
+    assert got.extra["backend"] == "smddp"  # the groups FSDP shards over are smddp's
 
 
 def test_bf16_mixed_precision_trains_like_the_one_process_bf16_recipe(

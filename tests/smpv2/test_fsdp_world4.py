@@ -3,7 +3,8 @@ global batch (:mod:`tests.smpv2.fsdp_cases`): hybrid shard degree 2 over 2 repli
 as AWS's scripts build it (the script's HYBRID_SHARD, or FULL_SHARD, which SMP runs as
 HYBRID_SHARD) and with FSDP2's ``fully_shard``; hybrid shard degree 1 (4 replicas, no sharding);
 tensor parallel degree 2 x hybrid shard degree 2, the model split over the tp mesh by
-``tsm.transform`` (DTensors) under FSDP1 and FSDP2.
+``tsm.transform`` (DTensors) under FSDP1 and FSDP2, and with activation offloading as AWS's
+script applies it (``sm_activation_offloading``).
 
 3 SGD steps of tiny Llama and GPT-NeoX models; every case in one world of 4 gloo ranks.
 """
@@ -28,6 +29,7 @@ CASES = {
     "llama_hsd1": Case("llama", {"hybrid_shard_degree": 1}),
     "tp_hybrid": Case("llama", TP2_HSD2, tensor_parallel=True),
     "tp_fully_shard": Case("llama", TP2_HSD2, fsdp="fsdp2", tensor_parallel=True),
+    "tp_offloading": Case("llama", TP2_HSD2, tensor_parallel=True, offloading=True),
     "tp_hsd1": Case(
         "llama", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, tensor_parallel=True
     ),
@@ -92,6 +94,14 @@ def test_tp_2_x_hybrid_shard_2_trains_like_one_process(
         assert got.extra["process_group"] == [0, 2]  # rank 0's shard group: same tp rank
     else:  # the embeddings over (replicate, hybrid_shard), the split layers with tp too
         assert got.extra["meshes"] == {"[[0, 2]]", "[[[0, 1], [2, 3]]]"}
+
+
+def test_activation_offloading_over_tensor_parallel_parameters(
+    world: dict[str, Trained | str],
+) -> None:
+    """torch's ``offload_wrapper`` fails on DTensor weights; the one ``torch.sagemaker`` serves
+    under its name offloads them (:mod:`dtrain.smpv2.offload`)."""
+    assert_trains_like(world["tp_offloading"], reference("llama"))
 
 
 def test_fsdp1_refuses_no_shard_over_tensor_parallel_parameters(

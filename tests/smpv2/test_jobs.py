@@ -28,6 +28,9 @@ TORCHRUN_ONLY = {
     "reports a failed rank's traceback itself",
     "TORCHELASTIC_SIGNALS_TO_HANDLE": "torchrun's own setting (its agent reads it), inherited",
 }
+PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+"""Where each launch puts its store and what it names its run; every other variable torchrun
+gives a rank, dtrain gives it with the same value."""
 
 
 def states(stdout: str) -> dict[int, dict[str, Any]]:
@@ -85,6 +88,9 @@ def test_smp_v2_script_under_dtrain_run_and_under_torchrun(
     assert torchrun.stdout.count("FSDP OK") == 2
     under_torchrun = states(torchrun.stdout)
     for rank in (0, 1):
-        launched = set(under_torchrun[rank].pop("launcher"))
-        assert launched - set(TORCHRUN_ONLY) <= set(in_job[rank].pop("launcher"))
+        launched = under_torchrun[rank].pop("launcher")
+        given = in_job[rank].pop("launcher")
+        assert launched.keys() - TORCHRUN_ONLY.keys() <= given.keys()
+        same = launched.keys() - TORCHRUN_ONLY.keys() - PER_LAUNCH
+        assert {name: given[name] for name in same} == {name: launched[name] for name in same}
         assert under_torchrun[rank] == in_job[rank]
