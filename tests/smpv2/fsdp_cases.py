@@ -86,7 +86,7 @@ def _neox() -> nn.Module:
     return GPTNeoXForCausalLM._from_config(config, attn_implementation="eager")
 
 
-def _layer(family: str) -> type[nn.Module]:
+def decoder_layer(family: str) -> type[nn.Module]:
     """The decoder layer AWS's ``fsdp_utils.get_transformer_layer`` names for the family."""
     if family == "neox":
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
@@ -214,21 +214,39 @@ def _train(case: Case) -> Trained:
         mean = loss.detach().float()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    return Trained(losses, _full_parameters(model, case), extra)
+    return Trained(losses, full_parameters(model, case.fsdp), extra)
+
+
+def shard(model: nn.Module, family: str, fsdp: str, **options: Any) -> nn.Module:
+    """``model`` sharded as AWS's scripts shard it: FSDP2's ``fully_shard`` on each decoder
+    layer and the root (``fsdp2``), else FSDP1 with the decoder layers as units, ``options`` its
+    other arguments (``wrapper``: another FSDP1 class)."""
+    layer = decoder_layer(family)
+    if fsdp == "fsdp2":
+        for module in model.modules():
+            if isinstance(module, layer):
+                fully_shard(module)
+        fully_shard(model)
+        return model
+    wrapper = options.pop("wrapper", FSDP)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    return wrapper(
+        model,
+        auto_wrap_policy=policy,
+        device_id=torch.device("cpu"),  # AWS's scripts: torch.cuda.current_device()
+        **options,
+    )
 
 
 def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
     """The case's model wrapped as its FSDP says, and what the wrapping recorded."""
     extra: dict[str, Any] = {}
-    layer = _layer(case.family)
+    layer = decoder_layer(case.family)
     model = build(case.family)
     if case.tensor_parallel:
         model = tsm.transform(model)
     if case.fsdp == "fsdp2":
-        for module in model.modules():
-            if isinstance(module, layer):
-                fully_shard(module)
-        fully_shard(model)
+        model = shard(model, case.family, "fsdp2")
         extra["meshes"] = {str(p.device_mesh.mesh.tolist()) for p in model.parameters()}
         shard_group = tsm.state.mesh("replicate", "hybrid_shard").get_group(1)
         extra["backend"] = dist.get_backend(shard_group)
@@ -240,14 +258,10 @@ def _wrapped(case: Case) -> tuple[nn.Module, dict[str, Any]]:
         options["mixed_precision"] = MixedPrecision(
             param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.float32
         )
-    wrapper = torch_fsdp1.FullyShardedDataParallel if case.fsdp == "torch" else FSDP
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
-    model = wrapper(
-        model,
-        auto_wrap_policy=policy,
-        sharding_strategy=case.strategy,
-        device_id=torch.device("cpu"),  # AWS's scripts: torch.cuda.current_device()
-        use_orig_params=True,
+    if case.fsdp == "torch":
+        options["wrapper"] = torch_fsdp1.FullyShardedDataParallel
+    model = shard(
+        model, case.family, "fsdp1", sharding_strategy=case.strategy, use_orig_params=True,
         **options,
     )  # fmt: skip
     extra["process_group"] = dist.get_process_group_ranks(model.process_group)
@@ -304,9 +318,9 @@ def _delayed(family: str, post_init: bool) -> tuple[nn.Module, dict[str, Any], l
     return model, options, calls
 
 
-def _full_parameters(model: nn.Module, case: Case) -> dict[str, Tensor]:
+def full_parameters(model: nn.Module, fsdp: str) -> dict[str, Tensor]:
     """Every rank's view of the whole model's state, with the plain model's names."""
-    if case.fsdp == "fsdp2":
+    if fsdp == "fsdp2":
         state = model.state_dict()
     else:
         config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)

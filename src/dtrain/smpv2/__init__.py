@@ -9,6 +9,8 @@ The package ``torch.sagemaker`` (:mod:`dtrain.compat.torch_sagemaker`, made impo
 * :mod:`.layout`: where each rank sits in the grid (replicate, shard, cp, tp);
 * :mod:`.rng`: the random streams of tensor-parallel code;
 * :mod:`.logger`, :mod:`.utils`: what scripts import from ``torch.sagemaker.logger``/``utils``;
+* :mod:`.grad_norm`: ``clip_grad_norm_`` over sharded and tensor-parallel gradients;
+* :mod:`.checkpoint`: distributed checkpoints (``torch.sagemaker.distributed.checkpoint``);
 * :mod:`.unavailable`: the names not implemented yet, which fail naming themselves.
 """
 

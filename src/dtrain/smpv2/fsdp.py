@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp import ShardingStrategy, StateDictType
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.fully_sharded_data_parallel import (
     FullyShardedDataParallel as TorchFSDP,
 )
 from torch.distributed.tensor import DTensor
 
+from dtrain.smpv2.fsdp_state_dict import full_state_dict, place_on_layout
 from dtrain.smpv2.post_init import ModuleFn, UnitInit
 from dtrain.smpv2.runtime import is_initialized, state
 from dtrain.smpv2.sharding import HYBRID, check_hybrid_groups, smp_sharding
@@ -71,9 +72,19 @@ class FullyShardedDataParallel(TorchFSDP, metaclass=_AnswersAsTorchFSDP):
         del given["self"]
         if post_param_init_fn is not None:
             given["param_init_fn"] = _with_post_init(given, post_param_init_fn)
-        if is_initialized():
-            _shard_over_layout(given)
+        on_layout = is_initialized() and _shard_over_layout(given)
         super().__init__(**given)
+        if on_layout:
+            place_on_layout(self)
+
+    def state_dict(  # type: ignore[override]  # nn.Module's overloads, passed on as they come
+        self, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """torch's; a ``FULL_STATE_DICT`` holds tensor-parallel parameters whole, in Hugging
+        Face's format (:func:`dtrain.smpv2.fsdp_state_dict.full_state_dict`)."""
+        if self._state_dict_type is not StateDictType.FULL_STATE_DICT:
+            return super().state_dict(*args, **kwargs)
+        return full_state_dict(self, functools.partial(super().state_dict, *args, **kwargs))
 
 
 def _with_post_init(given: dict[str, Any], post_param_init_fn: ModuleFn) -> UnitInit:
@@ -90,25 +101,26 @@ def _with_post_init(given: dict[str, Any], post_param_init_fn: ModuleFn) -> Unit
     return UnitInit(given["param_init_fn"], post_param_init_fn)
 
 
-def _shard_over_layout(given: dict[str, Any]) -> None:
+def _shard_over_layout(given: dict[str, Any]) -> bool:
     """Set the strategy and mesh of SMP's layout in FSDP1's arguments ``given``, unless the
-    script gave groups; fail where the groups would leave replicas training apart."""
+    script gave groups; fail where the groups would leave replicas training apart. Whether it
+    set them."""
     strategy = given["sharding_strategy"]
     mesh, group = given["device_mesh"], given["process_group"]
     if mesh is not None:
         if strategy in HYBRID and mesh.ndim == 2:
             check_hybrid_groups(strategy, mesh.size(1), mesh.size(0))
-        return
+        return False
     if group is not None:
         if strategy in HYBRID and isinstance(group, tuple):
             check_hybrid_groups(strategy, group[0].size(), group[1].size())
-        return
+        return False
     if not state.hybrid_shard_degree:  # the script's FSDP as torch has it
         if strategy in HYBRID:
             # torch's FSDP1 shards a hybrid strategy without groups over each node's devices.
             devices = torch.cuda.device_count() if _on_cuda() else 1
             check_hybrid_groups(strategy, devices, state.world_size // devices)
-        return
+        return False
     sharding = smp_sharding(strategy, state.hybrid_shard_degree, state.rep_size)
     if sharding.strategy is ShardingStrategy.NO_SHARD and given["use_orig_params"]:
         _check_no_dtensors(given["module"])
@@ -116,6 +128,7 @@ def _shard_over_layout(given: dict[str, Any]) -> None:
         warnings.warn(f"FullyShardedDataParallel: {sharding.changed}", stacklevel=3)
     given["sharding_strategy"] = sharding.strategy
     given["device_mesh"] = state.mesh(*sharding.mesh)
+    return True
 
 
 def _check_no_dtensors(module: nn.Module) -> None:

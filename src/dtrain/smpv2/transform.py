@@ -105,7 +105,9 @@ def transform(
     for path, layer in list(base.named_modules()):
         if matches(path, family.layers):
             make_transformer_layer(layer)
-    model.register_load_state_dict_pre_hook(shards.shard_load_hook)
+    for module in model.modules():  # each split module too: FSDP1 units load under other paths
+        if module is model or any(isinstance(p, DTensor) for p in module.parameters(False)):
+            module.register_load_state_dict_pre_hook(shards.shard_load_hook)
     setattr(model, TRANSFORMED, True)
     return model
 

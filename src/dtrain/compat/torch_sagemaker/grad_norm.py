@@ -1,5 +1,6 @@
-"""``torch.sagemaker.grad_norm``: gradient clipping over tensor-parallel and sharded gradients."""
+"""``torch.sagemaker.grad_norm``: gradient clipping over tensor-parallel and sharded gradients
+(:mod:`dtrain.smpv2.grad_norm`)."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.grad_norm import clip_grad_norm_
 
-clip_grad_norm_ = Unavailable("torch.sagemaker.grad_norm.clip_grad_norm_")
+__all__ = ["clip_grad_norm_"]

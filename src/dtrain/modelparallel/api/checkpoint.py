@@ -22,26 +22,20 @@ tensors, containers and plain values, all that dtrain's own checkpoint files hol
 ``user_content`` and ``smp.load`` files, numpy's scalars and arrays of plain dtypes and Hugging
 Face configs, rebuilt from the file's values (AWS's GPT-2 script saves a numpy parameter count
 and its ``GPT2Config``; at most a config's constructor runs). A planted file cannot run code of
-its own. ``user_content`` and
-``smp.load`` files holding objects of the script's own classes need ``weights_only=False``, the
-caller's explicit trust in the file.
+its own (:mod:`dtrain.script_values`). ``user_content`` and ``smp.load`` files holding objects of
+the script's own classes need ``weights_only=False``, the caller's explicit trust in the file.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 import re
 import shutil
-import sys
 import warnings
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dtrain.modelparallel import state
@@ -52,6 +46,7 @@ from dtrain.modelparallel.api.state_dicts import DEGREES_KEY, check_degrees
 from dtrain.modelparallel.errors import ModelParallelError
 from dtrain.modelparallel.state import MPState
 from dtrain.modelparallel.tensor import translated
+from dtrain.script_values import read_script_values
 from dtrain.sealed import broadcast_object
 
 NEWEST = "newest"
@@ -110,7 +105,7 @@ def load(
     if partial:
         _check_parts(path, st)
         path = _part_path(path, st)
-    return _read_script_values(Path(path), weights_only, map_location)
+    return read_script_values(Path(path), weights_only, map_location)
 
 
 def _valid_tag(tag: object, where: str = "checkpoint tag") -> str:
@@ -334,7 +329,7 @@ def resume_from_checkpoint(
             values = _translated_by(translate_function, values, model, strict)
         model.load_state_dict(values, strict=strict)
         user_file = root / f"user_content_{tag}"
-    return _read_script_values(user_file, weights_only) if user_file.is_file() else None
+    return read_script_values(user_file, weights_only) if user_file.is_file() else None
 
 
 def _check_resume_options(
@@ -462,55 +457,3 @@ def _saved_files(
 def _read(file: Path) -> Any:
     """dtrain's own files: tensors, containers and plain values only."""
     return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def _read_script_values(file: Path, weights_only: bool = True, map_location: Any = "cpu") -> Any:
-    """A file of the script's values (``user_content``, ``smp.save``): as weights only, plus
-    the data-only types scripts put there (:func:`_data_classes`); anything else needs the
-    caller's ``weights_only=False``."""
-    if not weights_only:
-        return torch.load(file, map_location=map_location, weights_only=False)
-    with torch.serialization.safe_globals(_data_classes(file)):
-        return torch.load(file, map_location=map_location, weights_only=True)
-
-
-def _data_classes(file: Path) -> list[Any]:
-    """Classes whose objects are rebuilt from data alone: numpy's scalars and arrays of plain
-    dtypes (object and structured dtypes stay refused) and the Hugging Face configs ``file``
-    names (AWS's GPT-2 script saves a numpy parameter count and its ``GPT2Config``; at most a
-    config's constructor runs, on values from the file). Files in torch's old format cannot be
-    listed: numpy's only, and torch's loader decides."""
-    if not zipfile.is_zipfile(file):
-        return _numpy_classes()
-    named = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    return _numpy_classes() + [c for c in map(_hf_config, named) if c is not None]
-
-
-@functools.cache
-def _numpy_classes() -> list[Any]:
-    plain = [
-        getattr(np.dtypes, name)
-        for name in dir(np.dtypes)
-        if name.endswith("DType") and name not in ("ObjectDType", "VoidDType")
-    ]
-    multiarray = np._core.multiarray  # type: ignore[attr-defined]  # numpy 2's, not in its stubs
-    return [multiarray.scalar, multiarray._reconstruct, np.dtype, np.ndarray, *plain]
-
-
-def _hf_config(name: str) -> type | None:
-    """The config class ``name`` names, if it is one of the installed ``transformers``' own
-    (its table of model types), else None: nothing else is imported."""
-    module_name, _, attribute = name.rpartition(".")
-    if not module_name.startswith("transformers.models.") or "transformers" not in sys.modules:
-        return None
-    from transformers import PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if attribute not in CONFIG_MAPPING_NAMES.values():
-        return None
-    try:
-        found = getattr(importlib.import_module(module_name), attribute, None)
-    except ImportError:  # a newer transformers' model, or an optional dependency missing
-        return None
-    ok = isinstance(found, type) and issubclass(found, PretrainedConfig)
-    return found if ok else None

@@ -1,7 +1,6 @@
-"""``torch.sagemaker.checkpoint.utils``: keeping the newest checkpoint folders."""
+"""``torch.sagemaker.checkpoint.utils``: keeping the newest checkpoint folders
+(:mod:`dtrain.smpv2.checkpoint.subdirs`)."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.checkpoint.subdirs import SORT_BY_LAST_INT, limit_num_subdirs
 
-_HERE = "torch.sagemaker.checkpoint.utils"
-SORT_BY_LAST_INT = Unavailable(f"{_HERE}.SORT_BY_LAST_INT")
-limit_num_subdirs = Unavailable(f"{_HERE}.limit_num_subdirs")
+__all__ = ["SORT_BY_LAST_INT", "limit_num_subdirs"]

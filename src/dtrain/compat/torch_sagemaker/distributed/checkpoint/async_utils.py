@@ -1,5 +1,6 @@
-"""``torch.sagemaker.distributed.checkpoint.async_utils``."""
+"""``torch.sagemaker.distributed.checkpoint.async_utils``:
+see :mod:`dtrain.smpv2.checkpoint.async_calls`."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.checkpoint.async_calls import AsyncCallsQueue
 
-AsyncCallsQueue = Unavailable("torch.sagemaker.distributed.checkpoint.async_utils.AsyncCallsQueue")
+__all__ = ["AsyncCallsQueue"]

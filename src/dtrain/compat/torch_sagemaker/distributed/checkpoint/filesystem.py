@@ -1,7 +1,6 @@
-"""``torch.sagemaker.distributed.checkpoint.filesystem``."""
+"""``torch.sagemaker.distributed.checkpoint.filesystem``:
+see :mod:`dtrain.smpv2.checkpoint.storage`."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.checkpoint.storage import DistributedFileSystemReader, DistributedFileSystemWriter
 
-_HERE = "torch.sagemaker.distributed.checkpoint.filesystem"
-DistributedFileSystemReader = Unavailable(f"{_HERE}.DistributedFileSystemReader")
-DistributedFileSystemWriter = Unavailable(f"{_HERE}.DistributedFileSystemWriter")
+__all__ = ["DistributedFileSystemReader", "DistributedFileSystemWriter"]

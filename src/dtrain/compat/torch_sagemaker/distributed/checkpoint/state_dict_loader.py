@@ -1,5 +1,6 @@
-"""``torch.sagemaker.distributed.checkpoint.state_dict_loader``."""
+"""``torch.sagemaker.distributed.checkpoint.state_dict_loader``:
+see :mod:`dtrain.smpv2.checkpoint.loading`."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.checkpoint.loading import load
 
-load = Unavailable("torch.sagemaker.distributed.checkpoint.state_dict_loader.load")
+__all__ = ["load"]

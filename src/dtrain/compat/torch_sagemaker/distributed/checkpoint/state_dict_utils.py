@@ -1,8 +1,10 @@
-"""``torch.sagemaker.distributed.checkpoint.state_dict_utils``."""
+"""``torch.sagemaker.distributed.checkpoint.state_dict_utils``:
+see :mod:`dtrain.smpv2.checkpoint.local_state`."""
 
-from dtrain.smpv2.unavailable import Unavailable
+from dtrain.smpv2.checkpoint.local_state import (
+    SMStateDictType,
+    init_optim_state,
+    sm_state_dict_type,
+)
 
-_HERE = "torch.sagemaker.distributed.checkpoint.state_dict_utils"
-sm_state_dict_type = Unavailable(f"{_HERE}.sm_state_dict_type")
-SMStateDictType = Unavailable(f"{_HERE}.SMStateDictType")
-init_optim_state = Unavailable(f"{_HERE}.init_optim_state")
+__all__ = ["SMStateDictType", "init_optim_state", "sm_state_dict_type"]
