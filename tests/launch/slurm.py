@@ -89,6 +89,11 @@ class Slurm:
                 raise AssertionError(f"{late}:\n{self.output(job)[-3000:]}")
             time.sleep(0.2)
 
+    def wait_for_no_job_processes(self, timeout: float) -> None:
+        """Until nothing of a job runs: Slurm reports a cancelled job CANCELLED at once, while
+        its steps still end (SIGTERM, then SIGKILL after ``KillWait``)."""
+        self._until(lambda: self.job_processes() == [], "the job's processes to end", timeout)
+
     def wait_for(self, job: str, text: str, timeout: float) -> None:
         """Until the job's output shows ``text``."""
         self._until(lambda: text in self.output(job), f"job {job} to print {text!r}", timeout)
