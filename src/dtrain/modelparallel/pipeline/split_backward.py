@@ -98,7 +98,9 @@ def _walk(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
             continue
         below = children[node] = _children(node)
         stack.append((node, True))
-        stack.extend((child, False) for child in below if child not in children)
+        for child in below:
+            if child not in children:
+                stack.append((child, False))
     return order, children
 
 
@@ -119,7 +121,7 @@ def _weight_parents(roots: list[Node]) -> list[Node]:
         node = stack.pop()
         weighted = False
         for child, _ in node.next_functions:
-            if isinstance(child, accumulate):
+            if type(child) is accumulate:
                 weighted = True
             elif child is not None and child not in seen:
                 seen.add(child)
@@ -131,7 +133,7 @@ def _weight_parents(roots: list[Node]) -> list[Node]:
 
 def _variable(node: Node) -> torch.Tensor | None:
     """The leaf tensor an ``AccumulateGrad`` node accumulates into, else None."""
-    if not isinstance(node, _accumulate_grad()):
+    if type(node) is not _accumulate_grad():
         return None
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else None
@@ -165,14 +167,15 @@ def backward_inputs_first(
         return variable is not None and id(variable) in wanted
 
     order, children_of = _walk([edge.node for edge in root_edges])
-    if any(node.name() in WHOLE_ONLY or _recomputes(node) for node in order):
-        return _whole(outputs, grads, inputs), WeightHalf([])
+    for node in order:
+        if node.name() in WHOLE_ONLY or _recomputes(node):
+            return _whole(outputs, grads, inputs), WeightHalf([])
     on_input_path: set[Node] = set()
     weights_below: dict[Node, frozenset[Node]] = {}
     """For nodes off the input path: the weight (AccumulateGrad) nodes they lead to."""
     for node in order:  # children first
         children = children_of[node]
-        if node in input_nodes or any(child in on_input_path for child in children):
+        if node in input_nodes or not on_input_path.isdisjoint(children):
             on_input_path.add(node)
             continue
         below: set[Node] = set()
