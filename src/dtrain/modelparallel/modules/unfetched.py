@@ -25,5 +25,21 @@ class Unfetched:
 
 
 def materialize(obj: Any) -> Any:
-    """``obj`` with every :class:`Unfetched` value in it (nested) fetched."""
+    """``obj`` with every :class:`Unfetched` value in it (nested) fetched; ``obj`` itself when
+    it holds none (every owned module's call passes its arguments through here: most hold
+    only tensors, and a look costs less than a copy)."""
+    if not _holds_unfetched(obj):
+        return obj
     return map_leaves(obj, lambda v: v.fetch() if isinstance(v, Unfetched) else v)
+
+
+def _holds_unfetched(obj: Any) -> bool:
+    """Whether an :class:`Unfetched` value is among the leaves of ``obj`` (as
+    :func:`~..transport.structure.map_leaves` sees them)."""
+    if isinstance(obj, Unfetched):
+        return True
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (tuple, list)):
+        return False
+    return any(map(_holds_unfetched, obj))

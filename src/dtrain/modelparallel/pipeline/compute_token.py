@@ -288,9 +288,10 @@ class ComputeToken:
         (a module inside a module) runs as it is.
         """
         task = self.current()
-        if task is None or (task.holding and not self.sticky(task)):
+        if self._computes_already(task):
             yield
             return
+        assert task is not None
         self.take(task, name)
         try:
             yield
@@ -298,6 +299,15 @@ class ComputeToken:
             if task.holding:
                 self.hold_between(task)
                 self._yield_if_urgent(task)
+
+    def computes_already(self) -> bool:
+        """Whether a computation on this thread runs as it is (:meth:`computing` would do
+        nothing): outside any task, or inside a computation of its task (a module inside a
+        module, which need not pay for a context manager)."""
+        return self._computes_already(self.current())
+
+    def _computes_already(self, task: Task | None) -> bool:
+        return task is None or (task.holding and not self.sticky(task))
 
     def hold_between(self, task: Task, computed: bool = True) -> None:
         """The holder keeps the token for its next computation: its computation ended

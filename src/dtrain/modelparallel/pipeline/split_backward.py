@@ -84,26 +84,58 @@ def _children(node: Node) -> list[Node]:
     return [child for child, _ in node.next_functions if child is not None]
 
 
-def _walk(roots: list[Node]) -> list[Node]:
-    """Every node reachable from ``roots``, each after all of its children (post-order)."""
+def _walk(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node reachable from ``roots``, each after all of its children (post-order), and
+    each node's children (read once: every ``next_functions`` makes new Python objects)."""
     order: list[Node] = []
-    seen: set[Node] = set()
+    children: dict[Node, list[Node]] = {}
     stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
             continue
-        if node in seen:
+        if node in children:
             continue
-        seen.add(node)
+        below = children[node] = _children(node)
         stack.append((node, True))
-        stack.extend((child, False) for child in _children(node) if child not in seen)
-    return order
+        for child in below:
+            if child not in children:
+                stack.append((child, False))
+    return order, children
+
+
+@functools.cache
+def _accumulate_grad() -> type:
+    """The type of the nodes that accumulate into leaf tensors (``AccumulateGrad``)."""
+    return type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
+
+
+def _weight_parents(roots: list[Node]) -> list[Node]:
+    """The nodes reachable from ``roots`` that have an ``AccumulateGrad`` child, found in one
+    plain pass (the leader walks its whole graph at every microbatch's backward)."""
+    accumulate = _accumulate_grad()
+    seen = set(roots)
+    stack = list(roots)
+    found = []
+    while stack:
+        node = stack.pop()
+        weighted = False
+        for child, _ in node.next_functions:
+            if type(child) is accumulate:
+                weighted = True
+            elif child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+        if weighted:
+            found.append(node)
+    return found
 
 
 def _variable(node: Node) -> torch.Tensor | None:
     """The leaf tensor an ``AccumulateGrad`` node accumulates into, else None."""
+    if type(node) is not _accumulate_grad():
+        return None
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else None
 
@@ -135,15 +167,16 @@ def backward_inputs_first(
         variable = _variable(node)
         return variable is not None and id(variable) in wanted
 
-    order = _walk([edge.node for edge in root_edges])
-    if any(node.name() in WHOLE_ONLY or _recomputes(node) for node in order):
-        return _whole(outputs, grads, inputs), WeightHalf([])
+    order, children_of = _walk([edge.node for edge in root_edges])
+    for node in order:
+        if node.name() in WHOLE_ONLY or _recomputes(node):
+            return _whole(outputs, grads, inputs), WeightHalf([])
     on_input_path: set[Node] = set()
     weights_below: dict[Node, frozenset[Node]] = {}
     """For nodes off the input path: the weight (AccumulateGrad) nodes they lead to."""
     for node in order:  # children first
-        children = _children(node)
-        if node in input_nodes or any(child in on_input_path for child in children):
+        children = children_of[node]
+        if node in input_nodes or not on_input_path.isdisjoint(children):
             on_input_path.add(node)
             continue
         below: set[Node] = set()
@@ -156,7 +189,7 @@ def backward_inputs_first(
     boundary: dict[Node, frozenset[Node]] = {}
     for node in on_input_path:
         reached = frozenset[Node]().union(
-            *(weights_below[c] for c in _children(node) if c not in on_input_path)
+            *(weights_below[c] for c in children_of[node] if c not in on_input_path)
         )
         if reached:
             boundary[node] = reached
@@ -269,11 +302,7 @@ def backward_giving_way(
     blocks, started just before the head's input came back, held that head's forward, and with
     it the last partition, idle for 100 ms."""
     roots = [out.grad_fn for out in outputs if out.grad_fn is not None]
-    handles = [
-        node.register_prehook(lambda _grads: give_way())
-        for node in _walk(roots)
-        if any(_variable(child) is not None for child in _children(node))
-    ]
+    handles = [node.register_prehook(lambda _grads: give_way()) for node in _weight_parents(roots)]
     try:
         torch.autograd.backward(list(outputs), list(grads))
     finally:

@@ -243,8 +243,12 @@ class Scheduler:
     def outranked(self, work: Work) -> bool:
         """Whether the holder ``work`` should give the token up before computing again: more
         urgent work may take it, or its turn has passed."""
+        if not self.in_turn(work):
+            return True
+        if not self._waiting:  # the usual answer, asked at every layer of a backward
+            return False
         key = self.key(work)
-        return not self.in_turn(work) or any(entry.key < key for entry in self.eligible())
+        return any(entry.key < key for entry in self.eligible())
 
     def steps_aside(self, work: Work) -> bool:
         """Whether the holder ``work``, between computations and about to do other work (send a

@@ -21,19 +21,27 @@ def map_with_path(
 
     The one walk over nested values: arguments, outputs, messages and records all go through it.
     """
-    if isinstance(obj, tuple):
-        items = [map_with_path(v, fn, (*path, i)) for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [map_with_path(v, fn, (*path, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return type(obj)((k, map_with_path(v, fn, (*path, k))) for k, v in obj.items())
-    return fn(obj, path)
+    return _mapped(obj, fn, path)
 
 
 def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """``obj`` with every leaf replaced by ``fn(leaf)`` (see :func:`map_with_path`)."""
-    return map_with_path(obj, lambda value, _: fn(value))
+    return _mapped(obj, fn, None)
+
+
+def _mapped(obj: Any, fn: Callable[..., Any], path: tuple[Any, ...] | None) -> Any:
+    """The walk of :func:`map_with_path`; with ``path`` None, ``fn`` takes the leaf alone and
+    no paths are built (every module call on a rank walks its arguments: it adds up)."""
+    if not isinstance(obj, (tuple, list, dict)):
+        return fn(obj) if path is None else fn(obj, path)
+    if isinstance(obj, dict):
+        return type(obj)(
+            (k, _mapped(v, fn, None if path is None else (*path, k))) for k, v in obj.items()
+        )
+    items = [_mapped(v, fn, None if path is None else (*path, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, list):
+        return items
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
 
 
 def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
