@@ -37,11 +37,8 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -52,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _lm import TransformerLM  # benchmarks/ is the script's dir
+from _memory import held, lifetime_peak_mib
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import heap
@@ -69,43 +67,6 @@ def lm_batches(shape: dict[str, int], count: int, batch: int) -> list[tuple[Any,
         tokens = torch.randint(0, shape["vocab"], (batch, shape["seq"] + 1), generator=generator)
         data.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return data
-
-
-class _Mallinfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2``."""
-
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            *("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks"),
-            *("uordblks", "fordblks", "keepcost"),
-        )
-    ]
-
-
-def held(state: list[torch.Tensor]) -> dict[str, float]:
-    """What this rank holds now, in MiB, by owner (see the module's docstring)."""
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
-    others = {}
-    for found in gc.get_objects():
-        if issubclass(type(found), torch.Tensor) and found.device.type == "cpu":
-            storage = found.untyped_storage()
-            if storage.data_ptr() not in storages:
-                others[storage.data_ptr()] = storage.nbytes()
-    with open("/proc/self/statm") as statm:
-        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    figures = {
-        "resident": resident,
-        "state": sum(storages.values()),
-        "other_tensors": sum(others.values()),
-        "mkl_buffers": heap.blas_buffer_bytes() or 0,
-        "heap_in_use": info.uordblks,
-        "heap_free": info.fordblks,
-    }
-    return {name: value / 2**20 for name, value in figures.items()}
 
 
 def build(shape: dict[str, int], delayed: bool) -> TransformerLM:
@@ -184,7 +145,7 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
         "step_seconds": times,
         "step_cpu_seconds": cpu_times,  # this rank's, all its threads
         "parameter_bytes": tensor_bytes(params),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": lifetime_peak_mib(),
         "held_after_mib": breakdown,
     }
 
