@@ -12,6 +12,7 @@ import ctypes
 import gc
 import os
 import resource
+from typing import Any
 
 import torch
 
@@ -82,3 +83,22 @@ def held(state: list[torch.Tensor]) -> dict[str, float]:
         "heap_free": info.fordblks,
     }
     return {name: value / 2**20 for name, value in figures.items()}
+
+
+def held_text(figures: dict[str, float]) -> str:
+    """What :func:`held` measured, as a table's text."""
+    return ", ".join(f"{name} {value:.1f}" for name, value in figures.items())
+
+
+def layout_lines(layouts: dict[str, Any], width: int) -> list[str]:
+    """A memory table's lines, one per layout (its largest peak over one process's, and each
+    rank's peak), then what each rank held after its last step where that was measured."""
+    lines = []
+    for label, row in layouts.items():
+        peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
+        ratio = row["largest_over_single"]
+        lines.append(f"  {label:{width}} largest/one process {ratio:.3f}  [{peaks}]")
+        for rank, figures in enumerate(row["held_after_mib"]):
+            if figures:
+                lines.append(f"    rank {rank} after its last step, MiB: {held_text(figures)}")
+    return lines

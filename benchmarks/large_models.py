@@ -37,7 +37,6 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -49,7 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _lm import TransformerLM  # benchmarks/ is the script's dir
-from _memory import held, lifetime_peak_mib
+from _memory import held, layout_lines, lifetime_peak_mib
+from _scenarios import run_scenarios
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import heap
@@ -239,15 +239,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 def memory_table(r: dict[str, Any]) -> str:
     lines = [f"peak RSS per rank, MiB (one process: {r['single_peak_rss_mib']:.0f})"]
-    for label, row in r["layouts"].items():
-        peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
-        ratio = row["largest_over_single"]
-        lines.append(f"  {label:18} largest/one process {ratio:.2f}  [{peaks}]")
-        for rank, figures in enumerate(row["held_after_mib"]):
-            if figures:
-                held_now = ", ".join(f"{name} {value:.1f}" for name, value in figures.items())
-                lines.append(f"    rank {rank} after its last step, MiB: {held_now}")
-    return "\n".join(lines)
+    return "\n".join(lines + layout_lines(r["layouts"], 18))
 
 
 # --- scenario: speed ---------------------------------------------------------------------------
@@ -398,14 +390,7 @@ def main() -> None:
     parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
-    report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    for name in chosen:
-        report[name] = RUNNERS[name](args)
-        print(TABLES[name](report[name]), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    run_scenarios(args, RUNNERS, TABLES)
 
 
 if __name__ == "__main__":
