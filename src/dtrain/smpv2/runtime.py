@@ -16,8 +16,8 @@ every group once, every rank making every group in the same order, as torch requ
 ``init`` also sets glibc's heap to return large freed blocks to the system
 (:mod:`dtrain.modelparallel.heap`), as ``smp.init`` does for sharded data parallelism: the
 script's FSDP gathers each unit's parameters and frees them at every use, and with glibc's
-rising threshold the heaps kept what was freed (the 218M-parameter Llama of
-``benchmarks/smp_v2_memory.py``: 550-830 MiB more resident on each hybrid shard 2 rank).
+rising threshold the heaps kept what was freed (``benchmarks/smp_v2_memory.py --layers 12``:
+each hybrid shard 2 rank peaked 546 MiB higher, and held 833 MiB more after its steps).
 
 The mesh's dimension names are new at every ``init`` (``replicate0``...; ``state.mesh`` takes the
 kinds): DTensor caches its sharding decisions by spec, and specs compare meshes by layout and
