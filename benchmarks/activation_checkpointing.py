@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from _lm import TransformerLM  # benchmarks/ is the script's dir
+from _memory import peak_mib, reset_peak, resident_mib
 
 import dtrain.modelparallel as smp
 from modelparallel import (
@@ -37,25 +37,6 @@ from modelparallel import (
 )
 
 VARIANTS = ("off", "blocks checkpointed")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def resident_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE / 2**20
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak resident set size starts again from the current one
-
-
-def peak_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:

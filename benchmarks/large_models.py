@@ -37,11 +37,7 @@ Scenarios (each prints a table; ``--json`` writes every figure):
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
-import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -52,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _lm import TransformerLM  # benchmarks/ is the script's dir
+from _memory import held, layout_lines, lifetime_peak_mib
+from _scenarios import run_scenarios
 
 import dtrain.modelparallel as smp
 from dtrain.modelparallel import heap
@@ -69,43 +67,6 @@ def lm_batches(shape: dict[str, int], count: int, batch: int) -> list[tuple[Any,
         tokens = torch.randint(0, shape["vocab"], (batch, shape["seq"] + 1), generator=generator)
         data.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return data
-
-
-class _Mallinfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2``."""
-
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            *("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks"),
-            *("uordblks", "fordblks", "keepcost"),
-        )
-    ]
-
-
-def held(state: list[torch.Tensor]) -> dict[str, float]:
-    """What this rank holds now, in MiB, by owner (see the module's docstring)."""
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
-    others = {}
-    for found in gc.get_objects():
-        if issubclass(type(found), torch.Tensor) and found.device.type == "cpu":
-            storage = found.untyped_storage()
-            if storage.data_ptr() not in storages:
-                others[storage.data_ptr()] = storage.nbytes()
-    with open("/proc/self/statm") as statm:
-        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    figures = {
-        "resident": resident,
-        "state": sum(storages.values()),
-        "other_tensors": sum(others.values()),
-        "mkl_buffers": heap.blas_buffer_bytes() or 0,
-        "heap_in_use": info.uordblks,
-        "heap_free": info.fordblks,
-    }
-    return {name: value / 2**20 for name, value in figures.items()}
 
 
 def build(shape: dict[str, int], delayed: bool) -> TransformerLM:
@@ -184,7 +145,7 @@ def train(args: argparse.Namespace, world: int, rank: int) -> dict[str, Any]:
         "step_seconds": times,
         "step_cpu_seconds": cpu_times,  # this rank's, all its threads
         "parameter_bytes": tensor_bytes(params),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": lifetime_peak_mib(),
         "held_after_mib": breakdown,
     }
 
@@ -278,15 +239,7 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 def memory_table(r: dict[str, Any]) -> str:
     lines = [f"peak RSS per rank, MiB (one process: {r['single_peak_rss_mib']:.0f})"]
-    for label, row in r["layouts"].items():
-        peaks = " ".join(f"{p:6.0f}" for p in row["peak_rss_mib"])
-        ratio = row["largest_over_single"]
-        lines.append(f"  {label:18} largest/one process {ratio:.2f}  [{peaks}]")
-        for rank, figures in enumerate(row["held_after_mib"]):
-            if figures:
-                held_now = ", ".join(f"{name} {value:.1f}" for name, value in figures.items())
-                lines.append(f"    rank {rank} after its last step, MiB: {held_now}")
-    return "\n".join(lines)
+    return "\n".join(lines + layout_lines(r["layouts"], 18))
 
 
 # --- scenario: speed ---------------------------------------------------------------------------
@@ -437,14 +390,7 @@ def main() -> None:
     parser.add_argument("--pin-cores", action="store_true", help="rank r on CPU r")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
-    report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    for name in chosen:
-        report[name] = RUNNERS[name](args)
-        print(TABLES[name](report[name]), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    run_scenarios(args, RUNNERS, TABLES)
 
 
 if __name__ == "__main__":

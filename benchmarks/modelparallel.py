@@ -45,7 +45,6 @@ A step's time is the slowest rank's; variants report the median step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import resource
@@ -67,6 +66,7 @@ from _lm import (  # benchmarks/ is the script's dir
     TransformerLM,
     lm_loss,
 )
+from _scenarios import run_scenarios
 from torch import nn
 
 import dtrain.modelparallel as smp
@@ -782,7 +782,6 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    chosen = tuple(TABLES) if args.scenario == "all" else (args.scenario,)
     runners = {
         "pipeline": run_pipeline,
         "worlds": run_worlds,
@@ -790,13 +789,7 @@ def main() -> None:
         "memory": run_memory,
         "busy": run_busy,
     }
-    report: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    for name in chosen:
-        report[name] = runners[name](args)
-        print(TABLES[name](report[name]), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    run_scenarios(args, runners, TABLES)
 
 
 if __name__ == "__main__":

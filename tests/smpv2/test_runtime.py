@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.errors import ConfigError
+from dtrain.modelparallel import heap
 from dtrain.smpv2 import init, is_initialized, shutdown, state
 from dtrain.smpv2.runtime import NotInitializedError
 
@@ -51,6 +52,16 @@ def test_a_world_of_one() -> None:
     assert state.world_process_group is dist.group.WORLD
     with pytest.raises(ValueError, match="give some of"):
         state.mesh("shard")
+
+
+def test_init_returns_the_large_blocks_fsdp_frees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script's FSDP gathers and frees every unit at each use: glibc's heap must give those
+    blocks back (``heap.prepare``'s own tests check that it does), as ``smp.init`` has it for
+    sharded data parallelism."""
+    asked: list[bool] = []
+    monkeypatch.setattr(heap, "prepare", lambda keep_freed_blocks: asked.append(keep_freed_blocks))
+    init()
+    assert asked == [False]
 
 
 def test_the_jobs_parameters_win_over_the_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
