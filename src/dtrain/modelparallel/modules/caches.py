@@ -28,7 +28,7 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any], checkpointing: bool)
     """``kwargs`` for ``model``'s forward in a training step: ``use_cache=False`` added where
     the model would otherwise make a cache (its config's ``use_cache``) while ``checkpointing``
     recomputes some of its modules; an explicit ``use_cache=True`` fails."""
-    if not (checkpointing and model.training) or "use_cache" not in _parameters(model):
+    if not (checkpointing and model.training) or not _takes_use_cache(type(model)):
         return kwargs
     asked = kwargs.get("use_cache")
     if asked:
@@ -50,8 +50,15 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any], checkpointing: bool)
     return kwargs
 
 
-def _parameters(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):  # a builtin or C forward: no keyword to give
-        return set()
+_takes: dict[type[nn.Module], bool] = {}
+"""Whether a class's forward has a ``use_cache`` keyword: read once per class, as this runs at
+every microbatch's call."""
+
+
+def _takes_use_cache(kind: type[nn.Module]) -> bool:
+    if kind not in _takes:
+        try:
+            _takes[kind] = "use_cache" in inspect.signature(kind.forward).parameters
+        except (TypeError, ValueError):  # a builtin or C forward: no keyword to give
+            _takes[kind] = False
+    return _takes[kind]
